@@ -1,0 +1,43 @@
+# The two commands: `make run` and `make test`. Both (re)create .venv, install the pinned
+# dependencies and generate the gRPC code first.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PROTOS := $(wildcard shared/proto/*.proto)
+GEN_STAMP := shared/proto/.generated
+
+.PHONY: setup run test test-unit test-integration proto bench clean
+
+setup: $(STAMP) $(GEN_STAMP)
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+
+$(STAMP): pyproject.toml $(VENV)/bin/python
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+$(GEN_STAMP): $(PROTOS) $(STAMP)
+	$(PY) -m shared.proto.build
+	touch $(GEN_STAMP)
+
+proto: $(STAMP)
+	$(PY) -m shared.proto.build
+
+run: setup
+	$(VENV)/bin/overture up $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q tests/unit tests/integration
+
+test-unit: setup
+	$(PY) -m pytest -q tests/unit
+
+bench: setup
+	$(PY) -m bench.engine_speed
+	$(PY) -m bench.kvstore_tiers
+
+clean:
+	rm -rf $(VENV) $(GEN_STAMP) shared/proto/*_pb2*.py

@@ -1,0 +1,1 @@
+"""Overture's services: scheduler, nodemgr, engine, kvstore."""

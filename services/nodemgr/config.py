@@ -1,0 +1,20 @@
+"""Node manager configuration (section ``nodemgr:``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.config import opt
+
+
+@dataclass(frozen=True)
+class NodeManagerConfig:
+    host: str = opt("127.0.0.1", "address the NodeManager gRPC server binds to")
+    port: int = opt(50052, "NodeManager gRPC port (0 = pick a free port)", min=0, max=65535)
+    advertise_address: str = opt("", "host:port the scheduler should dial; default host:port")
+    node_id: str = opt("node-0", "unique id of this node in the cluster")
+    scheduler_address: str = opt("127.0.0.1:50051", "Scheduler gRPC address")
+    engine_address: str = opt("127.0.0.1:50053", "this node's Engine gRPC address")
+    kvstore_address: str = opt("127.0.0.1:50054", "this node's KVStore gRPC address")
+    heartbeat_interval_s: float = opt(1.0, "seconds between heartbeats", min=0.05, max=60)
+    engine_wait_s: float = opt(300.0, "how long to wait for the engine at start-up", min=1)

@@ -1,0 +1,22 @@
+"""Scheduler configuration (section ``scheduler:``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.config import opt
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    host: str = opt("127.0.0.1", "address the public HTTP API binds to")
+    port: int = opt(8000, "public HTTP port (OpenAI API, demo page, metrics)", min=0, max=65535)
+    grpc_host: str = opt("127.0.0.1", "address the Scheduler gRPC server binds to")
+    grpc_port: int = opt(50051, "Scheduler gRPC port for node registration", min=0, max=65535)
+    heartbeat_interval_s: float = opt(1.0, "interval nodes are told to beat at", min=0.05, max=60)
+    heartbeat_timeout_s: float = opt(3.0, "a node silent this long leaves rotation", min=0.1)
+    no_node_wait_s: float = opt(2.0, "how long a request waits for a healthy node before 503", min=0)
+    max_body_bytes: int = opt(4 << 20, "largest accepted request body", min=1024)
+    request_timeout_s: float = opt(600.0, "upper bound on one request's duration", min=1)
+    api_keys: dict = opt({}, "bearer key -> tenant; empty = no auth, tenant 'default'")
+    policy: str = opt("balanced", "placement policy", choices=("balanced",))

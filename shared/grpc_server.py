@@ -1,0 +1,71 @@
+"""Start an asyncio gRPC server that also serves the standard health-checking protocol."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+# Large enough for a 1 MiB KV chunk plus header in one message.
+MAX_MESSAGE_BYTES = 64 << 20
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+class GrpcServer:
+    """A running server: its bound port and its health servicer (to flip status)."""
+
+    def __init__(self, server: grpc.aio.Server, port: int, health_servicer: health.aio.HealthServicer):
+        self.server = server
+        self.port = port
+        self.health = health_servicer
+
+    async def set_serving(self, service: str, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        await self.health.set(service, status)
+
+
+@asynccontextmanager
+async def serve_grpc(
+    host: str,
+    port: int,
+    register: Sequence[Callable[[grpc.aio.Server], None]],
+    service_names: Sequence[str],
+    grace_s: float = 2.0,
+) -> AsyncIterator[GrpcServer]:
+    """Bind ``host:port`` (0 = any free port), register servicers, serve health, stop with grace.
+
+    ``service_names`` are the full names (``overture.v1.Engine``) reported SERVING, plus the
+    overall server ("").
+    """
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    for add in register:
+        add(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind gRPC server to {host}:{port} (port in use?)")
+    await server.start()
+    running = GrpcServer(server, bound, health_servicer)
+    for name in ("", *service_names):
+        await running.set_serving(name, True)
+    try:
+        yield running
+    finally:
+        for name in ("", *service_names):
+            await running.set_serving(name, False)
+        await server.stop(grace_s)
+
+
+def insecure_channel(address: str) -> grpc.aio.Channel:
+    """A client channel with Overture's message-size limits."""
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
