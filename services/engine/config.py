@@ -11,7 +11,9 @@ from shared.config import ConfigError, opt
 class EngineConfig:
     host: str = opt("127.0.0.1", "address the Engine gRPC server binds to")
     port: int = opt(50053, "Engine gRPC port (0 = pick a free port)", min=0, max=65535)
-    model_path: str = opt("", "local Hugging Face model folder (config.json, *.safetensors, tokenizer.json)")
+    model_path: str = opt(
+        "", "local Hugging Face model folder (config.json, *.safetensors, tokenizer.json)"
+    )
     served_model_name: str = opt("", "name clients use for the model; default: the folder name")
     dtype: str = opt("bfloat16", "weights and KV dtype", choices=("bfloat16", "float16", "float32"))
     device: str = opt("cpu", "torch device; 'cuda' uses the CUDA seam", choices=("cpu", "cuda"))
@@ -28,6 +30,7 @@ class EngineConfig:
     max_waiting: int = opt(1024, "queued requests before new ones are refused", min=1)
     num_threads: int = opt(0, "torch intra-op threads; 0 = torch default", min=0, max=1024)
     seed: int = opt(0, "global seed for requests that give none", min=0)
+    debug_checks: bool = opt(False, "check KV allocator integrity after every step (slow)")
 
     def validate(self) -> None:
         if self.max_num_batched_tokens < self.block_size:

@@ -15,6 +15,11 @@ class S3Config:
     region: str = opt("us-east-1", "S3 region")
     access_key_id: str = opt("", "access key (empty = boto3's default credential chain)")
     secret_access_key: str = opt("", "secret key")
+    max_attempts: int = opt(4, "attempts per S3 call before it counts as failed", min=1, max=20)
+    backoff_s: float = opt(0.05, "first retry pause; doubles per attempt", min=0.0, max=10.0)
+    backoff_max_s: float = opt(2.0, "longest pause between retries", min=0.0, max=60.0)
+    timeout_s: float = opt(5.0, "connect and read timeout of one S3 request", min=0.05, max=300.0)
+    threads: int = opt(8, "threads running blocking boto3 calls", min=1, max=64)
 
 
 @dataclass(frozen=True)
@@ -22,9 +27,38 @@ class KVStoreConfig:
     host: str = opt("127.0.0.1", "address the KVStore gRPC server binds to")
     port: int = opt(50054, "KVStore gRPC port (0 = pick a free port)", min=0, max=65535)
     node_id: str = opt("node-0", "id of the node this store belongs to")
+    tiers: list[str] = opt(
+        ["dram", "ssd", "s3"],
+        "tiers fastest first (dram first); "
+        "ssd is off when ssd_path is empty, s3 when s3.bucket is empty",
+    )
     dram_bytes: int = opt(2 << 30, "DRAM arena budget in bytes", min=0)
     ssd_path: str = opt("", "RocksDB directory; empty disables the SSD tier")
     ssd_bytes: int = opt(20 << 30, "SSD tier capacity in bytes", min=0)
     chunk_tokens: int = opt(256, "tokens per chunk (multiple of the block size)", min=1)
     ttl_s: float = opt(7 * 24 * 3600.0, "lowest-tier expiry in seconds", min=1.0)
+    ssd_cache_bytes: int = opt(256 << 20, "RocksDB block cache in bytes", min=1 << 20)
+    ssd_sync: bool = opt(False, "fsync the RocksDB WAL on every write (power-loss safe)")
+    local_ttl_s: float = opt(24 * 3600.0, "DRAM/SSD entries idle this long are swept", min=1.0)
+    sweep_interval_s: float = opt(30.0, "seconds between sweeps of expired entries", min=0.01)
+    write_queue: int = opt(
+        1024,
+        "write-behind queue bound; beyond it the lowest-priority "
+        "oldest work is dropped (local copies are kept)",
+        min=1,
+    )
+    write_workers: int = opt(4, "concurrent write-behind workers", min=1, max=64)
+    retry_backoff_max_s: float = opt(
+        5.0, "longest pause before re-trying a failed write-behind", min=0.001, max=300.0
+    )
+    stream_window: int = opt(4, "chunks read ahead of the consumer in GetChunks", min=1, max=256)
+    peer_address: str = opt("", "default peer kvstore (host:port) for PullSession")
+    drain_s: float = opt(5.0, "on shutdown, wait this long for queued writes", min=0.0, max=600.0)
+    metrics_port: int = opt(0, "aiohttp /metrics port (0 = off)", min=0, max=65535)
+    lease_s: float = opt(
+        30.0, "a LookupPrefix lease expires this long after it was granted", min=0.01, max=3600.0
+    )
+    load_readahead_layers: int = opt(
+        2, "LoadIntoPool reads up to this many layers ahead of the copy", min=1, max=64
+    )
     s3: S3Config = sub(S3Config, "durable S3 tier")

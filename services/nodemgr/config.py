@@ -18,3 +18,7 @@ class NodeManagerConfig:
     kvstore_address: str = opt("127.0.0.1:50054", "this node's KVStore gRPC address")
     heartbeat_interval_s: float = opt(1.0, "seconds between heartbeats", min=0.05, max=60)
     engine_wait_s: float = opt(300.0, "how long to wait for the engine at start-up", min=1)
+    engine_status_timeout_s: float = opt(2.0, "deadline of one engine Status call", min=0.05)
+    register_backoff_max_s: float = opt(
+        2.0, "longest pause between registration attempts", min=0.05
+    )

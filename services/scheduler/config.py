@@ -15,8 +15,18 @@ class SchedulerConfig:
     grpc_port: int = opt(50051, "Scheduler gRPC port for node registration", min=0, max=65535)
     heartbeat_interval_s: float = opt(1.0, "interval nodes are told to beat at", min=0.05, max=60)
     heartbeat_timeout_s: float = opt(3.0, "a node silent this long leaves rotation", min=0.1)
-    no_node_wait_s: float = opt(2.0, "how long a request waits for a healthy node before 503", min=0)
+    no_node_wait_s: float = opt(
+        2.0, "how long a request waits for a healthy node before 503", min=0
+    )
     max_body_bytes: int = opt(4 << 20, "largest accepted request body", min=1024)
     request_timeout_s: float = opt(600.0, "upper bound on one request's duration", min=1)
-    api_keys: dict = opt({}, "bearer key -> tenant; empty = no auth, tenant 'default'")
+    api_keys: dict[str, str] = opt({}, "bearer key -> tenant; empty = no auth, tenant 'default'")
     policy: str = opt("balanced", "placement policy", choices=("balanced",))
+    max_n: int = opt(8, "largest `n`; each choice is a separate generation", min=1, max=64)
+    max_prompts: int = opt(8, "most prompts in one /v1/completions request", min=1, max=64)
+    default_max_tokens: int = opt(
+        0, "max_tokens when a request gives none; 0 = up to the context", min=0
+    )
+    unavailable_retries: int = opt(
+        2, "re-routes of a request whose node is unreachable before any output", min=0, max=16
+    )

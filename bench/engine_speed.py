@@ -1,0 +1,217 @@
+"""Engine speed vs Hugging Face transformers on the same weights, in the same run.
+
+    python -m bench.engine_speed [--size small|tiny] [--model DIR] [--quick] [--dtype float32]
+
+For batch sizes 1, 8 and 32: B distinct random prompts of P tokens, G greedy tokens each.
+
+- ours: all B requests submitted at once to the in-process AsyncEngine; prefill tokens/s
+  = B*P / time until every request has its first token; decode tokens/s = B*(G-1) / the
+  rest of the time.
+- transformers: ``LlamaForCausalLM.from_pretrained`` on the same folder, ``generate()``
+  greedy on a left-padded batch; a streamer notes when the first new token arrives
+  (prefill done) and when the last does (decode done).
+
+Each side runs in its own process so the peak RSS (getrusage high-water) is its own.
+Goals (issue 3): batch-1 decode >= 1.0x transformers; ours at 32 concurrent >= 4x ours at 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import resource
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+BATCHES = (1, 8, 32)
+
+
+def prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed + batch)
+    # Skip the lowest ids (special tokens) so no prompt contains an EOS or BOS.
+    return torch.randint(16, vocab, (batch, prompt_len), generator=g).tolist()
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+# ---- ours ---------------------------------------------------------------------------------
+async def _ours_batch(engine, batch: list[list[int]], gen: int) -> tuple[float, float]:
+    from services.engine.api_types import GenerateRequest, SamplingParams
+
+    sp = SamplingParams(max_tokens=gen, ignore_eos=True)
+    firsts: list[float] = []
+
+    async def one(ids: list[int]) -> None:
+        got_first = False
+        async for _ in engine.generate(GenerateRequest(prompt_token_ids=tuple(ids), sampling=sp)):
+            if not got_first:
+                firsts.append(time.perf_counter())
+                got_first = True
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(ids) for ids in batch))
+    t_end = time.perf_counter()
+    t_first = max(firsts)
+    return t_first - t0, t_end - t_first
+
+
+async def _ours(model: str, prompt_len: int, gen: int, dtype: str) -> dict:
+    from services.engine.async_engine import AsyncEngine
+    from services.engine.config import EngineConfig
+
+    cfg = EngineConfig(
+        model_path=model,
+        dtype=dtype,
+        device_memory_bytes=2 << 30,
+        max_num_seqs=64,
+        max_num_batched_tokens=max(BATCHES) * prompt_len,
+    )
+    out = {}
+    async with AsyncEngine(cfg) as eng:
+        vocab = eng._loaded.config.vocab_size
+        await _ours_batch(eng, prompts(1, prompt_len, vocab, seed=99), 4)  # warm-up
+        for b in BATCHES:
+            # Fresh prompts per batch size, and the prefix cache cannot help: ids differ.
+            t_pre, t_dec = await _ours_batch(eng, prompts(b, prompt_len, vocab), gen)
+            out[b] = (b * prompt_len / t_pre, b * (gen - 1) / t_dec)
+    return out
+
+
+# ---- transformers -------------------------------------------------------------------------
+class _Clock:
+    """A generate() streamer that only notes when tokens arrive: the first put() is the
+    prompt, the second the first new token (prefill done), the last the final token."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def _hf(model: str, prompt_len: int, gen: int, dtype: str) -> dict:
+    from transformers import LlamaForCausalLM
+
+    m = LlamaForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
+    vocab = m.config.vocab_size
+
+    def run(batch: list[list[int]], new: int) -> tuple[float, float]:
+        width = max(len(p) for p in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for i, p in enumerate(batch):  # left padding
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        clock = _Clock()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            m.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+                streamer=clock,
+            )
+        return clock.times[1] - t0, clock.times[-1] - clock.times[1]
+
+    run(prompts(1, prompt_len, vocab, seed=99), 4)  # warm-up
+    out = {}
+    for b in BATCHES:
+        t_pre, t_dec = run(prompts(b, prompt_len, vocab), gen)
+        out[b] = (b * prompt_len / t_pre, b * (gen - 1) / t_dec)
+    return out
+
+
+# ---- process plumbing and report ----------------------------------------------------------
+def _child(kind: str, model: str, prompt_len: int, gen: int, dtype: str, q: mp.Queue) -> None:
+    torch.manual_seed(0)
+    res = (
+        asyncio.run(_ours(model, prompt_len, gen, dtype))
+        if kind == "ours"
+        else _hf(model, prompt_len, gen, dtype)
+    )
+    q.put((res, peak_rss_mib()))
+
+
+def measure(kind: str, model: str, prompt_len: int, gen: int, dtype: str) -> tuple[dict, float]:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child, args=(kind, model, prompt_len, gen, dtype, q))
+    p.start()
+    res = q.get()
+    p.join()
+    return res
+
+
+def report(
+    ours: dict, hf: dict, rss: tuple[float, float], prompt_len: int, gen: int, dtype: str
+) -> str:
+    lines = [
+        (
+            f"prompt {prompt_len} tokens, {gen} generated, greedy, {dtype}, "
+            f"{torch.get_num_threads()} threads"
+        ),
+        (
+            f"{'batch':>5} | {'prefill tok/s ours':>18} {'hf':>9} {'ratio':>6} | "
+            f"{'decode tok/s ours':>17} {'hf':>9} {'ratio':>6}"
+        ),
+    ]
+    for b in BATCHES:
+        (op, od), (hp, hd) = ours[b], hf[b]
+        lines.append(
+            f"{b:>5} | {op:>18.1f} {hp:>9.1f} {op / hp:>5.2f}x | "
+            f"{od:>17.1f} {hd:>9.1f} {od / hd:>5.2f}x"
+        )
+    lines.append(f"peak RSS: ours {rss[0]:.0f} MiB, transformers {rss[1]:.0f} MiB")
+    r1 = ours[1][1] / hf[1][1]
+    scale = ours[32][1] / ours[1][1]
+    lines.append(
+        f"goal batch-1 decode >= 1.0x transformers: {r1:.2f}x {'MET' if r1 >= 1.0 else 'NOT MET'}"
+    )
+    lines.append(
+        f"goal decode at 32 concurrent >= 4x ours at 1: {scale:.2f}x "
+        f"{'MET' if scale >= 4.0 else 'NOT MET'}"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="small", choices=("tiny", "small"))
+    ap.add_argument("--model", default="", help="a model folder (default: write the demo model)")
+    ap.add_argument("--quick", action="store_true", help="short prompts and generations")
+    ap.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float32"),
+        help="weights, activations and KV dtype for both sides",
+    )
+    ap.add_argument("--prompt-len", type=int, default=0)
+    ap.add_argument("--gen", type=int, default=0)
+    args = ap.parse_args(argv)
+    prompt_len = args.prompt_len or (32 if args.quick else 128)
+    gen = args.gen or (8 if args.quick else 32)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model
+        if not model:
+            from services.engine.model import write_demo_model
+
+            model = str(write_demo_model(Path(tmp) / f"demo-{args.size}", size=args.size))
+        ours, rss_ours = measure("ours", model, prompt_len, gen, args.dtype)
+        hf, rss_hf = measure("hf", model, prompt_len, gen, args.dtype)
+    print(report(ours, hf, (rss_ours, rss_hf), prompt_len, gen, args.dtype))
+
+
+if __name__ == "__main__":
+    main()

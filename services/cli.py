@@ -1,0 +1,364 @@
+"""The ``overture`` command.
+
+    overture up [--nodes N] [--port P] [--model PATH] [--dtype D] [--config FILE]
+    overture demo-model PATH [--size tiny|small] [--seed S]
+    overture scheduler|nodemgr|engine|kvstore [flags]    (one service, in this process)
+
+``up`` starts the scheduler and, per node, a kvstore, an engine and a node manager as child
+processes on free loopback ports, prefixes and streams their logs, prints the URL when the
+cluster serves, and stops everything (SIGTERM, then SIGKILL after a grace period) on Ctrl-C,
+SIGTERM, or as soon as any child exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import runpy
+import shutil
+import signal
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+SERVICES = ("scheduler", "nodemgr", "engine", "kvstore")
+DEMO_DIR = Path(".overture") / "models"
+STOP_GRACE_S = 10.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (the child binds it right after)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def service_command(name: str, flags: dict[str, object], config: str | None = None) -> list[str]:
+    """``python -m services.<name> --config FILE --flag value ...``"""
+    cmd = [sys.executable, "-m", f"services.{name}"]
+    if config:
+        cmd += ["--config", str(config)]
+    for key, value in flags.items():
+        cmd += [f"--{key.replace('_', '-')}", str(value)]
+    return cmd
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    name: str  # log prefix, e.g. "node0.engine"
+    argv: list[str]
+
+
+def cluster_specs(
+    *,
+    nodes: int,
+    http_port: int,
+    model_path: str,
+    dtype: str | None,
+    config: str | None,
+    host: str = "127.0.0.1",
+) -> tuple[list[ChildSpec], str]:
+    """Commands for a scheduler plus ``nodes`` nodes; returns them and the public URL."""
+    grpc_port = free_port(host)
+    specs = [
+        ChildSpec(
+            "scheduler",
+            service_command(
+                "scheduler", {"host": host, "port": http_port, "grpc_port": grpc_port}, config
+            ),
+        )
+    ]
+    for i in range(nodes):
+        node_id = f"node{i}"
+        kv, eng, nm = free_port(host), free_port(host), free_port(host)
+        engine_flags: dict[str, object] = {"host": host, "port": eng, "model_path": model_path}
+        if dtype:
+            engine_flags["dtype"] = dtype
+        specs += [
+            ChildSpec(
+                f"{node_id}.kvstore",
+                service_command("kvstore", {"host": host, "port": kv, "node_id": node_id}, config),
+            ),
+            ChildSpec(f"{node_id}.engine", service_command("engine", engine_flags, config)),
+            ChildSpec(
+                f"{node_id}.nodemgr",
+                service_command(
+                    "nodemgr",
+                    {
+                        "host": host,
+                        "port": nm,
+                        "node_id": node_id,
+                        "scheduler_address": f"{host}:{grpc_port}",
+                        "engine_address": f"{host}:{eng}",
+                        "kvstore_address": f"{host}:{kv}",
+                    },
+                    config,
+                ),
+            ),
+        ]
+    return specs, f"http://{host}:{http_port}"
+
+
+def readiness(url: str, timeout_s: float = 2.0) -> dict | None:
+    """The scheduler's /readyz body when it answers (ready or not), else None."""
+    try:
+        with urllib.request.urlopen(f"{url}/readyz", timeout=timeout_s) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        with contextlib.suppress(ValueError):
+            return json.loads(e.read())
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def ensure_demo_model(size: str, root: Path = DEMO_DIR) -> Path:
+    """The demo model folder under ``.overture/models``, written on first use."""
+    path = root / f"demo-{size}"
+    if not (path / "config.json").exists():
+        from services.engine.model import write_demo_model  # heavy (torch): import on demand
+
+        print(f"writing the {size} demo model to {path} ...", flush=True)
+        # Write beside, then rename: an interrupted first run leaves no half-written model.
+        tmp = root / f".demo-{size}.{os.getpid()}"
+        write_demo_model(tmp, size=size, seed=0)
+        if path.exists():
+            shutil.rmtree(path)
+        tmp.rename(path)
+    return path
+
+
+# ---------------------------------------------------------------------------------------
+# supervising child processes
+
+
+async def _pump(name: str, stream: asyncio.StreamReader) -> None:
+    prefix = f"[{name}] ".encode()
+    while line := await stream.readline():
+        sys.stdout.buffer.write(prefix + line)
+        sys.stdout.buffer.flush()
+
+
+async def _stop(procs: list[asyncio.subprocess.Process], grace_s: float) -> None:
+    """SIGTERM in reverse start order, wait up to ``grace_s``, then SIGKILL what is left."""
+    for p in reversed(procs):
+        if p.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.terminate()
+    try:
+        await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), grace_s)
+    except TimeoutError:
+        for p in procs:
+            if p.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    p.kill()
+        await asyncio.gather(*(p.wait() for p in procs))
+
+
+async def supervise(specs: list[ChildSpec], url: str, nodes: int, ready_timeout_s: float) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    procs: list[asyncio.subprocess.Process] = []
+    pumps: list[asyncio.Task] = []
+    started = time.monotonic()
+    try:
+        for spec in specs:
+            p = await asyncio.create_subprocess_exec(
+                *spec.argv,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,  # Ctrl-C reaches only us; we stop children in order
+                limit=1 << 24,  # long log lines (tracebacks of big tensors) must not stall us
+            )
+            procs.append(p)
+            pumps.append(asyncio.create_task(_pump(spec.name, p.stdout)))
+        waits = {
+            asyncio.create_task(p.wait()): spec.name for p, spec in zip(procs, specs, strict=True)
+        }
+        stop_task = asyncio.create_task(stop.wait())
+        ready_task = asyncio.create_task(_until_ready(url, nodes, ready_timeout_s, started))
+        pending = set(waits) | {stop_task, ready_task}
+        code = 0
+        while True:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if stop_task in done:
+                print("stopping Overture ...", flush=True)
+                break
+            if ready_task in done and not ready_task.result():
+                code = 1
+                break
+            exited = [waits[t] for t in done if t in waits]
+            if exited:
+                print(f"{exited[0]} exited; stopping the cluster", file=sys.stderr, flush=True)
+                code = 1
+                break
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        return code
+    finally:
+        await _stop(procs, STOP_GRACE_S)
+        await asyncio.gather(*pumps, return_exceptions=True)
+
+
+async def _until_ready(url: str, nodes: int, timeout_s: float, started: float) -> bool:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while loop.time() < deadline:
+        body = await asyncio.to_thread(readiness, url)
+        if body and len(body.get("healthy_nodes", [])) >= nodes:
+            models = ", ".join(body.get("models", []))
+            print(
+                f"\nOverture is ready at {url}  ({nodes} node(s), model {models}; "
+                f"started in {time.monotonic() - started:.1f}s; Ctrl-C stops it)\n",
+                flush=True,
+            )
+            return True
+        await asyncio.sleep(0.25)
+    print(f"the cluster was not ready within {timeout_s:g}s", file=sys.stderr, flush=True)
+    return False
+
+
+# ---------------------------------------------------------------------------------------
+# commands
+
+
+def _yaml_section_value(config: str | None, section: str, key: str) -> object | None:
+    if not config:
+        return None
+    from shared.config import load_yaml
+
+    sect = load_yaml(config).get(section) or {}
+    return sect.get(key) if isinstance(sect, dict) else None
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from shared.config import ConfigError
+
+    try:
+        port = args.port or _yaml_section_value(args.config, "scheduler", "port") or 8000
+        # float32 is the fast CPU dtype; a dtype in the YAML file wins over this default.
+        dtype = args.dtype or (
+            None if _yaml_section_value(args.config, "engine", "dtype") else "float32"
+        )
+    except ConfigError as e:
+        print(f"overture up: {e}", file=sys.stderr)
+        return 2
+    model = args.model or str(ensure_demo_model(args.size))
+    if not (Path(model) / "config.json").exists():
+        print(f"overture up: {model} is not a model folder (no config.json)", file=sys.stderr)
+        return 2
+    specs, url = cluster_specs(
+        nodes=args.nodes,
+        http_port=int(port),
+        model_path=str(Path(model).resolve()),
+        dtype=dtype,
+        config=args.config,
+    )
+    return asyncio.run(supervise(specs, url, args.nodes, args.ready_timeout))
+
+
+def _interruptible(func):  # type: ignore[no-untyped-def]
+    """Ctrl-C before the supervisor takes over (e.g. while writing the demo model) exits
+    quietly instead of with a traceback."""
+
+    def wrapper(args: argparse.Namespace) -> int:
+        try:
+            return func(args)
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return 130
+
+    return wrapper
+
+
+def cmd_demo_model(args: argparse.Namespace) -> int:
+    from services.engine.model import write_demo_model
+
+    write_demo_model(Path(args.path), size=args.size, seed=args.seed)
+    print(f"wrote the {args.size} demo model to {args.path}")
+    return 0
+
+
+def run_service(name: str, argv: Sequence[str]) -> int:
+    """Run ``python -m services.<name>`` in this process with ``argv`` as its flags."""
+    saved = sys.argv
+    sys.argv = [f"overture {name}", *argv]
+    try:
+        runpy.run_module(f"services.{name}", run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = saved
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="overture",
+        description="Overture: serve LLMs with a tiered KV cache moved into place ahead of "
+        "requests.",
+        epilog="Run one service: overture {scheduler,nodemgr,engine,kvstore} [--help | flags]",
+    )
+    cmds = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    up = cmds.add_parser("up", help="start a local cluster (scheduler + N nodes)")
+    up.add_argument("--nodes", type=int, default=1, help="number of nodes [default: 1]")
+    up.add_argument("--port", type=int, default=None, help="public HTTP port [default: 8000]")
+    up.add_argument(
+        "--model",
+        default=None,
+        help="local Hugging Face model folder "
+        "[default: the demo model, written to .overture/models on first run]",
+    )
+    up.add_argument(
+        "--size",
+        default="small",
+        choices=("tiny", "small"),
+        help="demo model size when --model is not given [default: small]",
+    )
+    up.add_argument(
+        "--dtype",
+        default=None,
+        choices=("float32", "bfloat16", "float16"),
+        help="engine dtype [default: engine.dtype from --config, else float32]",
+    )
+    up.add_argument("--config", default=None, help="YAML file with a section per service")
+    up.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for the cluster to serve [default: 600]",
+    )
+    up.set_defaults(func=_interruptible(cmd_up))
+    dm = cmds.add_parser("demo-model", help="write a random-weight demo model and tokenizer")
+    dm.add_argument("path", help="folder to write")
+    dm.add_argument("--size", default="tiny", choices=("tiny", "small"), help="[default: tiny]")
+    dm.add_argument("--seed", type=int, default=0, help="weight seed [default: 0]")
+    dm.set_defaults(func=_interruptible(cmd_demo_model))
+    for name in SERVICES:
+        cmds.add_parser(
+            name, help=f"run the {name} service (see overture {name} --help)", add_help=False
+        )
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SERVICES:
+        return run_service(argv[0], argv[1:])
+    args = _parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

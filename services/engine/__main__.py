@@ -1,0 +1,3 @@
+from services.engine.main import main
+
+raise SystemExit(main())

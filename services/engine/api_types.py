@@ -1,0 +1,87 @@
+"""Plain dataclasses of the engine's public API (in-process and, via wire.py, gRPC)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # 1 = off
+    top_k: int = 0  # 0 = off
+    max_tokens: int = 0  # 0 = up to the context limit
+    seed: int | None = None  # None = drawn from the engine's seed
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """Exactly one of ``prompt``, ``messages``, ``prompt_token_ids`` is the input."""
+
+    request_id: str = ""
+    prompt: str | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    model: str = ""  # "" = the engine's only model
+    session_id: str = ""
+    tenant: str = ""
+    priority: int = 0
+    add_generation_prompt: bool = True
+
+
+@dataclass(frozen=True)
+class GenerateOutput:
+    """One streamed piece. The first carries ``prompt_token_ids``; the last ``finish_reason``."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    prompt_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    fingerprint: str
+    max_model_len: int
+    dtype: str
+    num_layers: int
+    block_size: int
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """``blocks_total`` is the whole budget; ``free`` counts uncommitted blocks too, so
+    ``free + used + evictable == total``."""
+
+    models: tuple[ModelInfo, ...]
+    blocks_total: int
+    blocks_free: int
+    blocks_used: int
+    blocks_evictable: int
+    blocks_committed: int
+    running: int
+    waiting: int
+    device_budget_bytes: int
+    block_bytes: int
+    device: str
+    pool_name: str
+    preemptions: int = 0  # since start

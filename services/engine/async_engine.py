@@ -1,0 +1,252 @@
+"""The engine's in-process async API.
+
+    async with AsyncEngine(config) as engine:
+        async for out in engine.generate(GenerateRequest(prompt="hi")):
+            ...
+
+Threads: the event loop never runs model code. One dedicated worker thread owns the
+EngineCore; every touch of it (adding, aborting, stepping, status) runs there, in order.
+Requests and aborts wait in an inbox (a deque; appends are atomic) that the worker drains
+before each step. A step-loop task sleeps on an asyncio.Event until work arrives, then
+keeps the worker stepping while there is work, and routes each output to its request's
+queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Self
+
+import torch
+
+from shared.config import ConfigError
+
+from .api_types import EngineStatus, GenerateOutput, GenerateRequest, ModelInfo
+from .config import EngineConfig
+from .engine_core import EngineCore, Event, Failure
+from .errors import INTERNAL, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE, EngineError
+from .validation import PreparedRequest, prepare
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_ADD, _ABORT = "add", "abort"
+
+
+def load_for(config: EngineConfig) -> Any:
+    """Load the configured model (blocking); a clear ConfigError when none is configured."""
+    from .model import load_model
+
+    if not config.model_path:
+        raise ConfigError(
+            "engine.model_path: no model given; pass --model-path DIR with a Hugging Face model "
+            "folder, or make a demo one with `overture demo-model PATH` and pass that PATH"
+        )
+    return load_model(
+        config.model_path,
+        dtype=DTYPES[config.dtype],
+        device=config.device,
+        served_name=config.served_model_name,
+    )
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, loaded: Any = None) -> None:
+        """Cheap: nothing is loaded or started until ``start()``. ``loaded`` (a LoadedModel)
+        skips loading ``config.model_path``."""
+        self.config = config
+        self._loaded = loaded
+        self._core: EngineCore | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._inbox: deque[tuple[str, Any]] = deque()
+        self._wake = asyncio.Event()
+        self._queues: dict[str, asyncio.Queue[GenerateOutput | EngineError]] = {}
+        self._waiting_snapshot = 0
+        self._pending_adds = 0
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    async def start(self) -> None:
+        if self.config.num_threads:
+            torch.set_num_threads(self.config.num_threads)
+        if self._loaded is None:
+            self._loaded = await asyncio.to_thread(load_for, self.config)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+        # OpenMP settings are per calling thread: give the worker the same intra-op team.
+        await self._in_worker(torch.set_num_threads, torch.get_num_threads())
+        self._core = await self._in_worker(EngineCore, self.config, self._loaded)
+        self._loop_task = asyncio.create_task(self._step_loop(), name="engine-step-loop")
+        info = self._core.model_info
+        log.info(
+            "engine started: %s, context %d, KV pool %d blocks of %d bytes at %s",
+            info.name,
+            info.max_model_len,
+            self._core.pool.num_blocks,
+            self._core.pool.block_bytes,
+            self._core.pool.name,
+        )
+
+    async def stop(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+            self._loop_task = None
+        for q in self._queues.values():
+            q.put_nowait(EngineError(UNAVAILABLE, "the engine is shutting down"))
+        if self._executor is not None:
+            if self._core is not None:
+                await self._in_worker(self._core.close)
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        self._core = None
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def _in_worker(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+        assert self._executor is not None
+        return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _require_core(self) -> EngineCore:
+        if self._core is None or self._loop_task is None:
+            raise EngineError(UNAVAILABLE, "the engine is not running")
+        return self._core
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self._require_core().model_info
+
+    # ---- requests -----------------------------------------------------------------------
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        """Stream a request's outputs. Raises EngineError (before the first output for bad
+        input). Closing or cancelling the iterator early aborts the request."""
+        core = self._require_core()
+        loaded = self._loaded
+        prepared: PreparedRequest = await asyncio.to_thread(
+            prepare,
+            req,
+            tokenizer=loaded.tokenizer,
+            model_name=loaded.name,
+            vocab_size=loaded.config.vocab_size,
+            max_model_len=core.max_model_len,
+            fingerprint=loaded.fingerprint,
+        )
+        rid = prepared.request_id
+        if rid in self._queues:
+            raise EngineError(INVALID_ARGUMENT, f"request id {rid!r} is already running")
+        if self._waiting_snapshot + self._pending_adds >= self.config.max_waiting:
+            raise EngineError(
+                RESOURCE_EXHAUSTED,
+                f"the engine queue is full ({self.config.max_waiting} waiting); retry later",
+            )
+        queue: asyncio.Queue[GenerateOutput | EngineError] = asyncio.Queue()
+        self._queues[rid] = queue
+        self._submit(_ADD, prepared)
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, EngineError):
+                    finished = True
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
+        finally:
+            self._queues.pop(rid, None)
+            if not finished:
+                self._submit(_ABORT, rid)
+
+    def _submit(self, kind: str, arg: Any) -> None:
+        if kind == _ADD:
+            self._pending_adds += 1
+        self._inbox.append((kind, arg))
+        self._wake.set()
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request; True if it was still active (its stream then ends with
+        finish_reason "abort"). Its blocks are free on return."""
+        self._require_core()
+        active = request_id in self._queues
+        self._inbox.append((_ABORT, request_id))
+        await self._run_inbox()
+        return active
+
+    async def status(self) -> EngineStatus:
+        core = self._require_core()
+        await self._run_inbox()
+        return await self._in_worker(core.status)
+
+    async def shrink_kv(self, max_pages: int) -> int:
+        """Give back up to ``max_pages`` pages of KV memory not holding running KV."""
+        core = self._require_core()
+        await self._run_inbox()
+        return await self._in_worker(core.shrink, max_pages)
+
+    async def check_integrity(self) -> None:
+        await self._in_worker(self._require_core().check_integrity)
+
+    # ---- the worker side ----------------------------------------------------------------
+    def _drain(self) -> tuple[list[Event], int]:
+        """(worker thread) apply queued adds and aborts; the events and how many adds."""
+        core = self._core
+        events: list[Event] = []
+        adds = 0
+        while self._inbox:
+            kind, arg = self._inbox.popleft()
+            if kind == _ADD:
+                core.add(arg)
+                adds += 1
+            elif (out := core.abort(arg)) is not None:
+                events.append(out)
+        return events, adds
+
+    def _work(self) -> tuple[list[Event], int, int, bool]:
+        """(worker thread) one engine step after the inbox."""
+        events, adds = self._drain()
+        events.extend(self._core.step())
+        return events, adds, self._core.num_waiting, self._core.has_work()
+
+    async def _run_inbox(self) -> None:
+        events, adds = await self._in_worker(self._drain)
+        self._dispatch(events, adds)
+
+    async def _step_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            busy = True
+            while busy:
+                try:
+                    events, adds, waiting, busy = await self._in_worker(self._work)
+                except Exception:
+                    log.exception("engine step failed; failing every active request")
+                    (events, adds), waiting, busy = await self._in_worker(self._fail_all), 0, False
+                self._waiting_snapshot = waiting
+                self._dispatch(events, adds)
+
+    def _fail_all(self) -> tuple[list[Event], int]:
+        """(worker thread) after a failed step: end every request with an internal error."""
+        err = EngineError(INTERNAL, "the engine failed while running this request")
+        _, adds = self._drain()
+        return [Failure(o.request_id, err) for o in self._core.abort_all()], adds
+
+    def _dispatch(self, events: list[Event], adds_applied: int) -> None:
+        self._pending_adds = max(0, self._pending_adds - adds_applied)
+        for ev in events:
+            queue = self._queues.get(ev.request_id)
+            if queue is None:
+                continue  # aborted by its client
+            if isinstance(ev, Failure):
+                queue.put_nowait(ev.error)
+            else:
+                queue.put_nowait(ev)

@@ -1,0 +1,212 @@
+"""Block allocator over the KV pool: free list, refcounts, and a cache of computed blocks.
+
+Every committed block is in exactly one place:
+
+    free       refcount 0, holds nothing reusable          (O(1) FIFO list)
+    used       refcount > 0, in some sequence's block table
+    evictable  refcount 0, holds the KV of a known (hash, layer); reusable until evicted
+
+so ``free + used + evictable == committed``. Blocks of uncommitted pages are nowhere.
+
+Evictable blocks leave in LRU order of release. A sequence releases its blocks in the
+order the caller gives; the KV manager gives later layers first, so among blocks released
+together the higher layers are evicted first (Symphony: "later layers first, then the
+least recently used session").
+
+Running out is normal: ``allocate`` returns None and the caller preempts or waits.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Protocol
+
+BlockKey = tuple[bytes, int]  # (content hash, layer)
+
+
+class PageSource(Protocol):
+    """Committed capacity in pages of ``blocks_per_page`` blocks (``KVPool``)."""
+
+    blocks_per_page: int
+    num_blocks: int
+    num_committed_pages: int
+
+    @property
+    def num_uncommitted_blocks(self) -> int: ...
+
+    def grow(self) -> int | None: ...
+
+    def release(self, page: int) -> None: ...
+
+    def is_committed(self, page: int) -> bool: ...
+
+    def page_blocks(self, page: int) -> range: ...
+
+    def committed_pages(self) -> list[int]: ...
+
+
+class BlockPool:
+    def __init__(self, pages: PageSource) -> None:
+        self._pages = pages
+        n = pages.num_blocks
+        self.refcount = [0] * n
+        self.key: list[BlockKey | None] = [None] * n
+        self._free: OrderedDict[int, None] = OrderedDict()
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._index: dict[BlockKey, int] = {}
+        self.num_used = 0
+        for page in pages.committed_pages():
+            self._free.update(dict.fromkeys(pages.page_blocks(page)))
+
+    # ---- counts -------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
+
+    @property
+    def num_committed(self) -> int:
+        return self._pages.num_committed_pages * self._pages.blocks_per_page
+
+    @property
+    def num_total(self) -> int:
+        return self._pages.num_blocks
+
+    def num_available(self) -> int:
+        """Blocks an ``allocate`` could hand out now (free, evictable, or committable)."""
+        return len(self._free) + len(self._evictable) + self._pages.num_uncommitted_blocks
+
+    # ---- allocation ---------------------------------------------------------------------
+    def allocate(self, n: int) -> list[int] | None:
+        """``n`` blocks with refcount 1, or None (nothing changed) if there are not enough.
+
+        Order of preference: the free list, then a newly committed page, then the least
+        recently released cached block.
+        """
+        if n > self.num_available():
+            return None
+        out: list[int] = []
+        while len(out) < n:
+            block = self._take_one()
+            if block is None:  # committing failed after all: undo and report exhaustion
+                self.free(out)
+                return None
+            out.append(block)
+        return out
+
+    def _take_one(self) -> int | None:
+        if not self._free and self._pages.num_uncommitted_blocks:
+            page = self._pages.grow()
+            if page is not None:
+                self._free.update(dict.fromkeys(self._pages.page_blocks(page)))
+        if self._free:
+            block, _ = self._free.popitem(last=False)
+        elif self._evictable:
+            block, _ = self._evictable.popitem(last=False)
+            self._uncache(block)
+        else:
+            return None
+        self.refcount[block] = 1
+        self.num_used += 1
+        return block
+
+    def _uncache(self, block: int) -> None:
+        key = self.key[block]
+        if key is not None:
+            del self._index[key]
+            self.key[block] = None
+
+    def touch(self, blocks: Iterable[int]) -> None:
+        """Take one more reference to each block (a prefix-cache hit)."""
+        for b in blocks:
+            if self.refcount[b] == 0:
+                del self._evictable[b]  # only cached blocks can be hit with refcount 0
+                self.num_used += 1
+            self.refcount[b] += 1
+
+    def free(self, blocks: Iterable[int]) -> None:
+        """Drop one reference to each block, in order; unreferenced cached blocks become
+        evictable (the first given is evicted first), others free."""
+        for b in blocks:
+            rc = self.refcount[b] - 1
+            if rc < 0:
+                raise ValueError(f"block {b} freed more often than allocated")
+            self.refcount[b] = rc
+            if rc == 0:
+                self.num_used -= 1
+                if self.key[b] is not None:
+                    self._evictable[b] = None
+                else:
+                    self._free[b] = None
+
+    # ---- prefix cache -------------------------------------------------------------------
+    def lookup(self, key: BlockKey) -> int | None:
+        return self._index.get(key)
+
+    def cache(self, block: int, key: BlockKey) -> bool:
+        """Record that a used block holds the KV named by ``key``. False if another block
+        already does (this one then stays uncached and is freed normally)."""
+        if self.key[block] is not None or key in self._index:
+            return self.key[block] == key
+        self._index[key] = block
+        self.key[block] = key
+        return True
+
+    def evict(self, n: int) -> list[BlockKey]:
+        """Drop up to ``n`` evictable blocks (LRU first) into the free list; their keys."""
+        dropped = []
+        while self._evictable and len(dropped) < n:
+            block, _ = self._evictable.popitem(last=False)
+            dropped.append(self.key[block])
+            self._uncache(block)
+            self._free[block] = None
+        return dropped
+
+    # ---- elastic capacity ---------------------------------------------------------------
+    def shrink(self, max_pages: int) -> int:
+        """Release up to ``max_pages`` committed pages, highest first: pages with only free
+        blocks, then pages whose blocks are free or evictable (dropping that cache)."""
+        released = 0
+        for allow_cached in (False, True):
+            for page in reversed(self._pages.committed_pages()):
+                if released >= max_pages:
+                    return released
+                blocks = self._pages.page_blocks(page)
+                if all(self._releasable(b, allow_cached) for b in blocks):
+                    for b in blocks:
+                        if b in self._evictable:
+                            del self._evictable[b]
+                            self._uncache(b)
+                        else:
+                            del self._free[b]
+                    self._pages.release(page)
+                    released += 1
+        return released
+
+    def _releasable(self, block: int, allow_cached: bool) -> bool:
+        return block in self._free or (allow_cached and block in self._evictable)
+
+    # ---- invariants ---------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the accounting is inconsistent."""
+        committed = set()
+        for page in self._pages.committed_pages():
+            committed.update(self._pages.page_blocks(page))
+        free, evictable = set(self._free), set(self._evictable)
+        used = {b for b, rc in enumerate(self.refcount) if rc > 0}
+        assert all(rc >= 0 for rc in self.refcount), "negative refcount"
+        assert not (free & evictable) and not (free & used) and not (evictable & used), (
+            "a block is in two places"
+        )
+        assert free | evictable | used == committed, "blocks lost or outside committed pages"
+        assert len(free) + len(evictable) + len(used) == self.num_committed
+        assert self.num_used == len(used), f"used count {self.num_used} != {len(used)}"
+        for key, b in self._index.items():
+            assert self.key[b] == key, f"index entry {key!r} -> {b} disagrees"
+        assert sum(k is not None for k in self.key) == len(self._index)
+        assert all(self.key[b] is None for b in free), "a free block still has a key"
+        assert all(self.key[b] is not None for b in evictable), "an evictable block has no key"

@@ -1,0 +1,173 @@
+"""The device seam: where the KV pool's bytes live. Everything device-specific is here.
+
+``PoolMemory`` is one flat byte range that the pool views as its KV tensor, plus the two
+operations elastic capacity needs (kvcached-style, DESIGN §5): *commit* a byte range so
+writes to it are backed by real memory, and *release* it so that memory goes back to the
+node. A ``name`` lets another process on the node map the same bytes (the kvstore writes
+restored KV straight into the pool).
+
+- CPU: a file in shared memory (``/dev/shm``) mapped shared. Commit = ``posix_fallocate``
+  (tmpfs pages are allocated now, so running out shows up here, not as a SIGBUS later);
+  release = ``madvise(MADV_REMOVE)``, which punches a hole: the pages leave RSS and the
+  file, in every process that maps it.
+- CUDA: torch allocates the whole reservation on the device; commit and release are
+  accounting only (the memory stays with torch's allocator) and ``name`` is a CUDA IPC
+  handle. cuda-python is imported only there, on first use.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+log = logging.getLogger(__name__)
+
+OS_PAGE = mmap.PAGESIZE
+SHM_DIR = Path("/dev/shm")
+
+
+class PoolMemory(Protocol):
+    """Backing bytes of the KV pool.
+
+    ``tensor`` is a flat uint8 tensor of ``nbytes``. ``commit``/``release`` take byte ranges
+    inside it; ``commit`` returns False (never raises) when the memory cannot be had, which
+    callers treat as "out of blocks". Nothing may use a released range until re-committed.
+    ``close`` frees everything; the tensor must not be used afterwards.
+    """
+
+    tensor: torch.Tensor
+    name: str
+
+    def commit(self, offset: int, nbytes: int) -> bool: ...
+
+    def release(self, offset: int, nbytes: int) -> None: ...
+
+    def resident_bytes(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def remove_stale_files(base: Path, prefix: str) -> list[Path]:
+    """Unlink ``<prefix>-<pid>-*`` files of processes that no longer exist (an engine
+    killed with SIGKILL cannot remove its own); returns what was removed."""
+    removed = []
+    for path in base.glob(f"{prefix}-*-*"):
+        pid = path.name[len(prefix) + 1 :].split("-", 1)[0]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    if removed:
+        log.info("removed %d stale KV pool file(s) of dead processes from %s", len(removed), base)
+    return removed
+
+
+class SharedMemoryFile:
+    """CPU pool memory: a sparse file under /dev/shm, mapped shared by torch."""
+
+    def __init__(self, nbytes: int, prefix: str = "overture-kv") -> None:
+        base = SHM_DIR if SHM_DIR.is_dir() else Path(tempfile.gettempdir())
+        remove_stale_files(base, prefix)
+        self.path = base / f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.name = str(self.path)
+        self.nbytes = nbytes
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(self._fd, nbytes)  # sparse: reserves address space, no memory yet
+            # A second, private-to-us mapping of the same file, used only for madvise.
+            self._mm = mmap.mmap(self._fd, nbytes, flags=mmap.MAP_SHARED)
+            storage = torch.UntypedStorage.from_file(self.name, shared=True, nbytes=nbytes)
+            self.tensor = torch.empty(0, dtype=torch.uint8).set_(storage)
+        except BaseException:
+            os.close(self._fd)
+            self.path.unlink(missing_ok=True)
+            raise
+        self._closed = False
+
+    def commit(self, offset: int, nbytes: int) -> bool:
+        try:
+            os.posix_fallocate(self._fd, offset, nbytes)
+        except OSError as e:
+            log.warning("cannot commit %d KV bytes in %s: %s", nbytes, self.name, e.strerror)
+            return False
+        return True
+
+    def release(self, offset: int, nbytes: int) -> None:
+        # Only whole OS pages can be punched out; a range that is not page-aligned keeps
+        # its partial edge pages (the pool sizes pages to avoid that).
+        start = -(-offset // OS_PAGE) * OS_PAGE
+        end = (offset + nbytes) // OS_PAGE * OS_PAGE
+        if end > start:
+            self._mm.madvise(mmap.MADV_REMOVE, start, end - start)
+
+    def resident_bytes(self) -> int:
+        return os.fstat(self._fd).st_blocks * 512
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        # Punch out everything first: torch's own mapping may outlive us until the tensor
+        # is garbage-collected, but the memory is returned now.
+        self.release(0, self.nbytes)
+        self._mm.close()
+        os.close(self._fd)
+        self.path.unlink(missing_ok=True)
+
+
+class CudaMemory:
+    """CUDA pool memory: one torch allocation; pages are accounting only."""
+
+    def __init__(self, nbytes: int, device: str = "cuda") -> None:
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.nbytes = nbytes
+        self._name = ""
+
+    @property
+    def name(self) -> str:
+        """A CUDA IPC handle (hex) another process can open with cudaIpcOpenMemHandle."""
+        if not self._name:
+            from cuda import cudart  # lazy: only CUDA deployments install cuda-python
+
+            err, handle = cudart.cudaIpcGetMemHandle(self.tensor.data_ptr())
+            if err != cudart.cudaError_t.cudaSuccess:
+                raise RuntimeError(f"cudaIpcGetMemHandle failed: {err}")
+            self._name = bytes(handle.reserved).hex()
+        return self._name
+
+    def commit(self, offset: int, nbytes: int) -> bool:
+        return True
+
+    def release(self, offset: int, nbytes: int) -> None:
+        return None
+
+    def resident_bytes(self) -> int:
+        return self.nbytes
+
+    def close(self) -> None:
+        self.tensor = torch.empty(0, dtype=torch.uint8)
+
+
+def allocate_pool_memory(device: str, nbytes: int) -> PoolMemory:
+    """The pool memory for ``device`` ("cpu" or "cuda[:n]")."""
+    if device == "cpu":
+        return SharedMemoryFile(nbytes)
+    if device.startswith("cuda"):
+        return CudaMemory(nbytes, device)
+    raise ValueError(f"unknown device {device!r}; known: cpu, cuda")

@@ -1,0 +1,244 @@
+"""The synchronous engine: scheduler + KV + model runner + outputs, driven by ``step()``.
+
+Not thread-safe by design: exactly one thread (the AsyncEngine's worker) calls it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+from dataclasses import dataclass
+
+import torch
+
+from shared.config import ConfigError
+
+from .api_types import EngineStatus, GenerateOutput, ModelInfo
+from .block_pool import BlockPool
+from .config import EngineConfig
+from .errors import RESOURCE_EXHAUSTED, EngineError
+from .kv_manager import KVCacheManager
+from .kv_pool import KVPool
+from .model import IncrementalDetokenizer, LoadedModel
+from .model_runner import ModelRunner
+from .output_state import ABORT, OutputState
+from .sampling import make_generator
+from .scheduler import Scheduler
+from .sequence import Sequence
+from .validation import PreparedRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A request the engine had to give up on; the caller raises ``error`` to its client."""
+
+    request_id: str
+    error: EngineError
+
+
+Event = GenerateOutput | Failure
+
+
+@dataclass(eq=False)
+class _Live:
+    seq: Sequence
+    output: OutputState
+    generator: torch.Generator
+    sent_prompt: bool = False
+
+
+def context_limit(
+    model_max: int, configured: int, pool_blocks: int, num_layers: int, block_size: int
+) -> int:
+    """The context length: the model's, lowered by config and by what ONE sequence can hold
+    in the pool (so a lone request can always run to its end)."""
+    limit = model_max if configured == 0 else min(model_max, configured)
+    return min(limit, pool_blocks // num_layers * block_size)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+        mc = loaded.config
+        self.config = config
+        self.loaded = loaded
+        self.pool = KVPool(
+            block_size=config.block_size,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            dtype=loaded.dtype,
+            budget_bytes=config.device_memory_bytes,
+            page_bytes=config.page_bytes,
+            device=config.device,
+        )
+        self.blocks = BlockPool(self.pool)
+        self.kv = KVCacheManager(self.blocks, mc.num_layers, config.block_size)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(
+            loaded.model, self.pool.kv_cache, mc.num_layers, config.block_size
+        )
+        self.max_model_len = context_limit(
+            mc.max_position_embeddings,
+            config.max_model_len,
+            self.pool.num_blocks,
+            mc.num_layers,
+            config.block_size,
+        )
+        if self.max_model_len < 2:
+            self.pool.close()
+            raise ConfigError(
+                f"engine.device_memory_bytes: the KV pool ({self.pool.num_blocks} blocks for "
+                f"{mc.num_layers} layers) cannot hold one sequence; raise it"
+            )
+        self.debug_checks = config.debug_checks
+        self._live: dict[str, _Live] = {}
+        self._arrivals = itertools.count()
+        self._seeds = random.Random(config.seed)
+        self.model_info = ModelInfo(
+            name=loaded.name,
+            fingerprint=loaded.fingerprint,
+            max_model_len=self.max_model_len,
+            dtype=str(loaded.dtype).removeprefix("torch."),
+            num_layers=mc.num_layers,
+            block_size=config.block_size,
+        )
+
+    # ---- requests -----------------------------------------------------------------------
+    def add(self, req: PreparedRequest) -> None:
+        mc = self.loaded.config
+        seed = req.sampling.seed if req.sampling.seed is not None else self._seeds.getrandbits(63)
+        seq = Sequence(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            sampling=req.sampling,
+            hash_seed=req.hash_seed,
+            max_total_tokens=len(req.prompt_token_ids) + req.max_output_tokens,
+            arrival=next(self._arrivals),
+            num_layers=mc.num_layers,
+            priority=req.priority,
+        )
+        detok = IncrementalDetokenizer(self.loaded.tokenizer, req.prompt_token_ids)
+        out = OutputState(detok, req.sampling, mc.eos_token_ids, req.max_output_tokens)
+        self._live[req.request_id] = _Live(seq, out, make_generator(seed))
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> GenerateOutput | None:
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return None
+        self.scheduler.finish(live.seq)
+        live.output.finish(ABORT)
+        return self._output(live, [])
+
+    def abort_all(self) -> list[GenerateOutput]:
+        return [o for rid in list(self._live) if (o := self.abort(rid)) is not None]
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ---- one step -----------------------------------------------------------------------
+    def step(self) -> list[Event]:
+        out = self.scheduler.schedule()
+        if out.empty:
+            return self._fail_unservable()
+        logits = self.runner.execute(out)  # (num_seqs, vocab) float32
+        due = self.scheduler.advance(out)
+        events: list[Event] = []
+        if due:
+            row = {s.request_id: i for i, s in enumerate(out.sequences)}
+            lives = [self._live[s.request_id] for s in due]
+            tokens = self.runner.sample(
+                logits, [row[s.request_id] for s in due], due, [lv.generator for lv in lives]
+            )
+            events = [self._append(lv, t) for lv, t in zip(lives, tokens, strict=True)]
+        if self.debug_checks:
+            self.check_integrity()
+        return events
+
+    def _append(self, live: _Live, token: int) -> GenerateOutput:
+        seq = live.seq
+        seq.token_ids.append(token)
+        live.output.add(token)
+        if live.output.finish_reason is not None:
+            self.scheduler.finish(seq)
+            del self._live[seq.request_id]
+        return self._output(live, [token])
+
+    def _output(self, live: _Live, tokens: list[int]) -> GenerateOutput:
+        seq = live.seq
+        first = not live.sent_prompt
+        live.sent_prompt = True
+        return GenerateOutput(
+            request_id=seq.request_id,
+            text=live.output.take_text(),
+            token_ids=tuple(tokens),
+            prompt_tokens=seq.num_prompt_tokens,
+            completion_tokens=seq.num_output_tokens,
+            cached_tokens=max(seq.num_cached_tokens, 0),
+            finish_reason=live.output.finish_reason,
+            prompt_token_ids=tuple(seq.prompt_token_ids) if first else (),
+        )
+
+    def _fail_unservable(self) -> list[Event]:
+        """Nothing could be scheduled: if nothing runs either, the head of the queue can
+        never get its blocks (the pool memory could not be committed); fail it."""
+        if self.scheduler.running or not self.scheduler.waiting:
+            return []
+        seq = self.scheduler.waiting[0]
+        self._live.pop(seq.request_id, None)
+        self.scheduler.finish(seq)
+        log.warning("request %s cannot get KV blocks with nothing running", seq.request_id)
+        return [
+            Failure(
+                seq.request_id,
+                EngineError(
+                    RESOURCE_EXHAUSTED,
+                    "the KV pool cannot hold this request now (device memory "
+                    "could not be committed); retry later or raise engine.device_memory_bytes",
+                ),
+            )
+        ]
+
+    # ---- memory and status --------------------------------------------------------------
+    def shrink(self, max_pages: int) -> int:
+        """Release up to ``max_pages`` pages of KV memory that hold no running KV."""
+        return self.blocks.shrink(max_pages)
+
+    def status(self) -> EngineStatus:
+        b = self.blocks
+        return EngineStatus(
+            models=(self.model_info,),
+            blocks_total=b.num_total,
+            blocks_free=b.num_free + self.pool.num_uncommitted_blocks,
+            blocks_used=b.num_used,
+            blocks_evictable=b.num_evictable,
+            blocks_committed=b.num_committed,
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            device_budget_bytes=self.pool.budget_bytes,
+            block_bytes=self.pool.block_bytes,
+            device=self.config.device,
+            pool_name=self.pool.name,
+            preemptions=self.scheduler.num_preemptions,
+        )
+
+    def check_integrity(self) -> None:
+        self.blocks.check_integrity()
+        held: dict[int, int] = {}
+        for live in self._live.values():
+            live.seq.check()
+            for table in live.seq.block_tables:
+                for blk in table:
+                    held[blk] = held.get(blk, 0) + 1
+        for blk, n in held.items():
+            assert self.blocks.refcount[blk] == n, f"block {blk}: refcount != holders {n}"
+        assert self.blocks.num_used == len(held), "used blocks not held by any sequence"
+
+    def close(self) -> None:
+        self.pool.close()

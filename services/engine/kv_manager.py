@@ -1,0 +1,93 @@
+"""Per-sequence, per-layer block tables over the block pool, with prefix reuse by hash.
+
+A sequence holds ``ceil(tokens / block_size)`` blocks in EVERY layer's table:
+
+    layer L-1: [b.. b.. b..]
+    ...
+    layer 0:   [b.. b.. b..]      block i of layer l holds tokens [i*bs, (i+1)*bs)
+
+Prefix reuse on the device: full block i of the prompt can be reused only if the block
+with key ``(h_i, l)`` is cached for every layer ``l`` (a missing layer would have to be
+recomputed, and recomputing one layer means recomputing all of them).
+"""
+
+from __future__ import annotations
+
+from shared.hashing import extend_block_hashes
+
+from .block_pool import BlockPool
+from .sequence import Sequence
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, num_layers: int, block_size: int) -> None:
+        self.pool = pool
+        self.num_layers = num_layers
+        self.block_size = block_size
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Blocks (over all layers) to allocate before computing ``num_new_tokens`` more."""
+        per_layer = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        return max(0, per_layer - seq.num_blocks) * self.num_layers
+
+    def find_cached_prefix(self, seq: Sequence) -> list[list[int]]:
+        """Cached blocks ``[block index][layer]`` of the longest reusable prefix.
+
+        At least the last token is always left to compute (its logits are needed).
+        """
+        extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, seq.hash_seed)
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hit: list[list[int]] = []
+        for h in seq.block_hashes[:max_blocks]:
+            layers = [self.pool.lookup((h, layer)) for layer in range(self.num_layers)]
+            if any(b is None for b in layers):
+                break
+            hit.append(layers)  # type: ignore[arg-type]
+        return hit
+
+    def allocate(
+        self, seq: Sequence, num_new_tokens: int, cached: list[list[int]] | None = None
+    ) -> bool:
+        """Grow ``seq``'s tables to cover ``num_new_tokens`` more tokens, first adopting the
+        ``cached`` prefix (only for a sequence holding no blocks). False, with ``seq``
+        unchanged, when the pool cannot supply the blocks."""
+        if cached:
+            assert seq.num_blocks == 0 and seq.num_computed_tokens == 0
+            flat = [b for blocks in cached for b in blocks]
+            self.pool.touch(flat)  # before allocating, so allocation cannot evict them
+            for blocks in cached:
+                for layer, b in enumerate(blocks):
+                    seq.block_tables[layer].append(b)
+            seq.num_computed_tokens = len(cached) * self.block_size
+            seq.num_registered_blocks = len(cached)
+        need = self.blocks_needed(seq, num_new_tokens)
+        new = self.pool.allocate(need) if need else []
+        if new is None:
+            if cached:
+                self.free(seq)
+            return False
+        per_layer = need // self.num_layers
+        for layer in range(self.num_layers):
+            seq.block_tables[layer].extend(new[layer * per_layer : (layer + 1) * per_layer])
+        return True
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Enter newly completed blocks into the prefix cache (after a step computed them)."""
+        full = seq.num_computed_tokens // self.block_size
+        if full <= seq.num_registered_blocks:
+            return
+        extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, seq.hash_seed)
+        for i in range(seq.num_registered_blocks, full):
+            h = seq.block_hashes[i]
+            for layer in range(self.num_layers):
+                self.pool.cache(seq.block_tables[layer][i], (h, layer))
+        seq.num_registered_blocks = full
+
+    def free(self, seq: Sequence) -> None:
+        """Release all of ``seq``'s blocks: later layers first and, within a layer, later
+        blocks first, so that is the order they are evicted in."""
+        order = [b for table in reversed(seq.block_tables) for b in reversed(table)]
+        self.pool.free(order)
+        seq.block_tables = [[] for _ in range(self.num_layers)]
+        seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0

@@ -1,0 +1,124 @@
+"""The paged KV pool: ONE tensor for every layer, committed in fixed pages on demand.
+
+    kv_cache: (num_blocks, 2, block_size, num_kv_heads, head_dim)   # [:,0]=K, [:,1]=V
+
+The whole device-memory budget is *reserved* up front (address space only) and *committed*
+one page at a time when the block allocator runs dry; whole free pages can be released
+again so that several models can share one budget (Prism's kvcached, DESIGN §5).
+
+    bytes:  | page 0                 | page 1                 | ... | page P-1            |
+    blocks: | b0 b1 ... b(bpp-1)     | b(bpp) ...             |     |                     |
+            block_bytes = 2 * block_size * kv_heads * head_dim * elem_size
+            page span  = blocks_per_page * block_bytes   (page_bytes rounded down to blocks)
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from shared.config import ConfigError
+
+from .device import PoolMemory, allocate_pool_memory
+
+log = logging.getLogger(__name__)
+
+
+def block_bytes_for(block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one pool block: K and V of one layer for ``block_size`` tokens."""
+    return 2 * block_size * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+class KVPool:
+    """Owns the pool memory and which pages of it are committed."""
+
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        budget_bytes: int,
+        page_bytes: int,
+        device: str = "cpu",
+    ) -> None:
+        self.block_size = block_size
+        self.dtype = dtype
+        self.block_bytes = block_bytes_for(block_size, num_kv_heads, head_dim, dtype)
+        self.blocks_per_page = max(1, page_bytes // self.block_bytes)
+        self.page_span = self.blocks_per_page * self.block_bytes
+        self.num_pages = budget_bytes // self.page_span
+        if self.num_pages == 0:
+            raise ConfigError(
+                f"engine.device_memory_bytes: {budget_bytes} bytes cannot hold one KV page of "
+                f"{self.page_span} bytes ({self.blocks_per_page} blocks of {self.block_bytes}); "
+                "raise it or lower engine.page_bytes"
+            )
+        self.budget_bytes = budget_bytes
+        self.num_blocks = self.num_pages * self.blocks_per_page
+        self._memory: PoolMemory = allocate_pool_memory(device, self.num_pages * self.page_span)
+        self.kv_cache = self._memory.tensor.view(dtype).view(
+            self.num_blocks, 2, block_size, num_kv_heads, head_dim
+        )  # (num_blocks, 2, block_size, kv_heads, head_dim)
+        self._committed = [False] * self.num_pages
+        self.num_committed_pages = 0
+
+    @property
+    def name(self) -> str:
+        """How another process on the node maps this pool (shm path or CUDA IPC handle)."""
+        return self._memory.name
+
+    @property
+    def num_committed_blocks(self) -> int:
+        return self.num_committed_pages * self.blocks_per_page
+
+    @property
+    def num_uncommitted_blocks(self) -> int:
+        return self.num_blocks - self.num_committed_blocks
+
+    def is_committed(self, page: int) -> bool:
+        return self._committed[page]
+
+    def page_blocks(self, page: int) -> range:
+        return range(page * self.blocks_per_page, (page + 1) * self.blocks_per_page)
+
+    def committed_pages(self) -> list[int]:
+        return [p for p, c in enumerate(self._committed) if c]
+
+    def grow(self) -> int | None:
+        """Commit the lowest uncommitted page; its index, or None if the budget is used up
+        or the memory cannot be had."""
+        for page, committed in enumerate(self._committed):
+            if not committed:
+                if not self._memory.commit(page * self.page_span, self.page_span):
+                    return None
+                self._committed[page] = True
+                self.num_committed_pages += 1
+                log.debug(
+                    "KV pool committed page %d (%d/%d)",
+                    page,
+                    self.num_committed_pages,
+                    self.num_pages,
+                )
+                return page
+        return None
+
+    def release(self, page: int) -> None:
+        """Give a committed page's memory back; its blocks must no longer be in use."""
+        if not self._committed[page]:
+            raise ValueError(f"KV page {page} is not committed")
+        self._memory.release(page * self.page_span, self.page_span)
+        self._committed[page] = False
+        self.num_committed_pages -= 1
+        log.debug(
+            "KV pool released page %d (%d/%d)", page, self.num_committed_pages, self.num_pages
+        )
+
+    def resident_bytes(self) -> int:
+        """Bytes of pool memory really backed right now (the shm file's allocated size)."""
+        return self._memory.resident_bytes()
+
+    def close(self) -> None:
+        self._memory.close()

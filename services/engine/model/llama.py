@@ -1,0 +1,124 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a paged, per-layer KV pool.
+
+Weights are held fused where that saves matmul calls: q/k/v become one (q+2kv, hidden)
+projection and gate/up one (2*intermediate, hidden); the arithmetic is unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..forward_batch import ForwardBatch
+from .hf_config import ModelConfig
+from .linear import default_upcast_rows, linear
+from .paged_attention import AttentionPlan, build_plan, paged_attention, write_kv
+from .rope import RotaryTables, apply_rotary
+
+
+def _param(t: torch.Tensor | None) -> nn.Parameter | None:
+    return None if t is None else nn.Parameter(t, requires_grad=False)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in float32 and scale in the model dtype, as the reference implementation.
+    y = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    return weight * y.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor | None],
+                 upcast_rows: int) -> None:
+        super().__init__()
+        self.upcast_rows = upcast_rows
+        self.eps = config.rms_norm_eps
+        self.q_size = config.q_size
+        self.kv_size = config.kv_size
+        self.heads = config.num_heads
+        self.kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.input_norm = _param(w["input_norm"])
+        self.post_norm = _param(w["post_norm"])
+        self.qkv_w = _param(w["qkv_w"])
+        self.qkv_b = _param(w["qkv_b"])
+        self.o_w = _param(w["o_w"])
+        self.o_b = _param(w["o_b"])
+        self.gate_up_w = _param(w["gate_up_w"])
+        self.gate_up_b = _param(w["gate_up_b"])
+        self.down_w = _param(w["down_w"])
+        self.down_b = _param(w["down_b"])
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        layer: int,
+        batch: ForwardBatch,
+        plan: AttentionPlan,
+        kv_cache: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        t = h.shape[0]
+        x = rms_norm(h, self.input_norm, self.eps)
+        qkv = linear(x, self.qkv_w, self.qkv_b, self.upcast_rows)  # (T, q + 2kv)
+        qk, v = qkv.split((self.q_size + self.kv_size, self.kv_size), dim=-1)
+        # q and k heads rotated in one go: (T, heads + kv_heads, hd)
+        qk = apply_rotary(qk.view(t, self.heads + self.kv_heads, self.head_dim), cos, sin)
+        q, k = qk.split((self.heads, self.kv_heads), dim=1)
+        v = v.view(t, self.kv_heads, self.head_dim)
+        if batch.wait_for_layer is not None:
+            batch.wait_for_layer(layer)  # reused KV of this layer must be resident first
+        write_kv(kv_cache, plan.kv_rows[layer], k, v)
+        attn = paged_attention(plan, q, kv_cache, batch.block_tables[layer], self.scale)
+        h = h + linear(attn, self.o_w, self.o_b, self.upcast_rows)
+        x = rms_norm(h, self.post_norm, self.eps)
+        gate, up = linear(x, self.gate_up_w, self.gate_up_b, self.upcast_rows).chunk(2, dim=-1)
+        return h + linear(F.silu(gate) * up, self.down_w, self.down_b, self.upcast_rows)
+
+
+class LlamaModel(nn.Module):
+    """forward(batch, kv_cache) -> float32 logits (num_seqs, vocab) at batch.logits_indices."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor | None],
+        layers: list[dict[str, torch.Tensor | None]],
+    ) -> None:
+        super().__init__()
+        self.config = config
+        embed = weights["embed"]
+        assert embed is not None
+        self.dtype = embed.dtype
+        self.embed = _param(embed)
+        self.norm = _param(weights["norm"])
+        lm_head = weights.get("lm_head")
+        # Tied embeddings share the very same tensor, no copy.
+        self.lm_head = self.embed if lm_head is None else _param(lm_head)
+        self.upcast_rows = default_upcast_rows(embed.dtype, embed.device)
+        self.layers = nn.ModuleList(DecoderLayer(config, w, self.upcast_rows) for w in layers)
+        self.rope = RotaryTables(config, embed.dtype, embed.device)
+
+    def set_upcast_rows(self, rows: int) -> None:
+        """Override the float32-compute threshold of half-precision linears (0 = never)."""
+        self.upcast_rows = rows
+        for layer in self.layers:
+            layer.upcast_rows = rows
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        h = F.embedding(batch.input_ids, self.embed)  # (T, hidden)
+        cos, sin = self.rope.lookup(batch.positions)  # (T, 1, hd) each
+        group = self.config.num_heads // self.config.num_kv_heads
+        plan = build_plan(batch, kv_cache.shape[2], group)  # shared by every layer
+        for i, layer in enumerate(self.layers):
+            h = layer(h, i, batch, plan, kv_cache, cos, sin)
+        h = h[batch.logits_indices]  # only the rows whose logits are wanted
+        h = rms_norm(h, self.norm, self.config.rms_norm_eps)
+        return linear(h, self.lm_head, None, self.upcast_rows).float()

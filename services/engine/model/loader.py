@@ -1,0 +1,92 @@
+"""load_model: a local Hugging Face model folder -> a ready LlamaModel and Tokenizer."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import LoaderError
+from .fingerprint import model_fingerprint
+from .hf_config import ModelConfig, eos_ids_from_generation_config
+from .llama import LlamaModel
+from .safetensors_files import read_header, weight_files
+from .tokenizer import Tokenizer
+from .weights import TensorSource, build_weights
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    model: LlamaModel
+    tokenizer: Tokenizer
+    fingerprint: str  # hex sha256, see fingerprint.py
+    name: str  # served name
+    path: Path
+    dtype: torch.dtype
+
+
+def _read_json(path: Path, required: bool) -> dict[str, Any] | None:
+    if not path.is_file():
+        if required:
+            raise LoaderError(f"{path}: file is missing")
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise LoaderError(f"{path}: malformed JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise LoaderError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def read_config(folder: Path) -> tuple[ModelConfig, dict[str, Any]]:
+    """ModelConfig plus the raw config.json (for the fingerprint)."""
+    raw = _read_json(folder / "config.json", required=True)
+    assert raw is not None
+    gen = _read_json(folder / "generation_config.json", required=False) or {}
+    try:
+        cfg = ModelConfig.from_dict(raw, extra_eos=eos_ids_from_generation_config(gen))
+    except LoaderError as exc:
+        where = f"{folder / 'config.json'}:"
+        raise LoaderError(str(exc).replace("config.json:", where, 1)) from exc
+    return cfg, raw
+
+
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    served_name: str = "",
+) -> LoadedModel:
+    folder = Path(path)
+    if not folder.is_dir():
+        raise LoaderError(f"{folder}: model folder does not exist")
+    if not dtype.is_floating_point:
+        raise LoaderError(f"dtype {dtype} is not a floating-point type")
+    start = time.perf_counter()
+    cfg, raw = read_config(folder)
+    tokenizer = Tokenizer.from_folder(folder, cfg.eos_token_ids)
+    files = [read_header(p) for p in weight_files(folder)]
+    dev = torch.device(device)
+    glob, layers = build_weights(cfg, TensorSource(files, dtype, dev))
+    model = LlamaModel(cfg, glob, layers).eval()
+    fp = model_fingerprint(raw, folder / "tokenizer.json", files, dtype)
+    name = served_name or folder.resolve().name
+    log.info(
+        "loaded %s (%s, %d layers, %s) in %.2fs, fingerprint %s",
+        name,
+        cfg.architecture,
+        cfg.num_layers,
+        dtype,
+        time.perf_counter() - start,
+        fp[:12],
+    )
+    return LoadedModel(cfg, model, tokenizer, fp, name, folder, dtype)

@@ -1,0 +1,175 @@
+"""Attention over the paged KV pool (the layout of services/engine/forward_batch.py).
+
+    kv_cache: (num_blocks, 2, block_size, kvh, hd)      one layer's K and V per block
+
+A pool slot ``s = block * block_size + offset`` of K lives at flat row
+``block * 2 * block_size + offset`` of ``kv_cache.view(-1, kvh, hd)`` and its V
+``block_size`` rows further on. Reads gather a sequence's blocks with one index_select
+per K and V into a contiguous (seqs, ctx, kvh, hd) tensor and run one
+scaled_dot_product_attention for all decoding sequences, one per prefill chunk.
+
+Grouped-query attention without copying K/V per query head: the ``group`` query heads that
+share a KV head are folded into the query-length axis, so SDPA sees ``kvh`` heads:
+
+    q (T, heads, hd) -> (kvh, group * T, hd)   rows ordered (group, token)
+
+Everything that is the same for every layer of a step (slot rows, masks, index tensors)
+is built once per step in an AttentionPlan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ..forward_batch import ForwardBatch
+
+
+@dataclass
+class PrefillChunk:
+    seq: int  # index of the sequence in the batch
+    start: int  # first row of its tokens in the packed batch
+    length: int  # new tokens
+    kv_len: int  # context after this step
+    mask: torch.Tensor  # (group * length, kv_len) bool, rows ordered (group, token)
+
+
+@dataclass
+class AttentionPlan:
+    block_size: int
+    kv_rows: torch.Tensor  # (layers, T) flat pool row of each new token's K
+    decode_rows: torch.Tensor | None  # (D,) packed rows of single-token sequences
+    decode_seqs: torch.Tensor | None  # (D,) their sequence indices
+    decode_blocks: int  # blocks to gather for the decodes (longest context)
+    decode_len: int  # longest decode context
+    decode_mask: torch.Tensor | None  # (D, 1, 1, ctx) bool; None when D == 1
+    all_decode: bool
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def build_plan(batch: ForwardBatch, block_size: int, group: int) -> AttentionPlan:
+    device = batch.input_ids.device
+    slots = torch.stack(batch.slot_mapping)  # (layers, T)
+    kv_rows = (slots // block_size) * (2 * block_size) + slots % block_size
+    dec_rows: list[int] = []
+    dec_seqs: list[int] = []
+    prefills: list[PrefillChunk] = []
+    start = 0
+    for s, (n, kv_len) in enumerate(zip(batch.q_lens, batch.kv_lens, strict=True)):
+        if n == 1:
+            dec_rows.append(start)
+            dec_seqs.append(s)
+        elif n > 1:
+            prefills.append(PrefillChunk(s, start, n, kv_len, _prefill_mask(n, kv_len, group,
+                                                                              device)))
+        start += n
+    dec_lens = [batch.kv_lens[s] for s in dec_seqs]
+    dec_len = max(dec_lens, default=0)
+    dec_blocks = -(-dec_len // block_size)
+    mask = None
+    if len(dec_seqs) > 1:
+        lens = torch.tensor(dec_lens, device=device)
+        ctx = torch.arange(dec_blocks * block_size, device=device)
+        mask = (ctx[None, :] < lens[:, None])[:, None, None, :]  # (D, 1, 1, ctx)
+    all_decode = not prefills
+    return AttentionPlan(
+        block_size=block_size,
+        kv_rows=kv_rows,
+        decode_rows=None if all_decode or not dec_rows else torch.tensor(dec_rows, device=device),
+        decode_seqs=None if all_decode or not dec_seqs else torch.tensor(dec_seqs, device=device),
+        decode_blocks=dec_blocks,
+        decode_len=dec_len,
+        decode_mask=mask,
+        all_decode=all_decode,
+        prefills=prefills,
+    )
+
+
+def _prefill_mask(n: int, kv_len: int, group: int, device: torch.device) -> torch.Tensor:
+    """Query i of the chunk sits at position p + i (p = cached prefix) and sees keys 0..p+i:
+
+        keys:    0 ........ p-1 | p ..... p+n-1
+        query i: all visible    | causal, up to p+i
+    """
+    rows = torch.arange(n, device=device) + (kv_len - n)
+    cols = torch.arange(kv_len, device=device)
+    mask = cols[None, :] <= rows[:, None]  # (n, kv_len)
+    return mask.repeat(group, 1) if group > 1 else mask
+
+
+def write_kv(kv_cache: torch.Tensor, k_rows: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """Store k, v (T, kvh, hd) at flat K rows (T,) from AttentionPlan.kv_rows."""
+    nb, _, bs, kvh, hd = kv_cache.shape
+    flat = kv_cache.view(nb * 2 * bs, kvh, hd)
+    flat.index_copy_(0, k_rows, k)
+    flat.index_copy_(0, k_rows + bs, v)
+
+
+def gather_kv(kv_cache: torch.Tensor, tables: torch.Tensor,
+              num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V of the first ``num_blocks`` blocks of each row of ``tables`` (S, max_blocks):
+    two (S, kvh, ctx, hd) views of contiguous (S, ctx, kvh, hd) gathers."""
+    _, _, bs, kvh, hd = kv_cache.shape
+    s = tables.shape[0]
+    ids = tables[:, :num_blocks].reshape(-1)
+    ctx = num_blocks * bs
+    k = kv_cache[:, 0].index_select(0, ids).view(s, ctx, kvh, hd).transpose(1, 2)
+    v = kv_cache[:, 1].index_select(0, ids).view(s, ctx, kvh, hd).transpose(1, 2)
+    return k, v
+
+
+def _fold_groups(q: torch.Tensor, kvh: int) -> torch.Tensor:
+    """q (S, T, heads, hd) -> (S, kvh, group * T, hd)."""
+    s, t, heads, hd = q.shape
+    group = heads // kvh
+    return q.view(s, t, kvh, group, hd).permute(0, 2, 3, 1, 4).reshape(s, kvh, group * t, hd)
+
+
+def _unfold_groups(o: torch.Tensor, t: int) -> torch.Tensor:
+    """o (S, kvh, group * T, hd) -> (S, T, heads * hd)."""
+    s, kvh, gt, hd = o.shape
+    group = gt // t
+    return o.view(s, kvh, group, t, hd).permute(0, 3, 1, 2, 4).reshape(s, t, kvh * group * hd)
+
+
+def _decode(plan: AttentionPlan, q: torch.Tensor, kv_cache: torch.Tensor,
+            tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """One new token per sequence. q (D, heads, hd) -> (D, heads * hd)."""
+    k, v = gather_kv(kv_cache, tables, plan.decode_blocks)
+    qf = _fold_groups(q.unsqueeze(1), kv_cache.shape[3])  # (D, kvh, group, hd)
+    if plan.decode_mask is None:
+        # A single sequence has no padding to hide: slice instead of masking.
+        n = plan.decode_len
+        out = F.scaled_dot_product_attention(qf, k[:, :, :n], v[:, :, :n], scale=scale)
+    else:
+        out = F.scaled_dot_product_attention(qf, k, v, attn_mask=plan.decode_mask, scale=scale)
+    return _unfold_groups(out, 1).squeeze(1)
+
+
+def _prefill(chunk: PrefillChunk, q: torch.Tensor, kv_cache: torch.Tensor,
+             table: torch.Tensor, scale: float) -> torch.Tensor:
+    """Several new tokens of one sequence. q (n, heads, hd) -> (n, heads * hd)."""
+    bs = kv_cache.shape[2]
+    k, v = gather_kv(kv_cache, table.unsqueeze(0), -(-chunk.kv_len // bs))
+    k, v = k[:, :, :chunk.kv_len], v[:, :, :chunk.kv_len]  # (1, kvh, kv_len, hd)
+    qf = _fold_groups(q.unsqueeze(0), kv_cache.shape[3])  # (1, kvh, group * n, hd)
+    out = F.scaled_dot_product_attention(qf, k, v, attn_mask=chunk.mask, scale=scale)
+    return _unfold_groups(out, chunk.length).squeeze(0)
+
+
+def paged_attention(plan: AttentionPlan, q: torch.Tensor, kv_cache: torch.Tensor,
+                    tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """All sequences of a step. q (T, heads, hd) packed as in ForwardBatch -> (T, heads*hd)."""
+    if plan.all_decode:
+        return _decode(plan, q, kv_cache, tables, scale)
+    out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+    for c in plan.prefills:
+        out[c.start:c.start + c.length] = _prefill(
+            c, q[c.start:c.start + c.length], kv_cache, tables[c.seq], scale)
+    if plan.decode_rows is not None and plan.decode_seqs is not None:
+        out[plan.decode_rows] = _decode(plan, q[plan.decode_rows], kv_cache,
+                                        tables[plan.decode_seqs], scale)
+    return out

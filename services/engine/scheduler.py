@@ -1,0 +1,154 @@
+"""Continuous batching with chunked prefill under a per-step token budget.
+
+One step, three small passes over plain data:
+
+    1. running sequences that decode (1 token each)        oldest first
+    2. running sequences still prefilling (a chunk each)   oldest first
+    3. waiting sequences admitted FCFS (prefix hit + first chunk) while budget, seats and
+       blocks last; the head of the queue is never skipped, so nothing starves
+
+When a running sequence cannot get blocks, the youngest running sequence is preempted by
+recompute (its blocks freed, requeued at the FRONT of the waiting queue, to be recomputed,
+often from its own now-cached blocks). The result is data: ``{request_id: num_tokens}``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .kv_manager import KVCacheManager
+from .sequence import Sequence, Status
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerOutput:
+    """What to compute this step, in batch order."""
+
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    sequences: list[Sequence] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # sorted by arrival
+        self.num_preemptions = 0
+
+    # ---- queue ops ----------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence and release its blocks."""
+        if seq.status == Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == Status.WAITING:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+        seq.status = Status.FINISHED
+
+    # ---- one step -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        self._schedule_running(out, lambda remaining: remaining == 1)  # decodes
+        self._schedule_running(out, lambda remaining: remaining > 1)  # prefill chunks
+        self._admit_waiting(out)
+        return out
+
+    def _budget(self, out: SchedulerOutput) -> int:
+        return self.max_num_batched_tokens - out.total_tokens
+
+    def _schedule_running(self, out: SchedulerOutput, wanted: Callable[[int], bool]) -> None:
+        """Schedule running sequences whose count of tokens left to compute is ``wanted``."""
+        for seq in list(self.running):
+            if seq.status != Status.RUNNING:
+                continue  # preempted earlier in this pass
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            if not wanted(remaining):
+                continue
+            n = min(remaining, self._budget(out))
+            if n <= 0:
+                return
+            if self._allocate_or_preempt(seq, n, out):
+                out.num_scheduled_tokens[seq.request_id] = n
+                out.sequences.append(seq)
+
+    def _allocate_or_preempt(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Allocate blocks for ``n`` more tokens of ``seq``, preempting younger running
+        sequences (then ``seq`` itself) until it fits. False if ``seq`` was preempted."""
+        while not self.kv.allocate(seq, n):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        if seq.request_id in out.num_scheduled_tokens:  # scheduled earlier this step: undo
+            del out.num_scheduled_tokens[seq.request_id]
+            out.sequences.remove(seq)
+        self.running.remove(seq)
+        self.kv.free(seq)
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq.request_id)
+        log.debug("preempted %s (recompute, %d tokens)", seq.request_id, seq.num_tokens)
+
+    def _admit_waiting(self, out: SchedulerOutput) -> None:
+        admitted = False
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            budget = self._budget(out)
+            if budget <= 0:
+                break
+            seq = self.waiting[0]
+            if seq.request_id in out.preempted:
+                break  # preempted this step: its blocks are what the others needed
+            cached = self.kv.find_cached_prefix(seq)
+            hit_tokens = len(cached) * self.kv.block_size
+            n = min(seq.num_tokens - hit_tokens, budget)
+            if not self.kv.allocate(seq, n, cached):
+                break  # FCFS: wait for blocks rather than let a later request overtake
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = min(hit_tokens, seq.num_prompt_tokens)
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            admitted = True
+            out.num_scheduled_tokens[seq.request_id] = n
+            out.sequences.append(seq)
+        if admitted:
+            self.running.sort(key=lambda s: s.arrival)
+
+    # ---- after the step -----------------------------------------------------------------
+    def advance(self, out: SchedulerOutput) -> list[Sequence]:
+        """Count the step's tokens as computed; the sequences now due a sampled token."""
+        due = []
+        for seq in out.sequences:
+            seq.num_computed_tokens += out.num_scheduled_tokens[seq.request_id]
+            self.kv.register_full_blocks(seq)
+            if seq.num_computed_tokens == seq.num_tokens:
+                due.append(seq)
+        return due

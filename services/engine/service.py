@@ -1,0 +1,36 @@
+"""``run(config)``: the engine process — an AsyncEngine served over gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import AsyncExitStack
+
+from shared.grpc_server import serve_grpc
+from shared.proto import engine_pb2_grpc
+
+from .async_engine import AsyncEngine
+from .config import EngineConfig
+from .server import EngineServicer
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "overture.v1.Engine"
+
+
+async def run(config: EngineConfig) -> None:
+    """Load the model, serve until cancelled, then stop the server before the engine
+    (in-flight streams end first) and free the KV pool's shared memory."""
+    async with AsyncExitStack() as stack:
+        engine = await stack.enter_async_context(AsyncEngine(config))
+        servicer = EngineServicer(engine)
+        server = await stack.enter_async_context(
+            serve_grpc(
+                config.host,
+                config.port,
+                register=[lambda s: engine_pb2_grpc.add_EngineServicer_to_server(servicer, s)],
+                service_names=[SERVICE_NAME],
+            )
+        )
+        log.info("engine ready on %s:%d", config.host, server.port)
+        await asyncio.Event().wait()  # until cancelled (SIGTERM/SIGINT)

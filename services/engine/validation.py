@@ -1,0 +1,109 @@
+"""Check and tokenize a GenerateRequest before it enters the engine (typed errors only)."""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass
+
+from shared.hashing import hash_seed
+
+from .api_types import GenerateRequest, SamplingParams
+from .errors import INVALID_ARGUMENT, NOT_FOUND, EngineError
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    max_output_tokens: int
+    hash_seed: bytes
+    priority: int
+
+
+def _bad(message: str) -> EngineError:
+    return EngineError(INVALID_ARGUMENT, message)
+
+
+def tokenize(req: GenerateRequest, tokenizer) -> list[int]:
+    given = [x is not None for x in (req.prompt, req.messages, req.prompt_token_ids)]
+    if sum(given) != 1:
+        raise _bad("give exactly one of prompt, messages, prompt_token_ids")
+    if req.prompt_token_ids is not None:
+        return [int(t) for t in req.prompt_token_ids]
+    if req.prompt is not None and not req.prompt:
+        raise _bad("the prompt is empty")
+    try:
+        if req.prompt is not None:
+            return tokenizer.encode_prompt(req.prompt)
+        msgs = [{"role": m.role, "content": m.content} for m in req.messages or ()]
+        if not msgs:
+            raise _bad("messages is empty")
+        return tokenizer.encode_chat(msgs, add_generation_prompt=req.add_generation_prompt)
+    except EngineError:
+        raise
+    # Templates (jinja2) and tokenizers raise assorted types for input they reject; all
+    # of them mean "bad input" here.
+    except Exception as e:  # noqa: BLE001
+        raise _bad(f"cannot tokenize the input: {e}") from None
+
+
+def check_sampling(p: SamplingParams, vocab_size: int) -> None:
+    if not math.isfinite(p.temperature) or p.temperature < 0:
+        raise _bad(f"temperature must be >= 0, got {p.temperature}")
+    if not 0 < p.top_p <= 1:
+        raise _bad(f"top_p must be in (0, 1], got {p.top_p}")
+    if p.top_k < 0:
+        raise _bad(f"top_k must be >= 0 (0 = off), got {p.top_k}")
+    if p.max_tokens < 0:
+        raise _bad(f"max_tokens must be >= 0 (0 = up to the context limit), got {p.max_tokens}")
+    if any(not s for s in p.stop):
+        raise _bad("stop strings must not be empty")
+    bad = [t for t in p.stop_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise _bad(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+
+
+def prepare(
+    req: GenerateRequest,
+    *,
+    tokenizer,
+    model_name: str,
+    vocab_size: int,
+    max_model_len: int,
+    fingerprint: str,
+) -> PreparedRequest:
+    """Validate ``req`` against the model and the context limit; raise EngineError."""
+    if req.model and req.model != model_name:
+        raise EngineError(
+            NOT_FOUND, f"model {req.model!r} is not served here; this engine serves {model_name!r}"
+        )
+    check_sampling(req.sampling, vocab_size)
+    ids = tokenize(req, tokenizer)
+    if not ids:
+        raise _bad("the prompt is empty")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise _bad(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    n = len(ids)
+    if n > max_model_len - 1:
+        raise _bad(
+            f"the prompt has {n} tokens but the context limit is {max_model_len} "
+            f"(at most {max_model_len - 1} prompt tokens leave room for one output token)"
+        )
+    room = max_model_len - n
+    max_tokens = req.sampling.max_tokens
+    if max_tokens > room:
+        raise _bad(
+            f"max_tokens={max_tokens} exceeds the context: the prompt has {n} tokens, "
+            f"the limit is {max_model_len}, so at most {room} can be generated"
+        )
+    return PreparedRequest(
+        request_id=req.request_id or uuid.uuid4().hex,
+        prompt_token_ids=ids,
+        sampling=req.sampling,
+        max_output_tokens=max_tokens or room,
+        hash_seed=hash_seed(fingerprint, req.tenant),
+        priority=req.priority,
+    )

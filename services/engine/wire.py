@@ -1,0 +1,96 @@
+"""Protos <-> engine dataclasses. The only module of the engine that touches protos."""
+
+from __future__ import annotations
+
+import grpc
+
+from shared.proto import common_pb2, engine_pb2
+
+from .api_types import (
+    ChatMessage,
+    EngineStatus,
+    GenerateOutput,
+    GenerateRequest,
+    ModelInfo,
+    SamplingParams,
+)
+from .errors import INTERNAL, INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE
+
+STATUS_CODES = {
+    INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    INTERNAL: grpc.StatusCode.INTERNAL,
+    UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=p.temperature,
+        top_p=p.top_p if p.top_p != 0 else 1.0,  # proto3 default 0 means "not set" = off
+        top_k=p.top_k,
+        max_tokens=p.max_tokens,
+        seed=p.seed if p.HasField("seed") else None,
+        stop=tuple(p.stop),
+        stop_token_ids=tuple(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+    )
+
+
+def request_from_proto(r: common_pb2.GenerateRequest) -> GenerateRequest:
+    kind = r.input_kind
+    base = {
+        "request_id": r.request_id,
+        "sampling": sampling_from_proto(r.sampling),
+        "model": r.model,
+        "session_id": r.session_id,
+        "tenant": r.tenant,
+        "priority": r.priority,
+        "add_generation_prompt": r.add_generation_prompt,
+    }
+    if kind == common_pb2.GenerateRequest.CHAT:
+        msgs = tuple(ChatMessage(m.role, m.content) for m in r.messages)
+        return GenerateRequest(messages=msgs, **base)
+    if kind == common_pb2.GenerateRequest.TOKEN_IDS:
+        return GenerateRequest(prompt_token_ids=tuple(r.prompt_token_ids), **base)
+    return GenerateRequest(prompt=r.prompt, **base)
+
+
+def chunk_to_proto(o: GenerateOutput) -> common_pb2.GenerateChunk:
+    return common_pb2.GenerateChunk(
+        request_id=o.request_id,
+        text=o.text,
+        token_ids=list(o.token_ids),
+        prompt_token_ids=list(o.prompt_token_ids),
+        prompt_tokens=o.prompt_tokens,
+        completion_tokens=o.completion_tokens,
+        finish_reason=o.finish_reason or "",
+        cached_tokens=o.cached_tokens,
+    )
+
+
+def model_info_to_proto(m: ModelInfo) -> common_pb2.ModelInfo:
+    return common_pb2.ModelInfo(
+        name=m.name,
+        fingerprint=m.fingerprint,
+        max_model_len=m.max_model_len,
+        dtype=m.dtype,
+        num_layers=m.num_layers,
+        block_size=m.block_size,
+    )
+
+
+def status_to_proto(s: EngineStatus) -> engine_pb2.EngineStatus:
+    return engine_pb2.EngineStatus(
+        models=[model_info_to_proto(m) for m in s.models],
+        blocks_total=s.blocks_total,
+        blocks_free=s.blocks_free,
+        blocks_used=s.blocks_used,
+        blocks_evictable=s.blocks_evictable,
+        running=s.running,
+        waiting=s.waiting,
+        device_budget_bytes=s.device_budget_bytes,
+        block_bytes=s.block_bytes,
+        device=s.device,
+    )

@@ -1,0 +1,97 @@
+"""Session manifests: which chunks make up a session's KV (DESIGN §2).
+
+A manifest names chunks implicitly: the session's block hashes split into chunks of
+``blocks_per_chunk`` blocks, times ``num_layers`` layers::
+
+    blocks:  | b0 b1 ... b15 | b16 ... b31 | b32 b33 |      (blocks_per_chunk = 16)
+    chunks:  |   chunk 0     |  chunk 1    | chunk 2 |      key uses its LAST block hash
+    keys:    tenant/model_fp/hex(b15)/layer, .../hex(b31)/layer, .../hex(b33)/layer
+
+It is written only after every one of those chunks is durable in the lowest tier.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import msgpack
+
+from shared.chunk_codec import ChunkFormatError, chunk_key
+
+
+@dataclass(frozen=True)
+class Manifest:
+    tenant: str
+    session_id: str
+    model_fp: str
+    block_hashes: tuple[bytes, ...]
+    token_count: int
+    num_layers: int
+    blocks_per_chunk: int
+    updated: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        if not self.session_id or "/" in self.session_id:
+            raise ChunkFormatError(
+                f"session_id must be non-empty without '/', got {self.session_id!r}"
+            )
+        if self.num_layers < 1 or self.blocks_per_chunk < 1 or self.token_count < 0:
+            raise ChunkFormatError("num_layers and blocks_per_chunk must be >= 1, token_count >= 0")
+
+    @property
+    def key(self) -> str:
+        return manifest_key(self.tenant, self.session_id)
+
+    def chunk_block_ranges(self) -> list[tuple[int, int]]:
+        """Half-open block index ranges of the chunks, in token order."""
+        n, c = len(self.block_hashes), self.blocks_per_chunk
+        return [(s, min(s + c, n)) for s in range(0, n, c)]
+
+    def chunk_hashes(self, index: int) -> tuple[bytes, ...]:
+        s, e = self.chunk_block_ranges()[index]
+        return self.block_hashes[s:e]
+
+    def layer_keys(self, layer: int) -> list[str]:
+        return [
+            chunk_key(self.tenant, self.model_fp, self.block_hashes[e - 1], layer)
+            for _s, e in self.chunk_block_ranges()
+        ]
+
+    def chunk_keys(self) -> list[str]:
+        """Every chunk key, lowest layer first (the order of layer-wise loads)."""
+        return [k for layer in range(self.num_layers) for k in self.layer_keys(layer)]
+
+    def encode(self) -> bytes:
+        return msgpack.packb(
+            {
+                "tenant": self.tenant,
+                "session_id": self.session_id,
+                "model_fp": self.model_fp,
+                "hashes": list(self.block_hashes),
+                "tokens": self.token_count,
+                "layers": self.num_layers,
+                "bpc": self.blocks_per_chunk,
+                "updated": self.updated,
+            }
+        )
+
+    @classmethod
+    def decode(cls, data: bytes | bytearray) -> Manifest:
+        h = msgpack.unpackb(data)
+        return cls(
+            tenant=h["tenant"],
+            session_id=h["session_id"],
+            model_fp=h["model_fp"],
+            block_hashes=tuple(bytes(x) for x in h["hashes"]),
+            token_count=int(h["tokens"]),
+            num_layers=int(h["layers"]),
+            blocks_per_chunk=int(h["bpc"]),
+            updated=float(h["updated"]),
+        )
+
+
+def manifest_key(tenant: str, session_id: str) -> str:
+    if not tenant or "/" in tenant or not session_id or "/" in session_id:
+        raise ChunkFormatError("tenant and session_id must be non-empty without '/'")
+    return f"{tenant}/{session_id}"

@@ -1,0 +1,90 @@
+"""Prometheus metrics of one kvstore, in its own CollectorRegistry (no global state).
+
+Exposed by ``metrics_http.serve_metrics`` on ``kvstore.metrics_port`` (0 = off) and
+summarised in the gRPC ``Status`` reply.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
+
+
+class KVStoreMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.hits = Counter("kvstore_hits", "chunk reads found in a tier", ["tier"], registry=r)
+        self.misses = Counter(
+            "kvstore_misses", "chunk reads not found in a tier", ["tier"], registry=r
+        )
+        self.bytes_in = Counter(
+            "kvstore_bytes_in", "bytes written into a tier", ["tier"], registry=r
+        )
+        self.bytes_out = Counter(
+            "kvstore_bytes_out", "bytes read from a tier", ["tier"], registry=r
+        )
+        self.latency = Histogram(
+            "kvstore_op_seconds",
+            "latency of one tier operation",
+            ["tier", "op"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.evictions = Counter(
+            "kvstore_evictions", "entries evicted for capacity", ["tier"], registry=r
+        )
+        self.expired = Counter(
+            "kvstore_expired", "entries removed by TTL sweeps", ["tier"], registry=r
+        )
+        self.checksum_failures = Counter(
+            "kvstore_checksum_failures",
+            "corrupt chunks found (deleted, served as a miss)",
+            ["tier"],
+            registry=r,
+        )
+        self.tier_errors = Counter(
+            "kvstore_tier_errors", "tier calls that failed", ["tier", "op"], registry=r
+        )
+        self.queue_depth = Gauge(
+            "kvstore_write_behind_depth", "queued write-behind jobs", registry=r
+        )
+        self.dropped_writes = Counter(
+            "kvstore_write_behind_dropped",
+            "write-behind jobs dropped because the queue was full",
+            registry=r,
+        )
+        self.durable_writes = Counter(
+            "kvstore_durable_writes", "chunks acknowledged durable", registry=r
+        )
+
+        # Same-node data path to the engine's pool (pool_path.py).
+        self.pool_bytes_saved = Counter(
+            "kvstore_pool_bytes_saved", "KV bytes copied from engine pools into DRAM", registry=r
+        )
+        self.pool_bytes_loaded = Counter(
+            "kvstore_pool_bytes_loaded", "KV bytes copied from the tiers into engine pools",
+            ["tier"], registry=r,
+        )
+        self.lookup_blocks = Counter(
+            "kvstore_lookup_blocks",
+            "prompt blocks looked up: result=hit (stored, leased) or miss",
+            ["result"], registry=r,
+        )
+        self.load_seconds = Histogram(
+            "kvstore_pool_load_seconds", "one LoadIntoPool call, first read to last layer",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.load_failures = Counter(
+            "kvstore_pool_load_failures", "LoadIntoPool calls that stopped at a bad layer",
+            registry=r,
+        )
+        self.active_leases = Gauge("kvstore_leases", "prefix leases held", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def value(self, name: str, **labels: str) -> float:
+        """Current value of one sample (tests and Status read counters through this)."""
+        v = self.registry.get_sample_value(name, labels or None)
+        return float(v or 0.0)

@@ -1,0 +1,49 @@
+"""Tensor copies between the engine's pool and chunk blobs (run on worker threads).
+
+    pool kv:  (num_blocks, 2, block_size, kv_heads, head_dim)
+    a chunk:  (n_blocks,   2, block_size, kv_heads, head_dim)   = kv[ids of one layer]
+
+Saving gathers a layer's blocks of one chunk into a blob; loading scatters a slice of a
+chunk into the target blocks. Only the listed blocks are ever written.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared.chunk_codec import ChunkMeta, encode_chunk
+
+
+def _is_run(ids: list[int]) -> bool:
+    return all(b == a + 1 for a, b in zip(ids, ids[1:]))
+
+
+def gather_blocks(kv: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    """``kv[ids]`` as a CPU tensor; a consecutive run is a view (one copy fewer)."""
+    if _is_run(ids):
+        out = kv[ids[0] : ids[-1] + 1]  # (n, 2, bs, kvh, hd) view
+    else:
+        out = kv.index_select(0, torch.tensor(ids, dtype=torch.long, device=kv.device))
+    return out if out.device.type == "cpu" else out.cpu()
+
+
+def encode_from_pool(kv: torch.Tensor, jobs: list[tuple[ChunkMeta, list[int]]]) -> list[bytearray]:
+    """One unsealed blob per (chunk meta, pool block ids of that chunk and layer)."""
+    return [encode_chunk(meta, gather_blocks(kv, ids), seal=False) for meta, ids in jobs]
+
+
+def scatter_blocks(kv: torch.Tensor, chunk: torch.Tensor, offset: int, ids: list[int]) -> None:
+    """``kv[ids] = chunk[offset : offset + len(ids)]`` (the caller checked the shapes)."""
+    src = chunk[offset : offset + len(ids)]  # (len(ids), 2, bs, kvh, hd)
+    if src.device != kv.device:
+        src = src.to(kv.device, non_blocking=False)
+    if _is_run(ids):
+        kv[ids[0] : ids[-1] + 1].copy_(src)
+    else:
+        kv.index_copy_(0, torch.tensor(ids, dtype=torch.long, device=kv.device), src)
+
+
+def copy_layer(kv: torch.Tensor, parts: list[tuple[torch.Tensor, int, list[int]]]) -> None:
+    """Scatter every (chunk tensor, offset, target ids) of one layer."""
+    for chunk, offset, ids in parts:
+        scatter_blocks(kv, chunk, offset, ids)

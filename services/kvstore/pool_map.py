@@ -1,0 +1,219 @@
+"""Mapping the engine's KV pool into the kvstore process (the same-node data path).
+
+The engine owns ONE tensor for all layers (services/engine/kv_pool.py)::
+
+    kv_cache: (num_blocks, 2, block_size, num_kv_heads, head_dim)   # [:,0]=K, [:,1]=V
+
+- CPU: the pool lives in a shared-memory file; we open it and ``mmap`` it ``MAP_SHARED``,
+  so our writes are the engine's reads (no copy through gRPC or a socket).
+- CUDA: the pool's name is a CUDA IPC handle; it is opened lazily with cuda-python, only
+  when a CUDA pool is attached (the seam: nothing else in the kvstore knows the device).
+
+The kvstore never commits or releases pool pages: the engine only names blocks that are
+committed and pinned for the duration of a call.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shared.chunk_codec import DTYPE_NAMES
+from shared.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+class PoolError(ValueError):
+    """An AttachPool/pool_id request that cannot be served (bad geometry, unknown pool)."""
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    pool_name: str  # CPU: shm file path; CUDA: IPC handle hex
+    device: str  # "cpu" | "cuda[:n]"
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # torch dtype name, e.g. "bfloat16"
+    num_layers: int
+    model_fp: str
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def block_bytes(self) -> int:
+        """K and V of one layer for ``block_size`` tokens."""
+        elem = torch.empty(0, dtype=self.torch_dtype).element_size()
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        return (self.num_blocks, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def validate(self) -> None:
+        if not self.pool_name:
+            raise PoolError("pool.pool_name is empty")
+        if self.dtype not in DTYPE_NAMES:
+            raise PoolError(f"pool.dtype {self.dtype!r} unknown; known: {', '.join(DTYPE_NAMES)}")
+        for name in ("num_blocks", "block_size", "num_kv_heads", "head_dim", "num_layers"):
+            if getattr(self, name) < 1:
+                raise PoolError(f"pool.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.device == "cpu" and not self.device.startswith("cuda"):
+            raise PoolError(f"pool.device {self.device!r} unknown; known: cpu, cuda")
+
+
+class MappedPool:
+    """One attached pool: ``kv`` is the (num_blocks, 2, bs, kvh, hd) tensor over its memory."""
+
+    def __init__(self, pool_id: str, geometry: PoolGeometry, kv: torch.Tensor, closer: Any) -> None:
+        self.pool_id = pool_id
+        self.geometry = geometry
+        self.kv = kv
+        self._closer = closer
+
+    def check_block_ids(self, block_ids: list[int]) -> None:
+        n = self.geometry.num_blocks
+        bad = next((b for b in block_ids if not 0 <= b < n), None)
+        if bad is not None:
+            raise PoolError(f"block id {bad} is outside the pool [0, {n})")
+
+    def close(self) -> None:
+        self.kv = torch.empty(0, dtype=self.geometry.torch_dtype)
+        if self._closer is not None:
+            self._closer()
+            self._closer = None
+
+
+def _map_cpu(geometry: PoolGeometry) -> tuple[torch.Tensor, Any]:
+    need = geometry.num_blocks * geometry.block_bytes
+    try:
+        fd = os.open(geometry.pool_name, os.O_RDWR)
+    except OSError as e:
+        raise PoolError(f"cannot open pool file {geometry.pool_name!r}: {e.strerror}") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size < need:
+            raise PoolError(
+                f"pool file {geometry.pool_name!r} has {size} bytes; the geometry needs {need}"
+            )
+        mm = mmap.mmap(fd, need, flags=mmap.MAP_SHARED)
+    finally:
+        os.close(fd)  # the mapping keeps the file alive
+    flat = torch.frombuffer(mm, dtype=torch.uint8, count=need)
+    kv = flat.view(geometry.torch_dtype).view(geometry.shape)
+
+    def close() -> None:
+        nonlocal flat
+        del flat
+        try:
+            mm.close()
+        except BufferError:
+            # A tensor view is still referenced (an in-flight copy); the mapping goes
+            # away with the last view instead.
+            log.debug("pool %s still viewed; unmapped when the last view dies", geometry.pool_name)
+
+    return kv, close
+
+
+class _CudaArray:
+    """``__cuda_array_interface__`` over a raw device pointer, so torch can view it."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3,
+        }
+
+
+def _map_cuda(geometry: PoolGeometry) -> tuple[torch.Tensor, Any]:
+    from cuda import cudart  # lazy: only CUDA deployments install cuda-python
+
+    handle = cudart.cudaIpcMemHandle_t()
+    handle.reserved = bytes.fromhex(geometry.pool_name)
+    err, ptr = cudart.cudaIpcOpenMemHandle(handle, cudart.cudaIpcMemLazyEnablePeerAccess)
+    if err != cudart.cudaError_t.cudaSuccess:
+        raise PoolError(f"cudaIpcOpenMemHandle failed: {err}")
+    nbytes = geometry.num_blocks * geometry.block_bytes
+    flat = torch.as_tensor(_CudaArray(int(ptr), nbytes), device=geometry.device)
+    kv = flat.view(geometry.torch_dtype).view(geometry.shape)
+
+    def close() -> None:
+        cudart.cudaIpcCloseMemHandle(ptr)
+
+    return kv, close
+
+
+class PoolRegistry:
+    """Attached pools by id; one mapping per pool name. ``close`` unmaps everything."""
+
+    def __init__(self, chunk_tokens: int) -> None:
+        self.chunk_tokens = chunk_tokens
+        self._by_id: dict[str, MappedPool] = {}
+        self._by_name: dict[str, str] = {}
+
+    def blocks_per_chunk(self, block_size: int) -> int:
+        if self.chunk_tokens % block_size:
+            raise ConfigError(
+                f"kvstore.chunk_tokens: {self.chunk_tokens} is not a multiple of the pool's "
+                f"block_size {block_size}; set it to a multiple (e.g. {16 * block_size})"
+            )
+        return self.chunk_tokens // block_size
+
+    def attach(self, geometry: PoolGeometry) -> MappedPool:
+        """Map the pool (or return the existing mapping of the same name and geometry)."""
+        geometry.validate()
+        self.blocks_per_chunk(geometry.block_size)
+        self._drop_vanished()
+        known = self._by_name.get(geometry.pool_name)
+        if known is not None:
+            pool = self._by_id[known]
+            if pool.geometry != geometry:
+                raise PoolError(
+                    f"pool {geometry.pool_name!r} is attached with another geometry "
+                    f"({pool.geometry}); a re-attach must describe the same pool"
+                )
+            return pool
+        mapper = _map_cpu if geometry.device == "cpu" else _map_cuda
+        kv, closer = mapper(geometry)
+        pool = MappedPool(f"pool-{uuid.uuid4().hex[:12]}", geometry, kv, closer)
+        self._by_id[pool.pool_id] = pool
+        self._by_name[geometry.pool_name] = pool.pool_id
+        log.info("attached KV pool %s as %s: %s", geometry.pool_name, pool.pool_id, geometry)
+        return pool
+
+    def get(self, pool_id: str) -> MappedPool:
+        pool = self._by_id.get(pool_id)
+        if pool is None:
+            raise PoolError(f"unknown pool_id {pool_id!r}; call AttachPool first")
+        return pool
+
+    def _drop_vanished(self) -> None:
+        # An engine that exited removed its shm file: drop our mapping of it too.
+        for pool in list(self._by_id.values()):
+            g = pool.geometry
+            if g.device == "cpu" and not os.path.exists(g.pool_name):
+                self._detach(pool)
+
+    def _detach(self, pool: MappedPool) -> None:
+        self._by_id.pop(pool.pool_id, None)
+        self._by_name.pop(pool.geometry.pool_name, None)
+        pool.close()
+        log.info("detached KV pool %s", pool.pool_id)
+
+    def close(self) -> None:
+        for pool in list(self._by_id.values()):
+            self._detach(pool)
+
+    def check_integrity(self) -> None:
+        assert len(self._by_id) == len(self._by_name), "pool id and name maps disagree"
+        for name, pid in self._by_name.items():
+            assert self._by_id[pid].geometry.pool_name == name, "pool name map is stale"

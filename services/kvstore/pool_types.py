@@ -1,0 +1,85 @@
+"""Plain data of the pool data path (wire.py converts protos to and from these)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class PrefixSpan:
+    """``use_blocks`` sequence blocks from ``first_block`` on, served by the chunk whose last
+    block hash is ``chunk_hash`` (in every layer). The chunk starts at
+    ``first_block - first_block % blocks_per_chunk``; only the first span of a lookup whose
+    ``first_block`` is mid-chunk starts after its chunk's start."""
+
+    chunk_hash: bytes
+    first_block: int
+    use_blocks: int
+    tier: str = ""  # slowest tier any layer of it sits in
+    nbytes: int = 0  # payload bytes over all layers for use_blocks
+
+
+@dataclass(frozen=True)
+class LookupRequest:
+    tenant: str
+    session_id: str  # "" = probe full-chunk keys (and the prompt's own end) only
+    model_fp: str
+    block_hashes: tuple[bytes, ...]
+    first_block: int
+    num_layers: int
+
+
+@dataclass
+class LookupResult:
+    matched_blocks: int
+    spans: list[PrefixSpan] = field(default_factory=list)
+    lease_id: str = ""
+    tier_bytes_per_s: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    pool_id: str
+    lease_id: str
+    tenant: str
+    model_fp: str
+    spans: tuple[PrefixSpan, ...]
+    block_ids: tuple[int, ...]  # layer-major: block_ids[layer * n + i]
+    num_layers: int
+
+
+@dataclass(frozen=True)
+class LayerLoaded:
+    layer: int
+    ok: bool
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class SaveRequest:
+    pool_id: str
+    tenant: str
+    session_id: str  # "" = cache chunks without a manifest
+    model_fp: str
+    block_hashes: tuple[bytes, ...]  # every full block of the sequence, from block 0
+    token_count: int
+    first_block: int  # a multiple of blocks_per_chunk
+    block_ids: tuple[int, ...]  # layer-major: block_ids[layer * n + i] = block first_block+i
+    num_layers: int
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    chunks_written: int
+    chunks_skipped: int
+
+
+@dataclass(frozen=True)
+class SavedSequence:
+    """The latest sequence saved for a (tenant, session): lookups use it before the
+    durable manifest exists."""
+
+    model_fp: str
+    block_hashes: tuple[bytes, ...]
+    token_count: int
+    num_layers: int

@@ -1,0 +1,74 @@
+"""``run(config)``: the kvstore process — tiers, store, gRPC service, metrics — in one stack.
+
+Shutdown order (reverse of start): stop the metrics endpoint, stop gRPC (grace), drain
+the write-behind for up to ``drain_s`` seconds, close S3, then RocksDB, then DRAM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from contextlib import AsyncExitStack
+
+from services.kvstore.config import KVStoreConfig
+from services.kvstore.metrics import KVStoreMetrics
+from services.kvstore.metrics_http import serve_metrics
+from services.kvstore.service import KVStoreService
+from services.kvstore.store import TieredStore
+from services.kvstore.tiers import build_tiers
+from shared.grpc_server import serve_grpc
+from shared.proto import kvstore_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "overture.v1.KVStore"
+
+
+def build_store(config: KVStoreConfig, metrics: KVStoreMetrics) -> TieredStore:
+    """A closed store for ``config`` (enter it with ``async with``). Raises ConfigError."""
+    return TieredStore(
+        build_tiers(config),
+        metrics,
+        write_queue=config.write_queue,
+        write_workers=config.write_workers,
+        retry_backoff_max_s=config.retry_backoff_max_s,
+        local_ttl_s=config.local_ttl_s,
+        ttl_s=config.ttl_s,
+        sweep_interval_s=config.sweep_interval_s,
+        drain_s=config.drain_s,
+    )
+
+
+async def run(config: KVStoreConfig, stop: asyncio.Event | None = None) -> None:
+    """Serve until SIGTERM/SIGINT (or ``stop`` is set).
+
+    Raises ``TierOpenError``/``ConfigError`` at start (the caller exits non-zero).
+    """
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    metrics = KVStoreMetrics()
+    async with AsyncExitStack() as stack:
+        store = await stack.enter_async_context(build_store(config, metrics))
+        service = KVStoreService(store, config.node_id, config.stream_window, config.peer_address)
+        server = await stack.enter_async_context(
+            serve_grpc(
+                config.host,
+                config.port,
+                register=[lambda s: pb_grpc.add_KVStoreServicer_to_server(service, s)],
+                service_names=[SERVICE_NAME],
+            )
+        )
+        if config.metrics_port:
+            mport = await stack.enter_async_context(
+                serve_metrics(metrics, config.host, config.metrics_port)
+            )
+            log.info("metrics on http://%s:%d/metrics", config.host, mport)
+        tiers = ", ".join(t.name for t in store.tiers)
+        log.info("kvstore ready on %s:%d (tiers: %s)", config.host, server.port, tiers)
+        await stop.wait()
+        log.info("kvstore shutting down")
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)

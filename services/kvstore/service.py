@@ -1,0 +1,187 @@
+"""The KVStore gRPC servicer: a thin edge over ``TieredStore`` (protos stop here)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from services.kvstore.errors import ManifestIncomplete, StorageError, TierUnavailable
+from services.kvstore.peer import pull_session
+from services.kvstore.store import TieredStore
+from services.kvstore.streaming import stream_session
+from services.kvstore.wire import manifest_from_pb, manifest_to_pb, tier_to_pb
+from shared.chunk_codec import ChunkCorrupt, ChunkFormatError
+from shared.proto import kvstore_pb2 as pb
+from shared.proto import kvstore_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+class KVStoreService(pb_grpc.KVStoreServicer):
+    def __init__(self, store: TieredStore, node_id: str, window: int, peer_address: str) -> None:
+        self.store = store
+        self.node_id = node_id
+        self.window = window
+        self.peer_address = peer_address
+
+    async def Status(
+        self, request: pb.KVStoreStatusRequest, context: grpc.aio.ServicerContext
+    ) -> pb.KVStoreStatus:
+        healthy, detail = self.store.health()
+        m = self.store.metrics
+        failures = sum(
+            m.value("kvstore_checksum_failures_total", tier=t)
+            for t in [*(x.name for x in self.store.tiers), "peer"]
+        )
+        return pb.KVStoreStatus(
+            node_id=self.node_id,
+            healthy=healthy,
+            detail=detail,
+            tiers=[tier_to_pb(s) for s in self.store.stats()],
+            write_queue_depth=self.store.writer.depth,
+            dropped_writes=self.store.writer.dropped,
+            checksum_failures=int(failures),
+        )
+
+    async def GetChunks(
+        self, request: pb.GetChunksRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ChunkData]:
+        window = request.window or self.window
+        if request.keys:
+            for i, key in enumerate(request.keys):
+                blob = await self.store.get_blob(key)
+                yield _chunk_msg(key, blob, layer=_layer_of(key), index=i)
+            return
+        try:
+            manifest = await self.store.get_manifest(
+                request.session.tenant, request.session.session_id
+            )
+        except ChunkFormatError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            return
+        if manifest is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "no manifest for this session")
+            return
+        last = request.last_layer if request.has_last_layer else None
+        stream = stream_session(self.store, manifest, request.first_layer, last, window)
+        async for layer, index, key, blob in stream:
+            # grpc's write awaits HTTP/2 flow control, so the read-ahead stays bounded.
+            yield _chunk_msg(key, blob, layer, index)
+
+    async def PutChunks(
+        self, request_iterator: AsyncIterator[pb.ChunkData], context: grpc.aio.ServicerContext
+    ) -> pb.PutChunksReply:
+        stored = rejected = 0
+        wait = False
+        receipts = []
+        detail = ""
+        async for msg in request_iterator:
+            wait = wait or msg.wait_durable
+            try:
+                receipts.append(
+                    await self.store.put_blob(msg.blob, msg.priority if msg.has_priority else None)
+                )
+                stored += 1
+            except ChunkCorrupt as e:
+                rejected += 1
+                detail = f"{msg.key}: {e}"
+        not_durable = 0
+        if wait:
+            for r in receipts:
+                try:
+                    await r.durable
+                except StorageError as e:
+                    not_durable += 1
+                    detail = str(e)
+        return pb.PutChunksReply(
+            stored=stored, rejected=rejected, not_durable=not_durable, detail=detail
+        )
+
+    async def GetManifest(
+        self, request: pb.ManifestRef, context: grpc.aio.ServicerContext
+    ) -> pb.ManifestReply:
+        try:
+            m = await self.store.get_manifest(request.tenant, request.session_id)
+        except ChunkFormatError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if m is None:
+            return pb.ManifestReply(found=False)
+        return pb.ManifestReply(found=True, manifest=manifest_to_pb(m))
+
+    async def PutManifest(
+        self, request: pb.SessionManifest, context: grpc.aio.ServicerContext
+    ) -> pb.PutManifestReply:
+        try:
+            await self.store.put_manifest(manifest_from_pb(request))
+        except ChunkFormatError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except (ManifestIncomplete, TierUnavailable) as e:
+            return pb.PutManifestReply(written=False, detail=str(e))
+        return pb.PutManifestReply(written=True, detail="ok")
+
+    async def Stat(
+        self, request: pb.StatRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StatReply:
+        out = [pb.KeyLocation(key=k, tiers=await self.store.locate(k)) for k in request.keys]
+        return pb.StatReply(keys=out)
+
+    async def Delete(
+        self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeleteReply:
+        n = 0
+        for k in request.keys:
+            n += await self.store.delete(k)
+        if request.session.session_id:
+            try:
+                m = await self.store.get_manifest(
+                    request.session.tenant, request.session.session_id
+                )
+                if m is not None and request.with_chunks:
+                    for k in m.chunk_keys():
+                        n += await self.store.delete(k)
+                n += await self.store.delete_manifest(
+                    request.session.tenant, request.session.session_id
+                )
+            except ChunkFormatError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.DeleteReply(deleted=n)
+
+    async def PullSession(
+        self, request: pb.PullSessionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PullSessionReply:
+        peer = request.peer_address or self.peer_address
+        if not peer:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "no peer_address given and kvstore.peer_address is empty",
+            )
+        try:
+            r = await pull_session(
+                self.store,
+                peer,
+                request.session.tenant,
+                request.session.session_id,
+                request.first_layer,
+                self.window,
+                write_manifest=request.wait_durable,
+            )
+        except TierUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except ChunkFormatError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.PullSessionReply(
+            found=r.found, chunks=r.chunks, missing=r.missing, bytes=r.bytes, detail=r.detail
+        )
+
+
+def _layer_of(key: str) -> int:
+    tail = key.rsplit("/", 1)[-1]
+    return int(tail) if tail.isdigit() else 0
+
+
+def _chunk_msg(key: str, blob: bytes | bytearray | None, layer: int, index: int) -> pb.ChunkData:
+    if blob is None:
+        return pb.ChunkData(key=key, found=False, layer=layer, index=index)
+    return pb.ChunkData(key=key, blob=bytes(blob), found=True, layer=layer, index=index)

@@ -1,0 +1,427 @@
+"""TieredStore: the kvstore's in-process API over DRAM → SSD → S3 (DESIGN §3).
+
+Contract for callers (the gRPC service, and later the engine hand-off of Symphony core):
+
+- ``put(meta, tensor)`` copies the tensor into a chunk blob and lands it in DRAM before
+  its first await returns control: when ``put`` returns, the caller may reuse/unpin the
+  source memory. The returned ``PutReceipt.durable`` future resolves once the chunk is in
+  the lowest configured tier (fails with ``WriteDropped`` if the write-behind queue had to
+  drop it). Awaiting it is optional.
+- ``get(key)`` searches DRAM, then SSD, then S3; a hit in a lower tier is verified
+  (CRC), promoted to DRAM (and SSD), and returned as a ``Chunk`` whose tensor views the
+  stored blob (read-only; copy it into the pool). A miss, an unreachable tier and a corrupt
+  copy all yield ``None`` (corrupt copies are counted and deleted).
+- ``get_layer(manifest, layer)`` returns that layer's chunks in token order (``None`` for
+  missing ones); ``streaming.stream_session`` yields them lowest layer first with a
+  bounded read-ahead.
+- ``put_manifest`` waits for the chunks it names to be durable, then writes the manifest
+  to the lowest tier (and SSD); raises ``ManifestIncomplete`` otherwise, so a manifest
+  never points at missing data. ``get_manifest`` prefers the lowest tier (authoritative,
+  shared between nodes) and falls back to SSD.
+- Safe for many concurrent callers on one event loop; not thread-safe.
+
+Engine hand-off (the shape the pool wants; the store itself accepts any shape/dtype)::
+
+    pool (per engine):  kv_cache (num_blocks, 2, block_size, kv_heads, head_dim)
+    one chunk:          kv_cache[block_ids_of_layer_l[c0:c1]]       # gather, a copy
+                        -> (n_blocks, 2, block_size, kv_heads, head_dim), n_blocks <= chunk
+    save:   await store.put(ChunkMeta(tenant, fp, l, hashes[c0:c1]), chunk)  # then unpin
+    load:   c = await store.get(key);  kv_cache[free_ids] = c.tensor         # scatter
+            layer by layer: for l in range(L): await store.get_layer(manifest, l)
+
+``ChunkMeta.block_hashes`` are the chained block hashes of exactly the blocks in the
+chunk; the key uses the last one, so a prefix of a session hits the same chunk keys as
+long as its chunks end on the same blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from services.kvstore.errors import ManifestIncomplete, TierUnavailable, WriteDropped
+from services.kvstore.manifest import Manifest, manifest_key
+from services.kvstore.metrics import KVStoreMetrics
+from services.kvstore.store_io import TierIO
+from services.kvstore.sweeper import sweep_loop, sweep_tiers
+from services.kvstore.tiers.base import Blob, Tier, TierStats
+from services.kvstore.tiers.dram import DramTier
+from services.kvstore.write_behind import WriteBehind
+from shared.chunk_codec import (
+    Chunk,
+    ChunkCorrupt,
+    ChunkMeta,
+    decode_chunk,
+    encode_chunk,
+    read_meta,
+    seal_chunk,
+    verify_chunk,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+_C = "c/"  # tier key prefix of chunks
+_M = "m/"  # tier key prefix of manifests
+MANIFEST_PRIORITY = 1 << 30  # local tiers never evict a manifest before a chunk
+_DURABLE_MEMORY = 100_000  # keys remembered as durable, to spare HEAD calls on manifests
+
+
+def layer_priority(layer: int) -> int:
+    """Default eviction priority: later layers are evicted first (Symphony §3.3)."""
+    return -layer
+
+
+@dataclass
+class PutReceipt:
+    key: str
+    durable: asyncio.Future[None]
+
+
+class TieredStore:
+    def __init__(
+        self,
+        tiers: list[Tier],
+        metrics: KVStoreMetrics,
+        *,
+        write_queue: int = 1024,
+        write_workers: int = 4,
+        retry_backoff_max_s: float = 5.0,
+        local_ttl_s: float = 86400.0,
+        ttl_s: float = 7 * 86400.0,
+        sweep_interval_s: float = 30.0,
+        drain_s: float = 5.0,
+    ) -> None:
+        if not tiers or not isinstance(tiers[0], DramTier):
+            raise ValueError("the first tier must be a DramTier")
+        self.tiers = tiers
+        self.dram: DramTier = tiers[0]
+        self.lowest = tiers[-1]
+        self.metrics = metrics
+        self.io = TierIO(metrics)
+        self.local_ttl_s, self.ttl_s = local_ttl_s, ttl_s
+        self.sweep_interval_s, self.drain_s = sweep_interval_s, drain_s
+        self.writer = WriteBehind(
+            self.io.put, metrics, write_queue, write_workers, backoff_max_s=retry_backoff_max_s
+        )
+        self.writer.on_durable = self._remember_durable
+        self._inflight: dict[str, asyncio.Future[None]] = {}
+        self._durable: OrderedDict[str, None] = OrderedDict()
+        self._sweeper: asyncio.Task[None] | None = None
+        self._opened: list[Tier] = []
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def __aenter__(self) -> TieredStore:
+        try:
+            for tier in self.tiers:
+                await tier.open()
+                self._opened.append(tier)
+        except BaseException:
+            await self._close_tiers()
+            raise
+        await self.writer.start()
+        self._sweeper = asyncio.create_task(sweep_loop(self), name="kv-sweeper")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
+            self._sweeper = None
+        await self.writer.close(self.drain_s)
+        await self._close_tiers()
+
+    async def _close_tiers(self) -> None:
+        for tier in reversed(self._opened):
+            try:
+                await tier.close()
+            except Exception:
+                log.exception("closing tier %s failed", tier.name)
+        self._opened = []
+
+    @property
+    def local_tiers(self) -> list[Tier]:
+        """Tiers below DRAM that the write-behind fills (SSD and the lowest, in order)."""
+        return self.tiers[1:]
+
+    # ---------------------------------------------------------------- chunks
+
+    async def put(
+        self, meta: ChunkMeta, tensor: torch.Tensor, priority: int | None = None
+    ) -> PutReceipt:
+        """Encode ``tensor`` as chunk ``meta`` into DRAM now; write it behind. See module doc."""
+        blob = encode_chunk(meta, tensor, seal=False)
+        return self._admit(
+            meta.key, blob, layer_priority(meta.layer) if priority is None else priority
+        )
+
+    async def put_blob(self, blob: Blob, priority: int | None = None) -> PutReceipt:
+        """Store an already encoded, sealed chunk (from a peer or a client); verifies it first.
+
+        Raises ``ChunkCorrupt`` (nothing stored) if the blob fails its checksum.
+        """
+        await _checksum_work(verify_chunk, blob)
+        meta = read_meta(blob)
+        return self._admit(
+            meta.key, blob, layer_priority(meta.layer) if priority is None else priority
+        )
+
+    def put_encoded(self, meta: ChunkMeta, blob: bytearray, priority: int | None = None) -> PutReceipt:
+        """Admit a blob this process just built with ``encode_chunk(meta, t, seal=False)``.
+
+        Synchronous (in DRAM when it returns), so heavy encoding can run on a worker thread
+        first (the pool save path). The blob is trusted like a ``put``'s: no CRC check.
+        """
+        return self._admit(
+            meta.key, blob, layer_priority(meta.layer) if priority is None else priority
+        )
+
+    def _admit(self, key: str, blob: Blob, priority: int) -> PutReceipt:
+        self.io.dram_put(self.dram, _C + key, blob, priority)
+        self._durable.pop(key, None)
+        fut = self.writer.submit(_C + key, blob, priority, self.local_tiers, durable=True)
+        if len(self.tiers) == 1:
+            self._remember_durable(_C + key)
+        self._inflight[key] = fut
+        fut.add_done_callback(
+            lambda f, k=key: self._inflight.pop(k, None) if self._inflight.get(k) is f else None
+        )
+        return PutReceipt(key, fut)
+
+    def forget_durable(self, tier_key: str) -> None:
+        """The lowest tier lost ``tier_key`` (deleted, expired, corrupt): stop vouching for it."""
+        if tier_key.startswith(_C):
+            self._durable.pop(tier_key[len(_C):], None)
+
+    def _remember_durable(self, tier_key: str) -> None:
+        if tier_key.startswith(_C):
+            key = tier_key[len(_C) :]
+            self._durable[key] = None
+            self._durable.move_to_end(key)
+            while len(self._durable) > _DURABLE_MEMORY:
+                self._durable.popitem(last=False)
+
+    async def get(self, key: str) -> Chunk | None:
+        """The chunk under ``key`` or ``None`` (miss, unreachable or corrupt). See module doc."""
+        return (await self.find_chunk(key))[0]
+
+    async def find_chunk(self, key: str) -> tuple[Chunk | None, str]:
+        """``get`` plus the name of the tier it came from ("" on a miss)."""
+        blob, trusted, tier = await self._find(key)
+        if blob is None:
+            return None, ""
+        return decode_chunk(blob, verify=not trusted), tier
+
+    async def get_blob(self, key: str) -> Blob | None:
+        """The sealed blob under ``key`` (for sending to a peer) or ``None``."""
+        blob, _trusted, _tier = await self._find(key)
+        if isinstance(blob, bytearray):
+            await _checksum_work(seal_chunk, blob)  # a put not yet written behind
+        return blob
+
+    async def _find(self, key: str) -> tuple[Blob | None, bool, str]:
+        """(blob, trusted, tier name) searching the tiers in order; verifies and promotes."""
+        tkey = _C + key
+        blob = await self.io.get(self.dram, tkey)
+        if blob is not None:
+            return blob, True, self.dram.name
+        for i, tier in enumerate(self.tiers[1:], start=1):
+            try:
+                blob = await self.io.get(tier, tkey)
+                if blob is None:
+                    continue
+                meta = await self._verify(blob)
+            except ChunkCorrupt as e:
+                await self._drop_corrupt(tier, tkey, e)
+                continue
+            self._promote(tkey, blob, layer_priority(meta.layer), self.tiers[1:i])
+            return blob, True, tier.name
+        return None, False, ""
+
+    async def _verify(self, blob: Blob) -> ChunkMeta:
+        await _checksum_work(verify_chunk, blob)
+        return read_meta(blob)
+
+    async def _drop_corrupt(self, tier: Tier, tkey: str, err: ChunkCorrupt) -> None:
+        log.warning("corrupt chunk %s in %s (%s): deleted, served as a miss", tkey, tier.name, err)
+        self.metrics.checksum_failures.labels(tier.name).inc()
+        if tier is self.lowest:
+            self.forget_durable(tkey)
+        try:
+            await tier.delete(tkey)
+        except TierUnavailable as e:
+            log.warning("could not delete corrupt %s from %s: %s", tkey, tier.name, e)
+
+    def _promote(self, tkey: str, blob: Blob, priority: int, upper: list[Tier]) -> None:
+        self.io.dram_put(self.dram, tkey, blob, priority)
+        if upper:  # e.g. an S3 hit is also copied to SSD, in the background
+            self.writer.submit(tkey, blob, priority, upper, durable=False)
+
+    def dram_blob(self, key: str) -> Blob | None:
+        """The DRAM copy of chunk ``key`` without touching recency or metrics (lookups)."""
+        return self.dram.peek(_C + key)
+
+    async def first_tier_below_dram(self, key: str, pin: bool = False) -> Tier | None:
+        """The fastest tier below DRAM holding chunk ``key`` (pinned there if ``pin``)."""
+        for tier in self.tiers[1:]:
+            try:
+                if await tier.contains(_C + key):
+                    if pin:
+                        tier.pin(_C + key)
+                    return tier
+            except TierUnavailable:
+                continue
+        return None
+
+    def unpin(self, tier: Tier, key: str) -> None:
+        tier.unpin(_C + key)
+
+    def has_local_or_durable(self, key: str) -> bool:
+        """Whether chunk ``key`` is known stored without remote I/O: in DRAM, being written
+        behind, or in a local tier's index, or acknowledged durable by this process."""
+        tkey = _C + key
+        if key in self._inflight or key in self._durable or self.dram.peek(tkey) is not None:
+            return True
+        return any(t.has_local(tkey) for t in self.tiers[1:])
+
+    async def locate(self, key: str) -> list[str]:
+        """Names of the tiers holding ``key`` (an unreachable tier is left out)."""
+        out = []
+        for tier in self.tiers:
+            try:
+                if await tier.contains(_C + key):
+                    out.append(tier.name)
+            except TierUnavailable:
+                continue
+        return out
+
+    async def delete(self, key: str) -> int:
+        """Delete ``key`` from every tier; how many tiers held it."""
+        return await self._delete_everywhere(_C + key)
+
+    async def _delete_everywhere(self, tkey: str) -> int:
+        self.forget_durable(tkey)
+        n = 0
+        for tier in self.tiers:
+            try:
+                n += bool(await tier.delete(tkey))
+            except TierUnavailable as e:
+                log.warning("delete of %s in %s failed: %s", tkey, tier.name, e)
+        return n
+
+    async def is_durable(self, key: str) -> bool:
+        """Whether ``key`` is in the lowest tier, waiting for an in-flight write first."""
+        fut = self._inflight.get(key)
+        if fut is not None:
+            try:
+                await asyncio.shield(fut)
+            except WriteDropped:
+                return False
+            return True
+        if key in self._durable:
+            return True
+        try:
+            return await self.lowest.contains(_C + key)
+        except TierUnavailable:
+            return False
+
+    # ---------------------------------------------------------------- sessions
+
+    async def get_layer(self, manifest: Manifest, layer: int) -> list[Chunk | None]:
+        """The chunks of one layer of a session, in token order (``None`` = miss)."""
+        return list(await asyncio.gather(*(self.get(k) for k in manifest.layer_keys(layer))))
+
+    async def put_manifest(self, manifest: Manifest, wait_s: float = 30.0) -> None:
+        """Write ``manifest`` once every chunk it names is durable; else ``ManifestIncomplete``.
+
+        Chunks still being written behind are waited for, up to ``wait_s`` seconds.
+        Raises ``TierUnavailable`` if the lowest tier cannot take the manifest itself.
+        """
+        keys = manifest.chunk_keys()
+        inflight = [self._inflight[k] for k in keys if k in self._inflight]
+        settled = [k for k in keys if k not in self._inflight and k not in self._durable]
+        # Cheap checks first: a chunk that is neither in flight nor durable fails at once.
+        present = await asyncio.gather(*(self.is_durable(k) for k in settled))
+        missing = [k for k, ok in zip(settled, present) if not ok]
+        if not missing and inflight:
+            done, _pending = await asyncio.wait(
+                [asyncio.shield(f) for f in inflight], timeout=wait_s
+            )
+            ok = sum(1 for f in done if not f.cancelled() and f.exception() is None)
+            if ok < len(inflight):
+                missing = [f"{len(inflight) - ok} chunks still not durable after {wait_s}s"]
+        if missing:
+            raise ManifestIncomplete(
+                f"manifest {manifest.key}: chunks are not durable in the lowest tier ({missing[0]})"
+            )
+        blob = manifest.encode()
+        tkey = _M + manifest.key
+        # Lowest tier first: it is the authority; the SSD copy only speeds up local reads.
+        await self.io.put(self.lowest, tkey, blob, MANIFEST_PRIORITY)
+        for tier in self.tiers[1:-1]:
+            try:
+                await self.io.put(tier, tkey, blob, MANIFEST_PRIORITY)
+            except TierUnavailable as e:
+                log.warning("local manifest copy of %s failed: %s", manifest.key, e)
+
+    async def get_manifest(self, tenant: str, session_id: str) -> Manifest | None:
+        """The session's manifest from the lowest reachable tier below DRAM, or ``None``."""
+        tkey = _M + manifest_key(tenant, session_id)
+        for tier in reversed(self.tiers[1:] or self.tiers):
+            try:
+                blob = await tier.get(tkey)
+            except TierUnavailable:
+                continue
+            if blob is not None:
+                try:
+                    return Manifest.decode(blob)
+                except (ValueError, KeyError, TypeError) as e:
+                    log.warning("unreadable manifest %s in %s: %s", tkey, tier.name, e)
+                    await tier.delete(tkey)
+        return None
+
+    async def delete_manifest(self, tenant: str, session_id: str) -> int:
+        return await self._delete_everywhere(_M + manifest_key(tenant, session_id))
+
+    # ---------------------------------------------------------------- expiry
+
+    async def sweep(self, now: float | None = None) -> int:
+        """One expiry pass (see ``sweeper.sweep_tiers``); entries removed."""
+        return await sweep_tiers(self, time.time() if now is None else now)
+
+    # ---------------------------------------------------------------- status
+
+    def stats(self) -> list[TierStats]:
+        return [t.stats() for t in self.tiers]
+
+    def health(self) -> tuple[bool, str]:
+        """(healthy, detail): unhealthy tiers named, e.g. ``s3 degraded: ...``."""
+        problems = [f"{s.name} degraded: {s.detail}" for s in self.stats() if not s.healthy]
+        if self.writer.dropped:
+            problems.append(f"{self.writer.dropped} write-behind jobs dropped")
+        return (not any(not s.healthy for s in self.stats()), "; ".join(problems) or "ok")
+
+    def check_integrity(self) -> None:
+        for tier in self.tiers:
+            tier.check_integrity()
+        self.writer.check_integrity()
+        assert all(not f.done() for f in self._inflight.values()), "finished write still in flight"
+
+
+_OFF_LOOP_BYTES = 256 << 10  # below this a CRC (~0.1 ms) is cheaper than a thread hop
+
+
+async def _checksum_work(fn: Callable[[Any], None], blob: Blob) -> None:
+    """Run a CRC seal/verify on a worker thread for big blobs, inline for small ones."""
+    if len(blob) >= _OFF_LOOP_BYTES:
+        await asyncio.to_thread(fn, blob)
+    else:
+        fn(blob)

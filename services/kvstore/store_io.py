@@ -1,0 +1,81 @@
+"""Instrumented tier calls: every read and write of the store goes through here.
+
+Counts hits/misses, bytes in/out, evictions and errors per tier, and times each call.
+"""
+
+from __future__ import annotations
+
+import time
+
+from services.kvstore.errors import TierUnavailable
+from services.kvstore.metrics import KVStoreMetrics
+from services.kvstore.tiers.base import Blob, Tier
+from services.kvstore.tiers.dram import DramTier
+
+
+class _TierCounters:
+    """The labelled children of one tier, resolved once (``labels()`` is a locked lookup)."""
+
+    def __init__(self, m: KVStoreMetrics, tier: str) -> None:
+        self.hits = m.hits.labels(tier)
+        self.misses = m.misses.labels(tier)
+        self.bytes_in = m.bytes_in.labels(tier)
+        self.bytes_out = m.bytes_out.labels(tier)
+        self.evictions = m.evictions.labels(tier)
+        self.get_s = m.latency.labels(tier, "get")
+        self.put_s = m.latency.labels(tier, "put")
+        self.get_err = m.tier_errors.labels(tier, "get")
+        self.put_err = m.tier_errors.labels(tier, "put")
+
+
+class TierIO:
+    def __init__(self, metrics: KVStoreMetrics) -> None:
+        self.m = metrics
+        self._by_tier: dict[str, _TierCounters] = {}
+
+    def _c(self, tier: Tier) -> _TierCounters:
+        c = self._by_tier.get(tier.name)
+        if c is None:
+            c = self._by_tier[tier.name] = _TierCounters(self.m, tier.name)
+        return c
+
+    async def get(self, tier: Tier, key: str) -> Blob | None:
+        """``tier.get`` with metrics; an unreachable tier counts as a miss (returns None)."""
+        c = self._c(tier)
+        t0 = time.perf_counter()
+        try:
+            blob = await tier.get(key)
+        except TierUnavailable:
+            c.get_err.inc()
+            blob = None
+        c.get_s.observe(time.perf_counter() - t0)
+        if blob is None:
+            c.misses.inc()
+        else:
+            c.hits.inc()
+            c.bytes_out.inc(len(blob))
+        return blob
+
+    async def put(self, tier: Tier, key: str, blob: Blob, priority: int) -> None:
+        """``tier.put`` with metrics; re-raises ``TierUnavailable`` for the caller to retry."""
+        c = self._c(tier)
+        t0 = time.perf_counter()
+        try:
+            evicted = await tier.put(key, blob, priority)
+        except TierUnavailable:
+            c.put_err.inc()
+            raise
+        finally:
+            c.put_s.observe(time.perf_counter() - t0)
+        self._account_put(tier, key, blob, evicted)
+
+    def dram_put(self, tier: DramTier, key: str, blob: Blob, priority: int) -> None:
+        """Synchronous DRAM insert (no await: the put has landed when this returns)."""
+        self._account_put(tier, key, blob, tier.put_now(key, blob, priority))
+
+    def _account_put(self, tier: Tier, key: str, blob: Blob, evicted: list[str]) -> None:
+        c = self._c(tier)
+        if key not in evicted:
+            c.bytes_in.inc(len(blob))
+        if evicted:
+            c.evictions.inc(len(evicted))

@@ -1,0 +1,47 @@
+"""Expiry: local tiers drop entries idle past ``local_ttl_s``; the lowest tier past ``ttl_s``.
+
+The lowest tier keeps everything until its TTL (DESIGN §3); DRAM and SSD also evict for
+capacity on every put, so the sweep only bounds how long idle data lingers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from services.kvstore.errors import StorageError, TierUnavailable
+
+if TYPE_CHECKING:
+    from services.kvstore.store import TieredStore
+
+log = logging.getLogger(__name__)
+
+
+async def sweep_tiers(store: TieredStore, now: float) -> int:
+    """One pass over every tier; returns how many entries were removed."""
+    removed = 0
+    for tier in store.tiers:
+        ttl = store.ttl_s if tier is store.lowest else store.local_ttl_s
+        try:
+            for key in await tier.scan_expired(now - ttl):
+                if tier is store.lowest:
+                    store.forget_durable(key)
+                if await tier.delete(key):
+                    removed += 1
+                    store.metrics.expired.labels(tier.name).inc()
+        except TierUnavailable as e:
+            log.warning("sweep of %s skipped: %s", tier.name, e)
+    return removed
+
+
+async def sweep_loop(store: TieredStore) -> None:
+    """Sweep every ``store.sweep_interval_s``; checks invariants when debug logging is on."""
+    while True:
+        await asyncio.sleep(store.sweep_interval_s)
+        try:
+            await store.sweep()
+            if log.isEnabledFor(logging.DEBUG):
+                store.check_integrity()
+        except StorageError as e:
+            log.warning("sweep failed: %s", e)

@@ -1,0 +1,91 @@
+"""The tier interface: a bounded or unbounded map from key to chunk blob.
+
+Every tier stores opaque blobs (encoded chunks or manifests) under string keys. The store
+above it decides what a blob means; a tier only keeps, evicts and reports.
+
+Contract common to all tiers:
+- ``open`` acquires resources (files, clients, threads); constructors stay cheap.
+  Raises ``TierOpenError`` with a message naming the config key and the fix.
+- ``get`` returns the stored bytes or ``None`` (a miss). It does not check the chunk CRC;
+  it raises ``ChunkCorrupt`` only when the medium itself reports corruption.
+- ``put`` replaces any previous value and returns the keys it evicted to make room
+  (possibly empty). A blob larger than the whole capacity is not stored and returns
+  ``[key]`` (the new key itself counts as evicted).
+- ``contains``/``delete`` never raise on a missing key.
+- ``get/put/contains/delete/scan_expired`` raise ``TierUnavailable`` when the medium
+  cannot be reached; the store turns that into a miss (get) or a retry (put).
+- Methods are coroutines; blocking media run their I/O off the event loop. All methods
+  are safe to call concurrently from one event loop.
+- ``priority``: higher survives longer. Local tiers evict the lowest priority first, then
+  the least recently used; remote tiers keep everything until ``scan_expired``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+Blob = bytes | bytearray
+
+
+@dataclass(frozen=True)
+class TierStats:
+    name: str
+    entries: int
+    bytes_used: int
+    capacity_bytes: int  # 0 = unbounded
+    healthy: bool = True
+    detail: str = ""
+
+
+class Tier(ABC):
+    """A storage tier (DRAM arena, RocksDB, S3). See the module docstring for the contract."""
+
+    name: str = "tier"
+
+    async def open(self) -> None:
+        """Acquire resources. Default: nothing to acquire."""
+
+    async def close(self) -> None:
+        """Release resources; idempotent."""
+
+    @abstractmethod
+    async def get(self, key: str) -> Blob | None:
+        """The blob stored under ``key`` or ``None``; refreshes its recency."""
+
+    @abstractmethod
+    async def put(self, key: str, blob: Blob, priority: int = 0) -> list[str]:
+        """Store ``blob``; return the keys evicted to make room."""
+
+    @abstractmethod
+    async def contains(self, key: str) -> bool:
+        """Whether ``key`` is stored (does not refresh recency)."""
+
+    @abstractmethod
+    async def delete(self, key: str) -> bool:
+        """Remove ``key``; True if it was there."""
+
+    @abstractmethod
+    async def scan_expired(self, older_than: float) -> list[str]:
+        """Keys last written or read before the wall-clock time ``older_than``."""
+
+    @abstractmethod
+    def stats(self) -> TierStats:
+        """A cheap snapshot of occupancy and health (no I/O)."""
+
+    def has_local(self, key: str) -> bool:
+        """Whether ``key`` is known present without I/O (local indexes). Default: False."""
+        return False
+
+    def pin(self, key: str) -> None:
+        """Protect ``key`` from eviction and expiry until ``unpin`` (a prefix lease).
+
+        Counted: n pins need n unpins; pinning an absent key is allowed. Default: nothing
+        (remote tiers keep everything until their TTL; DRAM leases hold the blob itself).
+        """
+
+    def unpin(self, key: str) -> None:
+        """Undo one ``pin``."""
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if internal bookkeeping is inconsistent. Default: nothing."""

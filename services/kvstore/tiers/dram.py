@@ -1,0 +1,72 @@
+"""DRAM tier: a bounded in-memory arena of chunk blobs (also the in-memory test tier).
+
+The budget counts blob bytes. Blobs are kept as the very objects handed to ``put`` (no
+copy); ``get`` returns the same object, so a decoded tensor views arena memory. Callers
+must treat returned blobs as read-only except for sealing (see ``shared.chunk_codec``).
+"""
+
+from __future__ import annotations
+
+import time
+
+from services.kvstore.tiers.base import Blob, Tier, TierStats
+from services.kvstore.tiers.lru_index import PriorityLru
+
+
+class DramTier(Tier):
+    name = "dram"
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self._index = PriorityLru(capacity_bytes)
+        self._blobs: dict[str, Blob] = {}
+
+    async def get(self, key: str) -> Blob | None:
+        blob = self._blobs.get(key)
+        if blob is not None:
+            self._index.touch(key, time.time())
+        return blob
+
+    def peek(self, key: str) -> Blob | None:
+        """The blob without refreshing its recency (no I/O, synchronous)."""
+        return self._blobs.get(key)
+
+    def has_local(self, key: str) -> bool:
+        return key in self._blobs
+
+    async def put(self, key: str, blob: Blob, priority: int = 0) -> list[str]:
+        return self.put_now(key, blob, priority)
+
+    def put_now(self, key: str, blob: Blob, priority: int = 0) -> list[str]:
+        """Synchronous ``put``: the store uses it so a put lands before any await."""
+        self._drop(key)
+        if len(blob) > self._index.capacity_bytes:
+            return [key]
+        evicted = self._index.victims(len(blob))
+        for k in evicted:
+            self._drop(k)
+        self._blobs[key] = blob
+        self._index.add(key, len(blob), priority, time.time())
+        return evicted
+
+    def _drop(self, key: str) -> bool:
+        self._index.remove(key)
+        return self._blobs.pop(key, None) is not None
+
+    async def contains(self, key: str) -> bool:
+        return key in self._blobs
+
+    async def delete(self, key: str) -> bool:
+        return self._drop(key)
+
+    async def scan_expired(self, older_than: float) -> list[str]:
+        return self._index.older_than(older_than)
+
+    def stats(self) -> TierStats:
+        return TierStats(
+            self.name, len(self._blobs), self._index.bytes_used, self._index.capacity_bytes
+        )
+
+    def check_integrity(self) -> None:
+        self._index.check_integrity()
+        assert set(self._blobs) == set(self._index.keys()), "blobs and index disagree"
+        assert self._index.bytes_used <= self._index.capacity_bytes, "over budget"

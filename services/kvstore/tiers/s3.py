@@ -1,0 +1,220 @@
+"""S3 tier: the durable, shared home of every chunk, via boto3 against any endpoint.
+
+Every boto3 call runs on the tier's own thread pool (boto3 is blocking), with its own
+retry loop: exponential backoff from ``backoff_s`` doubling up to ``backoff_max_s`` over
+``max_attempts`` attempts, for connection errors, timeouts, throttling and 5xx replies.
+A call that still fails raises ``TierUnavailable`` and marks the tier *degraded* until the
+next successful call; while degraded, reads try once (callers fall back to local tiers
+rather than wait on a dead endpoint).
+
+Expiry: ``scan_expired`` lists objects whose LastModified is older than the cut-off; the
+store deletes them (a bucket lifecycle rule would be equivalent but is not available on
+every endpoint).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import boto3
+from botocore.config import Config as BotoConfig
+from botocore.exceptions import BotoCoreError, ClientError
+
+from services.kvstore.config import S3Config
+from services.kvstore.errors import TierUnavailable
+from services.kvstore.tiers.base import Blob, Tier, TierStats
+
+log = logging.getLogger(__name__)
+
+_MISSING = {"NoSuchKey", "404", "NotFound"}
+_RETRYABLE_CODES = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestTimeout",
+    "InternalError",
+    "ServiceUnavailable",
+    "500",
+    "502",
+    "503",
+    "504",
+}
+
+
+class S3Tier(Tier):
+    name = "s3"
+
+    def __init__(self, cfg: S3Config) -> None:
+        self.cfg = cfg
+        self._client: Any = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._degraded = ""
+        self._bucket_ready = False
+        self.bytes_used = 0  # bytes this process wrote (a bucket has no cheap size query)
+
+    @property
+    def degraded(self) -> str:
+        """Why the tier is degraded, or "" when the last call succeeded."""
+        return self._degraded
+
+    async def open(self) -> None:
+        self._pool = ThreadPoolExecutor(self.cfg.threads, thread_name_prefix="kv-s3")
+        kwargs: dict[str, Any] = {
+            "region_name": self.cfg.region,
+            "config": BotoConfig(
+                retries={"max_attempts": 1, "mode": "standard"},
+                connect_timeout=self.cfg.timeout_s,
+                read_timeout=self.cfg.timeout_s,
+                max_pool_connections=self.cfg.threads * 2,
+            ),
+        }
+        if self.cfg.endpoint_url:
+            kwargs["endpoint_url"] = self.cfg.endpoint_url
+        if self.cfg.access_key_id:
+            kwargs["aws_access_key_id"] = self.cfg.access_key_id
+            kwargs["aws_secret_access_key"] = self.cfg.secret_access_key
+        # Creating a client loads botocore's service models: slow, so off the loop too.
+        self._client = await self._run(lambda: boto3.session.Session().client("s3", **kwargs))
+        try:
+            await self._call(self._ensure_bucket_blocking)
+        except TierUnavailable as e:
+            log.warning("s3 unreachable at start, continuing degraded: %s", e)
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._client = None
+
+    def _ensure_bucket_blocking(self) -> None:
+        if self._bucket_ready:
+            return
+        try:
+            self._client.head_bucket(Bucket=self.cfg.bucket)
+        except ClientError as e:
+            if _code(e) not in _MISSING:
+                raise
+            self._client.create_bucket(Bucket=self.cfg.bucket)
+            log.info("created bucket %s", self.cfg.bucket)
+        self._bucket_ready = True
+
+    async def _run(self, fn: Any, *args: Any) -> Any:
+        if self._pool is None:
+            raise TierUnavailable("s3 tier is closed")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def _call(self, fn: Any, *args: Any, attempts: int | None = None) -> Any:
+        """Run ``fn`` on the pool with retries; ``TierUnavailable`` once they are used up."""
+        n = attempts or (1 if self._degraded else self.cfg.max_attempts)
+        try:
+            out = await self._run(
+                _with_retries, fn, args, n, self.cfg.backoff_s, self.cfg.backoff_max_s
+            )
+        except (BotoCoreError, ClientError) as e:
+            self._degraded = f"s3 unreachable: {e}"
+            raise TierUnavailable(self._degraded) from None
+        if self._degraded:
+            log.info("s3 reachable again")
+        self._degraded = ""
+        return out
+
+    def _obj(self, key: str) -> str:
+        return self.cfg.prefix + key
+
+    # ---------------------------------------------------------------- operations
+
+    async def get(self, key: str) -> Blob | None:
+        def blocking() -> bytes | None:
+            self._ensure_bucket_blocking()
+            try:
+                resp = self._client.get_object(Bucket=self.cfg.bucket, Key=self._obj(key))
+            except ClientError as e:
+                if _code(e) in _MISSING:
+                    return None
+                raise
+            return resp["Body"].read()
+
+        return await self._call(blocking)
+
+    async def put(self, key: str, blob: Blob, priority: int = 0) -> list[str]:
+        def blocking() -> None:
+            self._ensure_bucket_blocking()
+            self._client.put_object(Bucket=self.cfg.bucket, Key=self._obj(key), Body=blob)
+
+        await self._call(blocking, attempts=self.cfg.max_attempts)
+        self.bytes_used += len(blob)
+        return []
+
+    async def contains(self, key: str) -> bool:
+        def blocking() -> bool:
+            self._ensure_bucket_blocking()
+            try:
+                self._client.head_object(Bucket=self.cfg.bucket, Key=self._obj(key))
+            except ClientError as e:
+                if _code(e) in _MISSING:
+                    return False
+                raise
+            return True
+
+        return await self._call(blocking)
+
+    async def delete(self, key: str) -> bool:
+        def blocking() -> bool:
+            self._ensure_bucket_blocking()
+            self._client.delete_object(Bucket=self.cfg.bucket, Key=self._obj(key))
+            return True
+
+        return await self._call(blocking)
+
+    async def scan_expired(self, older_than: float) -> list[str]:
+        def blocking() -> list[str]:
+            self._ensure_bucket_blocking()
+            out: list[str] = []
+            pages = self._client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.cfg.bucket, Prefix=self.cfg.prefix
+            )
+            for page in pages:
+                for obj in page.get("Contents", []):
+                    if obj["LastModified"].timestamp() < older_than:
+                        out.append(obj["Key"][len(self.cfg.prefix) :])
+            return out
+
+        return await self._call(blocking)
+
+    async def raw_put(self, key: str, blob: bytes) -> None:
+        """Overwrite an object's bytes directly (fault-injection tests)."""
+        await self._call(
+            lambda: self._client.put_object(Bucket=self.cfg.bucket, Key=self._obj(key), Body=blob)
+        )
+
+    def stats(self) -> TierStats:
+        return TierStats(self.name, 0, self.bytes_used, 0, not self._degraded, self._degraded)
+
+
+def _code(e: ClientError) -> str:
+    return str(e.response.get("Error", {}).get("Code", ""))
+
+
+def _retryable(e: Exception) -> bool:
+    if isinstance(e, ClientError):
+        return _code(e) in _RETRYABLE_CODES
+    return isinstance(e, BotoCoreError)  # connection refused/reset, timeouts
+
+
+def _with_retries(fn: Any, args: tuple, attempts: int, backoff: float, backoff_max: float) -> Any:
+    """Call ``fn`` up to ``attempts`` times, sleeping (on this worker thread) between tries."""
+    pause = backoff
+    for i in range(attempts):
+        try:
+            return fn(*args)
+        except (BotoCoreError, ClientError) as e:
+            if i == attempts - 1 or not _retryable(e):
+                raise
+            log.debug("s3 call failed (%s), retry %d in %.3fs", e, i + 1, pause)
+            time.sleep(pause)
+            pause = min(backoff_max, pause * 2 if pause else backoff_max)
+    raise AssertionError("unreachable: the loop returns or raises")

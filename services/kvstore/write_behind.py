@@ -1,0 +1,229 @@
+"""Write-behind: copies DRAM-resident blobs down to SSD and the lowest tier, in order.
+
+One job per blob; its targets are written in order (SSD before S3), so by the time a
+chunk is acknowledged durable in the lowest tier it is also on SSD (unless SSD failed).
+
+    submit ──► pending (bounded) ──► worker: seal, put target 0, target 1 ... ──► ack
+                  ▲                            │ TierUnavailable on the durable target
+                  └──── not_before = now + backoff (doubling, capped) ◄┘
+
+A full queue drops the job with the lowest priority, oldest first (possibly the new one);
+its ack fails with ``WriteDropped``. Local copies are never touched by a drop. A local
+(non-durable) target that keeps failing is skipped after ``LOCAL_ATTEMPTS`` tries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from services.kvstore.errors import TierUnavailable, WriteDropped
+from services.kvstore.metrics import KVStoreMetrics
+from services.kvstore.tiers.base import Blob, Tier
+from shared.chunk_codec import is_sealed, seal_chunk
+
+log = logging.getLogger(__name__)
+
+LOCAL_ATTEMPTS = 3
+_SEAL_INLINE_BYTES = 256 << 10  # below this the CRC is cheaper than a thread hop
+
+PutFn = Callable[[Tier, str, Blob, int], Awaitable[None]]
+
+
+@dataclass
+class WriteJob:
+    key: str
+    blob: Blob
+    priority: int
+    targets: list[Tier]
+    durable: bool  # the last target is the lowest tier; success = durability
+    done: asyncio.Future[None]
+    seq: int
+    is_chunk: bool = True
+    next_target: int = 0
+    attempts: int = 0
+    not_before: float = field(default=0.0)
+
+
+class WriteBehind:
+    def __init__(
+        self,
+        put: PutFn,
+        metrics: KVStoreMetrics,
+        bound: int,
+        workers: int,
+        backoff_s: float = 0.05,
+        backoff_max_s: float = 5.0,
+    ) -> None:
+        self._put = put
+        self._metrics = metrics
+        self.bound = bound
+        self._workers_n = workers
+        self._backoff_s = backoff_s
+        self._backoff_max_s = backoff_max_s
+        self._pending: list[WriteJob] = []
+        self._active = 0
+        self._wakeup: asyncio.Event | None = None
+        self._idle: asyncio.Event | None = None  # set whenever nothing is queued or active
+        self._tasks: list[asyncio.Task[None]] = []
+        self._seq = itertools.count()
+        self.dropped = 0
+        self.on_durable: Callable[[str], None] | None = None
+
+    @property
+    def depth(self) -> int:
+        """Jobs queued or being written."""
+        return len(self._pending) + self._active
+
+    async def start(self) -> None:
+        self._wakeup = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._tasks = [
+            asyncio.create_task(self._worker(), name=f"kv-write-{i}")
+            for i in range(self._workers_n)
+        ]
+
+    async def close(self, drain_s: float) -> None:
+        """Wait up to ``drain_s`` for the queue to empty, then cancel the workers."""
+        if self.depth and self._idle is not None:
+            try:
+                await asyncio.wait_for(self._idle.wait(), drain_s)
+            except TimeoutError:
+                log.warning("shutting down with %d write-behind jobs unfinished", self.depth)
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        for job in self._pending:
+            _fail(job, WriteDropped(f"{job.key}: kvstore shut down before the write completed"))
+        self._pending.clear()
+        self._metrics.queue_depth.set(0)
+
+    def submit(
+        self,
+        key: str,
+        blob: Blob,
+        priority: int,
+        targets: list[Tier],
+        durable: bool,
+        is_chunk: bool = True,
+    ) -> asyncio.Future[None]:
+        """Queue ``blob`` for ``targets`` (in order); the future resolves when all are written."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        fut.add_done_callback(_consume)
+        if not targets:
+            fut.set_result(None)
+            return fut
+        job = WriteJob(key, blob, priority, list(targets), durable, fut, next(self._seq), is_chunk)
+        self._pending.append(job)
+        if len(self._pending) > self.bound:
+            victim = min(self._pending, key=lambda j: (j.priority, j.seq))
+            self._pending.remove(victim)
+            self.dropped += 1
+            self._metrics.dropped_writes.inc()
+            log.warning("write-behind queue full (%d): dropped %s", self.bound, victim.key)
+            _fail(victim, WriteDropped(f"{victim.key}: write-behind queue full, write dropped"))
+        self._metrics.queue_depth.set(self.depth)
+        if self._idle is not None:
+            self._idle.clear()
+        self._wake()
+        return fut
+
+    def _wake(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    async def _next_job(self) -> WriteJob:
+        assert self._wakeup is not None
+        while True:
+            now = time.monotonic()
+            ready = [j for j in self._pending if j.not_before <= now]
+            if ready:
+                job = min(ready, key=lambda j: j.seq)
+                self._pending.remove(job)
+                self._active += 1
+                return job
+            wait = min((j.not_before for j in self._pending), default=now + 1.0) - now
+            # No await between the scan and clear(): a submit cannot slip in unseen.
+            self._wakeup.clear()
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), timeout=max(wait, 0.001))
+            except TimeoutError:
+                pass
+
+    async def _worker(self) -> None:
+        while True:
+            job = await self._next_job()
+            try:
+                await self._advance(job)
+            except asyncio.CancelledError:
+                _fail(job, WriteDropped(f"{job.key}: kvstore shut down before the write completed"))
+                raise
+            except Exception as e:  # a bug must not kill the worker; the job fails loudly
+                log.exception("write-behind of %s failed", job.key)
+                _fail(job, WriteDropped(f"{job.key}: {e}"))
+            finally:
+                self._active -= 1
+                self._metrics.queue_depth.set(self.depth)
+                if not self.depth and self._idle is not None:
+                    self._idle.set()
+
+    async def _advance(self, job: WriteJob) -> None:
+        if job.is_chunk and not is_sealed(job.blob):
+            if len(job.blob) >= _SEAL_INLINE_BYTES:
+                await asyncio.to_thread(seal_chunk, job.blob)
+            else:
+                seal_chunk(job.blob)  # type: ignore[arg-type]
+        while job.next_target < len(job.targets):
+            tier = job.targets[job.next_target]
+            last = job.next_target == len(job.targets) - 1
+            try:
+                await self._put(tier, job.key, job.blob, job.priority)
+            except TierUnavailable as e:
+                job.attempts += 1
+                if (last and job.durable) or job.attempts < LOCAL_ATTEMPTS:
+                    self._retry_later(job, e)
+                    return
+                log.warning("giving up on %s for %s: %s", tier.name, job.key, e)
+            job.next_target += 1
+            job.attempts = 0
+        if not job.done.done():
+            job.done.set_result(None)
+        if job.durable:
+            self._metrics.durable_writes.inc()
+            if self.on_durable is not None:
+                self.on_durable(job.key)
+
+    def _retry_later(self, job: WriteJob, err: Exception) -> None:
+        pause = min(self._backoff_max_s, self._backoff_s * (2 ** min(job.attempts - 1, 20)))
+        job.not_before = time.monotonic() + pause
+        log.debug("write-behind %s: %s; retry in %.3fs", job.key, err, pause)
+        self._pending.append(job)
+        if len(self._pending) > self.bound:
+            victim = min(self._pending, key=lambda j: (j.priority, j.seq))
+            self._pending.remove(victim)
+            self.dropped += 1
+            self._metrics.dropped_writes.inc()
+            _fail(victim, WriteDropped(f"{victim.key}: write-behind queue full, write dropped"))
+        self._wake()
+
+    def check_integrity(self) -> None:
+        assert self._active >= 0
+        assert len(self._pending) <= self.bound, "queue over its bound"
+        assert len({id(j) for j in self._pending}) == len(self._pending), "job queued twice"
+
+
+def _fail(job: WriteJob, err: Exception) -> None:
+    if not job.done.done():
+        job.done.set_exception(err)
+
+
+def _consume(fut: asyncio.Future[None]) -> None:
+    # Acks are optional to await; reading the exception keeps asyncio from logging it.
+    if not fut.cancelled():
+        fut.exception()

@@ -1,0 +1,3 @@
+from services.nodemgr.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,62 @@
+"""The node manager's connection to its engine: Status polling and start-up wait."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from services.nodemgr import wire
+from services.nodemgr.channels import fast_channel
+from shared.proto import engine_pb2, engine_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class EngineUnavailable(Exception):
+    """The engine did not answer (down, starting, or too slow)."""
+
+
+class EngineLink:
+    def __init__(self, address: str, status_timeout_s: float) -> None:
+        self.address = address
+        self.status_timeout_s = status_timeout_s
+        self.channel = fast_channel(address)
+        self.stub = engine_pb2_grpc.EngineStub(self.channel)
+
+    async def raw_status(self) -> engine_pb2.EngineStatus:
+        try:
+            return await self.stub.Status(
+                engine_pb2.EngineStatusRequest(), timeout=self.status_timeout_s
+            )
+        except grpc.aio.AioRpcError as e:
+            raise EngineUnavailable(
+                f"engine at {self.address} did not answer Status: {e.code().name} {e.details()}"
+            ) from None
+
+    async def status(self) -> wire.EngineSnapshot:
+        return wire.snapshot(await self.raw_status())
+
+    async def wait_ready(self, wait_s: float, poll_s: float = 0.2) -> wire.EngineSnapshot:
+        """Poll Status until the engine serves a model; raise after ``wait_s``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        last = "no answer yet"
+        while True:
+            try:
+                snap = await self.status()
+                if snap.models:
+                    return snap
+                last = "the engine serves no model yet"
+            except EngineUnavailable as e:
+                last = str(e)
+            if loop.time() >= deadline:
+                raise EngineUnavailable(
+                    f"engine at {self.address} not ready after {wait_s:g}s ({last}); "
+                    "is it running? raise nodemgr.engine_wait_s if it loads slowly"
+                )
+            await asyncio.sleep(poll_s)
+
+    async def close(self) -> None:
+        await self.channel.close()

@@ -1,0 +1,124 @@
+"""``run(config)``: the scheduler process — public HTTP API plus the Scheduler gRPC server."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.dispatch import Dispatcher, DispatchSettings, NodeChannels
+from services.scheduler.grpc_service import SchedulerServicer
+from services.scheduler.http_api import ApiState, build_app
+from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.nodes import NodeRegistry
+from services.scheduler.policy import make_policy
+from services.scheduler.validation import Limits
+from shared.grpc_server import serve_grpc
+from shared.proto import scheduler_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def build_state(
+    config: SchedulerConfig, registry: NodeRegistry, channels: NodeChannels
+) -> ApiState:
+    dispatcher = Dispatcher(
+        registry,
+        make_policy(config.policy),
+        channels,
+        DispatchSettings(
+            no_node_wait_s=config.no_node_wait_s,
+            unavailable_retries=config.unavailable_retries,
+            suspend_grace_s=config.heartbeat_interval_s,
+            request_timeout_s=config.request_timeout_s,
+        ),
+    )
+    return ApiState(
+        registry=registry,
+        dispatcher=dispatcher,
+        metrics=SchedulerMetrics(),
+        limits=Limits(config.max_n, config.max_prompts, config.default_max_tokens),
+        api_keys={str(k): str(v) for k, v in config.api_keys.items()},
+        max_body_bytes=config.max_body_bytes,
+    )
+
+
+async def _watch_nodes(registry: NodeRegistry, period_s: float) -> None:
+    """Log nodes entering and leaving rotation (health itself is computed on demand)."""
+    while True:
+        if log.isEnabledFor(logging.DEBUG):
+            registry.check_integrity()
+        left, joined = registry.sweep()
+        for node_id in joined:
+            log.info("node %s is in rotation", node_id)
+        for node_id in left:
+            node = registry.get(node_id)
+            why = (
+                node.load.problem
+                if node and node.load.problem
+                else "missed heartbeats or unreachable"
+            )
+            log.warning("node %s left rotation: %s", node_id, why)
+        await asyncio.sleep(period_s)
+
+
+@dataclass
+class Running:
+    """A started scheduler: where it listens and its live state (for tests and logs)."""
+
+    http_port: int
+    grpc_port: int
+    state: ApiState
+
+
+async def start(config: SchedulerConfig, stack: AsyncExitStack) -> Running:
+    """Start both servers and the node watcher; ``stack`` stops them in reverse order."""
+    registry = NodeRegistry(config.heartbeat_timeout_s)
+    channels = NodeChannels()
+    stack.push_async_callback(channels.close)
+    servicer = SchedulerServicer(registry, config.heartbeat_interval_s)
+    grpc_server = await stack.enter_async_context(
+        serve_grpc(
+            config.grpc_host,
+            config.grpc_port,
+            register=[lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, s)],
+            service_names=["overture.v1.Scheduler"],
+        )
+    )
+    stack.push_async_callback(servicer.close)  # runs before the server stops
+    state = build_state(config, registry, channels)
+    # Cancel a handler when its client disconnects, so the generation is cancelled too.
+    runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    stack.push_async_callback(runner.cleanup)
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    http_port = runner.addresses[0][1]
+    watcher = asyncio.create_task(
+        _watch_nodes(registry, min(0.5, config.heartbeat_timeout_s / 2)), name="node-watcher"
+    )
+
+    async def stop_watcher() -> None:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+
+    stack.push_async_callback(stop_watcher)
+    return Running(http_port, grpc_server.port, state)
+
+
+async def run(config: SchedulerConfig) -> None:
+    """Serve until cancelled."""
+    async with AsyncExitStack() as stack:
+        running = await start(config, stack)
+        log.info(
+            "scheduler ready on http://%s:%d (grpc %s:%d)",
+            config.host,
+            running.http_port,
+            config.grpc_host,
+            running.grpc_port,
+        )
+        await asyncio.Event().wait()

@@ -1,0 +1,159 @@
+"""Route one generation to a node and stream its chunks back, mapping node failures to
+``ApiError``s. Owns the gRPC channels to the nodes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from services.scheduler import wire
+from services.scheduler.errors import ApiError, from_grpc
+from services.scheduler.nodes import Node, NodeRegistry
+from services.scheduler.policy import Policy, RouteRequest
+from shared.grpc_server import insecure_channel
+from shared.proto import common_pb2, nodemgr_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class NodeChannels:
+    """One gRPC channel per node address, opened on first use and closed at shutdown."""
+
+    def __init__(self) -> None:
+        self._stubs: dict[str, tuple[grpc.aio.Channel, nodemgr_pb2_grpc.NodeManagerStub]] = {}
+
+    def stub(self, address: str) -> nodemgr_pb2_grpc.NodeManagerStub:
+        entry = self._stubs.get(address)
+        if entry is None:
+            channel = insecure_channel(address)
+            entry = (channel, nodemgr_pb2_grpc.NodeManagerStub(channel))
+            self._stubs[address] = entry
+        return entry[1]
+
+    async def close(self) -> None:
+        for channel, _ in self._stubs.values():
+            await channel.close()
+        self._stubs.clear()
+
+
+@dataclass(frozen=True)
+class DispatchSettings:
+    no_node_wait_s: float = 2.0
+    unavailable_retries: int = 2
+    suspend_grace_s: float = 1.0
+    request_timeout_s: float = 600.0
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        registry: NodeRegistry,
+        policy: Policy,
+        channels: NodeChannels,
+        settings: DispatchSettings,
+    ) -> None:
+        self.registry = registry
+        self.policy = policy
+        self.channels = channels
+        self.settings = settings
+
+    def _loop_time(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    async def resolve_model(self, model: str | None) -> str:
+        """The model a request names, or the cluster's default when it names none."""
+        if model is not None:
+            return model
+        deadline = self._loop_time() + self.settings.no_node_wait_s
+        while True:
+            specs = self.registry.models(healthy_only=True)
+            if specs:
+                return specs[0].name
+            remaining = deadline - self._loop_time()
+            if remaining <= 0:
+                raise self._unavailable(None)
+            await self.registry.wait_changed(remaining)
+
+    async def pick(self, route: RouteRequest) -> Node:
+        """A healthy node for ``route.model``; waits up to ``no_node_wait_s`` for one.
+
+        Raises 404 at once when healthy nodes exist and none of the registered nodes serve
+        the model; 503 when the wait ends without a healthy node for it.
+        """
+        deadline = self._loop_time() + self.settings.no_node_wait_s
+        while True:
+            node = self.policy.choose(self.registry.healthy(route.model), route)
+            if node is not None:
+                return node
+            known = any(n.serves(route.model) for n in self.registry.all())
+            if not known and self.registry.healthy():
+                raise _model_not_found(route.model, self.registry)
+            remaining = deadline - self._loop_time()
+            if remaining <= 0:
+                raise self._unavailable(route.model)
+            await self.registry.wait_changed(remaining)
+
+    def _unavailable(self, model: str | None) -> ApiError:
+        down = [
+            f"{n.node_id}: {n.load.problem or ('suspended' if n.suspended else 'no heartbeat')}"
+            for n in self.registry.all()
+            if model is None or n.serves(model)
+        ]
+        what = f"model '{model}'" if model else "any model"
+        detail = f" ({'; '.join(down)})" if down else " (no node has registered)"
+        return ApiError(
+            503,
+            f"no healthy node serves {what} after waiting "
+            f"{self.settings.no_node_wait_s:g}s{detail}",
+            code="no_healthy_node",
+        )
+
+    async def generate(
+        self, request: common_pb2.GenerateRequest, route: RouteRequest
+    ) -> AsyncIterator[wire.Chunk]:
+        """Stream the chunks of one generation; re-route while nothing has been produced.
+
+        Closing the iterator (or cancelling its consumer) cancels the gRPC call, which the
+        node forwards to its engine.
+        """
+        attempts = self.settings.unavailable_retries + 1
+        for attempt in range(attempts):
+            node = await self.pick(route)
+            self.registry.begin(node.node_id)
+            call = self.channels.stub(node.info.address).Generate(
+                request, timeout=self.settings.request_timeout_s
+            )
+            produced = False
+            try:
+                async for msg in call:
+                    produced = True
+                    yield wire.chunk(msg)
+                return
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    log.warning(
+                        "node %s unreachable (%s); taking it out of rotation",
+                        node.node_id,
+                        e.details(),
+                    )
+                    self.registry.suspend(node.node_id, self.settings.suspend_grace_s)
+                    if not produced and attempt + 1 < attempts:
+                        continue
+                raise from_grpc(e.code(), e.details(), node.node_id) from None
+            finally:
+                call.cancel()
+                self.registry.end(node.node_id)
+
+
+def _model_not_found(model: str, registry: NodeRegistry) -> ApiError:
+    known = ", ".join(m.name for m in registry.models(healthy_only=False)) or "none"
+    return ApiError(
+        404,
+        f"The model '{model}' does not exist; served models: {known}",
+        param="model",
+        code="model_not_found",
+    )

@@ -1,0 +1,75 @@
+"""OpenAI-shaped API errors: ``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+import grpc
+
+# HTTP status -> OpenAI error ``type``.
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+    504: "timeout_error",
+}
+
+
+class ApiError(Exception):
+    """A request failure the client should see with ``status`` and an OpenAI error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "invalid_request_error")
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    """A 400 for a request the client must fix."""
+    return ApiError(400, message, param=param, code=code)
+
+
+# Status codes a node (or the engine behind it) returns, and what the client sees.
+_GRPC_TO_HTTP = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, None),
+    grpc.StatusCode.OUT_OF_RANGE: (400, None),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, None),
+    grpc.StatusCode.NOT_FOUND: (404, "model_not_found"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "resource_exhausted"),
+    grpc.StatusCode.UNAVAILABLE: (503, "node_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+    grpc.StatusCode.CANCELLED: (503, "cancelled"),
+}
+
+
+def from_grpc(code: grpc.StatusCode, details: str | None, node_id: str) -> ApiError:
+    """Translate a node's gRPC failure into the error the HTTP client sees."""
+    status, err_code = _GRPC_TO_HTTP.get(code, (500, "node_error"))
+    message = details or f"node {node_id} failed with {code.name}"
+    if status >= 500 and details:
+        message = f"node {node_id}: {details}"
+    return ApiError(status, message, code=err_code)

@@ -1,0 +1,296 @@
+"""The public HTTP API: OpenAI endpoints, health, readiness and metrics (aiohttp)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from services.scheduler.dispatch import Dispatcher
+from services.scheduler.errors import ApiError
+from services.scheduler.fanout import run_choices
+from services.scheduler.metrics import CONTENT_TYPE, SchedulerMetrics
+from services.scheduler.nodes import NodeRegistry
+from services.scheduler.openai_format import (
+    SSE_DONE,
+    ChoiceState,
+    Envelope,
+    full_response,
+    new_id,
+    sse,
+    stream_chunk,
+    usage_chunk,
+)
+from services.scheduler.request import ApiRequest, Endpoint
+from services.scheduler.validation import Limits, check_body_size, parse_json, validate
+from services.scheduler.wire import Chunk
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ApiState:
+    registry: NodeRegistry
+    dispatcher: Dispatcher
+    metrics: SchedulerMetrics
+    limits: Limits
+    api_keys: dict[str, str]
+    max_body_bytes: int
+
+
+STATE = web.AppKey("state", ApiState)
+CLIENT_GONE = "overture.client_gone"  # request key: the client left mid-stream (counted as 499)
+
+
+def error_response(e: ApiError) -> web.Response:
+    return web.json_response(e.body(), status=e.status)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler) -> web.StreamResponse:
+    """Every failure leaves as an OpenAI error body; every request is counted."""
+    state = request.app[STATE]
+    resource = request.match_info.route.resource
+    route = resource.canonical if resource is not None else "unmatched"
+    try:
+        resp = await handler(request)
+    except ApiError as e:
+        resp = error_response(e)
+    except web.HTTPRequestEntityTooLarge as e:
+        resp = error_response(
+            ApiError(413, e.text or "request body too large", code="body_too_large")
+        )
+    except web.HTTPException as e:
+        resp = error_response(ApiError(e.status, e.reason or "request failed"))
+    except asyncio.CancelledError:
+        state.metrics.requests.labels(route, "499").inc()  # the client went away
+        raise
+    except Exception:
+        log.exception("unexpected error serving %s %s", request.method, request.path)
+        resp = error_response(ApiError(500, "internal server error; see the scheduler log"))
+    status = "499" if request.get(CLIENT_GONE) else str(resp.status)
+    state.metrics.requests.labels(route, status).inc()
+    return resp
+
+
+def _tenant(state: ApiState, request: web.Request) -> str:
+    if not state.api_keys:
+        return "default"
+    header = request.headers.get("Authorization", "")
+    scheme, _, key = header.partition(" ")
+    tenant = state.api_keys.get(key.strip()) if scheme.lower() == "bearer" else None
+    if tenant is None:
+        raise ApiError(
+            401,
+            "missing or unknown API key; send 'Authorization: Bearer <key>'",
+            type="invalid_request_error",
+            code="invalid_api_key",
+        )
+    return tenant
+
+
+async def _body(state: ApiState, request: web.Request) -> bytes:
+    check_body_size(request.content_length, state.max_body_bytes)
+    return await request.read()
+
+
+class _Timing:
+    """TTFT per request and inter-token latency per choice."""
+
+    def __init__(self, metrics: SchedulerMetrics, model: str) -> None:
+        self.ttft = metrics.ttft.labels(model)
+        self.itl = metrics.itl.labels(model)
+        self.start = time.monotonic()
+        self.first = False
+        self.last: dict[int, float] = {}
+
+    def tokens(self, index: int, count: int) -> None:
+        if count <= 0:
+            return
+        now = time.monotonic()
+        if not self.first:
+            self.first = True
+            self.ttft.observe(now - self.start)
+        prev = self.last.get(index)
+        if prev is not None:
+            gap = (now - prev) / count
+            for _ in range(count):
+                self.itl.observe(gap)
+        self.last[index] = now
+
+
+async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    state = request.app[STATE]
+    tenant = _tenant(state, request)
+    body = parse_json(await _body(state, request))
+    req = validate(
+        body,
+        endpoint,
+        state.limits,
+        session_header=request.headers.get("X-Session-Id", ""),
+        tenant=tenant,
+    )
+    model = await state.dispatcher.resolve_model(req.model)
+    env = Envelope(endpoint, new_id(endpoint), model)
+    states = {c.index: ChoiceState(c.index, c.prompt_index) for c in req.choices()}
+    timing = _Timing(state.metrics, model)
+    state.metrics.in_flight.inc()
+    try:
+        async with aclosing(run_choices(state.dispatcher, req, model, env.id)) as events:
+            if req.stream:
+                return await _stream(request, req, env, states, timing, events)
+            async for index, chunk in events:
+                states[index].add(chunk)
+                timing.tokens(index, len(chunk.token_ids))
+            return web.json_response(
+                full_response(env, list(states.values()), req.return_token_ids)
+            )
+    finally:
+        state.metrics.in_flight.dec()
+
+
+def _chunk_events(
+    req: ApiRequest, env: Envelope, st: ChoiceState, chunk: Chunk, first: bool
+) -> list[dict]:
+    """The OpenAI chunks one engine chunk becomes (a role header first, for chat)."""
+    out = []
+    ids = req.return_token_ids
+    prompt_ids = st.prompt_token_ids if (ids and first) else None
+    if first and env.endpoint == "chat":
+        out.append(
+            stream_chunk(
+                env,
+                st.index,
+                role=True,
+                prompt_token_ids=prompt_ids,
+                include_usage=req.include_usage,
+            )
+        )
+        prompt_ids = None
+    if chunk.text or chunk.token_ids or chunk.finish_reason:
+        out.append(
+            stream_chunk(
+                env,
+                st.index,
+                text=chunk.text,
+                finish_reason=chunk.finish_reason or None,
+                token_ids=chunk.token_ids if ids else None,
+                prompt_token_ids=prompt_ids,
+                include_usage=req.include_usage,
+            )
+        )
+    return out
+
+
+async def _stream(
+    request: web.Request,
+    req: ApiRequest,
+    env: Envelope,
+    states: dict[int, ChoiceState],
+    timing: _Timing,
+    events: AsyncIterator[tuple[int, Chunk]],
+) -> web.StreamResponse:
+    # Wait for the first chunk before sending headers, so that failures before any output
+    # (bad prompt, no node, unknown model) still get their proper HTTP status.
+    first = await anext(events, None)
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await resp.prepare(request)
+    seen: set[int] = set()
+    try:
+        try:
+            item = first
+            while item is not None:
+                index, chunk = item
+                st = states[index]
+                st.add(chunk)
+                timing.tokens(index, len(chunk.token_ids))
+                for obj in _chunk_events(req, env, st, chunk, index not in seen):
+                    await resp.write(sse(obj))
+                seen.add(index)
+                item = await anext(events, None)
+        except ApiError as e:
+            log.warning("stream %s failed after it started: %s", env.id, e.message)
+            await resp.write(sse(e.body()))
+        if req.include_usage:
+            await resp.write(sse(usage_chunk(env, list(states.values()))))
+        await resp.write(SSE_DONE)
+        await resp.write_eof()
+    except ConnectionResetError:
+        log.info("client of %s disconnected; cancelling its generation", env.id)
+        request[CLIENT_GONE] = True
+    return resp
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "chat")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "completion")
+
+
+async def list_models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    _tenant(state, request)
+    data = [
+        {
+            "id": m.name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "overture",
+            "max_model_len": m.max_model_len,
+        }
+        for m in state.registry.models(healthy_only=True)
+    ]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    reg = request.app[STATE].registry
+    healthy = reg.healthy()
+    body = {
+        "ready": bool(healthy),
+        "healthy_nodes": [n.node_id for n in healthy],
+        "nodes": {
+            n.node_id: {
+                "in_rotation": reg.in_rotation(n),
+                "problem": n.load.problem,
+                "running": n.load.running,
+                "waiting": n.load.waiting,
+                "routed": n.routed,
+            }
+            for n in reg.all()
+        },
+        "models": [m.name for m in reg.models(healthy_only=True)],
+    }
+    return web.json_response(body, status=200 if healthy else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    text = state.metrics.render(state.registry)
+    return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE})
+
+
+def build_app(state: ApiState) -> web.Application:
+    # aiohttp enforces the body limit itself for bodies without a Content-Length.
+    app = web.Application(middlewares=[_errors], client_max_size=state.max_body_bytes)
+    app[STATE] = state
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    return app

@@ -1,0 +1,63 @@
+"""Prometheus metrics of one scheduler app, in their own registry (tests build many apps)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from services.scheduler.nodes import NodeRegistry
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class SchedulerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "overture_requests",
+            "HTTP requests by route and status",
+            ["route", "status"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "overture_time_to_first_token_seconds",
+            "time from request arrival to the first generated token",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "overture_inter_token_latency_seconds",
+            "time between consecutive generated tokens of one choice",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "overture_requests_in_flight", "generation requests being served", registry=r
+        )
+        self.node_load = Gauge(
+            "overture_node_load",
+            "load a node reports (running, waiting) or is routed (routed)",
+            ["node", "kind"],
+            registry=r,
+        )
+        self.node_up = Gauge(
+            "overture_node_in_rotation", "1 if the node receives requests", ["node"], registry=r
+        )
+        self.healthy_nodes = Gauge("overture_healthy_nodes", "nodes in rotation", registry=r)
+
+    def render(self, nodes: NodeRegistry) -> bytes:
+        """Refresh the per-node gauges from the registry, then expose everything."""
+        self.node_load.clear()
+        self.node_up.clear()
+        for n in nodes.all():
+            self.node_load.labels(n.node_id, "running").set(n.load.running)
+            self.node_load.labels(n.node_id, "waiting").set(n.load.waiting)
+            self.node_load.labels(n.node_id, "routed").set(n.routed)
+            self.node_up.labels(n.node_id).set(1 if nodes.in_rotation(n) else 0)
+        self.healthy_nodes.set(len(nodes.healthy()))
+        return generate_latest(self.registry)

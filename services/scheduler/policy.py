@@ -1,0 +1,55 @@
+"""Placement policies: which healthy node serves an inference request.
+
+A policy only decides; the dispatcher does the routing and the registry keeps the facts.
+Policies are looked up by name in ``POLICIES`` (unknown names fail loudly).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from services.scheduler.nodes import Node
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    model: str
+    session_id: str = ""
+    tenant: str = "default"
+    priority: int = 0
+
+
+class Policy(Protocol):
+    name: str
+
+    def choose(self, nodes: Sequence[Node], request: RouteRequest) -> Node | None:
+        """Pick one of ``nodes`` (all healthy and serving ``request.model``), or None if empty.
+
+        Must not mutate the nodes; the caller records the routing.
+        """
+        ...
+
+
+class BalancedPolicy:
+    """Least loaded (running + waiting + routed); ties: fewest routed, then least recently used."""
+
+    name = "balanced"
+
+    def choose(self, nodes: Sequence[Node], request: RouteRequest) -> Node | None:
+        if not nodes:
+            return None
+        return min(nodes, key=lambda n: (n.score(), n.routed, n.last_routed, n.node_id))
+
+
+POLICIES: dict[str, type] = {"balanced": BalancedPolicy}
+
+
+def make_policy(name: str) -> Policy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ValueError(
+            f"unknown policy {name!r}; known policies: {', '.join(sorted(POLICIES))}"
+        ) from None

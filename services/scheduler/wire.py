@@ -1,0 +1,95 @@
+"""Protobuf <-> dataclass conversion for the scheduler (the only module that touches protos
+besides the gRPC edges)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.scheduler.nodes import Load, ModelSpec, NodeInfo
+from services.scheduler.request import ApiRequest, Choice
+from shared.proto import common_pb2, scheduler_pb2
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One streamed piece of a generation (see ``GenerateChunk``)."""
+
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    prompt_token_ids: tuple[int, ...] = ()
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str = ""
+    cached_tokens: int = 0
+
+
+def node_info(msg: scheduler_pb2.RegisterNodeRequest) -> NodeInfo:
+    return NodeInfo(
+        node_id=msg.node_id,
+        address=msg.address,
+        models=tuple(
+            ModelSpec(m.name, m.fingerprint, m.max_model_len, m.dtype) for m in msg.models
+        ),
+        kvstore_address=msg.kvstore_address,
+    )
+
+
+def load(msg: scheduler_pb2.HeartbeatMsg) -> Load:
+    return Load(
+        running=msg.running,
+        waiting=msg.waiting,
+        in_flight=msg.in_flight,
+        blocks_free=msg.blocks_free,
+        blocks_total=msg.blocks_total,
+        problem=msg.problem,
+    )
+
+
+def chunk(msg: common_pb2.GenerateChunk) -> Chunk:
+    return Chunk(
+        text=msg.text,
+        token_ids=tuple(msg.token_ids),
+        prompt_token_ids=tuple(msg.prompt_token_ids),
+        prompt_tokens=msg.prompt_tokens,
+        completion_tokens=msg.completion_tokens,
+        finish_reason=msg.finish_reason,
+        cached_tokens=msg.cached_tokens,
+    )
+
+
+_KINDS = {
+    "chat": common_pb2.GenerateRequest.CHAT,
+    "text": common_pb2.GenerateRequest.PROMPT,
+    "tokens": common_pb2.GenerateRequest.TOKEN_IDS,
+}
+
+
+def generate_request(
+    req: ApiRequest, choice: Choice, model: str, request_id: str
+) -> common_pb2.GenerateRequest:
+    s = req.sampling
+    sampling = common_pb2.SamplingParams(
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        max_tokens=s.max_tokens,
+        stop=list(s.stop),
+        stop_token_ids=list(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+    )
+    if choice.seed is not None:
+        sampling.seed = choice.seed
+    p = choice.prompt
+    return common_pb2.GenerateRequest(
+        request_id=request_id,
+        model=model,
+        session_id=req.session_id,
+        tenant=req.tenant,
+        input_kind=_KINDS[p.kind],
+        prompt=p.text,
+        messages=[common_pb2.ChatMessage(role=m.role, content=m.content) for m in p.messages],
+        prompt_token_ids=list(p.token_ids),
+        sampling=sampling,
+        priority=req.priority,
+        add_generation_prompt=req.add_generation_prompt,
+    )

@@ -1,0 +1,134 @@
+"""``overture up``: starts the whole cluster, serves, and stops every child on Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from services.cli import free_port
+from tests.cluster import REPO, Cluster
+
+
+def _reader(stream, lines: queue.Queue) -> None:
+    for line in iter(stream.readline, ""):
+        lines.put(line)
+    lines.put(None)
+
+
+def test_up_serves_and_stops_cleanly(tiny_model: Path, tmp_path: Path) -> None:
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "up",
+            "--port",
+            str(port),
+            "--model",
+            str(tiny_model),
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True).start()
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + 180
+        while not any("Overture is ready at" in s for s in seen):
+            assert time.monotonic() < deadline, "".join(seen[-60:])
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            assert line is not None, "overture up exited early:\n" + "".join(seen[-60:])
+            seen.append(line)
+        api = Cluster(url=f"http://127.0.0.1:{port}", log_dir=tmp_path)
+        assert any(line.startswith("[node0.engine] ") for line in seen)
+        assert any(line.startswith("[scheduler] ") for line in seen)
+        models = api.get("/v1/models")[1]["data"]
+        status, answer = api.post(
+            "/v1/chat/completions",
+            {
+                "model": models[0]["id"],
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 3,
+            },
+        )
+        assert status == 200, answer
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        try:
+            api.get("/healthz", timeout=2)
+            raise AssertionError("the scheduler still answers after overture up stopped")
+        except OSError:
+            pass
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_help_everywhere(capsys: pytest.CaptureFixture[str]) -> None:
+    from services.cli import main
+
+    for args in ([], ["up"], ["demo-model"]):
+        with pytest.raises(SystemExit) as e:
+            main([*args, "--help"])
+        assert e.value.code == 0
+        assert "usage: overture" in capsys.readouterr().out
+    for service in ("scheduler", "nodemgr", "engine", "kvstore"):
+        assert main([service, "--help"]) == 0
+        out = capsys.readouterr().out
+        assert f"usage: overture {service}" in out and "[default:" in out
+
+
+def test_demo_model_command(tmp_path: Path) -> None:
+    from services.cli import main
+
+    assert main(["demo-model", str(tmp_path / "m"), "--size", "tiny"]) == 0
+    assert (tmp_path / "m" / "config.json").exists()
+    assert (tmp_path / "m" / "tokenizer.json").exists()
+
+
+def test_cluster_specs_wire_every_node_to_its_own_services() -> None:
+    from services.cli import cluster_specs
+
+    specs, url = cluster_specs(
+        nodes=2, http_port=18000, model_path="/models/x", dtype="float32", config="c.yaml"
+    )
+    assert url == "http://127.0.0.1:18000"
+    assert [s.name for s in specs] == [
+        "scheduler",
+        "node0.kvstore",
+        "node0.engine",
+        "node0.nodemgr",
+        "node1.kvstore",
+        "node1.engine",
+        "node1.nodemgr",
+    ]
+
+    def flag(argv: list[str], name: str) -> str:
+        return argv[argv.index(name) + 1]
+
+    assert all(flag(s.argv, "--config") == "c.yaml" for s in specs)
+    sched_grpc = flag(specs[0].argv, "--grpc-port")
+    for i, base in ((0, 1), (1, 4)):
+        kv, engine, nodemgr = (s.argv for s in specs[base : base + 3])
+        assert flag(nodemgr, "--node-id") == flag(kv, "--node-id") == f"node{i}"
+        assert flag(nodemgr, "--scheduler-address").endswith(f":{sched_grpc}")
+        assert flag(nodemgr, "--engine-address").endswith(":" + flag(engine, "--port"))
+        assert flag(nodemgr, "--kvstore-address").endswith(":" + flag(kv, "--port"))
+        assert flag(engine, "--dtype") == "float32"
+    ports = [flag(s.argv, "--port") for s in specs]
+    assert len(set(ports)) == len(ports)

@@ -1,0 +1,37 @@
+"""Tiny KV pools for allocator and scheduler tests (real shared memory, tiny shapes)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from services.engine.block_pool import BlockPool
+from services.engine.kv_pool import KVPool
+
+# block_bytes = 2 * 4 tokens * 1 head * 32 dims * 4 bytes = 1 KiB; 4 blocks per 4 KiB page.
+BLOCK_SIZE = 4
+
+
+def make_pool(num_pages: int, blocks_per_page: int = 4) -> KVPool:
+    return KVPool(
+        block_size=BLOCK_SIZE,
+        num_kv_heads=1,
+        head_dim=32,
+        dtype=torch.float32,
+        budget_bytes=num_pages * blocks_per_page * 1024,
+        page_bytes=blocks_per_page * 1024,
+    )
+
+
+@pytest.fixture
+def kv_pool() -> Iterator[KVPool]:
+    pool = make_pool(num_pages=2)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture
+def blocks(kv_pool: KVPool) -> BlockPool:
+    return BlockPool(kv_pool)

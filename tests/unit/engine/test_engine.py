@@ -1,0 +1,306 @@
+"""The in-process AsyncEngine on the tiny demo model in float32 (exact token equality)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.engine.api_types import ChatMessage, GenerateOutput, GenerateRequest, SamplingParams
+from services.engine.async_engine import AsyncEngine
+from services.engine.config import EngineConfig
+from services.engine.errors import EngineError
+from services.engine.model import LoadedModel, load_model, write_demo_model
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello",
+    "Once upon a time, in a land far away, there lived a king who had three daughters.",
+    "What is the capital of France?",
+    "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20",
+    "a",
+    "Tell me a story about a robot that learns to paint, in great detail please.",
+    "Why is the sky blue?",
+]
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    path = write_demo_model(tmp_path_factory.mktemp("model") / "tiny", size="tiny", seed=0)
+    return load_model(path, dtype=torch.float32)
+
+
+def config(**kw: object) -> EngineConfig:
+    base = {
+        "dtype": "float32",
+        "device_memory_bytes": 4 << 20,
+        "page_bytes": 16 << 10,
+        "debug_checks": True,
+    }
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+@contextlib.asynccontextmanager
+async def engine(loaded: LoadedModel, **kw: object) -> AsyncIterator[AsyncEngine]:
+    async with AsyncEngine(config(**kw), loaded=loaded) as eng:
+        yield eng
+
+
+def greedy(prompt: str, n: int = 12, **kw: object) -> GenerateRequest:
+    return GenerateRequest(
+        prompt=prompt, sampling=SamplingParams(max_tokens=n, ignore_eos=True), **kw
+    )
+
+
+async def collect(eng: AsyncEngine, req: GenerateRequest) -> list[GenerateOutput]:
+    return [o async for o in eng.generate(req)]
+
+
+def tokens(outs: list[GenerateOutput]) -> list[int]:
+    return [t for o in outs for t in o.token_ids]
+
+
+async def idle(eng: AsyncEngine) -> None:
+    st = await eng.status()
+    assert (st.running, st.waiting, st.blocks_used) == (0, 0, 0)
+    assert st.blocks_free + st.blocks_used + st.blocks_evictable == st.blocks_total
+    await eng.check_integrity()
+
+
+async def test_stream_shape_and_usage(loaded: LoadedModel) -> None:
+    async with engine(loaded) as eng:
+        outs = await collect(eng, greedy(PROMPTS[0], 5))
+        await idle(eng)
+    first, last = outs[0], outs[-1]
+    assert first.prompt_token_ids and first.prompt_tokens == len(first.prompt_token_ids)
+    assert all(not o.prompt_token_ids for o in outs[1:])
+    assert [o.finish_reason for o in outs] == [None] * 4 + ["length"]
+    assert last.completion_tokens == 5 and len(tokens(outs)) == 5
+    assert "".join(o.text for o in outs) == loaded.tokenizer.decode(tokens(outs))
+
+
+async def test_batched_equals_one_at_a_time(loaded: LoadedModel) -> None:
+    async with engine(loaded) as eng:
+        alone = [tokens(await collect(eng, greedy(p))) for p in PROMPTS]
+        together = await asyncio.gather(*(collect(eng, greedy(p)) for p in PROMPTS))
+        await idle(eng)
+    assert [tokens(o) for o in together] == alone
+
+
+async def test_chunked_prefill_equals_full_prefill(loaded: LoadedModel) -> None:
+    long = " ".join(PROMPTS)
+    async with engine(loaded) as eng:
+        full = tokens(await collect(eng, greedy(long, 16)))
+    async with engine(loaded, max_num_batched_tokens=16) as eng:
+        reqs = [greedy(long, 16), greedy(PROMPTS[2], 16)]
+        chunked = await asyncio.gather(*(collect(eng, r) for r in reqs))
+        await idle(eng)
+    assert len(chunked[0][0].prompt_token_ids) > 3 * 16  # really chunked
+    assert tokens(chunked[0]) == full
+
+
+async def test_preempted_requests_resume_with_the_same_tokens(loaded: LoadedModel) -> None:
+    reqs = [greedy(p, 40) for p in PROMPTS[:4]]
+    async with engine(loaded) as eng:
+        undisturbed = [tokens(await collect(eng, r)) for r in reqs]
+    # 16 blocks of 4 KiB = 8 per layer = 128 tokens: four 60-token requests cannot coexist.
+    async with engine(loaded, device_memory_bytes=64 << 10, page_bytes=4096) as eng:
+        squeezed = await asyncio.gather(*(collect(eng, r) for r in reqs))
+        st = await eng.status()
+        await idle(eng)
+    assert st.preemptions > 0
+    assert [tokens(o) for o in squeezed] == undisturbed
+
+
+async def test_prefix_cache_hit_gives_the_same_tokens(loaded: LoadedModel) -> None:
+    prompt = " ".join(PROMPTS[:4])
+    async with engine(loaded) as eng:
+        cold = await collect(eng, greedy(prompt, 10))
+        warm = await collect(eng, greedy(prompt, 10))
+        other_tenant = await collect(eng, greedy(prompt, 10, tenant="t2"))
+        await idle(eng)
+    n = cold[0].prompt_tokens
+    assert cold[-1].cached_tokens == 0
+    assert warm[-1].cached_tokens == (n - 1) // 16 * 16 > 0
+    assert other_tenant[-1].cached_tokens == 0  # tenants never share KV
+    assert tokens(warm) == tokens(cold) == tokens(other_tenant)
+
+
+async def test_cancel_frees_blocks(loaded: LoadedModel) -> None:
+    async with engine(loaded) as eng:
+        gen = eng.generate(greedy(PROMPTS[2], 500))
+        first = await gen.__anext__()
+        assert first.finish_reason is None
+        st = await eng.status()
+        assert st.running == 1 and st.blocks_used > 0
+        await gen.aclose()
+        await idle(eng)
+
+
+async def test_cancelled_task_aborts(loaded: LoadedModel) -> None:
+    async with engine(loaded) as eng:
+        started = asyncio.Event()
+
+        async def consume() -> None:
+            async for _ in eng.generate(greedy(PROMPTS[2], 500)):
+                started.set()
+
+        task = asyncio.create_task(consume())
+        await started.wait()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await idle(eng)
+
+
+async def test_explicit_abort_ends_the_stream(loaded: LoadedModel) -> None:
+    async with engine(loaded) as eng:
+        gen = eng.generate(greedy(PROMPTS[1], 500, request_id="r-abort"))
+        await gen.__anext__()
+        assert await eng.abort("r-abort")
+        rest = [o async for o in gen]
+        assert rest[-1].finish_reason == "abort"
+        await idle(eng)
+
+
+async def test_stop_string_from_the_greedy_output(loaded: LoadedModel) -> None:
+    async with engine(loaded) as eng:
+        base = await collect(eng, greedy(PROMPTS[3], 24))
+        text = "".join(o.text for o in base)
+        stop = text[len(text) // 2 : len(text) // 2 + 3]
+        assert stop.strip()
+        req = GenerateRequest(
+            prompt=PROMPTS[3], sampling=SamplingParams(max_tokens=24, ignore_eos=True, stop=(stop,))
+        )
+        outs = await collect(eng, req)
+        await idle(eng)
+    assert outs[-1].finish_reason == "stop"
+    assert "".join(o.text for o in outs) == text[: text.find(stop)]
+
+
+async def test_seeded_sampling_is_reproducible(loaded: LoadedModel) -> None:
+    p = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=12, seed=123, ignore_eos=True)
+    async with engine(loaded) as eng:
+        a = tokens(await collect(eng, GenerateRequest(prompt=PROMPTS[0], sampling=p)))
+        b = tokens(await collect(eng, GenerateRequest(prompt=PROMPTS[0], sampling=p)))
+    assert a == b
+
+
+async def test_chat_and_token_id_inputs(loaded: LoadedModel) -> None:
+    ids = loaded.tokenizer.encode_prompt(PROMPTS[0])
+    msgs = (ChatMessage("user", "Hi there"),)
+    async with engine(loaded) as eng:
+        by_text = tokens(await collect(eng, greedy(PROMPTS[0], 6)))
+        by_ids = tokens(
+            await collect(
+                eng,
+                GenerateRequest(
+                    prompt_token_ids=tuple(ids),
+                    sampling=SamplingParams(max_tokens=6, ignore_eos=True),
+                ),
+            )
+        )
+        chat = await collect(
+            eng, GenerateRequest(messages=msgs, sampling=SamplingParams(max_tokens=4))
+        )
+    assert by_ids == by_text
+    assert chat[0].prompt_token_ids == tuple(
+        loaded.tokenizer.encode_chat([{"role": "user", "content": "Hi there"}])
+    )
+
+
+@pytest.mark.parametrize(
+    "req, code, words",
+    [
+        (GenerateRequest(prompt=""), "invalid_argument", "empty"),
+        (GenerateRequest(), "invalid_argument", "exactly one"),
+        (GenerateRequest(prompt="x", prompt_token_ids=(1,)), "invalid_argument", "exactly one"),
+        (GenerateRequest(prompt_token_ids=(1, 10**6)), "invalid_argument", "vocabulary"),
+        (GenerateRequest(prompt_token_ids=(1,) * 300), "invalid_argument", "context limit"),
+        (
+            GenerateRequest(prompt="hi", sampling=SamplingParams(max_tokens=10**6)),
+            "invalid_argument",
+            "max_tokens",
+        ),
+        (
+            GenerateRequest(prompt="hi", sampling=SamplingParams(top_p=0.0)),
+            "invalid_argument",
+            "top_p",
+        ),
+        (
+            GenerateRequest(prompt="hi", sampling=SamplingParams(temperature=-1)),
+            "invalid_argument",
+            "temperature",
+        ),
+        (GenerateRequest(prompt="hi", model="nope"), "not_found", "nope"),
+    ],
+)
+async def test_bad_requests_get_typed_errors(
+    loaded: LoadedModel, req: GenerateRequest, code: str, words: str
+) -> None:
+    async with engine(loaded, max_model_len=256) as eng:
+        with pytest.raises(EngineError) as e:
+            await collect(eng, req)
+        assert e.value.code == code and words in e.value.message
+        await idle(eng)
+
+
+async def test_queue_bound_is_resource_exhausted(loaded: LoadedModel) -> None:
+    async with engine(loaded, max_waiting=1) as eng:
+        first = eng.generate(greedy(PROMPTS[0], 50))
+        second = eng.generate(greedy(PROMPTS[1], 50))
+        head = asyncio.ensure_future(first.__anext__())
+        with pytest.raises(EngineError) as e:
+            await asyncio.gather(head, second.__anext__())
+        assert e.value.code == "resource_exhausted"
+        await head
+        await first.aclose()
+        await idle(eng)
+
+
+async def test_status_and_kv_shrink(loaded: LoadedModel) -> None:
+    async with engine(loaded) as eng:
+        st = await eng.status()
+        assert st.models[0].name == loaded.name and st.models[0].fingerprint == loaded.fingerprint
+        assert st.blocks_committed == 0 and st.blocks_free == st.blocks_total
+        await collect(eng, greedy(" ".join(PROMPTS), 8))
+        st = await eng.status()
+        assert st.blocks_committed > 0 and st.blocks_evictable > 0
+        released = await eng.shrink_kv(10**6)
+        st2 = await eng.status()
+        assert released > 0 and st2.blocks_committed == 0 and st2.blocks_evictable == 0
+        assert Path(st.pool_name).exists()
+    assert not Path(st.pool_name).exists()  # stop() removed the shared-memory file
+
+
+async def test_missing_model_path_says_how_to_make_one() -> None:
+    from shared.config import ConfigError
+
+    with pytest.raises(ConfigError, match="overture demo-model"):
+        async with AsyncEngine(EngineConfig(model_path="")):
+            pass
+
+
+def test_config_replace_is_frozen() -> None:
+    cfg = config()
+    assert replace(cfg, block_size=8).block_size == 8
+
+
+async def test_a_running_requests_blocks_are_shared_by_a_later_identical_prompt(
+    loaded: LoadedModel,
+) -> None:
+    prompt = " ".join(PROMPTS[:3])
+    async with engine(loaded) as eng:
+        first = eng.generate(greedy(prompt, 30))
+        head = [await first.__anext__()]
+        second = await collect(eng, greedy(prompt, 30))  # while the first still runs
+        rest = [o async for o in first]
+        await idle(eng)
+    assert second[-1].cached_tokens > 0
+    assert tokens(second) == tokens(head + rest)

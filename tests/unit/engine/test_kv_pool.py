@@ -1,0 +1,102 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.engine.block_pool import BlockPool
+from services.engine.kv_pool import KVPool
+from shared.config import ConfigError
+
+from .conftest import make_pool
+
+
+def test_reserved_not_committed_until_grown(kv_pool: KVPool) -> None:
+    assert kv_pool.kv_cache.shape == (8, 2, 4, 1, 32)  # (blocks, K/V, tokens, heads, dim)
+    assert kv_pool.num_committed_blocks == 0
+    assert kv_pool.resident_bytes() == 0  # sparse shm file
+    assert kv_pool.grow() == 0
+    assert kv_pool.resident_bytes() >= kv_pool.page_span
+    assert kv_pool.grow() == 1
+    assert kv_pool.grow() is None  # budget used up
+    assert kv_pool.num_committed_blocks == 8
+
+
+def test_release_punches_the_page_out_of_the_shm_file(kv_pool: KVPool) -> None:
+    kv_pool.grow()
+    kv_pool.grow()
+    kv_pool.kv_cache[4:8].fill_(3.0)  # page 1
+    before = kv_pool.resident_bytes()
+    kv_pool.release(1)
+    assert kv_pool.resident_bytes() == before - kv_pool.page_span
+    assert kv_pool.grow() == 1
+    assert torch.count_nonzero(kv_pool.kv_cache[4:8]) == 0  # memory really went away
+
+
+def test_another_mapping_of_the_name_sees_the_same_bytes(kv_pool: KVPool) -> None:
+    kv_pool.grow()
+    nbytes = kv_pool.num_pages * kv_pool.page_span
+    other = torch.empty(0, dtype=torch.uint8).set_(
+        torch.UntypedStorage.from_file(kv_pool.name, shared=True, nbytes=nbytes)
+    )
+    view = other.view(torch.float32).view(kv_pool.kv_cache.shape)
+    kv_pool.kv_cache[2, 1, 3, 0, 5] = 42.0
+    assert view[2, 1, 3, 0, 5].item() == 42.0
+
+
+def test_close_removes_the_shm_file() -> None:
+    pool = make_pool(num_pages=1)
+    path = Path(pool.name)
+    assert path.exists()
+    pool.close()
+    assert not path.exists()
+
+
+def test_budget_below_one_page_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="engine.device_memory_bytes"):
+        KVPool(
+            block_size=4,
+            num_kv_heads=1,
+            head_dim=32,
+            dtype=torch.float32,
+            budget_bytes=2048,
+            page_bytes=4096,
+        )
+
+
+def test_block_pool_grows_on_demand_and_shrink_releases_memory(kv_pool: KVPool) -> None:
+    pool = BlockPool(kv_pool)
+    a = pool.allocate(6)
+    assert a == [0, 1, 2, 3, 4, 5] and kv_pool.num_committed_pages == 2
+    pool.check_integrity()
+    resident = kv_pool.resident_bytes()
+    pool.free(a[4:])  # page 1 (blocks 4..7) now holds nothing
+    assert pool.shrink(2) == 1  # page 0 is still in use
+    pool.check_integrity()
+    assert kv_pool.num_committed_pages == 1 and pool.num_free == 0
+    assert kv_pool.resident_bytes() == resident - kv_pool.page_span
+    assert pool.allocate(2) == [4, 5]  # committed again on demand
+    pool.check_integrity()
+
+
+def test_stale_files_of_dead_processes_are_removed(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from services.engine.device import remove_stale_files
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    stale = tmp_path / f"overture-kv-{dead.stdout.strip()}-abc"
+    mine = tmp_path / f"overture-kv-{os.getpid()}-def"
+    other = tmp_path / "unrelated-1-x"
+    for p in (stale, mine, other):
+        p.write_bytes(b"x")
+    assert remove_stale_files(tmp_path, "overture-kv") == [stale]
+    assert mine.exists() and other.exists() and not stale.exists()

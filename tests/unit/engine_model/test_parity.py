@@ -1,0 +1,135 @@
+"""Logits and greedy tokens equal transformers on the same random weights (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine.model import load_model
+
+from .paged import PagedCache, greedy
+
+TOL = 1e-4  # max abs logits difference, fp32 (different matmul order only)
+LENGTHS = (1, 7, 33, 100)
+
+CASES = {
+    "llama": dict(arch="llama"),
+    "llama-tied": dict(arch="llama", tie_word_embeddings=True),
+    "llama3-rope": dict(arch="llama", rope_theta=500000.0, max_position_embeddings=1024,
+                        rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 64}),
+    "llama-linear-rope": dict(arch="llama",
+                              rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "mistral": dict(arch="mistral", sliding_window=None),
+    "qwen2": dict(arch="qwen2"),
+    "qwen2-mha-tied": dict(arch="qwen2", num_key_value_heads=4, tie_word_embeddings=True),
+}
+
+
+def _prompt(n: int, seed: int = 1) -> list[int]:
+    g = torch.Generator().manual_seed(seed + n)
+    return torch.randint(5, 1024, (n,), generator=g).tolist()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_prefill_logits_match_transformers(hf_checkpoint, case: str) -> None:
+    folder, ref = hf_checkpoint(**CASES[case])
+    ours = load_model(folder, dtype=torch.float32)
+    for n in LENGTHS:
+        prompt = _prompt(n)
+        with torch.no_grad():
+            want = ref(torch.tensor([prompt])).logits[0].float()  # (n, vocab)
+        # All positions' logits: ask for every row of the packed batch.
+        cache = PagedCache(ours.model, 1, n)
+        batch = cache.batch([prompt], [0])
+        batch.logits_indices = torch.arange(n)
+        got = ours.model(batch, cache.kv_cache)
+        assert got.shape == want.shape
+        diff = (got - want).abs().max().item()
+        assert diff < TOL, f"{case} n={n}: max abs diff {diff}"
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen2", "llama3-rope"])
+def test_greedy_32_tokens_match_transformers_generate(hf_checkpoint, case: str) -> None:
+    folder, ref = hf_checkpoint(**CASES[case])
+    ours = load_model(folder, dtype=torch.float32)
+    prompt = _prompt(13)
+    with torch.no_grad():
+        out = ref.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32,
+                           do_sample=False, pad_token_id=0)
+    want = out[0, len(prompt):].tolist()
+    assert greedy(ours.model, prompt, 32) == want
+
+
+def test_chunked_prefill_equals_one_shot(hf_checkpoint) -> None:
+    folder, _ = hf_checkpoint(arch="llama")
+    model = load_model(folder, dtype=torch.float32).model
+    prompt = _prompt(57)
+    full = PagedCache(model, 1, 64).step([prompt], [0])
+    chunked = PagedCache(model, 1, 64)
+    done = 0
+    for size in (1, 16, 5, 30, 5):  # chunk edges inside and on block boundaries
+        logits = chunked.step([prompt[done:done + size]], [done])
+        done += size
+    assert done == len(prompt)
+    torch.testing.assert_close(logits, full, atol=1e-5, rtol=0)
+
+
+def test_mixed_batch_equals_sequences_alone(hf_checkpoint) -> None:
+    """Prefill chunks and decodes of different sequences in one step give each sequence's
+    own logits."""
+    folder, _ = hf_checkpoint(arch="qwen2")
+    model = load_model(folder, dtype=torch.float32).model
+    prompts = [_prompt(n, seed=7) for n in (9, 21, 3, 40)]
+    alone = [PagedCache(model, 1, 48).step([p], [0])[0] for p in prompts]
+    cache = PagedCache(model, 4, 48)
+    # Step 1: sequences 0 and 2 minus their last token, sequence 3 a first chunk.
+    cache.step([prompts[0][:-1], [], prompts[2][:-1], prompts[3][:25]], [0, 0, 0, 0])
+    # Step 2: two decodes, one whole prefill, one continued chunk, all together.
+    logits = cache.step([prompts[0][-1:], prompts[1], prompts[2][-1:], prompts[3][25:]],
+                        [8, 0, 2, 25])
+    for s in range(4):
+        torch.testing.assert_close(logits[s], alone[s], atol=1e-5, rtol=0)
+
+
+def test_batched_decode_equals_single(hf_checkpoint) -> None:
+    folder, _ = hf_checkpoint(arch="llama", num_key_value_heads=1)
+    model = load_model(folder, dtype=torch.float32).model
+    prompts = [_prompt(n, seed=3) for n in (5, 17, 30)]
+    singles = [greedy(model, p, 12) for p in prompts]
+    cache = PagedCache(model, 3, 48)
+    logits = cache.step(prompts, [0, 0, 0])
+    outs = [[int(t)] for t in logits.argmax(-1)]
+    for _ in range(11):
+        cached = [len(p) + len(o) - 1 for p, o in zip(prompts, outs, strict=True)]
+        logits = cache.step([[o[-1]] for o in outs], cached)
+        for o, t in zip(outs, logits.argmax(-1), strict=True):
+            o.append(int(t))
+    assert outs == singles
+
+
+def test_wait_for_layer_called_in_order_before_each_layer(hf_checkpoint) -> None:
+    folder, _ = hf_checkpoint(arch="llama", num_hidden_layers=3)
+    model = load_model(folder, dtype=torch.float32).model
+    cache = PagedCache(model, 1, 16)
+    batch = cache.batch([_prompt(6)], [0])
+    calls: list[int] = []
+    batch.wait_for_layer = calls.append
+    model(batch, cache.kv_cache)
+    assert calls == [0, 1, 2]
+
+
+def test_bf16_upcast_linears_match_plain_bf16(demo_tiny) -> None:
+    """Half-precision linears computed in float32 (for many rows on CPUs without native
+    bf16) agree with plain bf16 GEMMs up to bf16 rounding."""
+    model = load_model(demo_tiny, dtype=torch.bfloat16).model
+    prompt = _prompt(40)
+    model.set_upcast_rows(0)
+    plain = PagedCache(model, 1, 48).step([prompt], [0])
+    model.set_upcast_rows(1)
+    upcast = PagedCache(model, 1, 48).step([prompt], [0])
+    ref = load_model(demo_tiny, dtype=torch.float32).model
+    exact = PagedCache(ref, 1, 48).step([prompt], [0])
+    assert (plain - upcast).abs().max().item() < 0.02
+    assert (upcast - exact).abs().max().item() < 0.02

@@ -1,0 +1,88 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.chunk_codec import (
+    ChunkCorrupt,
+    ChunkFormatError,
+    ChunkMeta,
+    StorageError,
+    decode_chunk,
+    encode_chunk,
+    is_sealed,
+    read_meta,
+    seal_chunk,
+    verify_chunk,
+)
+from tests.unit.kvstore.chunks import kv_tensor, meta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8])
+def test_roundtrip_exact(dtype: torch.dtype) -> None:
+    t = (kv_tensor(1) * 10).to(dtype)
+    m = meta("s", 3, layer=5, blocks=2)
+    blob = encode_chunk(m, t)
+    c = decode_chunk(blob)
+    assert c.meta == m
+    assert c.tensor.dtype == dtype and c.tensor.shape == t.shape
+    assert torch.equal(c.tensor, t)
+
+
+def test_decode_views_the_blob_without_copy() -> None:
+    blob = encode_chunk(meta("s", 0, 0), kv_tensor(2))
+    c = decode_chunk(blob)
+    base = torch.frombuffer(blob, dtype=torch.uint8).data_ptr()
+    assert base <= c.tensor.data_ptr() < base + len(blob)
+
+
+def test_key_names_tenant_model_last_block_and_layer() -> None:
+    m = meta("s", 7, layer=3, blocks=4)
+    assert m.key == f"t1/fp0/{m.block_hashes[-1].hex()}/3"
+
+
+@pytest.mark.parametrize("where", ["header", "payload", "last"])
+def test_flipped_byte_is_corrupt_not_a_miss(where: str) -> None:
+    blob = encode_chunk(meta("s", 0, 0), kv_tensor(3))
+    pos = {"header": 20, "payload": len(blob) // 2, "last": len(blob) - 1}[where]
+    blob[pos] ^= 0x40
+    with pytest.raises(ChunkCorrupt) as e:
+        decode_chunk(blob)
+    assert isinstance(e.value, StorageError)
+
+
+def test_truncated_and_garbage_are_corrupt() -> None:
+    blob = encode_chunk(meta("s", 0, 0), kv_tensor(3))
+    for bad in (blob[:10], blob[:-4], b"x" * 64):
+        with pytest.raises(ChunkCorrupt):
+            decode_chunk(bytes(bad))
+
+
+def test_deferred_seal() -> None:
+    blob = encode_chunk(meta("s", 0, 1), kv_tensor(4), seal=False)
+    assert not is_sealed(blob)
+    with pytest.raises(ChunkCorrupt):
+        verify_chunk(blob)
+    assert torch.equal(decode_chunk(blob, verify=False).tensor, kv_tensor(4))
+    seal_chunk(blob)
+    seal_chunk(blob)  # idempotent
+    assert is_sealed(blob)
+    verify_chunk(blob)
+    assert read_meta(blob).layer == 1
+
+
+def test_bad_input_is_a_typed_error() -> None:
+    with pytest.raises(ChunkFormatError):
+        encode_chunk(ChunkMeta("a/b", "fp", 0, (b"h",)), kv_tensor(0))
+    with pytest.raises(ChunkFormatError):
+        encode_chunk(ChunkMeta("t", "fp", 0, ()), kv_tensor(0))
+    with pytest.raises(ChunkFormatError):
+        encode_chunk(ChunkMeta("t", "fp", -1, (b"h",)), kv_tensor(0))
+    with pytest.raises(ChunkFormatError):
+        encode_chunk(meta("s", 0, 0), torch.zeros(3, dtype=torch.complex64))
+
+
+def test_non_contiguous_tensor_is_stored_in_logical_order() -> None:
+    t = kv_tensor(5).transpose(1, 2)  # (2, heads, tokens, dim), a strided view
+    c = decode_chunk(encode_chunk(meta("s", 0, 0), t))
+    assert torch.equal(c.tensor, t)

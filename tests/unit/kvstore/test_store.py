@@ -1,0 +1,206 @@
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.kvstore.errors import ManifestIncomplete, WriteDropped
+from services.kvstore.metrics import KVStoreMetrics
+from services.kvstore.store import TieredStore
+from services.kvstore.streaming import stream_session
+from services.kvstore.tiers import DramTier, SsdTier
+from shared.chunk_codec import decode_chunk, encode_chunk
+from tests.unit.kvstore.chunks import kv_tensor, meta, session_chunks, session_manifest
+from tests.unit.kvstore.flaky import FlakyTier
+
+
+def make_store(tiers: list, **kw) -> TieredStore:
+    kw.setdefault("retry_backoff_max_s", 0.02)
+    kw.setdefault("drain_s", 0.5)
+    return TieredStore(tiers, KVStoreMetrics(), **kw)
+
+
+async def test_put_lands_in_dram_before_returning_and_acks_durable(tmp_path: Path) -> None:
+    remote = FlakyTier()
+    async with make_store([DramTier(1 << 20), SsdTier(str(tmp_path / "db"), 1 << 20), remote]) as s:
+        src = kv_tensor(1)
+        r = await s.put(meta("s", 0, 0), src)
+        src.zero_()  # the caller may reuse its memory at once
+        assert await s.dram.contains("c/" + r.key)
+        await r.durable
+        assert await remote.contains("c/" + r.key)
+        assert await s.tiers[1].contains("c/" + r.key)  # SSD written before the lowest tier
+        c = await s.get(r.key)
+        assert c is not None and torch.equal(c.tensor, kv_tensor(1))
+        assert s.metrics.value("kvstore_durable_writes_total") == 1
+        s.check_integrity()
+
+
+async def test_get_promotes_from_lower_tiers(tmp_path: Path) -> None:
+    async with make_store([DramTier(1 << 20), SsdTier(str(tmp_path / "db"), 1 << 20)]) as s:
+        r = await s.put(meta("s", 0, 2), kv_tensor(7))
+        await r.durable
+        await s.dram.delete("c/" + r.key)
+        c = await s.get(r.key)
+        assert c is not None and torch.equal(c.tensor, kv_tensor(7))
+        assert await s.dram.contains("c/" + r.key)
+        assert s.metrics.value("kvstore_hits_total", tier="ssd") == 1
+        assert s.metrics.value("kvstore_misses_total", tier="dram") == 1
+        assert await s.get("t1/fp0/00/0") is None
+
+
+async def test_corrupt_ssd_chunk_is_counted_deleted_and_a_miss(tmp_path: Path) -> None:
+    ssd = SsdTier(str(tmp_path / "db"), 1 << 20)
+    async with make_store([DramTier(1 << 20), ssd]) as s:
+        r = await s.put(meta("s", 0, 0), kv_tensor(3))
+        await r.durable
+        await s.dram.delete("c/" + r.key)
+        good = bytearray(await ssd.get("c/" + r.key))
+        good[-3] ^= 0xFF
+        await ssd.raw_put("c/" + r.key, bytes(good))
+        assert await s.get(r.key) is None
+        assert s.metrics.value("kvstore_checksum_failures_total", tier="ssd") == 1
+        assert not await ssd.contains("c/" + r.key)
+
+
+async def test_corrupt_copy_falls_through_to_a_good_one(tmp_path: Path) -> None:
+    ssd, remote = SsdTier(str(tmp_path / "db"), 1 << 20), FlakyTier()
+    async with make_store([DramTier(1 << 20), ssd, remote]) as s:
+        r = await s.put(meta("s", 0, 0), kv_tensor(3))
+        await r.durable
+        await s.dram.delete("c/" + r.key)
+        await ssd.raw_put("c/" + r.key, b"OVKC garbage")
+        c = await s.get(r.key)
+        assert c is not None and torch.equal(c.tensor, kv_tensor(3))
+        assert s.metrics.value("kvstore_checksum_failures_total", tier="ssd") == 1
+
+
+async def test_remote_down_queues_retries_and_falls_back_to_local(tmp_path: Path) -> None:
+    remote = FlakyTier()
+    remote.down = True
+    async with make_store([DramTier(1 << 20), SsdTier(str(tmp_path / "db"), 1 << 20), remote]) as s:
+        r = await s.put(meta("s", 0, 0), kv_tensor(1))
+        await asyncio.sleep(0.05)
+        assert not r.durable.done()
+        assert s.health()[0] is False and "remote degraded" in s.health()[1]
+        await s.dram.delete("c/" + r.key)
+        assert (await s.get(r.key)) is not None  # SSD serves while the remote is down
+        remote.down = False
+        await asyncio.wait_for(r.durable, 5)
+        assert s.health() == (True, "ok")
+
+
+async def test_full_queue_drops_lowest_priority_oldest_and_keeps_local_copies() -> None:
+    remote = FlakyTier()
+    remote.down = True
+    async with make_store([DramTier(1 << 20), remote], write_queue=3, write_workers=1) as s:
+        receipts = [await s.put(meta("s", i, layer=0), kv_tensor(i), priority=p)
+                    for i, p in enumerate([5, 1, 5, 1, 5])]
+        await asyncio.sleep(0.05)
+        dropped = [i for i, r in enumerate(receipts) if r.durable.done() and isinstance(r.durable.exception(), WriteDropped)]
+        assert dropped == [1, 3]
+        assert s.writer.dropped == 2 and s.metrics.value("kvstore_write_behind_dropped_total") == 2
+        for r in receipts:  # every chunk still readable locally
+            assert await s.get(r.key) is not None
+        remote.down = False
+        for i in (0, 2, 4):
+            await asyncio.wait_for(receipts[i].durable, 5)
+        s.check_integrity()
+
+
+async def test_manifest_only_after_chunks_are_durable() -> None:
+    remote = FlakyTier()
+    async with make_store([DramTier(1 << 20), remote]) as s:
+        m = session_manifest("sess", num_blocks=5, num_layers=2, bpc=2)
+        chunks = session_chunks(m)
+        assert len(chunks) == 6  # 3 chunks per layer x 2 layers
+        remote.down = True
+        receipts = [await s.put(cm, t) for cm, t in chunks[:-1]]
+        with pytest.raises(ManifestIncomplete):
+            await s.put_manifest(m)  # last chunk never put
+        await s.put(*chunks[-1])
+        with pytest.raises(ManifestIncomplete, match="not durable after"):
+            await s.put_manifest(m, wait_s=0.05)  # all put, none durable yet
+        assert await s.get_manifest("t1", "sess") is None
+        remote.down = False
+        await s.put_manifest(m)  # waits for the in-flight writes
+        assert all(r.durable.done() for r in receipts)
+        got = await s.get_manifest("t1", "sess")
+        assert got == m
+        layer1 = await s.get_layer(m, 1)
+        assert [torch.equal(c.tensor, t) for c, (_cm, t) in zip(layer1, chunks[3:])] == [True] * 3
+
+
+async def test_stream_session_is_lowest_layer_first_with_misses() -> None:
+    async with make_store([DramTier(1 << 20)]) as s:
+        m = session_manifest("sess", num_blocks=4, num_layers=3, bpc=2)
+        chunks = session_chunks(m)
+        for cm, t in chunks:
+            await s.put(cm, t)
+        await s.delete(chunks[3][0].key)  # layer 1, chunk 1
+        seen = [(layer, i, blob is not None) async for layer, i, _k, blob in stream_session(s, m, window=2)]
+        assert seen == [(0, 0, True), (0, 1, True), (1, 0, True), (1, 1, False), (2, 0, True), (2, 1, True)]
+        first = [x async for x in stream_session(s, m, first_layer=2)]
+        assert [(x[0], x[1]) for x in first] == [(2, 0), (2, 1)]
+        decode_chunk(first[0][3])  # blobs handed out are sealed and verify
+
+
+async def test_sweep_expires_idle_local_and_old_lowest(tmp_path: Path) -> None:
+    async with make_store([DramTier(1 << 20), SsdTier(str(tmp_path / "db"), 1 << 20)],
+                          local_ttl_s=10, ttl_s=100) as s:
+        r = await s.put(meta("s", 0, 0), kv_tensor(1))
+        await r.durable
+        assert await s.sweep(now=time.time() + 50) == 1  # DRAM idle > 10 s; SSD age < 100 s
+        assert await s.dram.get("c/" + r.key) is None
+        assert await s.sweep(now=time.time() + 200) == 1  # lowest tier past its TTL
+        assert await s.get(r.key) is None
+        assert s.metrics.value("kvstore_expired_total", tier="ssd") == 1
+
+
+async def test_many_writers_and_readers_verify_checksums(tmp_path: Path) -> None:
+    async with make_store([DramTier(64 << 10), SsdTier(str(tmp_path / "db"), 8 << 20)]) as s:
+        # DRAM holds only a few chunks, so readers hit SSD (verified) and promotions race.
+        async def writer(w: int) -> list[str]:
+            keys = []
+            for i in range(20):
+                r = await s.put(meta(f"w{w}", i, layer=i % 3), kv_tensor(w * 100 + i, tokens=16))
+                keys.append(r.key)
+                await r.durable
+            return keys
+
+        key_lists = await asyncio.gather(*(writer(w) for w in range(6)))
+
+        async def reader(w: int) -> int:
+            ok = 0
+            for _round in range(2):
+                for i, k in enumerate(key_lists[w]):
+                    blob = await s.get_blob(k)
+                    assert blob is not None
+                    c = decode_chunk(blob)  # verifies the CRC
+                    assert torch.equal(c.tensor, kv_tensor(w * 100 + i, tokens=16))
+                    ok += 1
+            return ok
+
+        assert sum(await asyncio.gather(*(reader(w % 6) for w in range(12)))) == 12 * 40
+        assert s.metrics.value("kvstore_checksum_failures_total", tier="ssd") == 0
+        assert s.metrics.value("kvstore_evictions_total", tier="dram") > 0
+        s.check_integrity()
+
+
+def test_unsealed_blob_decodes_in_process_only_without_verify() -> None:
+    blob = encode_chunk(meta("s", 0, 0), kv_tensor(0), seal=False)
+    assert decode_chunk(blob, verify=False).tensor.shape == (2, 4, 2, 8)
+
+
+async def test_manifest_refused_after_a_named_chunk_was_deleted() -> None:
+    async with make_store([DramTier(1 << 20), FlakyTier()]) as s:
+        m = session_manifest("gone", num_blocks=2, num_layers=2, bpc=2)
+        for cm, t in session_chunks(m):
+            await (await s.put(cm, t)).durable
+        await s.delete(m.chunk_keys()[1])
+        with pytest.raises(ManifestIncomplete):
+            await s.put_manifest(m)
+        s.check_integrity()

@@ -1,0 +1,102 @@
+"""An in-process mini cluster for the scheduler's HTTP tests: the real scheduler and node
+manager (``start``) in the test's event loop, with the fake engine behind them."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+
+import aiohttp
+import pytest
+
+from services.nodemgr.app import start as start_nodemgr
+from services.nodemgr.config import NodeManagerConfig
+from services.scheduler.app import Running
+from services.scheduler.app import start as start_scheduler
+from services.scheduler.config import SchedulerConfig
+from shared.config import load
+from shared.grpc_server import serve_grpc
+from shared.proto import engine_pb2_grpc
+from tests.unit.scheduler.fake_engine import FakeEngine
+
+
+@dataclass
+class MiniCluster:
+    scheduler: Running
+    engine: FakeEngine
+    http: aiohttp.ClientSession
+    url: str
+    stack: AsyncExitStack
+    engine_servers: list = field(default_factory=list)
+    engines: list[FakeEngine] = field(default_factory=list)
+
+    async def wait_nodes(self, count: int, timeout: float = 5.0) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while len(self.scheduler.state.registry.healthy()) != count:
+            assert loop.time() < deadline, "nodes did not reach the expected count"
+            await asyncio.sleep(0.02)
+
+
+async def make_cluster(
+    stack: AsyncExitStack,
+    *,
+    engine: FakeEngine | None = None,
+    nodes: int = 1,
+    token_delay_s: float = 0.0,
+    **scheduler_overrides: object,
+) -> MiniCluster:
+    overrides = {
+        "port": 0,
+        "grpc_port": 0,
+        "heartbeat_interval_s": 0.1,
+        "heartbeat_timeout_s": 1.0,
+        "no_node_wait_s": 0.5,
+        **scheduler_overrides,
+    }
+    sched = await start_scheduler(load(SchedulerConfig, "scheduler", overrides=overrides), stack)
+    engines = (
+        [engine] if engine else [FakeEngine(token_delay_s=token_delay_s) for _ in range(nodes)]
+    )
+    servers = []
+    for i in range(nodes):
+        node_engine = engines[i % len(engines)]
+        server = await stack.enter_async_context(
+            serve_grpc(
+                "127.0.0.1",
+                0,
+                register=[
+                    lambda s, e=node_engine: engine_pb2_grpc.add_EngineServicer_to_server(e, s)
+                ],
+                service_names=["overture.v1.Engine"],
+                grace_s=0.1,
+            )
+        )
+        servers.append(server)
+        nm = load(
+            NodeManagerConfig,
+            "nodemgr",
+            overrides={
+                "port": 0,
+                "node_id": f"node{i}",
+                "scheduler_address": f"127.0.0.1:{sched.grpc_port}",
+                "engine_address": f"127.0.0.1:{server.port}",
+                "heartbeat_interval_s": 0.1,
+                "engine_wait_s": 5,
+            },
+        )
+        await start_nodemgr(nm, stack)
+    http = await stack.enter_async_context(aiohttp.ClientSession())
+    cluster = MiniCluster(
+        sched, engines[0], http, f"http://127.0.0.1:{sched.http_port}", stack, servers, engines
+    )
+    await cluster.wait_nodes(nodes)
+    return cluster
+
+
+@pytest.fixture
+async def cluster() -> AsyncIterator[MiniCluster]:
+    async with AsyncExitStack() as stack:
+        yield await make_cluster(stack)

@@ -1,0 +1,87 @@
+"""A small in-process Engine gRPC servicer for unit tests of the scheduler and node manager.
+
+Each word of the prompt is a token; generation emits ``max_tokens`` tokens named ``t<i>``.
+Prompts longer than the context fail with INVALID_ARGUMENT as the real engine does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from shared.proto import common_pb2, engine_pb2, engine_pb2_grpc
+
+
+class FakeEngine(engine_pb2_grpc.EngineServicer):
+    def __init__(
+        self, model: str = "demo", max_model_len: int = 64, token_delay_s: float = 0.0
+    ) -> None:
+        self.model = model
+        self.max_model_len = max_model_len
+        self.token_delay_s = token_delay_s
+        self.running = 0
+        self.cancelled = 0
+        self.requests: list[common_pb2.GenerateRequest] = []
+        self.fail_with: grpc.StatusCode | None = None
+
+    def _prompt_ids(self, req: common_pb2.GenerateRequest) -> list[int]:
+        if req.input_kind == common_pb2.GenerateRequest.TOKEN_IDS:
+            return list(req.prompt_token_ids)
+        if req.input_kind == common_pb2.GenerateRequest.CHAT:
+            words = [w for m in req.messages for w in (m.role + " " + m.content).split()]
+        else:
+            words = req.prompt.split()
+        return [len(w) for w in words]
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        if self.fail_with is not None:
+            await context.abort(self.fail_with, f"fake engine fails with {self.fail_with.name}")
+        if request.model != self.model:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model} not served")
+        prompt = self._prompt_ids(request)
+        if len(prompt) >= self.max_model_len:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt has {len(prompt)} tokens; the context holds {self.max_model_len}",
+            )
+        budget = self.max_model_len - len(prompt)
+        n = min(request.sampling.max_tokens or budget, budget)
+        self.running += 1
+        try:
+            yield common_pb2.GenerateChunk(
+                request_id=request.request_id,
+                prompt_token_ids=prompt,
+                prompt_tokens=len(prompt),
+            )
+            for i in range(n):
+                if self.token_delay_s:
+                    await asyncio.sleep(self.token_delay_s)
+                last = i == n - 1
+                yield common_pb2.GenerateChunk(
+                    request_id=request.request_id,
+                    text=f"t{i} ",
+                    token_ids=[i],
+                    prompt_tokens=len(prompt),
+                    completion_tokens=i + 1,
+                    finish_reason="length" if last else "",
+                )
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        finally:
+            self.running -= 1
+
+    async def Status(self, request, context):
+        return engine_pb2.EngineStatus(
+            models=[
+                common_pb2.ModelInfo(
+                    name=self.model, max_model_len=self.max_model_len, dtype="float32"
+                )
+            ],
+            running=self.running,
+            waiting=0,
+            blocks_total=100,
+            blocks_free=100,
+        )

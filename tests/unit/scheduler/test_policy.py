@@ -1,0 +1,54 @@
+"""The balanced policy: least loaded, ties to fewest routed, then least recently used."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.scheduler.nodes import Load, ModelSpec, NodeInfo, NodeRegistry
+from services.scheduler.policy import POLICIES, RouteRequest, make_policy
+
+
+def registry(*node_ids: str) -> tuple[NodeRegistry, list[float]]:
+    t = [0.0]
+    reg = NodeRegistry(10.0, clock=lambda: t[0])
+    for n in node_ids:
+        reg.register(NodeInfo(n, "addr", (ModelSpec("m"),)))
+    return reg, t
+
+
+def choose(reg: NodeRegistry) -> str:
+    node = make_policy("balanced").choose(reg.healthy("m"), RouteRequest("m"))
+    assert node is not None
+    return node.node_id
+
+
+def test_least_loaded_wins() -> None:
+    reg, _ = registry("a", "b", "c")
+    reg.heartbeat("a", Load(running=2))
+    reg.heartbeat("b", Load(running=1, waiting=1))
+    reg.heartbeat("c", Load(waiting=1))
+    assert choose(reg) == "c"
+    reg.begin("c")
+    reg.begin("c")  # c: 1 waiting + 2 routed = 3 > a, b
+    assert choose(reg) in {"a", "b"}
+
+
+def test_ties_go_to_fewest_routed_then_least_recently_used() -> None:
+    reg, t = registry("a", "b")
+    reg.heartbeat("a", Load(running=0))
+    reg.heartbeat("b", Load(running=1))
+    reg.begin("a")  # both score 1; a has 1 routed, b has none
+    assert choose(reg) == "b"
+    reg.end("a")
+    reg.heartbeat("b", Load())
+    t[0] = 1.0
+    reg.begin("a")
+    reg.end("a")
+    assert choose(reg) == "b"  # a was used more recently
+
+
+def test_empty_and_unknown() -> None:
+    assert make_policy("balanced").choose([], RouteRequest("m")) is None
+    with pytest.raises(ValueError, match="known policies: balanced"):
+        make_policy("nope")
+    assert "balanced" in POLICIES
