@@ -2,7 +2,8 @@
 
 Public surface for other services (in-process use, e.g. the engine hand-off):
 ``TieredStore`` (put/get by chunk key, per layer, manifests), ``Manifest``, the ``Tier``
-interface and ``build_tiers``, and the typed errors. The chunk format is
+interface and ``build_tiers``, the typed errors, and ``PoolDataPath`` (the same-node
+data path to the engine's KV pool, ``pool_path.py``). The chunk format is
 ``shared.chunk_codec``.
 """
 
@@ -17,12 +18,17 @@ from services.kvstore.errors import (
     WriteDropped,
 )
 from services.kvstore.manifest import Manifest
+from services.kvstore.pool_map import PoolError, PoolGeometry
+from services.kvstore.pool_path import PoolDataPath
 from services.kvstore.store import PutReceipt, TieredStore, layer_priority
 
 __all__ = [
     "ChunkCorrupt",
     "Manifest",
     "ManifestIncomplete",
+    "PoolDataPath",
+    "PoolError",
+    "PoolGeometry",
     "PutReceipt",
     "StorageError",
     "TierOpenError",

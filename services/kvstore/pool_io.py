@@ -9,9 +9,22 @@ chunk into the target blocks. Only the listed blocks are ever written.
 
 from __future__ import annotations
 
-import torch
+import functools
+from typing import TYPE_CHECKING, Any
 
 from shared.chunk_codec import ChunkMeta, encode_chunk
+
+if TYPE_CHECKING:
+    import torch
+
+
+@functools.cache
+def lazy_torch() -> Any:
+    # Imported on the first pool operation: a kvstore without an attached pool never needs
+    # torch, and importing it costs seconds of process start-up.
+    import torch
+
+    return torch
 
 
 def _is_run(ids: list[int]) -> bool:
@@ -23,6 +36,7 @@ def gather_blocks(kv: torch.Tensor, ids: list[int]) -> torch.Tensor:
     if _is_run(ids):
         out = kv[ids[0] : ids[-1] + 1]  # (n, 2, bs, kvh, hd) view
     else:
+        torch = lazy_torch()
         out = kv.index_select(0, torch.tensor(ids, dtype=torch.long, device=kv.device))
     return out if out.device.type == "cpu" else out.cpu()
 
@@ -40,10 +54,6 @@ def scatter_blocks(kv: torch.Tensor, chunk: torch.Tensor, offset: int, ids: list
     if _is_run(ids):
         kv[ids[0] : ids[-1] + 1].copy_(src)
     else:
+        torch = lazy_torch()
         kv.index_copy_(0, torch.tensor(ids, dtype=torch.long, device=kv.device), src)
 
-
-def copy_layer(kv: torch.Tensor, parts: list[tuple[torch.Tensor, int, list[int]]]) -> None:
-    """Scatter every (chunk tensor, offset, target ids) of one layer."""
-    for chunk, offset, ids in parts:
-        scatter_blocks(kv, chunk, offset, ids)

@@ -20,12 +20,14 @@ import mmap
 import os
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from services.kvstore.pool_io import lazy_torch
 from shared.chunk_codec import DTYPE_NAMES
 from shared.config import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +50,12 @@ class PoolGeometry:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
+        return getattr(lazy_torch(), self.dtype)
 
     @property
     def block_bytes(self) -> int:
         """K and V of one layer for ``block_size`` tokens."""
-        elem = torch.empty(0, dtype=self.torch_dtype).element_size()
+        elem = lazy_torch().empty(0, dtype=self.torch_dtype).element_size()
         return 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
 
     @property
@@ -68,7 +70,7 @@ class PoolGeometry:
         for name in ("num_blocks", "block_size", "num_kv_heads", "head_dim", "num_layers"):
             if getattr(self, name) < 1:
                 raise PoolError(f"pool.{name} must be >= 1, got {getattr(self, name)}")
-        if not self.device == "cpu" and not self.device.startswith("cuda"):
+        if self.device != "cpu" and not self.device.startswith("cuda"):
             raise PoolError(f"pool.device {self.device!r} unknown; known: cpu, cuda")
 
 
@@ -88,7 +90,7 @@ class MappedPool:
             raise PoolError(f"block id {bad} is outside the pool [0, {n})")
 
     def close(self) -> None:
-        self.kv = torch.empty(0, dtype=self.geometry.torch_dtype)
+        self.kv = lazy_torch().empty(0, dtype=self.geometry.torch_dtype)
         if self._closer is not None:
             self._closer()
             self._closer = None
@@ -109,6 +111,7 @@ def _map_cpu(geometry: PoolGeometry) -> tuple[torch.Tensor, Any]:
         mm = mmap.mmap(fd, need, flags=mmap.MAP_SHARED)
     finally:
         os.close(fd)  # the mapping keeps the file alive
+    torch = lazy_torch()
     flat = torch.frombuffer(mm, dtype=torch.uint8, count=need)
     kv = flat.view(geometry.torch_dtype).view(geometry.shape)
 
@@ -143,6 +146,7 @@ def _map_cuda(geometry: PoolGeometry) -> tuple[torch.Tensor, Any]:
     if err != cudart.cudaError_t.cudaSuccess:
         raise PoolError(f"cudaIpcOpenMemHandle failed: {err}")
     nbytes = geometry.num_blocks * geometry.block_bytes
+    torch = lazy_torch()
     flat = torch.as_tensor(_CudaArray(int(ptr), nbytes), device=geometry.device)
     kv = flat.view(geometry.torch_dtype).view(geometry.shape)
 
@@ -195,6 +199,14 @@ class PoolRegistry:
         if pool is None:
             raise PoolError(f"unknown pool_id {pool_id!r}; call AttachPool first")
         return pool
+
+    def by_model(self, model_fp: str) -> MappedPool | None:
+        """The most recently attached pool of ``model_fp`` (lookups carry no pool id)."""
+        self._drop_vanished()
+        for pool in reversed(self._by_id.values()):
+            if pool.geometry.model_fp == model_fp:
+                return pool
+        return None
 
     def _drop_vanished(self) -> None:
         # An engine that exited removed its shm file: drop our mapping of it too.

@@ -21,6 +21,7 @@ blocks on device); ``matched_blocks`` still counts them.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 from services.kvstore.leases import Lease
@@ -79,6 +80,7 @@ async def probe_chunk(
     msgpack read away); copies below DRAM are checked when loaded.
     """
     probe = Probe(0)
+    below: list[str] = []
     for layer in range(num_layers):
         key = chunk_key(tenant, model_fp, cand.chunk_hashes[-1], layer)
         blob = store.dram_blob(key)
@@ -90,13 +92,17 @@ async def probe_chunk(
             if ok:
                 probe.blobs[key] = blob
                 continue
-        tier = await store.first_tier_below_dram(key, pin=True)
-        if tier is None:
-            for t, k in probe.pins:
-                store.unpin(t, k)
-            return None
-        probe.pins.append((tier, key))
-        probe.tier_index = max(probe.tier_index, store.tiers.index(tier))
+        below.append(key)
+    # Layers not in DRAM are located concurrently (S3 HEADs would add up otherwise).
+    tiers = await asyncio.gather(*(store.first_tier_below_dram(k) for k in below))
+    if any(t is None for t in tiers):
+        return None
+    # Pinned only now, with no await since the gather: a cancelled lookup leaks no pins.
+    for t, k in zip(tiers, below):
+        assert t is not None
+        store.pin(t, k)
+        probe.pins.append((t, k))
+        probe.tier_index = max(probe.tier_index, store.tiers.index(t))
     return probe
 
 

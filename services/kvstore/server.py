@@ -1,6 +1,7 @@
 """``run(config)``: the kvstore process — tiers, store, gRPC service, metrics — in one stack.
 
-Shutdown order (reverse of start): stop the metrics endpoint, stop gRPC (grace), drain
+Shutdown order (reverse of start): stop the metrics endpoint, stop gRPC (grace), let the
+pool path's pending manifests finish, end its leases and unmap the engine pools, drain
 the write-behind for up to ``drain_s`` seconds, close S3, then RocksDB, then DRAM.
 """
 
@@ -14,6 +15,7 @@ from contextlib import AsyncExitStack
 from services.kvstore.config import KVStoreConfig
 from services.kvstore.metrics import KVStoreMetrics
 from services.kvstore.metrics_http import serve_metrics
+from services.kvstore.pool_path import PoolDataPath
 from services.kvstore.service import KVStoreService
 from services.kvstore.store import TieredStore
 from services.kvstore.tiers import build_tiers
@@ -52,7 +54,18 @@ async def run(config: KVStoreConfig, stop: asyncio.Event | None = None) -> None:
     metrics = KVStoreMetrics()
     async with AsyncExitStack() as stack:
         store = await stack.enter_async_context(build_store(config, metrics))
-        service = KVStoreService(store, config.node_id, config.stream_window, config.peer_address)
+        pool_path = await stack.enter_async_context(
+            PoolDataPath(
+                store,
+                config.chunk_tokens,
+                lease_s=config.lease_s,
+                readahead_layers=config.load_readahead_layers,
+                drain_s=config.drain_s,
+            )
+        )
+        service = KVStoreService(
+            store, config.node_id, config.stream_window, config.peer_address, pool_path
+        )
         server = await stack.enter_async_context(
             serve_grpc(
                 config.host,

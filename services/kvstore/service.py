@@ -9,10 +9,23 @@ import grpc
 
 from services.kvstore.errors import ManifestIncomplete, StorageError, TierUnavailable
 from services.kvstore.peer import pull_session
+from services.kvstore.pool_map import PoolError
+from services.kvstore.pool_path import PoolDataPath
 from services.kvstore.store import TieredStore
 from services.kvstore.streaming import stream_session
-from services.kvstore.wire import manifest_from_pb, manifest_to_pb, tier_to_pb
+from services.kvstore.wire import (
+    geometry_from_pb,
+    layer_to_pb,
+    load_from_pb,
+    lookup_from_pb,
+    lookup_to_pb,
+    manifest_from_pb,
+    manifest_to_pb,
+    save_from_pb,
+    tier_to_pb,
+)
 from shared.chunk_codec import ChunkCorrupt, ChunkFormatError
+from shared.config import ConfigError
 from shared.proto import kvstore_pb2 as pb
 from shared.proto import kvstore_pb2_grpc as pb_grpc
 
@@ -20,8 +33,16 @@ log = logging.getLogger(__name__)
 
 
 class KVStoreService(pb_grpc.KVStoreServicer):
-    def __init__(self, store: TieredStore, node_id: str, window: int, peer_address: str) -> None:
+    def __init__(
+        self,
+        store: TieredStore,
+        node_id: str,
+        window: int,
+        peer_address: str,
+        pool_path: PoolDataPath,
+    ) -> None:
         self.store = store
+        self.pool_path = pool_path
         self.node_id = node_id
         self.window = window
         self.peer_address = peer_address
@@ -134,6 +155,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         for k in request.keys:
             n += await self.store.delete(k)
         if request.session.session_id:
+            self.pool_path.forget(request.session.tenant, request.session.session_id)
             try:
                 m = await self.store.get_manifest(
                     request.session.tenant, request.session.session_id
@@ -173,6 +195,54 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.PullSessionReply(
             found=r.found, chunks=r.chunks, missing=r.missing, bytes=r.bytes, detail=r.detail
+        )
+
+    # ------------------------------------------------ same-node data path (pool_path.py)
+
+    async def AttachPool(
+        self, request: pb.AttachPoolRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AttachPoolReply:
+        try:
+            pool_id, bpc = await self.pool_path.attach(geometry_from_pb(request.pool))
+        except ConfigError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except (PoolError, ImportError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.AttachPoolReply(pool_id=pool_id, blocks_per_chunk=bpc)
+
+    async def LookupPrefix(
+        self, request: pb.LookupPrefixRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LookupPrefixReply:
+        try:
+            result = await self.pool_path.lookup(lookup_from_pb(request))
+        except (PoolError, ChunkFormatError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return lookup_to_pb(result)
+
+    async def LoadIntoPool(
+        self, request: pb.LoadIntoPoolRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.LayerLoaded]:
+        try:
+            async for msg in self.pool_path.load(load_from_pb(request)):
+                yield layer_to_pb(msg)
+        except (PoolError, ChunkFormatError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    async def ReleaseLease(
+        self, request: pb.ReleaseLeaseRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReleaseLeaseReply:
+        self.pool_path.release(request.lease_id)
+        return pb.ReleaseLeaseReply()
+
+    async def SaveFromPool(
+        self, request: pb.SaveFromPoolRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SaveFromPoolReply:
+        try:
+            r = await self.pool_path.save(save_from_pb(request))
+        except (PoolError, ChunkFormatError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.SaveFromPoolReply(
+            chunks_written=r.chunks_written, chunks_skipped=r.chunks_skipped
         )
 
 

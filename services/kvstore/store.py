@@ -20,7 +20,8 @@ Contract for callers (the gRPC service, and later the engine hand-off of Symphon
   shared between nodes) and falls back to SSD.
 - Safe for many concurrent callers on one event loop; not thread-safe.
 
-Engine hand-off (the shape the pool wants; the store itself accepts any shape/dtype)::
+Engine hand-off (the shape the pool wants; the store itself accepts any shape/dtype; the
+same-node path that does it over a mapped pool is ``pool_path.PoolDataPath``)::
 
     pool (per engine):  kv_cache (num_blocks, 2, block_size, kv_heads, head_dim)
     one chunk:          kv_cache[block_ids_of_layer_l[c0:c1]]       # gather, a copy
@@ -174,7 +175,9 @@ class TieredStore:
             meta.key, blob, layer_priority(meta.layer) if priority is None else priority
         )
 
-    def put_encoded(self, meta: ChunkMeta, blob: bytearray, priority: int | None = None) -> PutReceipt:
+    def put_encoded(
+        self, meta: ChunkMeta, blob: bytearray, priority: int | None = None
+    ) -> PutReceipt:
         """Admit a blob this process just built with ``encode_chunk(meta, t, seal=False)``.
 
         Synchronous (in DRAM when it returns), so heavy encoding can run on a worker thread
@@ -266,20 +269,25 @@ class TieredStore:
             self.writer.submit(tkey, blob, priority, upper, durable=False)
 
     def dram_blob(self, key: str) -> Blob | None:
-        """The DRAM copy of chunk ``key`` without touching recency or metrics (lookups)."""
-        return self.dram.peek(_C + key)
+        """The DRAM copy of chunk ``key`` (recency refreshed, no metrics: lookups)."""
+        blob = self.dram.peek(_C + key)
+        if blob is not None:
+            self.dram.touch(_C + key)
+        return blob
 
-    async def first_tier_below_dram(self, key: str, pin: bool = False) -> Tier | None:
-        """The fastest tier below DRAM holding chunk ``key`` (pinned there if ``pin``)."""
+    async def first_tier_below_dram(self, key: str) -> Tier | None:
+        """The fastest tier below DRAM holding chunk ``key`` (an unreachable tier is skipped)."""
         for tier in self.tiers[1:]:
             try:
                 if await tier.contains(_C + key):
-                    if pin:
-                        tier.pin(_C + key)
                     return tier
             except TierUnavailable:
                 continue
         return None
+
+    def pin(self, tier: Tier, key: str) -> None:
+        """Protect chunk ``key`` from ``tier``'s eviction and expiry (a prefix lease)."""
+        tier.pin(_C + key)
 
     def unpin(self, tier: Tier, key: str) -> None:
         tier.unpin(_C + key)

@@ -3,6 +3,15 @@
 from __future__ import annotations
 
 from services.kvstore.manifest import Manifest
+from services.kvstore.pool_map import PoolGeometry
+from services.kvstore.pool_types import (
+    LayerLoaded,
+    LoadRequest,
+    LookupRequest,
+    LookupResult,
+    PrefixSpan,
+    SaveRequest,
+)
 from services.kvstore.tiers.base import TierStats
 from shared.proto import kvstore_pb2 as pb
 
@@ -42,4 +51,82 @@ def tier_to_pb(s: TierStats) -> pb.TierStatus:
         capacity_bytes=s.capacity_bytes,
         healthy=s.healthy,
         detail=s.detail,
+    )
+
+
+# ---------------------------------------------------------------- pool data path
+
+
+def geometry_from_pb(p: pb.PoolGeometry) -> PoolGeometry:
+    return PoolGeometry(
+        pool_name=p.pool_name,
+        device=p.device or "cpu",
+        num_blocks=p.num_blocks,
+        block_size=p.block_size,
+        num_kv_heads=p.num_kv_heads,
+        head_dim=p.head_dim,
+        dtype=p.dtype,
+        num_layers=p.num_layers,
+        model_fp=p.model_fp,
+    )
+
+
+def span_to_pb(s: PrefixSpan) -> pb.PrefixSpan:
+    return pb.PrefixSpan(
+        chunk_hash=s.chunk_hash, first_block=s.first_block, use_blocks=s.use_blocks,
+        tier=s.tier, bytes=s.nbytes,
+    )
+
+
+def span_from_pb(p: pb.PrefixSpan) -> PrefixSpan:
+    return PrefixSpan(bytes(p.chunk_hash), p.first_block, p.use_blocks, p.tier, p.bytes)
+
+
+def lookup_from_pb(p: pb.LookupPrefixRequest) -> LookupRequest:
+    return LookupRequest(
+        tenant=p.tenant,
+        session_id=p.session_id,
+        model_fp=p.model_fp,
+        block_hashes=tuple(bytes(h) for h in p.block_hashes),
+        first_block=p.first_block,
+        num_layers=p.num_layers,
+    )
+
+
+def lookup_to_pb(r: LookupResult) -> pb.LookupPrefixReply:
+    return pb.LookupPrefixReply(
+        matched_blocks=r.matched_blocks,
+        spans=[span_to_pb(s) for s in r.spans],
+        lease_id=r.lease_id,
+        tier_bytes_per_s=r.tier_bytes_per_s,
+    )
+
+
+def load_from_pb(p: pb.LoadIntoPoolRequest) -> LoadRequest:
+    return LoadRequest(
+        pool_id=p.pool_id,
+        lease_id=p.lease_id,
+        tenant=p.tenant,
+        model_fp=p.model_fp,
+        spans=tuple(span_from_pb(s) for s in p.spans),
+        block_ids=tuple(p.block_ids),
+        num_layers=p.num_layers,
+    )
+
+
+def layer_to_pb(x: LayerLoaded) -> pb.LayerLoaded:
+    return pb.LayerLoaded(layer=x.layer, ok=x.ok, error=x.error)
+
+
+def save_from_pb(p: pb.SaveFromPoolRequest) -> SaveRequest:
+    return SaveRequest(
+        pool_id=p.pool_id,
+        tenant=p.tenant,
+        session_id=p.session_id,
+        model_fp=p.model_fp,
+        block_hashes=tuple(bytes(h) for h in p.block_hashes),
+        token_count=p.token_count,
+        first_block=p.first_block,
+        block_ids=tuple(p.block_ids),
+        num_layers=p.num_layers,
     )

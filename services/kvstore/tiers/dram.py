@@ -30,6 +30,10 @@ class DramTier(Tier):
         """The blob without refreshing its recency (no I/O, synchronous)."""
         return self._blobs.get(key)
 
+    def touch(self, key: str) -> None:
+        """Mark ``key`` as just used (a lookup hit) without reading it."""
+        self._index.touch(key, time.time())
+
     def has_local(self, key: str) -> bool:
         return key in self._blobs
 

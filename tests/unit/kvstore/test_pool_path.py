@@ -1,0 +1,299 @@
+"""The same-node data path against a real shm pool (engine KVPool) and real RocksDB."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.kvstore.metrics import KVStoreMetrics
+from services.kvstore.pool_map import PoolError
+from services.kvstore.pool_path import PoolDataPath
+from services.kvstore.pool_types import LoadRequest, LookupRequest, LookupResult, SaveRequest
+from services.kvstore.store import TieredStore
+from services.kvstore.tiers import DramTier, SsdTier
+from shared.chunk_codec import ChunkMeta, chunk_key
+from shared.config import ConfigError
+from tests.unit.kvstore.pools import (
+    CHUNK_TOKENS, LAYERS, MODEL, TENANT, fill, geometry, hashes, ids, make_pool,
+)
+
+STRIDE = 64  # pool blocks per layer in the tests' layouts
+SRC, DST = 0, 256  # bases of the saved and the loaded blocks
+
+
+@pytest.fixture
+def pool():
+    p = make_pool()
+    yield p
+    p.close()
+
+
+def make_store(tmp_path: Path, dram: int = 1 << 24, ssd: bool = True) -> TieredStore:
+    tiers = [DramTier(dram)]
+    if ssd:
+        tiers.append(SsdTier(str(tmp_path / "db"), 1 << 24))
+    return TieredStore(tiers, KVStoreMetrics(), retry_backoff_max_s=0.02, drain_s=0.5)
+
+
+@pytest.fixture
+async def path(tmp_path: Path, pool) -> AsyncIterator[PoolDataPath]:
+    async with make_store(tmp_path) as store, PoolDataPath(store, CHUNK_TOKENS) as dp:
+        yield dp
+        dp.check_integrity()
+        await asyncio.sleep(0.01)  # let done write-behind acks run their callbacks
+        store.check_integrity()
+
+
+async def save(dp: PoolDataPath, pid: str, hs: tuple[bytes, ...], first: int = 0,
+               session: str = "sess") -> tuple[int, int]:
+    n = len(hs) - first
+    r = await dp.save(SaveRequest(
+        pid, TENANT, session, MODEL, hs, len(hs) * 16 + 3, first,
+        tuple(ids(first, n, SRC, STRIDE)), LAYERS,
+    ))
+    return r.chunks_written, r.chunks_skipped
+
+
+async def lookup(dp: PoolDataPath, hs: tuple[bytes, ...], first: int = 0,
+                 session: str = "sess") -> LookupResult:
+    return await dp.lookup(LookupRequest(TENANT, session, MODEL, hs, first, LAYERS))
+
+
+async def load(dp: PoolDataPath, pid: str, r: LookupResult, dst_ids: list[int]) -> list:
+    req = LoadRequest(pid, r.lease_id, TENANT, MODEL, tuple(r.spans), tuple(dst_ids), LAYERS)
+    return [m async for m in dp.load(req)]
+
+
+def spans_of(r: LookupResult) -> list[tuple[int, int]]:
+    return [(s.first_block, s.use_blocks) for s in r.spans]
+
+
+async def durable(dp: PoolDataPath) -> None:
+    await dp.wait_manifests()
+    await dp.store.writer.close(5.0)  # drain the write-behind
+    await dp.store.writer.start()
+
+
+async def test_save_clear_lookup_load_roundtrip(path: PoolDataPath, pool) -> None:
+    pid, bpc = await path.attach(geometry(pool))
+    assert bpc == 16 and (await path.attach(geometry(pool)))[0] == pid  # re-attach: same id
+    hs = hashes(40)
+    fill(pool, ids(0, 40, SRC, STRIDE), seed=1)
+    saved = pool.kv_cache.clone()
+    assert await save(path, pid, hs) == (3 * LAYERS, 0)
+    pool.kv_cache.zero_()
+    r = await lookup(path, hs)
+    assert r.matched_blocks == 40 and spans_of(r) == [(0, 16), (16, 16), (32, 8)]
+    assert [s.tier for s in r.spans] == ["dram"] * 3
+    assert r.spans[2].nbytes == 8 * pool.block_bytes * LAYERS and r.lease_id
+    assert set(r.tier_bytes_per_s) == {"dram", "ssd"}
+    dst = ids(0, 40, DST, STRIDE)
+    msgs = await load(path, pid, r, dst)
+    assert [(m.layer, m.ok) for m in msgs] == [(0, True), (1, True), (2, True)]
+    for layer in range(LAYERS):
+        src_l = ids(0, 40, SRC + layer * STRIDE, 0, layers=1)
+        dst_l = ids(0, 40, DST + layer * STRIDE, 0, layers=1)
+        assert torch.equal(pool.kv_cache[dst_l], saved[src_l])  # exact bytes, per layer
+    untouched = torch.ones(pool.num_blocks, dtype=torch.bool)
+    untouched[dst] = False
+    assert not pool.kv_cache[untouched].any()  # nothing written outside the listed blocks
+    assert len(path.leases) == 0  # the load consumed its lease
+    m = path.store.metrics
+    assert m.value("kvstore_pool_bytes_saved_total") == 40 * LAYERS * pool.block_bytes
+    assert m.value("kvstore_pool_bytes_loaded_total", tier="dram") == 40 * LAYERS * pool.block_bytes
+    assert m.value("kvstore_lookup_blocks_total", result="hit") == 40
+    # saving the same sequence again writes nothing new
+    assert await save(path, pid, hs) == (0, 3 * LAYERS)
+
+
+async def test_partial_chunk_growth_and_mid_chunk_first_block(path: PoolDataPath, pool) -> None:
+    pid, _ = await path.attach(geometry(pool))
+    h50 = hashes(50)
+    fill(pool, ids(0, 50, SRC, STRIDE), seed=2)
+    saved = pool.kv_cache.clone()
+    await save(path, pid, h50[:40])
+    r = await lookup(path, h50)  # turn 2: 50-block prompt, 40 stored (chunk 2 partial)
+    assert r.matched_blocks == 40 and spans_of(r) == [(0, 16), (16, 16), (32, 8)]
+    path.release(r.lease_id)
+    # first_block mid-chunk: the first span starts there and uses only the rest
+    r = await lookup(path, h50, first=20)
+    assert r.matched_blocks == 40 and spans_of(r) == [(20, 12), (32, 8)]
+    pool.kv_cache[DST:].zero_()
+    msgs = await load(path, pid, r, ids(0, 20, DST, STRIDE))
+    assert all(m.ok for m in msgs)
+    for layer in range(LAYERS):
+        got = pool.kv_cache[[DST + layer * STRIDE + i for i in range(20)]]
+        assert torch.equal(got, saved[[SRC + layer * STRIDE + i for i in range(20, 40)]])
+    # end of turn 2: save from the chunk boundary 32 on; now all 50 are found
+    assert await save(path, pid, h50, first=32) == (2 * LAYERS, 0)
+    r = await lookup(path, h50)
+    assert r.matched_blocks == 50 and spans_of(r) == [(0, 16), (16, 16), (32, 16), (48, 2)]
+    path.release(r.lease_id)
+    with pytest.raises(PoolError, match="multiple of blocks_per_chunk"):
+        await save(path, pid, h50, first=40)
+
+
+async def test_edited_history_stops_at_the_first_differing_block(path: PoolDataPath, pool) -> None:
+    pid, _ = await path.attach(geometry(pool))
+    fill(pool, ids(0, 40, SRC, STRIDE), seed=3)
+    await save(path, pid, hashes(40))
+    edited = hashes(40, diverge_at=20)
+    r = await lookup(path, edited)
+    assert r.matched_blocks == 20 and spans_of(r) == [(0, 16), (16, 4)]
+    path.release(r.lease_id)
+    r = await lookup(path, edited, session="")  # no session: whole chunks only
+    assert r.matched_blocks == 16
+    path.release(r.lease_id)
+    r = await lookup(path, hashes(40, tag="other"))
+    assert r.matched_blocks == 0 and r.spans == [] and r.lease_id == ""
+
+
+async def test_lookup_and_load_from_ssd_after_dram_is_dropped(path: PoolDataPath, pool) -> None:
+    pid, _ = await path.attach(geometry(pool))
+    hs = hashes(40)
+    fill(pool, ids(0, 40, SRC, STRIDE), seed=4)
+    saved = pool.kv_cache.clone()
+    await save(path, pid, hs)
+    await durable(path)
+    assert (await path.store.get_manifest(TENANT, "sess")).block_hashes == hs
+    for key in path.store.dram._index.keys():
+        await path.store.dram.delete(key)
+    r = await lookup(path, hs)
+    assert r.matched_blocks == 40 and [s.tier for s in r.spans] == ["ssd"] * 3
+    msgs = await load(path, pid, r, ids(0, 40, DST, STRIDE))
+    assert all(m.ok for m in msgs)
+    for layer in range(LAYERS):
+        got = pool.kv_cache[[DST + layer * STRIDE + i for i in range(40)]]
+        assert torch.equal(got, saved[[SRC + layer * STRIDE + i for i in range(40)]])
+    assert "ssd" in path.bandwidth.measured
+
+
+async def test_corrupt_layer_2_loads_layers_0_1_and_writes_nothing_wrong(
+    path: PoolDataPath, pool
+) -> None:
+    pid, _ = await path.attach(geometry(pool))
+    hs = hashes(40)
+    fill(pool, ids(0, 40, SRC, STRIDE), seed=5)
+    saved = pool.kv_cache.clone()
+    await save(path, pid, hs)
+    await durable(path)
+    for key in path.store.dram._index.keys():
+        await path.store.dram.delete(key)
+    ssd = path.store.tiers[1]
+    key = "c/" + chunk_key(TENANT, MODEL, hs[31], 2)  # layer 2, chunk 1
+    blob = bytearray(await ssd.get(key))
+    blob[-100] ^= 0xFF
+    await ssd.raw_put(key, bytes(blob))
+    r = await lookup(path, hs)
+    assert r.matched_blocks == 40
+    pool.kv_cache[DST:].zero_()
+    msgs = await load(path, pid, r, ids(0, 40, DST, STRIDE))
+    assert [(m.layer, m.ok) for m in msgs] == [(0, True), (1, True), (2, False)]
+    assert "corrupt" in msgs[2].error
+    for layer in range(2):
+        got = pool.kv_cache[[DST + layer * STRIDE + i for i in range(40)]]
+        assert torch.equal(got, saved[[SRC + layer * STRIDE + i for i in range(40)]])
+    assert not pool.kv_cache[DST + 2 * STRIDE : DST + 3 * STRIDE].any()  # layer 2 untouched
+    assert path.store.metrics.value("kvstore_checksum_failures_total", tier="ssd") == 1
+    r = await lookup(path, hs)  # the bad copy was deleted: layer 2 of chunk 1 is a miss now
+    assert r.matched_blocks == 16
+    path.release(r.lease_id)
+
+
+async def test_lease_keeps_dram_hits_through_eviction(tmp_path: Path, pool) -> None:
+    # DRAM only, room for about one session: eviction would lose the data for good.
+    async with make_store(tmp_path, dram=330_000, ssd=False) as store, \
+            PoolDataPath(store, CHUNK_TOKENS) as dp:
+        pid, _ = await dp.attach(geometry(pool))
+        hs = hashes(40)
+        fill(pool, ids(0, 40, SRC, STRIDE), seed=6)
+        saved = pool.kv_cache.clone()
+        await save(dp, pid, hs)
+        r = await lookup(dp, hs)
+        assert r.matched_blocks == 40
+        # A high-priority chunk nearly the size of DRAM evicts every chunk of the session.
+        filler = ChunkMeta(TENANT, MODEL, 0, hashes(1, tag="filler"))
+        await store.put(filler, torch.zeros(320_000 // 4), priority=10)
+        assert not any(
+            store.dram.has_local("c/" + chunk_key(TENANT, MODEL, hs[e], layer))
+            for e in (15, 31, 39) for layer in range(LAYERS)
+        )
+        msgs = await load(dp, pid, r, ids(0, 40, DST, STRIDE))
+        assert all(m.ok for m in msgs)
+        for layer in range(LAYERS):
+            got = pool.kv_cache[[DST + layer * STRIDE + i for i in range(40)]]
+            assert torch.equal(got, saved[[SRC + layer * STRIDE + i for i in range(40)]])
+        assert (await lookup(dp, hs)).matched_blocks == 0  # lease gone, data evicted
+        store.check_integrity()
+
+
+async def test_lease_pins_ssd_keys_and_expires(tmp_path: Path, pool) -> None:
+    async with make_store(tmp_path) as store, \
+            PoolDataPath(store, CHUNK_TOKENS, lease_s=0.05) as dp:
+        pid, _ = await dp.attach(geometry(pool))
+        hs = hashes(40)
+        fill(pool, ids(0, 40, SRC, STRIDE), seed=7)
+        await save(dp, pid, hs)
+        await durable(dp)
+        for key in store.dram._index.keys():
+            await store.dram.delete(key)
+        r = await lookup(dp, hs)
+        ssd_index = store.tiers[1]._index
+        key = "c/" + chunk_key(TENANT, MODEL, hs[15], 1)
+        assert r.lease_id and ssd_index.is_pinned(key)
+        assert key not in ssd_index.victims(1 << 30)  # eviction skips leased chunks
+        await asyncio.sleep(0.2)
+        assert len(dp.leases) == 0 and not ssd_index.is_pinned(key)
+        assert store.metrics.value("kvstore_leases") == 0
+        assert dp.release(r.lease_id) is False  # already expired: harmless
+
+
+async def test_attach_rejects_bad_geometry(tmp_path: Path, pool) -> None:
+    async with make_store(tmp_path, ssd=False) as store, PoolDataPath(store, 200) as dp:
+        with pytest.raises(ConfigError, match="kvstore.chunk_tokens"):
+            await dp.attach(geometry(pool))
+    async with make_store(tmp_path, ssd=False) as store, PoolDataPath(store, 256) as dp:
+        with pytest.raises(PoolError, match="needs"):
+            await dp.attach(geometry(pool).__class__(**{
+                **geometry(pool).__dict__, "num_blocks": pool.num_blocks * 2}))
+        with pytest.raises(PoolError, match="cannot open"):
+            await dp.attach(geometry(pool).__class__(**{
+                **geometry(pool).__dict__, "pool_name": str(tmp_path / "nope")}))
+        with pytest.raises(PoolError, match="unknown pool_id"):
+            await save(dp, "pool-x", hashes(16))
+        with pytest.raises(PoolError, match="no pool attached"):
+            await lookup(dp, hashes(16))
+
+
+async def test_abandoned_load_stops_writing_and_ends_its_lease(path: PoolDataPath, pool) -> None:
+    pid, _ = await path.attach(geometry(pool))
+    hs = hashes(40)
+    fill(pool, ids(0, 40, SRC, STRIDE), seed=8)
+    saved = pool.kv_cache.clone()
+    await save(path, pid, hs)
+    r = await lookup(path, hs)
+    pool.kv_cache[DST:].zero_()
+    req = LoadRequest(pid, r.lease_id, TENANT, MODEL, tuple(r.spans),
+                      tuple(ids(0, 40, DST, STRIDE)), LAYERS)
+    stream = path.load(req)
+    first = await anext(stream)
+    assert (first.layer, first.ok) == (0, True)
+    await stream.aclose()  # the engine dropped the stream after layer 0
+    assert len(path.leases) == 0
+    assert not pool.kv_cache[DST + STRIDE : DST + 3 * STRIDE].any()  # layers 1, 2 untouched
+    # without a live lease the load still works (chunks re-read and checked by key)
+    msgs = [m async for m in path.load(req)]
+    assert all(m.ok for m in msgs)
+    got = pool.kv_cache[[DST + 2 * STRIDE + i for i in range(40)]]
+    assert torch.equal(got, saved[[SRC + 2 * STRIDE + i for i in range(40)]])
+    with pytest.raises(PoolError, match="block_ids"):
+        [m async for m in path.load(LoadRequest(
+            pid, "", TENANT, MODEL, tuple(r.spans), (1, 2, 3), LAYERS))]
+    with pytest.raises(PoolError, match="outside the pool"):
+        bad = [pool.num_blocks + 5] * (40 * LAYERS)
+        [m async for m in path.load(LoadRequest(
+            pid, "", TENANT, MODEL, tuple(r.spans), tuple(bad), LAYERS))]
