@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SERVICES = ("scheduler", "nodemgr", "engine", "kvstore")
-DEMO_DIR = Path(".overture") / "models"
+STATE_DIR = Path(".overture")
+DEMO_DIR = STATE_DIR / "models"
 STOP_GRACE_S = 10.0
 
 
@@ -65,8 +66,10 @@ def cluster_specs(
     dtype: str | None,
     config: str | None,
     host: str = "127.0.0.1",
+    state_dir: Path | None = None,
 ) -> tuple[list[ChildSpec], str]:
-    """Commands for a scheduler plus ``nodes`` nodes; returns them and the public URL."""
+    """Commands for a scheduler plus ``nodes`` nodes; returns them and the public URL.
+    With ``state_dir`` each node's kvstore keeps its SSD tier in ``state_dir/<node>/``."""
     grpc_port = free_port(host)
     specs = [
         ChildSpec(
@@ -79,14 +82,16 @@ def cluster_specs(
     for i in range(nodes):
         node_id = f"node{i}"
         kv, eng, nm = free_port(host), free_port(host), free_port(host)
-        engine_flags: dict[str, object] = {"host": host, "port": eng, "model_path": model_path}
+        engine_flags: dict[str, object] = {
+            "host": host, "port": eng, "model_path": model_path, "kvstore_address": f"{host}:{kv}",
+        }
         if dtype:
             engine_flags["dtype"] = dtype
+        kv_flags: dict[str, object] = {"host": host, "port": kv, "node_id": node_id}
+        if state_dir is not None:
+            kv_flags["ssd_path"] = str(state_dir / node_id / "kvstore-ssd")
         specs += [
-            ChildSpec(
-                f"{node_id}.kvstore",
-                service_command("kvstore", {"host": host, "port": kv, "node_id": node_id}, config),
-            ),
+            ChildSpec(f"{node_id}.kvstore", service_command("kvstore", kv_flags, config)),
             ChildSpec(f"{node_id}.engine", service_command("engine", engine_flags, config)),
             ChildSpec(
                 f"{node_id}.nodemgr",
@@ -264,6 +269,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         model_path=str(Path(model).resolve()),
         dtype=dtype,
         config=args.config,
+        # The SSD tier is on by default, under .overture/<node>/, unless the YAML places it.
+        state_dir=None if _yaml_section_value(args.config, "kvstore", "ssd_path") else STATE_DIR,
     )
     return asyncio.run(supervise(specs, url, args.nodes, args.ready_timeout))
 

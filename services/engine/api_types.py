@@ -68,6 +68,25 @@ class ModelInfo:
 
 
 @dataclass(frozen=True)
+class ReuseStats:
+    """KV reuse since start: prompt tokens whose KV was on device, loaded from a kvstore
+    tier, or computed; loads that failed (and were recomputed); kvstore calls."""
+
+    mode: str = "recompute"
+    attached: bool = False  # the pool is attached to the node's kvstore now
+    device_tokens: int = 0
+    loaded_tokens: dict[str, int] = field(default_factory=dict)  # by tier
+    recomputed_tokens: int = 0
+    load_failures: int = 0
+    lookups: int = 0
+    lookup_errors: int = 0
+    saves: int = 0
+    save_errors: int = 0
+    chunks_saved: int = 0
+    last_load_seconds: float = 0.0  # the latest load, from admission to its last layer
+
+
+@dataclass(frozen=True)
 class EngineStatus:
     """``blocks_total`` is the whole budget; ``free`` counts uncommitted blocks too, so
     ``free + used + evictable == total``."""
@@ -85,3 +104,4 @@ class EngineStatus:
     device: str
     pool_name: str
     preemptions: int = 0  # since start
+    reuse: ReuseStats = field(default_factory=ReuseStats)

@@ -8,14 +8,22 @@ Threads: the event loop never runs model code. One dedicated worker thread owns 
 EngineCore; every touch of it (adding, aborting, stepping, status) runs there, in order.
 Requests and aborts wait in an inbox (a deque; appends are atomic) that the worker drains
 before each step. A step-loop task sleeps on an asyncio.Event until work arrives, then
-keeps the worker stepping while there is work, and routes each output to its request's
-queue.
+hands the worker a stepping run: the worker steps back to back while there is work and
+posts each step's outputs to the loop (call_soon_threadsafe), which routes them to their
+requests' queues while the next step already runs. A run ends after the step during which
+another worker job (status, abort, shrink) was queued, so those wait at most one step.
+
+KV reuse (with ``kvstore_address``): ``generate`` asks the ReuseCoordinator what of the
+prompt to load from the node's kvstore before the request enters the core; the core's
+loads and saves come back to the loop through a LoopTransport, and a save's pinned blocks
+return to the worker as an inbox command.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -26,16 +34,19 @@ import torch
 
 from shared.config import ConfigError
 
-from .api_types import EngineStatus, GenerateOutput, GenerateRequest, ModelInfo
+from .api_types import EngineStatus, GenerateOutput, GenerateRequest, ModelInfo, ReuseStats
 from .config import EngineConfig
 from .engine_core import EngineCore, Event, Failure
 from .errors import INTERNAL, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE, EngineError
+from .kv_connector import KVConnector
+from .reuse_coordinator import ReuseCoordinator, connect_reuse
+from .reuse_planner import RECOMPUTE
 from .validation import PreparedRequest, prepare
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_ADD, _ABORT = "add", "abort"
+_ADD, _ABORT, _UNPIN = "add", "abort", "unpin"
 
 
 def load_for(config: EngineConfig) -> Any:
@@ -69,17 +80,32 @@ class AsyncEngine:
         self._queues: dict[str, asyncio.Queue[GenerateOutput | EngineError]] = {}
         self._waiting_snapshot = 0
         self._pending_adds = 0
+        # Worker jobs queued by the loop besides stepping runs; only the loop writes it.
+        self._side_jobs = 0
+        self._stopping = False
+        self._connector: KVConnector | None = None
+        self._coordinator: ReuseCoordinator | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
+        self._stopping = False
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
-        if self._loaded is None:
-            self._loaded = await asyncio.to_thread(load_for, self.config)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         # OpenMP settings are per calling thread: give the worker the same intra-op team.
         await self._in_worker(torch.set_num_threads, torch.get_num_threads())
+        if self._loaded is None:
+            # Loaded in the worker as well: each thread that runs parallel torch ops keeps its
+            # own OpenMP team, and with more team threads than cores libgomp stops spinning
+            # between parallel regions; that doubled one-row decode steps on 2 cores.
+            try:
+                self._loaded = await self._in_worker(load_for, self.config)
+            except BaseException:
+                self._executor.shutdown(wait=False)
+                self._executor = None
+                raise
         self._core = await self._in_worker(EngineCore, self.config, self._loaded)
+        await self._start_reuse()
         self._loop_task = asyncio.create_task(self._step_loop(), name="engine-step-loop")
         info = self._core.model_info
         log.info(
@@ -92,11 +118,15 @@ class AsyncEngine:
         )
 
     async def stop(self) -> None:
+        self._stopping = True  # ends the worker's stepping run after its current step
         if self._loop_task is not None:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
             self._loop_task = None
+        if self._connector is not None:
+            await self._connector.close()
+            self._connector = self._coordinator = None
         for q in self._queues.values():
             q.put_nowait(EngineError(UNAVAILABLE, "the engine is shutting down"))
         if self._executor is not None:
@@ -115,7 +145,13 @@ class AsyncEngine:
 
     def _in_worker(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
         assert self._executor is not None
-        return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        fut = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        self._side_jobs += 1  # a running stepping run yields the worker after its step
+        fut.add_done_callback(self._side_job_done)
+        return fut
+
+    def _side_job_done(self, _: asyncio.Future) -> None:
+        self._side_jobs -= 1
 
     def _require_core(self) -> EngineCore:
         if self._core is None or self._loop_task is None:
@@ -149,9 +185,10 @@ class AsyncEngine:
                 RESOURCE_EXHAUSTED,
                 f"the engine queue is full ({self.config.max_waiting} waiting); retry later",
             )
+        plan = await self._coordinator.plan(prepared) if self._coordinator else None
         queue: asyncio.Queue[GenerateOutput | EngineError] = asyncio.Queue()
         self._queues[rid] = queue
-        self._submit(_ADD, prepared)
+        self._submit(_ADD, (prepared, plan))
         finished = False
         try:
             while not finished:
@@ -184,7 +221,41 @@ class AsyncEngine:
     async def status(self) -> EngineStatus:
         core = self._require_core()
         await self._run_inbox()
-        return await self._in_worker(core.status)
+        status = await self._in_worker(core.status)
+        return dataclasses.replace(status, reuse=self._reuse_stats(status.reuse))
+
+    def _reuse_stats(self, core_stats: ReuseStats) -> ReuseStats:
+        c = self._connector
+        if c is None:
+            return dataclasses.replace(core_stats, mode=RECOMPUTE if
+                                       self.config.reuse_mode == RECOMPUTE else "device")
+        return dataclasses.replace(
+            core_stats, mode=self.config.reuse_mode, attached=c.attached,
+            lookups=c.stats.lookups, lookup_errors=c.stats.lookup_errors,
+            saves=c.stats.saves, save_errors=c.stats.save_errors,
+            chunks_saved=c.stats.chunks_saved,
+        )
+
+    @property
+    def kv_connector(self) -> KVConnector | None:
+        """The node's kvstore client (None without ``kvstore_address`` or in recompute)."""
+        return self._connector
+
+    async def drop_device_cache(self) -> int:
+        """Evict every evictable block from the device prefix cache (benchmarks, tests:
+        forces the next request to load its history from the kvstore); how many."""
+        core = self._require_core()
+        await self._run_inbox()
+        return await self._in_worker(core.drop_cached)
+
+    async def _start_reuse(self) -> None:
+        """Connect the pool to the node's kvstore (attaching in the background). Runs
+        before the step loop starts: the worker reads the transport only while stepping."""
+        if self.config.kvstore_address and self.config.reuse_mode != RECOMPUTE:
+            self._connector, self._coordinator = await connect_reuse(
+                self.config, self._core, self._loaded.config,
+                lambda job: self._submit(_UNPIN, job),
+            )
 
     async def shrink_kv(self, max_pages: int) -> int:
         """Give back up to ``max_pages`` pages of KV memory not holding running KV."""
@@ -204,8 +275,10 @@ class AsyncEngine:
         while self._inbox:
             kind, arg = self._inbox.popleft()
             if kind == _ADD:
-                core.add(arg)
+                core.add(*arg)
                 adds += 1
+            elif kind == _UNPIN:
+                core.unpin(arg)
             elif (out := core.abort(arg)) is not None:
                 events.append(out)
         return events, adds
@@ -221,18 +294,34 @@ class AsyncEngine:
         self._dispatch(events, adds)
 
     async def _step_loop(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             await self._wake.wait()
             self._wake.clear()
             busy = True
             while busy:
-                try:
-                    events, adds, waiting, busy = await self._in_worker(self._work)
-                except Exception:
-                    log.exception("engine step failed; failing every active request")
-                    (events, adds), waiting, busy = await self._in_worker(self._fail_all), 0, False
-                self._waiting_snapshot = waiting
-                self._dispatch(events, adds)
+                busy = await loop.run_in_executor(self._executor, self._run_steps, loop)
+
+    def _run_steps(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """(worker thread) step while there is work, posting each step's outputs to the
+        loop; whether work is left when the run yields (another worker job is queued, or
+        the engine is stopping)."""
+        while True:
+            try:
+                events, adds, waiting, busy = self._work()
+            except Exception:
+                log.exception("engine step failed; failing every active request")
+                (events, adds), waiting, busy = self._fail_all(), 0, False
+            try:
+                loop.call_soon_threadsafe(self._publish, events, adds, waiting)
+            except RuntimeError:  # the loop is closed: nobody is left to take outputs
+                return False
+            if not busy or self._side_jobs or self._stopping:
+                return busy
+
+    def _publish(self, events: list[Event], adds_applied: int, waiting: int) -> None:
+        self._waiting_snapshot = waiting
+        self._dispatch(events, adds_applied)
 
     def _fail_all(self) -> tuple[list[Event], int]:
         """(worker thread) after a failed step: end every request with an internal error."""

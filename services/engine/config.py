@@ -31,6 +31,40 @@ class EngineConfig:
     num_threads: int = opt(0, "torch intra-op threads; 0 = torch default", min=0, max=1024)
     seed: int = opt(0, "global seed for requests that give none", min=0)
     debug_checks: bool = opt(False, "check KV allocator integrity after every step (slow)")
+    kvstore_address: str = opt(
+        "", "the node's kvstore (host:port) for saving and reusing KV; empty = device cache only"
+    )
+    reuse_mode: str = opt(
+        "layerwise",
+        "how stored KV is reused: layerwise (load overlaps compute), whole_prefix (load, then "
+        "compute), recompute (never look up or save; baseline)",
+        choices=("layerwise", "whole_prefix", "recompute"),
+    )
+    reuse_policy: str = opt(
+        "cost",
+        "cost: load a span only when estimated faster than recomputing it; always: load "
+        "every stored span (tests, benchmarks)",
+        choices=("cost", "always"),
+    )
+    kvstore_lookup_timeout_s: float = opt(
+        0.2, "LookupPrefix deadline; past it the request recomputes", min=0.001, max=60.0
+    )
+    kvstore_load_timeout_s: float = opt(
+        10.0, "a layer not loaded this long after its wait began is recomputed", min=0.01
+    )
+    kvstore_save_timeout_s: float = opt(
+        30.0, "SaveFromPool deadline (blocks stay pinned until it answers)", min=0.01
+    )
+    kvstore_attach_backoff_max_s: float = opt(
+        5.0, "longest pause between AttachPool retries while the kvstore is down", min=0.01
+    )
+    reuse_prefill_s_per_token: float = opt(
+        1e-3, "prior prefill cost (s/token) until the engine has measured its own", min=0.0
+    )
+    reuse_load_overhead_s: float = opt(
+        0.002, "fixed cost of one load (RPC round trips) in the load-or-recompute estimate",
+        min=0.0,
+    )
 
     def validate(self) -> None:
         if self.max_num_batched_tokens < self.block_size:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import time
 from dataclasses import dataclass
 
 import torch
@@ -20,9 +21,11 @@ from .config import EngineConfig
 from .errors import RESOURCE_EXHAUSTED, EngineError
 from .kv_manager import KVCacheManager
 from .kv_pool import KVPool
+from .kv_reuse import KVReuse
 from .model import IncrementalDetokenizer, LoadedModel
 from .model_runner import ModelRunner
 from .output_state import ABORT, OutputState
+from .reuse_planner import WHOLE_PREFIX, ReusePlan
 from .sampling import make_generator
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -76,6 +79,13 @@ class EngineCore:
         self.blocks = BlockPool(self.pool)
         self.kv = KVCacheManager(self.blocks, mc.num_layers, config.block_size)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.reuse = KVReuse(
+            self.kv,
+            self.scheduler,
+            whole_prefix=config.reuse_mode == WHOLE_PREFIX,
+            load_timeout_s=config.kvstore_load_timeout_s,
+            prefill_prior_s_per_token=config.reuse_prefill_s_per_token,
+        )
         self.runner = ModelRunner(
             loaded.model, self.pool.kv_cache, mc.num_layers, config.block_size
         )
@@ -94,6 +104,9 @@ class EngineCore:
             )
         self.debug_checks = config.debug_checks
         self._live: dict[str, _Live] = {}
+        # Nothing can run until the kvstore gives pinned/parked blocks back: idle until then
+        # (an unpin, a new request or an abort clears it) instead of spinning.
+        self._stalled = False
         self._arrivals = itertools.count()
         self._seeds = random.Random(config.seed)
         self.model_info = ModelInfo(
@@ -106,7 +119,9 @@ class EngineCore:
         )
 
     # ---- requests -----------------------------------------------------------------------
-    def add(self, req: PreparedRequest) -> None:
+    def add(self, req: PreparedRequest, plan: ReusePlan | None = None) -> None:
+        """Queue a request; ``plan`` says which stored prefix to load at admission."""
+        self._stalled = False
         mc = self.loaded.config
         seed = req.sampling.seed if req.sampling.seed is not None else self._seeds.getrandbits(63)
         seq = Sequence(
@@ -118,6 +133,9 @@ class EngineCore:
             arrival=next(self._arrivals),
             num_layers=mc.num_layers,
             priority=req.priority,
+            tenant=req.tenant,
+            session_id=req.session_id,
+            reuse_plan=plan,
         )
         detok = IncrementalDetokenizer(self.loaded.tokenizer, req.prompt_token_ids)
         out = OutputState(detok, req.sampling, mc.eos_token_ids, req.max_output_tokens)
@@ -125,9 +143,11 @@ class EngineCore:
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> GenerateOutput | None:
+        self._stalled = False
         live = self._live.pop(request_id, None)
         if live is None:
             return None
+        self.reuse.drop_plan(live.seq)
         self.scheduler.finish(live.seq)
         live.output.finish(ABORT)
         return self._output(live, [])
@@ -136,7 +156,13 @@ class EngineCore:
         return [o for rid in list(self._live) if (o := self.abort(rid)) is not None]
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() and not self._stalled
+
+    def unpin(self, job_id: int | None) -> None:
+        """A save was answered (or, with None, a load RPC ended): blocks may be free."""
+        self._stalled = False
+        if job_id is not None:
+            self.reuse.unpin(job_id)
 
     @property
     def num_waiting(self) -> int:
@@ -144,19 +170,27 @@ class EngineCore:
 
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> list[Event]:
+        self.reuse.unpark()
         out = self.scheduler.schedule()
         if out.empty:
             return self._fail_unservable()
-        logits = self.runner.execute(out)  # (num_seqs, vocab) float32
+        loading = self.reuse.start_loads(out)
+        row = {s.request_id: i for i, s in enumerate(out.sequences)}  # logits rows
+        started = time.perf_counter()
+        logits = self.runner.execute(out, self.reuse.waiter(loading))  # (num_seqs, vocab)
+        if not loading:  # waits for loads would distort the measured compute rate
+            self.reuse.prefill_rate.observe(out.total_tokens, time.perf_counter() - started)
+        self.reuse.settle(loading, out)
+        self.reuse.count_computed(out)
         due = self.scheduler.advance(out)
         events: list[Event] = []
         if due:
-            row = {s.request_id: i for i, s in enumerate(out.sequences)}
             lives = [self._live[s.request_id] for s in due]
             tokens = self.runner.sample(
                 logits, [row[s.request_id] for s in due], due, [lv.generator for lv in lives]
             )
             events = [self._append(lv, t) for lv, t in zip(lives, tokens, strict=True)]
+            self.reuse.save_filled_chunks([s for s in due if s.request_id in self._live])
         if self.debug_checks:
             self.check_integrity()
         return events
@@ -166,6 +200,7 @@ class EngineCore:
         seq.token_ids.append(token)
         live.output.add(token)
         if live.output.finish_reason is not None:
+            self.reuse.save(seq)  # pins its full blocks until the kvstore has them
             self.scheduler.finish(seq)
             del self._live[seq.request_id]
         return self._output(live, [token])
@@ -190,6 +225,9 @@ class EngineCore:
         never get its blocks (the pool memory could not be committed); fail it."""
         if self.scheduler.running or not self.scheduler.waiting:
             return []
+        if self.reuse.pinned or self.reuse.parked:
+            self._stalled = True
+            return []  # blocks come back when the kvstore answers
         seq = self.scheduler.waiting[0]
         self._live.pop(seq.request_id, None)
         self.scheduler.finish(seq)
@@ -226,7 +264,12 @@ class EngineCore:
             device=self.config.device,
             pool_name=self.pool.name,
             preemptions=self.scheduler.num_preemptions,
+            reuse=self.reuse.stats(),
         )
+
+    def drop_cached(self) -> int:
+        """Evict every evictable block from the device prefix cache; how many."""
+        return len(self.blocks.evict(self.blocks.num_evictable))
 
     def check_integrity(self) -> None:
         self.blocks.check_integrity()
@@ -236,6 +279,8 @@ class EngineCore:
             for table in live.seq.block_tables:
                 for blk in table:
                     held[blk] = held.get(blk, 0) + 1
+        for blk in self.reuse.held_blocks():
+            held[blk] = held.get(blk, 0) + 1
         for blk, n in held.items():
             assert self.blocks.refcount[blk] == n, f"block {blk}: refcount != holders {n}"
         assert self.blocks.num_used == len(held), "used blocks not held by any sequence"

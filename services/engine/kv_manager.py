@@ -45,6 +45,20 @@ class KVCacheManager:
             hit.append(layers)  # type: ignore[arg-type]
         return hit
 
+    def peek_cached_blocks(self, hashes: list[bytes]) -> int:
+        """How many leading ``hashes`` are cached in every layer now. A hint only: safe to
+        call from another thread (dict reads), but the answer may be stale by admission."""
+        n = 0
+        for h in hashes:
+            if any(self.pool.lookup((h, layer)) is None for layer in range(self.num_layers)):
+                break
+            n += 1
+        return n
+
+    def table_slice(self, seq: Sequence, first_block: int, end_block: int) -> list[int]:
+        """``seq``'s blocks ``[first_block, end_block)`` of every layer, layer-major."""
+        return [b for table in seq.block_tables for b in table[first_block:end_block]]
+
     def allocate(
         self, seq: Sequence, num_new_tokens: int, cached: list[list[int]] | None = None
     ) -> bool:

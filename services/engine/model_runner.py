@@ -10,6 +10,8 @@ built for all layers at once from one (layers, seqs, max_blocks) table tensor.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .forward_batch import ForwardBatch
@@ -63,9 +65,13 @@ class ModelRunner:
             logits_indices=ends.to(dev),
         )
 
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Logits (num_seqs, vocab) float32 of the last scheduled token of each sequence."""
+    def execute(
+        self, out: SchedulerOutput, wait_for_layer: Callable[[int], None] | None = None
+    ) -> torch.Tensor:
+        """Logits (num_seqs, vocab) float32 of the last scheduled token of each sequence.
+        ``wait_for_layer(l)`` runs before layer ``l`` reads the cache (layer-wise loads)."""
         batch = self.build_batch(out)
+        batch.wait_for_layer = wait_for_layer
         with torch.inference_mode():
             return self.model(batch, self.kv_cache)
 

@@ -4,8 +4,9 @@ One step, three small passes over plain data:
 
     1. running sequences that decode (1 token each)        oldest first
     2. running sequences still prefilling (a chunk each)   oldest first
-    3. waiting sequences admitted FCFS (prefix hit + first chunk) while budget, seats and
-       blocks last; the head of the queue is never skipped, so nothing starves
+    3. waiting sequences admitted FCFS (device prefix hit + planned kvstore load + first
+       chunk) while budget, seats and blocks last; the head of the queue is never
+       skipped, so nothing starves
 
 When a running sequence cannot get blocks, the youngest running sequence is preempted by
 recompute (its blocks freed, requeued at the FRONT of the waiting queue, to be recomputed,
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .kv_manager import KVCacheManager
+from .reuse_planner import ReusePlan
 from .sequence import Sequence, Status
 
 log = logging.getLogger(__name__)
@@ -32,6 +34,9 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     sequences: list[Sequence] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    # Admitted sequences whose prefix is loaded from the kvstore during this step.
+    loads: list[tuple[Sequence, ReusePlan]] = field(default_factory=list)
+    released_leases: list[str] = field(default_factory=list)  # plans dropped at admission
 
     @property
     def total_tokens(self) -> int:
@@ -50,6 +55,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # sorted by arrival
         self.num_preemptions = 0
+        self.device_hit_tokens = 0  # prompt tokens found in the device prefix cache
 
     # ---- queue ops ----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -105,17 +111,22 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.requeue(seq, out)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(seq.request_id)
+        log.debug("preempted %s (recompute, %d tokens)", seq.request_id, seq.num_tokens)
+
+    def requeue(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Take a running ``seq`` out of this step, free its blocks and put it at the front
+        of the queue, to be recomputed (from whatever the device cache still holds)."""
         if seq.request_id in out.num_scheduled_tokens:  # scheduled earlier this step: undo
             del out.num_scheduled_tokens[seq.request_id]
             out.sequences.remove(seq)
         self.running.remove(seq)
         self.kv.free(seq)
         seq.status = Status.WAITING
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(seq)
-        out.preempted.append(seq.request_id)
-        log.debug("preempted %s (recompute, %d tokens)", seq.request_id, seq.num_tokens)
 
     def _admit_waiting(self, out: SchedulerOutput) -> None:
         admitted = False
@@ -127,12 +138,25 @@ class Scheduler:
             if seq.request_id in out.preempted:
                 break  # preempted this step: its blocks are what the others needed
             cached = self.kv.find_cached_prefix(seq)
-            hit_tokens = len(cached) * self.kv.block_size
+            device_tokens = len(cached) * self.kv.block_size
+            plan = self._load_plan(seq, len(cached))
+            load_tokens = (plan.end_block - len(cached)) * self.kv.block_size if plan else 0
+            hit_tokens = device_tokens + load_tokens
             n = min(seq.num_tokens - hit_tokens, budget)
-            if not self.kv.allocate(seq, n, cached):
+            if not self.kv.allocate(seq, load_tokens + n, cached):
                 break  # FCFS: wait for blocks rather than let a later request overtake
+            if plan is not None:
+                # The loaded range counts as computed; the first step waits for it per layer.
+                seq.num_computed_tokens += load_tokens
+                out.loads.append((seq, plan))
+            if seq.reuse_plan is not None and seq.reuse_plan.lease_id and plan is None:
+                out.released_leases.append(seq.reuse_plan.lease_id)
+            seq.reuse_plan = None
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = min(hit_tokens, seq.num_prompt_tokens)
+            if not seq.reuse_counted:
+                seq.reuse_counted = True
+                self.device_hit_tokens += min(device_tokens, seq.num_prompt_tokens)
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -141,6 +165,13 @@ class Scheduler:
             out.sequences.append(seq)
         if admitted:
             self.running.sort(key=lambda s: s.arrival)
+
+    @staticmethod
+    def _load_plan(seq: Sequence, device_blocks: int) -> ReusePlan | None:
+        """The part of ``seq``'s reuse plan still worth loading, given its device hit."""
+        if seq.reuse_plan is None:
+            return None
+        return seq.reuse_plan.trimmed(device_blocks)
 
     # ---- after the step -----------------------------------------------------------------
     def advance(self, out: SchedulerOutput) -> list[Sequence]:

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from .api_types import SamplingParams
+from .layer_readiness import LayerReadiness
+from .reuse_planner import ReusePlan
 
 
 class Status(Enum):
@@ -42,6 +44,15 @@ class Sequence:
     num_preemptions: int = 0
     status: Status = Status.WAITING
     priority: int = 0
+    tenant: str = ""
+    session_id: str = ""
+    # KV reuse from the kvstore: the plan made before admission (consumed when admitted),
+    # and while its first step runs, the plan being loaded and its per-layer readiness.
+    reuse_plan: ReusePlan | None = None
+    load_plan: ReusePlan | None = None
+    loading: LayerReadiness | None = None
+    reuse_counted: bool = False  # device/loaded tokens of this request entered the stats
+    saved_blocks: int = 0  # leading blocks already handed to the kvstore (chunk multiple)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -20,6 +20,8 @@ class PreparedRequest:
     max_output_tokens: int
     hash_seed: bytes
     priority: int
+    tenant: str = ""
+    session_id: str = ""
 
 
 def _bad(message: str) -> EngineError:
@@ -106,4 +108,6 @@ def prepare(
         max_output_tokens=max_tokens or room,
         hash_seed=hash_seed(fingerprint, req.tenant),
         priority=req.priority,
+        tenant=req.tenant,
+        session_id=req.session_id,
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from shared.proto import common_pb2, engine_pb2
+from shared.proto import common_pb2, engine_pb2, kvstore_pb2
 
 from .api_types import (
     ChatMessage,
@@ -15,6 +15,8 @@ from .api_types import (
     SamplingParams,
 )
 from .errors import INTERNAL, INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE
+from .kv_transfer import LoadJob, SaveJob
+from .reuse_planner import LoadSpan
 
 STATUS_CODES = {
     INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
@@ -93,4 +95,61 @@ def status_to_proto(s: EngineStatus) -> engine_pb2.EngineStatus:
         device_budget_bytes=s.device_budget_bytes,
         block_bytes=s.block_bytes,
         device=s.device,
+    )
+
+
+# ---- the node's kvstore (same-node pool data path) ----------------------------------------
+
+# The kvstore names chunks tenant/...: requests without a tenant use this one.
+DEFAULT_TENANT = "default"
+
+
+def kvstore_tenant(tenant: str) -> str:
+    return tenant or DEFAULT_TENANT
+
+
+def pool_geometry_to_proto(
+    *, pool_name: str, device: str, num_blocks: int, block_size: int, num_kv_heads: int,
+    head_dim: int, dtype: str, num_layers: int, model_fp: str,
+) -> kvstore_pb2.PoolGeometry:
+    return kvstore_pb2.PoolGeometry(
+        pool_name=pool_name, device=device, num_blocks=num_blocks, block_size=block_size,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, num_layers=num_layers,
+        model_fp=model_fp,
+    )
+
+
+def spans_from_proto(reply: kvstore_pb2.LookupPrefixReply) -> list[LoadSpan]:
+    return [
+        LoadSpan(bytes(s.chunk_hash), s.first_block, s.use_blocks, s.tier, s.bytes)
+        for s in reply.spans
+    ]
+
+
+def span_to_proto(s: LoadSpan) -> kvstore_pb2.PrefixSpan:
+    return kvstore_pb2.PrefixSpan(
+        chunk_hash=s.chunk_hash, first_block=s.first_block, use_blocks=s.use_blocks,
+        tier=s.tier, bytes=s.nbytes,
+    )
+
+
+def load_to_proto(
+    job: LoadJob, pool_id: str, model_fp: str, num_layers: int
+) -> kvstore_pb2.LoadIntoPoolRequest:
+    return kvstore_pb2.LoadIntoPoolRequest(
+        pool_id=pool_id, lease_id=job.plan.lease_id, tenant=kvstore_tenant(job.tenant),
+        model_fp=model_fp,
+        spans=[span_to_proto(s) for s in job.plan.spans], block_ids=list(job.block_ids),
+        num_layers=num_layers,
+    )
+
+
+def save_to_proto(
+    job: SaveJob, pool_id: str, model_fp: str, num_layers: int
+) -> kvstore_pb2.SaveFromPoolRequest:
+    return kvstore_pb2.SaveFromPoolRequest(
+        pool_id=pool_id, tenant=kvstore_tenant(job.tenant), session_id=job.session_id,
+        model_fp=model_fp,
+        block_hashes=list(job.block_hashes), token_count=job.token_count,
+        first_block=job.first_block, block_ids=list(job.block_ids), num_layers=num_layers,
     )

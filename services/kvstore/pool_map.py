@@ -116,14 +116,12 @@ def _map_cpu(geometry: PoolGeometry) -> tuple[torch.Tensor, Any]:
     kv = flat.view(geometry.torch_dtype).view(geometry.shape)
 
     def close() -> None:
+        # Never mm.close() here: torch.frombuffer does not hold a buffer export, so closing
+        # would leave any tensor view still in use by an in-flight copy pointing at unmapped
+        # memory (a segfault, not a BufferError). Dropping our references lets the mapping
+        # go when the last view dies (each view keeps ``mm`` alive).
         nonlocal flat
         del flat
-        try:
-            mm.close()
-        except BufferError:
-            # A tensor view is still referenced (an in-flight copy); the mapping goes
-            # away with the last view instead.
-            log.debug("pool %s still viewed; unmapped when the last view dies", geometry.pool_name)
 
     return kv, close
 

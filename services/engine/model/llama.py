@@ -12,7 +12,7 @@ from torch import nn
 
 from ..forward_batch import ForwardBatch
 from .hf_config import ModelConfig
-from .linear import default_upcast_rows, linear
+from .linear import Linear, default_upcast_rows
 from .paged_attention import AttentionPlan, build_plan, paged_attention, write_kv
 from .rope import RotaryTables, apply_rotary
 
@@ -49,6 +49,14 @@ class DecoderLayer(nn.Module):
         self.gate_up_b = _param(w["gate_up_b"])
         self.down_w = _param(w["down_w"])
         self.down_b = _param(w["down_b"])
+        # Views over the parameters above that also keep their float32 copies.
+        self.qkv = Linear(self.qkv_w, self.qkv_b)
+        self.o = Linear(self.o_w, self.o_b)
+        self.gate_up = Linear(self.gate_up_w, self.gate_up_b)
+        self.down = Linear(self.down_w, self.down_b)
+
+    def linears(self) -> tuple[Linear, ...]:
+        return self.qkv, self.o, self.gate_up, self.down
 
     def forward(
         self,
@@ -62,7 +70,7 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         t = h.shape[0]
         x = rms_norm(h, self.input_norm, self.eps)
-        qkv = linear(x, self.qkv_w, self.qkv_b, self.upcast_rows)  # (T, q + 2kv)
+        qkv = self.qkv(x, self.upcast_rows)  # (T, q + 2kv)
         qk, v = qkv.split((self.q_size + self.kv_size, self.kv_size), dim=-1)
         # q and k heads rotated in one go: (T, heads + kv_heads, hd)
         qk = apply_rotary(qk.view(t, self.heads + self.kv_heads, self.head_dim), cos, sin)
@@ -72,10 +80,10 @@ class DecoderLayer(nn.Module):
             batch.wait_for_layer(layer)  # reused KV of this layer must be resident first
         write_kv(kv_cache, plan.kv_rows[layer], k, v)
         attn = paged_attention(plan, q, kv_cache, batch.block_tables[layer], self.scale)
-        h = h + linear(attn, self.o_w, self.o_b, self.upcast_rows)
+        h = h + self.o(attn, self.upcast_rows)
         x = rms_norm(h, self.post_norm, self.eps)
-        gate, up = linear(x, self.gate_up_w, self.gate_up_b, self.upcast_rows).chunk(2, dim=-1)
-        return h + linear(F.silu(gate) * up, self.down_w, self.down_b, self.upcast_rows)
+        gate, up = self.gate_up(x, self.upcast_rows).chunk(2, dim=-1)
+        return h + self.down(F.silu(gate) * up, self.upcast_rows)
 
 
 class LlamaModel(nn.Module):
@@ -97,15 +105,28 @@ class LlamaModel(nn.Module):
         lm_head = weights.get("lm_head")
         # Tied embeddings share the very same tensor, no copy.
         self.lm_head = self.embed if lm_head is None else _param(lm_head)
+        self.head = Linear(self.lm_head, None)
         self.upcast_rows = default_upcast_rows(embed.dtype, embed.device)
         self.layers = nn.ModuleList(DecoderLayer(config, w, self.upcast_rows) for w in layers)
         self.rope = RotaryTables(config, embed.dtype, embed.device)
 
     def set_upcast_rows(self, rows: int) -> None:
-        """Override the float32-compute threshold of half-precision linears (0 = never)."""
+        """Override the float32-compute threshold of half-precision linears (0 = never,
+        which also frees their float32 weight copies)."""
         self.upcast_rows = rows
         for layer in self.layers:
             layer.upcast_rows = rows
+        if not rows:
+            for lin in self._linears():
+                lin.release_float32()
+
+    def _linears(self) -> list[Linear]:
+        return [self.head, *(lin for layer in self.layers for lin in layer.linears())]
+
+    @property
+    def float32_copy_bytes(self) -> int:
+        """Host bytes of float32 weight copies made so far for upcast linears."""
+        return sum(lin.float32_bytes for lin in self._linears())
 
     @property
     def device(self) -> torch.device:
@@ -121,4 +142,4 @@ class LlamaModel(nn.Module):
             h = layer(h, i, batch, plan, kv_cache, cos, sin)
         h = h[batch.logits_indices]  # only the rows whose logits are wanted
         h = rms_norm(h, self.norm, self.config.rms_norm_eps)
-        return linear(h, self.lm_head, None, self.upcast_rows).float()
+        return self.head(h, self.upcast_rows).float()

@@ -1,0 +1,301 @@
+"""Async gRPC client of the node's kvstore for one engine pool (event loop only).
+
+    start ──AttachPool (retried with backoff in the background)──► pool_id, blocks_per_chunk
+    generate ──LookupPrefix──► spans + lease      (short deadline; any error = no reuse)
+    admission ──LoadIntoPool──► LayerLoaded per layer ──► LayerReadiness (worker waits)
+    request end ──SaveFromPool──► reply ──► the core unpins the blocks
+    plan dropped ──ReleaseLease
+
+The kvstore being down never fails a request: while not attached, lookups answer "nothing
+stored", loads fail at once (the request recomputes) and saves are skipped. Any RPC error
+drops the attachment and re-attaches in the background (a restarted kvstore has forgotten
+the pool).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from shared.grpc_server import CHANNEL_OPTIONS
+from shared.proto import kvstore_pb2, kvstore_pb2_grpc
+
+from . import wire
+from .config import EngineConfig
+from .kv_transfer import LoadJob, SaveJob
+from .reuse_planner import LoadSpan
+
+log = logging.getLogger(__name__)
+
+ATTACH_TIMEOUT_S = 2.0
+SAVE_TASK = "kvstore-save-"
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+@dataclass
+class LookupAnswer:
+    matched_blocks: int
+    spans: list[LoadSpan]
+    lease_id: str
+    tier_bytes_per_s: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class ConnectorStats:
+    """Written on the event loop only."""
+
+    lookups: int = 0
+    lookup_errors: int = 0
+    saves: int = 0
+    save_errors: int = 0
+    chunks_saved: int = 0
+
+
+class KVConnector:
+    def __init__(self, config: EngineConfig, geometry: kvstore_pb2.PoolGeometry) -> None:
+        """Cheap; ``start()`` opens the channel and begins attaching."""
+        self.config = config
+        self.geometry = geometry
+        self.model_fp = geometry.model_fp
+        self.num_layers = geometry.num_layers
+        self.pool_id = ""
+        self.blocks_per_chunk = 0
+        self.stats = ConnectorStats()
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: kvstore_pb2_grpc.KVStoreStub | None = None
+        self._attach_task: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._warned: set[str] = set()
+        self.on_attached: Callable[[int], None] | None = None  # gets blocks_per_chunk
+
+    @property
+    def attached(self) -> bool:
+        return bool(self.pool_id)
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    async def start(self) -> None:
+        # The kvstore is on this node: after it restarts, reconnect within ~0.1-1 s rather
+        # than gRPC's default backoff (1 s growing to 120 s).
+        self._channel = grpc.aio.insecure_channel(
+            self.config.kvstore_address, options=[*CHANNEL_OPTIONS, *RECONNECT_OPTIONS]
+        )
+        self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
+        self._ensure_attaching()
+
+    async def close(self, drain_s: float = 5.0) -> None:
+        """Let saves in flight finish (up to ``drain_s``: a finished turn's KV is worth
+        keeping, and cancelling a save mid-copy leaves the kvstore reading a pool that is
+        about to go away), then cancel everything else."""
+        saves = [t for t in self._tasks if t.get_name().startswith(SAVE_TASK)]
+        if saves:
+            await asyncio.wait(saves, timeout=drain_s)
+        tasks = [t for t in (self._attach_task, *self._tasks) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks.clear()
+        self._attach_task = None
+        self._stub = None
+        self.pool_id = ""
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _warn(self, what: str, err: BaseException) -> None:
+        """Log the first failure of each kind at warning level, the rest at debug."""
+        level = logging.DEBUG if what in self._warned else logging.WARNING
+        self._warned.add(what)
+        log.log(level, "kvstore %s at %s failed (KV reuse degrades to recompute): %s",
+                what, self.config.kvstore_address, _describe(err))
+
+    # ---- attach -------------------------------------------------------------------------
+    def _ensure_attaching(self) -> None:
+        if self._stub is not None and (self._attach_task is None or self._attach_task.done()):
+            self._attach_task = asyncio.create_task(self._attach_loop(), name="kvstore-attach")
+
+    async def _attach_loop(self) -> None:
+        delay = 0.05
+        while not await self.attach():
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.config.kvstore_attach_backoff_max_s)
+
+    async def attach(self, timeout: float = ATTACH_TIMEOUT_S) -> bool:
+        """One AttachPool attempt (waits up to ``timeout`` for the kvstore to be up)."""
+        if self._stub is None:
+            return False
+        req = kvstore_pb2.AttachPoolRequest(pool=self.geometry)
+        try:
+            reply = await self._stub.AttachPool(req, timeout=timeout, wait_for_ready=True)
+        except grpc.aio.AioRpcError as e:
+            self._warn("AttachPool", e)
+            return False
+        self.blocks_per_chunk = reply.blocks_per_chunk or 1
+        self.pool_id = reply.pool_id
+        self._warned.clear()
+        if self.on_attached is not None:
+            self.on_attached(self.blocks_per_chunk)
+        log.info("KV pool attached to kvstore %s as %s (%d blocks per chunk)",
+                 self.config.kvstore_address, self.pool_id, self.blocks_per_chunk)
+        return True
+
+    def _lost(self, err: grpc.aio.AioRpcError) -> None:
+        """An RPC failed: if the kvstore is down or restarted (and forgot the pool), attach
+        again in the background; other errors (a bad tenant name, a deadline) keep it."""
+        if err.code() == grpc.StatusCode.UNAVAILABLE or "AttachPool" in (err.details() or ""):
+            self.pool_id = ""
+            self._ensure_attaching()
+
+    # ---- lookup and leases --------------------------------------------------------------
+    async def lookup(
+        self, tenant: str, session_id: str, hashes: list[bytes], first_block: int
+    ) -> LookupAnswer | None:
+        """The stored prefix beyond ``first_block`` device blocks; None on any error."""
+        if not self.attached or self._stub is None:
+            return None
+        self.stats.lookups += 1
+        req = kvstore_pb2.LookupPrefixRequest(
+            tenant=wire.kvstore_tenant(tenant), session_id=session_id, model_fp=self.model_fp,
+            block_hashes=hashes, first_block=first_block, num_layers=self.num_layers,
+        )
+        try:
+            reply = await self._stub.LookupPrefix(
+                req, timeout=self.config.kvstore_lookup_timeout_s
+            )
+        except grpc.aio.AioRpcError as e:
+            self.stats.lookup_errors += 1
+            self._warn("LookupPrefix", e)
+            self._lost(e)
+            return None
+        return LookupAnswer(
+            reply.matched_blocks, wire.spans_from_proto(reply), reply.lease_id,
+            dict(reply.tier_bytes_per_s),
+        )
+
+    def release(self, lease_id: str) -> None:
+        if lease_id and self._stub is not None:
+            self._spawn(self._release(lease_id), "kvstore-release")
+
+    async def _release(self, lease_id: str) -> None:
+        if self._stub is None:
+            return
+        try:
+            await self._stub.ReleaseLease(
+                kvstore_pb2.ReleaseLeaseRequest(lease_id=lease_id),
+                timeout=self.config.kvstore_lookup_timeout_s,
+            )
+        except grpc.aio.AioRpcError as e:  # the lease expires on its own
+            self._warn("ReleaseLease", e)
+
+    # ---- load ---------------------------------------------------------------------------
+    def start_load(self, job: LoadJob, ended: Callable[[], None] | None = None) -> None:
+        """Begin copying ``job``'s spans into its blocks; progress lands in its readiness;
+        ``ended()`` runs once the RPC is over."""
+        if not self.attached or self._stub is None:
+            job.readiness.fail(0, "the kvstore is not attached")
+            job.readiness.finish()
+            return
+        self._spawn(self._load(job, ended), f"kvstore-load-{job.request_id}")
+
+    async def _load(self, job: LoadJob, ended: Callable[[], None] | None) -> None:
+        r = job.readiness
+        req = wire.load_to_proto(job, self.pool_id, self.model_fp, self.num_layers)
+        # The whole call's deadline: every layer may take up to the per-layer wait.
+        deadline = self.config.kvstore_load_timeout_s * 2
+        try:
+            async for msg in self._stub.LoadIntoPool(req, timeout=deadline):
+                if msg.ok:
+                    r.mark_loaded(msg.layer)
+                else:
+                    r.fail(msg.layer, msg.error or "chunk missing or corrupt")
+                    log.warning("load of %s failed at layer %d: %s", job.request_id,
+                                msg.layer, msg.error)
+        except grpc.aio.AioRpcError as e:
+            r.fail(0, _describe(e))
+            self._warn("LoadIntoPool", e)
+            self._lost(e)
+        finally:
+            r.finish()
+            if ended is not None:
+                ended()
+
+    # ---- save ---------------------------------------------------------------------------
+    def start_save(self, job: SaveJob, done: Callable[[SaveJob], None]) -> None:
+        """Copy ``job``'s blocks into the kvstore; ``done(job)`` runs afterwards in every
+        case (it unpins the blocks)."""
+        self._spawn(self._save(job, done), f"{SAVE_TASK}{job.job_id}")
+
+    async def _save(self, job: SaveJob, done: Callable[[SaveJob], None]) -> None:
+        try:
+            if not self.attached or self._stub is None:
+                self.stats.save_errors += 1
+                return
+            req = wire.save_to_proto(job, self.pool_id, self.model_fp, self.num_layers)
+            reply = await self._stub.SaveFromPool(
+                req, timeout=self.config.kvstore_save_timeout_s
+            )
+            self.stats.saves += 1
+            self.stats.chunks_saved += reply.chunks_written
+        except grpc.aio.AioRpcError as e:
+            self.stats.save_errors += 1
+            self._warn("SaveFromPool", e)
+            self._lost(e)
+        finally:
+            done(job)
+
+
+def _describe(err: BaseException) -> str:
+    if isinstance(err, grpc.aio.AioRpcError):
+        return f"{err.code().name}: {err.details()}"
+    return repr(err)
+
+
+class LoopTransport:
+    """The worker's ``KVTransport``: each call is posted to the event loop, where the
+    connector runs it. ``unpin(job_id)`` is how the loop gives a save's blocks back (it
+    must route that to the worker)."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        connector: KVConnector,
+        unpin: Callable[[int | None], None],
+    ) -> None:
+        self._loop = loop
+        self._connector = connector
+        self._unpin = unpin
+
+    def _post(self, fn: Callable[..., None], *args: Any) -> bool:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: the engine is going away
+            return False
+        return True
+
+    def start_load(self, job: LoadJob) -> None:
+        # When the RPC ends, wake the worker: blocks parked behind a failed load free up.
+        if not self._post(self._connector.start_load, job, lambda: self._unpin(None)):
+            job.readiness.fail(0, "the event loop is closed")
+            job.readiness.finish()
+
+    def start_save(self, job: SaveJob) -> None:
+        self._post(self._connector.start_save, job, self._saved)
+
+    def _saved(self, job: SaveJob) -> None:
+        self._unpin(job.job_id)
+
+    def release(self, lease_id: str) -> None:
+        self._post(self._connector.release, lease_id)

@@ -1,0 +1,215 @@
+"""The worker-thread side of KV reuse with the node's kvstore (DESIGN §3, steps 5, 6, 8).
+
+Called by the EngineCore around each step; never blocks on the network. RPCs run on the
+event loop behind a ``KVTransport`` whose methods only post work there.
+
+    admission (scheduler)  blocks [device, end) allocated in every layer, counted computed
+    start_loads            LoadJob per loading sequence ──► transport (event loop)
+    forward pass           wait_for_layer(l): layer l of every loading sequence resident
+    settle                 all layers ok: index as usual | a layer failed: drop the step's
+                           output for it, free (never index) the loaded blocks, requeue it
+    request end (save)     pin full blocks, SaveJob ──► transport; unpin(job) when answered
+
+Blocks a failed load may still be writing into (its RPC has not ended) are *parked*: held
+by an extra reference until the readiness says the RPC finished, so no other sequence can
+be given them meanwhile.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable
+from typing import Protocol
+
+from shared.hashing import extend_block_hashes
+
+from .api_types import ReuseStats
+from .kv_manager import KVCacheManager
+from .kv_transfer import LoadJob, SaveJob
+from .layer_readiness import LayerReadiness
+from .reuse_planner import PrefillRate
+from .scheduler import Scheduler, SchedulerOutput
+from .sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+class KVTransport(Protocol):
+    """Thread-safe: each call only hands the job to the event loop."""
+
+    def start_load(self, job: LoadJob) -> None: ...
+
+    def start_save(self, job: SaveJob) -> None: ...
+
+    def release(self, lease_id: str) -> None: ...
+
+
+class KVReuse:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        scheduler: Scheduler,
+        *,
+        whole_prefix: bool,
+        load_timeout_s: float,
+        prefill_prior_s_per_token: float,
+    ) -> None:
+        self.kv = kv
+        self.scheduler = scheduler
+        self.whole_prefix = whole_prefix
+        self.load_timeout_s = load_timeout_s
+        self.transport: KVTransport | None = None  # set by the AsyncEngine when connected
+        self.prefill_rate = PrefillRate(prefill_prior_s_per_token)
+        self.pinned: dict[int, list[int]] = {}  # save job -> blocks held until answered
+        self.parked: list[tuple[LayerReadiness, list[int]]] = []
+        self.loaded_tokens: dict[str, int] = {}
+        self.recomputed_tokens = 0
+        self.load_failures = 0
+        self.last_load_s = 0.0  # admission to last layer resident, of the latest load
+        # kvstore chunk size in blocks, once attached (written by the event loop); 0 = not
+        # known: nothing is saved before a request ends.
+        self.blocks_per_chunk = 0
+        self._job_ids = itertools.count()
+
+    # ---- loads --------------------------------------------------------------------------
+    def start_loads(self, out: SchedulerOutput) -> list[Sequence]:
+        """Hand this step's loads to the transport; the sequences now loading."""
+        if self.transport is not None:
+            for lease in out.released_leases:
+                self.transport.release(lease)
+        loading = []
+        layers = self.kv.num_layers
+        for seq, plan in out.loads:
+            ready = LayerReadiness(layers)
+            seq.loading, seq.load_plan = ready, plan
+            loading.append(seq)
+            if self.transport is None:
+                ready.fail(0, "no kvstore transport")
+                ready.finish()
+                continue
+            ids = self.kv.table_slice(seq, plan.first_block, plan.end_block)
+            self.transport.start_load(LoadJob(seq.request_id, seq.tenant, plan, tuple(ids), ready))
+        return loading
+
+    def waiter(self, loading: list[Sequence]) -> Callable[[int], None] | None:
+        """The forward pass's per-layer wait over the loading sequences (None: nothing to
+        wait for). whole_prefix waits for every layer before the first one runs."""
+        readies = [s.loading for s in loading if s.loading is not None]
+        if not readies:
+            return None
+        last, timeout = self.kv.num_layers - 1, self.load_timeout_s
+
+        def wait_for_layer(layer: int) -> None:
+            target = last if self.whole_prefix else layer
+            for r in readies:
+                r.wait(target, timeout)  # a failure is settled after the step
+
+        return wait_for_layer
+
+    def settle(self, loading: list[Sequence], out: SchedulerOutput) -> None:
+        """After the step: count complete loads; send failed ones back to be recomputed
+        (taken out of ``out`` so their output is neither indexed nor sampled)."""
+        bs = self.kv.block_size
+        for seq in loading:
+            ready, plan = seq.loading, seq.load_plan
+            seq.loading = seq.load_plan = None
+            assert ready is not None and plan is not None
+            if ready.complete:
+                self.last_load_s = ready.completed_at - ready.created
+                for s in plan.spans:
+                    tokens = self.loaded_tokens.get(s.tier, 0) + s.use_blocks * bs
+                    self.loaded_tokens[s.tier] = tokens
+                continue
+            self.load_failures += 1
+            log.warning("KV load of %s failed (%s); recomputing blocks %d..%d",
+                        seq.request_id, ready.error, plan.first_block, plan.end_block)
+            if not ready.finished:
+                ids = self.kv.table_slice(seq, plan.first_block, plan.end_block)
+                self.kv.pool.touch(ids)
+                self.parked.append((ready, ids))
+            self.scheduler.requeue(seq, out)  # frees its blocks; loaded ones were never indexed
+            seq.num_cached_tokens = -1
+
+    def unpark(self) -> None:
+        """Release parked blocks whose load RPC has ended."""
+        if not self.parked:
+            return
+        keep = []
+        for ready, ids in self.parked:
+            if ready.finished:
+                self.kv.pool.free(ids)
+            else:
+                keep.append((ready, ids))
+        self.parked = keep
+
+    def count_computed(self, out: SchedulerOutput) -> None:
+        """(before advance) prompt tokens this step computes."""
+        for s in out.sequences:
+            start = s.num_computed_tokens
+            end = start + out.num_scheduled_tokens[s.request_id]
+            self.recomputed_tokens += max(0, min(end, s.num_prompt_tokens) - start)
+
+    def drop_plan(self, seq: Sequence) -> None:
+        """``seq`` leaves before admission: give its lease back."""
+        if seq.reuse_plan is not None and seq.reuse_plan.lease_id and self.transport is not None:
+            self.transport.release(seq.reuse_plan.lease_id)
+        seq.reuse_plan = None
+
+    # ---- saves --------------------------------------------------------------------------
+    def save(self, seq: Sequence) -> None:
+        """(request end) Hand ``seq``'s full computed blocks not saved yet to the kvstore;
+        they stay pinned (one more reference) until ``unpin`` with the job's id."""
+        full = seq.num_computed_tokens // self.kv.block_size
+        if self.transport is not None and full > seq.saved_blocks:
+            self._save_range(seq, seq.saved_blocks, full, seq.num_computed_tokens)
+
+    def save_filled_chunks(self, seqs: list[Sequence]) -> None:
+        """(during generation) Save the chunks that filled up since the last save:
+
+            blocks: | saved ........ | new full chunks ....... | partial chunk | ...
+                    0          saved_blocks             end (multiple of bpc)
+        """
+        bpc = self.blocks_per_chunk
+        if self.transport is None or bpc <= 0:
+            return
+        for seq in seqs:
+            if seq.num_computed_tokens <= seq.num_prompt_tokens:
+                continue  # still prefilling: its chunks go out from its first decode on
+            end = seq.num_computed_tokens // self.kv.block_size // bpc * bpc
+            if end - seq.saved_blocks >= bpc:
+                self._save_range(seq, seq.saved_blocks, end, end * self.kv.block_size)
+                seq.saved_blocks = end
+
+    def _save_range(self, seq: Sequence, first: int, end: int, tokens: int) -> None:
+        """Save blocks [first, end) (``first`` a chunk boundary) with the hashes [0, end),
+        as a sequence of ``tokens`` tokens."""
+        bs = self.kv.block_size
+        extend_block_hashes(seq.block_hashes, seq.token_ids, bs, seq.hash_seed)
+        ids = self.kv.table_slice(seq, first, end)
+        self.kv.pool.touch(ids)
+        job = SaveJob(next(self._job_ids), seq.tenant, seq.session_id,
+                      tuple(seq.block_hashes[:end]), tokens, first, tuple(ids))
+        self.pinned[job.job_id] = ids
+        self.transport.start_save(job)
+
+    def unpin(self, job_id: int) -> None:
+        ids = self.pinned.pop(job_id, None)
+        if ids:
+            self.kv.pool.free(reversed(ids))  # later layers first: evicted first
+
+    # ---- accounting ---------------------------------------------------------------------
+    def held_blocks(self) -> list[int]:
+        """Block references held here (pins and parked loads), one entry per reference."""
+        out = [b for ids in self.pinned.values() for b in ids]
+        out.extend(b for _, ids in self.parked for b in ids)
+        return out
+
+    def stats(self) -> ReuseStats:
+        return ReuseStats(
+            device_tokens=self.scheduler.device_hit_tokens,
+            loaded_tokens=dict(self.loaded_tokens),
+            recomputed_tokens=self.recomputed_tokens,
+            load_failures=self.load_failures,
+            last_load_seconds=self.last_load_s,
+        )

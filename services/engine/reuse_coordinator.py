@@ -1,0 +1,130 @@
+"""Before a request enters the core: what of its prompt to load from the kvstore (event loop).
+
+    prompt tokens ──hash──► h_0 .. h_{m-1}          m = (n - 1) // block_size full blocks
+                                                    (the last token is always computed)
+    device prefix cache ──peek──► D blocks on device (a hint; admission re-checks)
+    LookupPrefix(first_block=D) ──► spans over [D, matched), tier bandwidths, lease
+    choose_spans ──► the longest prefix of spans worth loading (or none: release the lease)
+
+A lookup that fails or times out means "nothing stored": the request recomputes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from shared.hashing import block_hashes
+
+from .config import EngineConfig
+from .kv_connector import KVConnector, LoopTransport
+from .kv_manager import KVCacheManager
+from .kv_reuse import KVReuse
+from .reuse_planner import RECOMPUTE, LoadSpan, ReusePlan, choose_spans
+from .validation import PreparedRequest
+from .wire import pool_geometry_to_proto
+
+if TYPE_CHECKING:
+    from .engine_core import EngineCore
+    from .model import ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+def contiguous(spans: list[LoadSpan], first_block: int) -> list[LoadSpan]:
+    """The leading spans that continue each other from ``first_block`` without a gap."""
+    out = []
+    at = first_block
+    for s in spans:
+        if s.first_block != at or s.use_blocks <= 0:
+            break
+        out.append(s)
+        at = s.end_block
+    return out
+
+
+class ReuseCoordinator:
+    def __init__(
+        self,
+        config: EngineConfig,
+        connector: KVConnector,
+        kv: KVCacheManager,
+        reuse: KVReuse,
+        num_layers: int,
+    ) -> None:
+        self.config = config
+        self.connector = connector
+        self.kv = kv
+        self.reuse = reuse
+        self.num_layers = num_layers
+
+    async def plan(self, req: PreparedRequest) -> ReusePlan | None:
+        """The prefix to load for ``req``, or None (device hit only / recompute)."""
+        if self.config.reuse_mode == RECOMPUTE or not self.connector.attached:
+            return None
+        bs = self.config.block_size
+        ids = req.prompt_token_ids
+        m = (len(ids) - 1) // bs
+        if m == 0:
+            return None
+        hashes = block_hashes(ids[: m * bs], bs, req.hash_seed)
+        device = self.kv.peek_cached_blocks(hashes)
+        if device >= m:
+            return None
+        answer = await self.connector.lookup(req.tenant, req.session_id, hashes, device)
+        if answer is None:
+            return None
+        spans = contiguous(answer.spans, device)
+        keep = self._choose(spans, len(ids), device, answer.tier_bytes_per_s)
+        if keep == 0:
+            self.connector.release(answer.lease_id)
+            return None
+        chosen = tuple(spans[:keep])
+        return ReusePlan(chosen, answer.lease_id, device, chosen[-1].end_block)
+
+    def _choose(
+        self, spans: list[LoadSpan], prompt_tokens: int, device: int, bw: dict[str, float]
+    ) -> int:
+        if not spans or self.config.reuse_policy == "always":
+            return len(spans)
+        est = choose_spans(
+            spans,
+            prompt_tokens=prompt_tokens,
+            device_tokens=device * self.config.block_size,
+            block_size=self.config.block_size,
+            tier_bytes_per_s=bw,
+            seconds_per_token=self.reuse.prefill_rate.value,
+            num_layers=self.num_layers,
+            mode=self.config.reuse_mode,
+            overhead_s=self.config.reuse_load_overhead_s,
+        )
+        if est.spans < len(spans):
+            log.debug("loading %d of %d stored spans (est. %.4f s vs recompute %.4f s)",
+                      est.spans, len(spans), est.seconds, est.recompute_seconds)
+        return est.spans
+
+
+async def connect_reuse(
+    config: EngineConfig,
+    core: EngineCore,
+    model: ModelConfig,
+    unpin: Callable[[int | None], None],
+) -> tuple[KVConnector, ReuseCoordinator]:
+    """Start a connector for ``core``'s pool (attaching in the background), give the core
+    its transport, and return the connector with the coordinator that plans loads.
+    ``unpin(job_id)`` must route to the worker (None: just wake it)."""
+    geometry = pool_geometry_to_proto(
+        pool_name=core.pool.name, device=config.device, num_blocks=core.pool.num_blocks,
+        block_size=config.block_size, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+        dtype=core.model_info.dtype, num_layers=model.num_layers,
+        model_fp=core.model_info.fingerprint,
+    )
+    connector = KVConnector(config, geometry)
+    # An int written on the loop, read by the worker: where mid-generation saves may cut.
+    connector.on_attached = lambda bpc: setattr(core.reuse, "blocks_per_chunk", bpc)
+    await connector.start()
+    core.reuse.transport = LoopTransport(asyncio.get_running_loop(), connector, unpin)
+    coordinator = ReuseCoordinator(config, connector, core.kv, core.reuse, model.num_layers)
+    return connector, coordinator

@@ -1,0 +1,166 @@
+"""The core's side of loads and saves with a scripted transport (no kvstore): a load that
+never answers falls back to recomputation, its blocks stay parked until the RPC ends; a
+save pins blocks until unpinned."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine.api_types import GenerateRequest, SamplingParams
+from services.engine.config import EngineConfig
+from services.engine.engine_core import EngineCore
+from services.engine.kv_transfer import LoadJob, SaveJob
+from services.engine.model import LoadedModel, load_model, write_demo_model
+from services.engine.reuse_planner import LoadSpan, ReusePlan
+from services.engine.validation import prepare
+
+PROMPT = "Once upon a time, in a land far away, there lived a king who had three daughters. " * 2
+
+
+class ScriptedTransport:
+    def __init__(self) -> None:
+        self.loads: list[LoadJob] = []
+        self.saves: list[SaveJob] = []
+        self.released: list[str] = []
+
+    def start_load(self, job: LoadJob) -> None:
+        self.loads.append(job)  # never answers by itself
+
+    def start_save(self, job: SaveJob) -> None:
+        self.saves.append(job)
+
+    def release(self, lease_id: str) -> None:
+        self.released.append(lease_id)
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    path = write_demo_model(tmp_path_factory.mktemp("m") / "tiny", size="tiny", seed=0)
+    return load_model(path, dtype=torch.float32)
+
+
+def make_core(loaded: LoadedModel, **kw: object) -> EngineCore:
+    cfg = EngineConfig(dtype="float32", device_memory_bytes=4 << 20, page_bytes=16 << 10,
+                       debug_checks=True, kvstore_load_timeout_s=0.05, **kw)
+    return EngineCore(cfg, loaded)
+
+
+def add(core: EngineCore, loaded: LoadedModel, rid: str, plan: ReusePlan | None) -> None:
+    req = GenerateRequest(request_id=rid, prompt=PROMPT, session_id="s",
+                          sampling=SamplingParams(max_tokens=6, ignore_eos=True))
+    core.add(prepare(req, tokenizer=loaded.tokenizer, model_name=loaded.name,
+                     vocab_size=loaded.config.vocab_size, max_model_len=core.max_model_len,
+                     fingerprint=loaded.fingerprint), plan)
+
+
+def run(core: EngineCore) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for _ in range(100):
+        if not core.has_work():
+            break
+        for ev in core.step():
+            out.setdefault(ev.request_id, []).extend(ev.token_ids)
+    return out
+
+
+def test_load_that_never_answers_falls_back_and_parks_its_blocks(loaded: LoadedModel) -> None:
+    ref = make_core(loaded)
+    try:
+        add(ref, loaded, "r", None)
+        want = run(ref)["r"]
+    finally:
+        ref.close()
+    core = make_core(loaded)
+    t = ScriptedTransport()
+    core.reuse.transport = t
+    try:
+        plan = ReusePlan((LoadSpan(b"h", 0, 2, "dram", 1),), "lease-1", 0, 2)
+        add(core, loaded, "a", plan)
+        assert core.step() == []  # the wait timed out: no token sampled for garbage KV
+        assert len(t.loads) == 1 and core.reuse.load_failures == 1
+        parked = core.reuse.held_blocks()
+        assert sorted(parked) == sorted(t.loads[0].block_ids)  # 2 blocks x 2 layers
+        assert all(core.blocks.refcount[b] >= 1 for b in parked)
+        core.check_integrity()
+        got = run(core)["a"]
+        assert got == want  # recomputed from scratch
+        assert core.reuse.held_blocks() and t.saves  # still parked; the save is pinned
+        t.loads[0].readiness.finish()  # the RPC ends at last
+        for job in t.saves:
+            core.reuse.unpin(job.job_id)
+        core.step()
+        assert core.reuse.held_blocks() == [] and core.blocks.num_used == 0
+        core.check_integrity()
+    finally:
+        core.close()
+
+
+def test_save_pins_full_blocks_until_unpinned(loaded: LoadedModel) -> None:
+    core = make_core(loaded)
+    t = ScriptedTransport()
+    core.reuse.transport = t
+    try:
+        add(core, loaded, "a", None)
+        run(core)
+        (job,) = t.saves
+        seq_blocks = len(job.block_hashes)
+        assert job.first_block == 0 and job.session_id == "s"
+        assert len(job.block_ids) == seq_blocks * loaded.config.num_layers
+        assert core.blocks.num_used == len(job.block_ids)  # pinned after the request ended
+        core.check_integrity()
+        core.reuse.unpin(job.job_id)
+        assert core.blocks.num_used == 0 and core.blocks.num_evictable >= len(job.block_ids)
+    finally:
+        core.close()
+
+
+def test_plan_dropped_at_admission_releases_its_lease(loaded: LoadedModel) -> None:
+    core = make_core(loaded)
+    t = ScriptedTransport()
+    core.reuse.transport = t
+    try:
+        add(core, loaded, "warm", None)
+        run(core)
+        for job in t.saves:
+            core.reuse.unpin(job.job_id)
+        # Everything the plan names is on device by admission: nothing to load.
+        add(core, loaded, "b", ReusePlan((LoadSpan(b"h", 0, 2, "dram", 1),), "lease-2", 0, 2))
+        run(core)
+        assert t.released == ["lease-2"] and len(t.loads) == 0
+        add(core, loaded, "c", ReusePlan((LoadSpan(b"h", 0, 2, "dram", 1),), "lease-3", 0, 2))
+        core.abort("c")  # aborted while waiting
+        assert t.released[-1] == "lease-3"
+    finally:
+        core.close()
+
+
+def test_long_generation_saves_chunks_as_they_fill(loaded: LoadedModel) -> None:
+    core = make_core(loaded)
+    t = ScriptedTransport()
+    core.reuse.transport = t
+    core.reuse.blocks_per_chunk = 2  # 32-token chunks
+    try:
+        req = GenerateRequest(request_id="g", prompt=PROMPT, session_id="s",
+                              sampling=SamplingParams(max_tokens=90, ignore_eos=True))
+        core.add(prepare(req, tokenizer=loaded.tokenizer, model_name=loaded.name,
+                         vocab_size=loaded.config.vocab_size, max_model_len=core.max_model_len,
+                         fingerprint=loaded.fingerprint))
+        run(core)
+        assert len(t.saves) >= 3  # several during generation, then the rest at the end
+        covered = []
+        layers = loaded.config.num_layers
+        for job in t.saves:
+            assert job.first_block % 2 == 0
+            n = len(job.block_hashes) - job.first_block
+            assert len(job.block_ids) == layers * n
+            covered.extend(range(job.first_block, len(job.block_hashes)))
+        assert covered == list(range(len(t.saves[-1].block_hashes)))  # each block once
+        assert all(len(j.block_hashes) % 2 == 0 for j in t.saves[:-1])  # whole chunks
+        core.check_integrity()
+        for job in t.saves:
+            core.reuse.unpin(job.job_id)
+        assert core.blocks.num_used == 0
+        core.check_integrity()
+    finally:
+        core.close()
