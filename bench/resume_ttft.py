@@ -73,7 +73,11 @@ async def engines(loaded, address: str, dtype: str) -> AsyncIterator[dict]:
         out = {}
         for name, mode in (("recompute", "recompute"), ("layerwise", "layerwise"),
                            ("whole", "whole_prefix")):
-            cfg = EngineConfig(kvstore_address=address, reuse_mode=mode, **base)
+            # The whole-prefix baseline always loads (it measures load-then-compute); the
+            # layer-wise engine keeps the cost planner, as in production.
+            policy = "always" if mode == "whole_prefix" else "cost"
+            cfg = EngineConfig(kvstore_address=address, reuse_mode=mode, reuse_policy=policy,
+                               **base)
             out[name] = await stack.enter_async_context(AsyncEngine(cfg, loaded=loaded))
         yield out
 
