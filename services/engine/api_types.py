@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from shared.model_info import ModelInfo  # noqa: F401  (re-exported: part of the engine API)
+
 from dataclasses import dataclass, field
 
 
@@ -55,16 +57,6 @@ class GenerateOutput:
     cached_tokens: int
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     prompt_token_ids: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    name: str
-    fingerprint: str
-    max_model_len: int
-    dtype: str
-    num_layers: int
-    block_size: int
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,6 @@ from .api_types import (
     EngineStatus,
     GenerateOutput,
     GenerateRequest,
-    ModelInfo,
     SamplingParams,
 )
 from .errors import INTERNAL, INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE
@@ -72,20 +71,9 @@ def chunk_to_proto(o: GenerateOutput) -> common_pb2.GenerateChunk:
     )
 
 
-def model_info_to_proto(m: ModelInfo) -> common_pb2.ModelInfo:
-    return common_pb2.ModelInfo(
-        name=m.name,
-        fingerprint=m.fingerprint,
-        max_model_len=m.max_model_len,
-        dtype=m.dtype,
-        num_layers=m.num_layers,
-        block_size=m.block_size,
-    )
-
-
 def status_to_proto(s: EngineStatus) -> engine_pb2.EngineStatus:
     return engine_pb2.EngineStatus(
-        models=[model_info_to_proto(m) for m in s.models],
+        models=[m.to_proto() for m in s.models],
         blocks_total=s.blocks_total,
         blocks_free=s.blocks_free,
         blocks_used=s.blocks_used,

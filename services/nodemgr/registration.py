@@ -30,7 +30,7 @@ class Registrar:
         kvstore_address: str,
         scheduler_address: str,
         engine: EngineLink,
-        models: tuple[wire.ModelEntry, ...],
+        models: tuple[wire.ModelInfo, ...],
         interval_s: float,
         backoff_max_s: float,
         in_flight: Callable[[], int],

@@ -4,24 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.proto import common_pb2, engine_pb2, nodemgr_pb2, scheduler_pb2
-
-
-@dataclass(frozen=True)
-class ModelEntry:
-    name: str
-    fingerprint: str = ""
-    max_model_len: int = 0
-    dtype: str = ""
-    num_layers: int = 0
-    block_size: int = 0
+from shared.model_info import ModelInfo
+from shared.proto import engine_pb2, nodemgr_pb2, scheduler_pb2
 
 
 @dataclass(frozen=True)
 class EngineSnapshot:
     """The engine's answer to Status, as the node manager uses it."""
 
-    models: tuple[ModelEntry, ...]
+    models: tuple[ModelInfo, ...]
     running: int = 0
     waiting: int = 0
     blocks_free: int = 0
@@ -30,10 +21,7 @@ class EngineSnapshot:
 
 def snapshot(msg: engine_pb2.EngineStatus) -> EngineSnapshot:
     return EngineSnapshot(
-        models=tuple(
-            ModelEntry(m.name, m.fingerprint, m.max_model_len, m.dtype, m.num_layers, m.block_size)
-            for m in msg.models
-        ),
+        models=tuple(ModelInfo.from_proto(m) for m in msg.models),
         running=msg.running,
         waiting=msg.waiting,
         blocks_free=msg.blocks_free,
@@ -41,24 +29,13 @@ def snapshot(msg: engine_pb2.EngineStatus) -> EngineSnapshot:
     )
 
 
-def _model_info(m: ModelEntry) -> common_pb2.ModelInfo:
-    return common_pb2.ModelInfo(
-        name=m.name,
-        fingerprint=m.fingerprint,
-        max_model_len=m.max_model_len,
-        dtype=m.dtype,
-        num_layers=m.num_layers,
-        block_size=m.block_size,
-    )
-
-
 def register_request(
-    node_id: str, address: str, models: tuple[ModelEntry, ...], kvstore_address: str
+    node_id: str, address: str, models: tuple[ModelInfo, ...], kvstore_address: str
 ) -> scheduler_pb2.RegisterNodeRequest:
     return scheduler_pb2.RegisterNodeRequest(
         node_id=node_id,
         address=address,
-        models=[_model_info(m) for m in models],
+        models=[m.to_proto() for m in models],
         kvstore_address=kvstore_address,
     )
 
