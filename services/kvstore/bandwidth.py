@@ -7,7 +7,7 @@ seeded per tier with a conservative guess until the first measurement.
 from __future__ import annotations
 
 # Seeds (bytes/s) until a tier is measured: a memcpy-bound DRAM copy, a page-cache or NVMe
-# read with a CRC check, an S3 GET over a LAN.
+# read with a checksum check, an S3 GET over a LAN.
 DEFAULT_BYTES_PER_S = {"dram": 5e9, "ssd": 1e9, "s3": 1e8}
 _FALLBACK = 1e8
 _MIN_SAMPLE_BYTES = 4096  # tinier reads measure Python overhead, not the medium

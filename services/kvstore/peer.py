@@ -1,6 +1,6 @@
 """Pull a session from a peer kvstore: manifest first, then chunks lowest layer first.
 
-Each chunk is verified (CRC) as it arrives and put into the local store, so layer 0 is
+Each chunk is verified (checksum) as it arrives and put into the local store, so layer 0 is
 usable here while later layers are still on the wire.
 """
 

@@ -8,7 +8,7 @@ Contract for callers (the gRPC service, and later the engine hand-off of Symphon
   the lowest configured tier (fails with ``WriteDropped`` if the write-behind queue had to
   drop it). Awaiting it is optional.
 - ``get(key)`` searches DRAM, then SSD, then S3; a hit in a lower tier is verified
-  (CRC), promoted to DRAM (and SSD), and returned as a ``Chunk`` whose tensor views the
+  (checksum), promoted to DRAM (and SSD), and returned as a ``Chunk`` whose tensor views the
   stored blob (read-only; copy it into the pool). A miss, an unreachable tier and a corrupt
   copy all yield ``None`` (corrupt copies are counted and deleted).
 - ``get_layer(manifest, layer)`` returns that layer's chunks in token order (``None`` for
@@ -42,9 +42,9 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from services.kvstore.checksum_work import checksum_work
 from services.kvstore.errors import ManifestIncomplete, TierUnavailable, WriteDropped
 from services.kvstore.manifest import Manifest, manifest_key
 from services.kvstore.metrics import KVStoreMetrics
@@ -169,7 +169,7 @@ class TieredStore:
 
         Raises ``ChunkCorrupt`` (nothing stored) if the blob fails its checksum.
         """
-        await _checksum_work(verify_chunk, blob)
+        await checksum_work(verify_chunk, blob)
         meta = read_meta(blob)
         return self._admit(
             meta.key, blob, layer_priority(meta.layer) if priority is None else priority
@@ -181,7 +181,7 @@ class TieredStore:
         """Admit a blob this process just built with ``encode_chunk(meta, t, seal=False)``.
 
         Synchronous (in DRAM when it returns), so heavy encoding can run on a worker thread
-        first (the pool save path). The blob is trusted like a ``put``'s: no CRC check.
+        first (the pool save path). The blob is trusted like a ``put``'s: no checksum.
         """
         return self._admit(
             meta.key, blob, layer_priority(meta.layer) if priority is None else priority
@@ -218,39 +218,68 @@ class TieredStore:
 
     async def find_chunk(self, key: str) -> tuple[Chunk | None, str]:
         """``get`` plus the name of the tier it came from ("" on a miss)."""
-        blob, trusted, tier = await self._find(key)
-        if blob is None:
-            return None, ""
-        return decode_chunk(blob, verify=not trusted), tier
+        return (await self.find_chunks([key]))[0]
+
+    async def find_chunks(self, keys: list[str]) -> list[tuple[Chunk | None, str]]:
+        """``find_chunk`` for many keys, one batched read per tier (a layer's chunks)."""
+        found = await self._find_many(keys)
+        return [(None, "") if blob is None else (decode_chunk(blob, verify=not trusted), tier)
+                for blob, trusted, tier in found]
 
     async def get_blob(self, key: str) -> Blob | None:
         """The sealed blob under ``key`` (for sending to a peer) or ``None``."""
-        blob, _trusted, _tier = await self._find(key)
+        blob, _trusted, _tier = (await self._find_many([key]))[0]
         if isinstance(blob, bytearray):
-            await _checksum_work(seal_chunk, blob)  # a put not yet written behind
+            await checksum_work(seal_chunk, blob)  # a put not yet written behind
         return blob
 
-    async def _find(self, key: str) -> tuple[Blob | None, bool, str]:
-        """(blob, trusted, tier name) searching the tiers in order; verifies and promotes."""
-        tkey = _C + key
-        blob = await self.io.get(self.dram, tkey)
-        if blob is not None:
-            return blob, True, self.dram.name
+    async def _find_many(self, keys: list[str]) -> list[tuple[Blob | None, bool, str]]:
+        """(blob, trusted, tier name) per key, searching the tiers in order: DRAM hits are
+        trusted; a lower tier's hits are verified (a corrupt one is deleted and the search
+        goes on below) and promoted."""
+        out: list[tuple[Blob | None, bool, str]] = [(None, False, "")] * len(keys)
+        todo: list[int] = []
+        for j, key in enumerate(keys):
+            blob = self.io.dram_get(self.dram, _C + key)
+            if blob is not None:
+                out[j] = (blob, True, self.dram.name)
+            else:
+                todo.append(j)
         for i, tier in enumerate(self.tiers[1:], start=1):
+            if not todo:
+                break
+            tkeys = [_C + keys[j] for j in todo]
             try:
-                blob = await self.io.get(tier, tkey)
+                blobs = await self.io.get_many(tier, tkeys)
+            except ChunkCorrupt as e:  # the medium failed the batch: read one by one
+                log.warning("%s reported corruption in a batch (%s); reading keys singly",
+                            tier.name, e)
+                blobs = [await self._get_one_checked(tier, k) for k in tkeys]
+            missing = []
+            for j, tkey, blob in zip(todo, tkeys, blobs, strict=True):
                 if blob is None:
+                    missing.append(j)
                     continue
-                meta = await self._verify(blob)
-            except ChunkCorrupt as e:
-                await self._drop_corrupt(tier, tkey, e)
-                continue
-            self._promote(tkey, blob, layer_priority(meta.layer), self.tiers[1:i])
-            return blob, True, tier.name
-        return None, False, ""
+                try:
+                    meta = await self._verify(blob)
+                except ChunkCorrupt as e:
+                    await self._drop_corrupt(tier, tkey, e)
+                    missing.append(j)
+                    continue
+                self._promote(tkey, blob, layer_priority(meta.layer), self.tiers[1:i])
+                out[j] = (blob, True, tier.name)
+            todo = missing
+        return out
+
+    async def _get_one_checked(self, tier: Tier, tkey: str) -> Blob | None:
+        try:
+            return await self.io.get(tier, tkey)
+        except ChunkCorrupt as e:
+            await self._drop_corrupt(tier, tkey, e)
+            return None
 
     async def _verify(self, blob: Blob) -> ChunkMeta:
-        await _checksum_work(verify_chunk, blob)
+        await checksum_work(verify_chunk, blob)
         return read_meta(blob)
 
     async def _drop_corrupt(self, tier: Tier, tkey: str, err: ChunkCorrupt) -> None:
@@ -422,14 +451,3 @@ class TieredStore:
             tier.check_integrity()
         self.writer.check_integrity()
         assert all(not f.done() for f in self._inflight.values()), "finished write still in flight"
-
-
-_OFF_LOOP_BYTES = 256 << 10  # below this a CRC (~0.1 ms) is cheaper than a thread hop
-
-
-async def _checksum_work(fn: Callable[[Any], None], blob: Blob) -> None:
-    """Run a CRC seal/verify on a worker thread for big blobs, inline for small ones."""
-    if len(blob) >= _OFF_LOOP_BYTES:
-        await asyncio.to_thread(fn, blob)
-    else:
-        fn(blob)

@@ -41,14 +41,31 @@ class TierIO:
 
     async def get(self, tier: Tier, key: str) -> Blob | None:
         """``tier.get`` with metrics; an unreachable tier counts as a miss (returns None)."""
+        return (await self.get_many(tier, [key]))[0]
+
+    async def get_many(self, tier: Tier, keys: list[str]) -> list[Blob | None]:
+        """``tier.get_many`` with metrics (latency per batch); an unreachable tier is a
+        miss for every key. ``ChunkCorrupt`` from the medium propagates."""
         c = self._c(tier)
         t0 = time.perf_counter()
         try:
-            blob = await tier.get(key)
+            blobs = await tier.get_many(keys)
         except TierUnavailable:
             c.get_err.inc()
-            blob = None
+            blobs = [None] * len(keys)
         c.get_s.observe(time.perf_counter() - t0)
+        for blob in blobs:
+            if blob is None:
+                c.misses.inc()
+            else:
+                c.hits.inc()
+                c.bytes_out.inc(len(blob))
+        return blobs
+
+    def dram_get(self, tier: DramTier, key: str) -> Blob | None:
+        """Synchronous DRAM read with metrics (no latency sample: there is no I/O to time)."""
+        c = self._c(tier)
+        blob = tier.get_now(key)
         if blob is None:
             c.misses.inc()
         else:

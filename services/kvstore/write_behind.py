@@ -21,6 +21,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from services.kvstore.checksum_work import checksum_work
 from services.kvstore.errors import TierUnavailable, WriteDropped
 from services.kvstore.metrics import KVStoreMetrics
 from services.kvstore.tiers.base import Blob, Tier
@@ -29,8 +30,6 @@ from shared.chunk_codec import is_sealed, seal_chunk
 log = logging.getLogger(__name__)
 
 LOCAL_ATTEMPTS = 3
-_SEAL_INLINE_BYTES = 256 << 10  # below this the CRC is cheaper than a thread hop
-
 PutFn = Callable[[Tier, str, Blob, int], Awaitable[None]]
 
 
@@ -175,10 +174,7 @@ class WriteBehind:
 
     async def _advance(self, job: WriteJob) -> None:
         if job.is_chunk and not is_sealed(job.blob):
-            if len(job.blob) >= _SEAL_INLINE_BYTES:
-                await asyncio.to_thread(seal_chunk, job.blob)
-            else:
-                seal_chunk(job.blob)  # type: ignore[arg-type]
+            await checksum_work(seal_chunk, job.blob)
         while job.next_target < len(job.targets):
             tier = job.targets[job.next_target]
             last = job.next_target == len(job.targets) - 1

@@ -9,9 +9,17 @@ instead, against a float32 copy of the weights made once (converting the weights
 would cost as much as the GEMM). The result is rounded back to the model dtype, so
 callers never see the difference beyond rounding. The copy costs twice the half-precision
 weight bytes, in host memory, for as long as the model lives.
+
+Float32 GEMMs on CPU go through oneDNN (``torch.ops.mkldnn._linear_pointwise``, the op
+PyTorch's own CPU compiler emits for linears) rather than ``F.linear`` (MKL): with the
+few rows of a decode step or a short prompt suffix it was 1.3-1.8x faster here (12 layers
+of the demo "small" model, 50 rows: 85 vs 117 ms; 1 row: 17 vs 24 ms), and even at 512
+rows. Where the op is missing (a build without oneDNN) ``F.linear`` is used.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +28,29 @@ import torch.nn.functional as F
 # and float32 are even at 2 rows, float32 wins from 3 rows on (at 32 rows 3-5x: gate_up
 # 4096x768 11.2 ms bf16 vs 2.4 ms float32); at 1 row bf16 reads half the bytes.
 UPCAST_ROWS_NO_NATIVE_HALF = 3
+
+
+def _onednn_linear() -> Callable[..., torch.Tensor] | None:
+    if not torch.backends.mkldnn.is_available():
+        return None
+    op = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+    if op is None:
+        return None
+
+    def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        return op(x, w, b, "none", [], "")
+
+    return linear
+
+
+_ONEDNN_LINEAR = _onednn_linear()
+
+
+def float32_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x (rows, in) @ w^T + b, all float32: oneDNN on CPU when available."""
+    if _ONEDNN_LINEAR is not None and x.device.type == "cpu":
+        return _ONEDNN_LINEAR(x, w, b)
+    return F.linear(x, w, b)
 
 
 def default_upcast_rows(dtype: torch.dtype, device: torch.device) -> int:
@@ -45,16 +76,11 @@ class Linear:
 
     def __call__(self, x: torch.Tensor, upcast_rows: int) -> torch.Tensor:
         """x (rows, in) @ w^T + b -> (rows, out) in x's dtype."""
-        if upcast_rows and x.shape[0] >= upcast_rows and self.w.dtype != torch.float32:
+        if self.w.dtype == torch.float32:
+            return float32_linear(x, self.w, self.b)
+        if upcast_rows and x.shape[0] >= upcast_rows:
             w32, b32 = self.float32_weights()
-            # w (out, in) @ x^T (in, rows): with few rows MKL is up to 2x faster in this
-            # orientation than x @ w^T, which it handles as a skinny GEMM.
-            out_t = (
-                torch.mm(w32, x.float().t())
-                if b32 is None
-                else torch.addmm(b32.unsqueeze(1), w32, x.float().t())
-            )  # (out, rows)
-            return out_t.t().to(x.dtype, memory_format=torch.contiguous_format)  # (rows, out)
+            return float32_linear(x.float(), w32, b32).to(x.dtype)
         return F.linear(x, self.w, self.b)
 
     def float32_weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -137,7 +137,7 @@ class LlamaModel(nn.Module):
         h = F.embedding(batch.input_ids, self.embed)  # (T, hidden)
         cos, sin = self.rope.lookup(batch.positions)  # (T, 1, hd) each
         group = self.config.num_heads // self.config.num_kv_heads
-        plan = build_plan(batch, kv_cache.shape[2], group)  # shared by every layer
+        plan = build_plan(batch, kv_cache.shape[2], group, h.dtype)  # shared by every layer
         for i, layer in enumerate(self.layers):
             h = layer(h, i, batch, plan, kv_cache, cos, sin)
         h = h[batch.logits_indices]  # only the rows whose logits are wanted

@@ -14,7 +14,9 @@ share a KV head are folded into the query-length axis, so SDPA sees ``kvh`` head
     q (T, heads, hd) -> (kvh, group * T, hd)   rows ordered (group, token)
 
 Everything that is the same for every layer of a step (slot rows, masks, index tensors)
-is built once per step in an AttentionPlan.
+is built once per step in an AttentionPlan. Masks are additive (0 / -inf in the query
+dtype): SDPA converts a boolean mask to that form on every call, which cost ~0.2 ms per
+layer for a 50-token chunk over a 2k context.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class PrefillChunk:
     start: int  # first row of its tokens in the packed batch
     length: int  # new tokens
     kv_len: int  # context after this step
-    mask: torch.Tensor  # (group * length, kv_len) bool, rows ordered (group, token)
+    mask: torch.Tensor  # (group * length, kv_len) additive, rows ordered (group, token)
 
 
 @dataclass
@@ -44,12 +46,14 @@ class AttentionPlan:
     decode_seqs: torch.Tensor | None  # (D,) their sequence indices
     decode_blocks: int  # blocks to gather for the decodes (longest context)
     decode_len: int  # longest decode context
-    decode_mask: torch.Tensor | None  # (D, 1, 1, ctx) bool; None when D == 1
+    decode_mask: torch.Tensor | None  # (D, 1, 1, ctx) additive; None when D == 1
     all_decode: bool
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
-def build_plan(batch: ForwardBatch, block_size: int, group: int) -> AttentionPlan:
+def build_plan(batch: ForwardBatch, block_size: int, group: int,
+               dtype: torch.dtype) -> AttentionPlan:
+    """``dtype``: the queries' (the masks are added to scores of that dtype)."""
     device = batch.input_ids.device
     slots = torch.stack(batch.slot_mapping)  # (layers, T)
     kv_rows = (slots // block_size) * (2 * block_size) + slots % block_size
@@ -62,8 +66,8 @@ def build_plan(batch: ForwardBatch, block_size: int, group: int) -> AttentionPla
             dec_rows.append(start)
             dec_seqs.append(s)
         elif n > 1:
-            prefills.append(PrefillChunk(s, start, n, kv_len, _prefill_mask(n, kv_len, group,
-                                                                              device)))
+            prefills.append(PrefillChunk(s, start, n, kv_len,
+                                         _prefill_mask(n, kv_len, group, device, dtype)))
         start += n
     dec_lens = [batch.kv_lens[s] for s in dec_seqs]
     dec_len = max(dec_lens, default=0)
@@ -72,7 +76,7 @@ def build_plan(batch: ForwardBatch, block_size: int, group: int) -> AttentionPla
     if len(dec_seqs) > 1:
         lens = torch.tensor(dec_lens, device=device)
         ctx = torch.arange(dec_blocks * block_size, device=device)
-        mask = (ctx[None, :] < lens[:, None])[:, None, None, :]  # (D, 1, 1, ctx)
+        mask = _additive(ctx[None, :] < lens[:, None], dtype)[:, None, None, :]  # (D,1,1,ctx)
     all_decode = not prefills
     return AttentionPlan(
         block_size=block_size,
@@ -87,7 +91,14 @@ def build_plan(batch: ForwardBatch, block_size: int, group: int) -> AttentionPla
     )
 
 
-def _prefill_mask(n: int, kv_len: int, group: int, device: torch.device) -> torch.Tensor:
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where ``visible``, -inf elsewhere (every row has a visible key: no NaN rows)."""
+    out = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return out.masked_fill_(~visible, float("-inf"))
+
+
+def _prefill_mask(n: int, kv_len: int, group: int, device: torch.device,
+                  dtype: torch.dtype) -> torch.Tensor:
     """Query i of the chunk sits at position p + i (p = cached prefix) and sees keys 0..p+i:
 
         keys:    0 ........ p-1 | p ..... p+n-1
@@ -95,7 +106,7 @@ def _prefill_mask(n: int, kv_len: int, group: int, device: torch.device) -> torc
     """
     rows = torch.arange(n, device=device) + (kv_len - n)
     cols = torch.arange(kv_len, device=device)
-    mask = cols[None, :] <= rows[:, None]  # (n, kv_len)
+    mask = _additive(cols[None, :] <= rows[:, None], dtype)  # (n, kv_len)
     return mask.repeat(group, 1) if group > 1 else mask
 
 

@@ -6,7 +6,7 @@ above it decides what a blob means; a tier only keeps, evicts and reports.
 Contract common to all tiers:
 - ``open`` acquires resources (files, clients, threads); constructors stay cheap.
   Raises ``TierOpenError`` with a message naming the config key and the fix.
-- ``get`` returns the stored bytes or ``None`` (a miss). It does not check the chunk CRC;
+- ``get`` returns the stored bytes or ``None`` (a miss). It does not check the chunk checksum;
   it raises ``ChunkCorrupt`` only when the medium itself reports corruption.
 - ``put`` replaces any previous value and returns the keys it evicted to make room
   (possibly empty). A blob larger than the whole capacity is not stored and returns
@@ -52,6 +52,11 @@ class Tier(ABC):
     @abstractmethod
     async def get(self, key: str) -> Blob | None:
         """The blob stored under ``key`` or ``None``; refreshes its recency."""
+
+    async def get_many(self, keys: list[str]) -> list[Blob | None]:
+        """``get`` of each key, in order. Tiers whose I/O hops to a thread override it to
+        pay that hop once per batch (a layer's chunks are read together)."""
+        return [await self.get(k) for k in keys]
 
     @abstractmethod
     async def put(self, key: str, blob: Blob, priority: int = 0) -> list[str]:

@@ -21,6 +21,10 @@ class DramTier(Tier):
         self._blobs: dict[str, Blob] = {}
 
     async def get(self, key: str) -> Blob | None:
+        return self.get_now(key)
+
+    def get_now(self, key: str) -> Blob | None:
+        """Synchronous ``get`` (no I/O): the store reads DRAM without awaiting."""
         blob = self._blobs.get(key)
         if blob is not None:
             self._index.touch(key, time.time())

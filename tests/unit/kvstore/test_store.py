@@ -78,6 +78,39 @@ async def test_corrupt_copy_falls_through_to_a_good_one(tmp_path: Path) -> None:
         assert s.metrics.value("kvstore_checksum_failures_total", tier="ssd") == 1
 
 
+async def test_find_chunks_batches_each_tier_and_isolates_a_corrupt_chunk(tmp_path: Path) -> None:
+    """One batched read per tier: DRAM hits, SSD hits (promoted), a corrupt SSD copy that
+    falls through to the lowest tier, and a miss, each answered in key order."""
+    ssd, remote = SsdTier(str(tmp_path / "db"), 1 << 20), FlakyTier()
+    async with make_store([DramTier(1 << 20), ssd, remote]) as s:
+        rs = [await s.put(meta("s", 0, i), kv_tensor(10 + i)) for i in range(4)]
+        for r in rs:
+            await r.durable
+        for r in rs[1:]:
+            await s.dram.delete("c/" + r.key)
+        await ssd.raw_put("c/" + rs[2].key, b"OVKC garbage")
+        found = await s.find_chunks([r.key for r in rs] + ["t1/fp0/00/0"])
+        assert [tier for _, tier in found] == ["dram", "ssd", remote.name, "ssd", ""]
+        for i, (chunk, _) in enumerate(found[:4]):
+            assert chunk is not None and torch.equal(chunk.tensor, kv_tensor(10 + i))
+        assert found[4][0] is None
+        assert s.metrics.value("kvstore_checksum_failures_total", tier="ssd") == 1
+        assert all([await s.dram.contains("c/" + r.key) for r in rs])  # promoted
+        s.check_integrity()
+
+
+async def test_ssd_get_many_answers_in_order_with_misses(tmp_path: Path) -> None:
+    ssd = SsdTier(str(tmp_path / "db"), 1 << 20)
+    await ssd.open()
+    try:
+        await ssd.put("a", b"1")
+        await ssd.put("c", b"3")
+        assert await ssd.get_many(["c", "b", "a", "c"]) == [b"3", None, b"1", b"3"]
+        assert await ssd.get_many([]) == []
+    finally:
+        await ssd.close()
+
+
 async def test_remote_down_queues_retries_and_falls_back_to_local(tmp_path: Path) -> None:
     remote = FlakyTier()
     remote.down = True
