@@ -36,6 +36,7 @@ from services.kvstore.malloc_tuning import tune_malloc
 from services.kvstore.metrics import KVStoreMetrics
 from services.kvstore.store import TieredStore
 from services.kvstore.tiers import DramTier, S3Tier, SsdTier
+from services.kvstore.tiers.base import Tier
 from shared.chunk_codec import ChunkMeta, encode_chunk, verify_chunk
 from shared.config import build
 from tests.s3_server import start_moto_server
@@ -118,6 +119,21 @@ async def bench_dram(size: int, n: int) -> dict[str, float]:
         return await measure(total, n, base_put, put, base_get, get)
 
 
+def blob_ops(tier: Tier, blobs: list[bytes]) -> tuple[Op, Op]:
+    """put of sealed blob i, and get + checksum verification (what the store does on a hit
+    below DRAM)."""
+
+    async def put(i: int) -> None:
+        await tier.put(f"k{i}", blobs[i])
+
+    async def get(i: int) -> None:
+        blob = await tier.get(f"k{i}")
+        assert blob is not None
+        verify_chunk(blob)
+
+    return put, get
+
+
 async def bench_ssd(size: int, n: int, root: Path, sync: bool) -> dict[str, float]:
     blobs = [bytes(encode_chunk(m, chunk_tensor(size, i % 16))) for i, m in enumerate(metas(n))]
     total = sum(len(b) for b in blobs)
@@ -138,13 +154,7 @@ async def bench_ssd(size: int, n: int, root: Path, sync: bool) -> dict[str, floa
     tier = SsdTier(str(root / f"db-{size}-{sync}"), 4 * total, sync=sync)
     await tier.open()
     try:
-        async def put(i: int) -> None:
-            await tier.put(f"k{i}", blobs[i])
-
-        async def get(i: int) -> None:
-            blob = await tier.get(f"k{i}")
-            assert blob is not None
-            verify_chunk(blob)
+        put, get = blob_ops(tier, blobs)
 
         async def base_get_layer(b: int) -> None:
             for i in range(b * LAYER_CHUNKS, (b + 1) * LAYER_CHUNKS):
@@ -187,13 +197,7 @@ async def bench_s3(size: int, n: int, endpoint: str) -> dict[str, float]:
     tier = S3Tier(cfg)
     await tier.open()
     try:
-        async def put(i: int) -> None:
-            await tier.put(f"k{i}", blobs[i])
-
-        async def get(i: int) -> None:
-            blob = await tier.get(f"k{i}")
-            assert blob is not None
-            verify_chunk(blob)
+        put, get = blob_ops(tier, blobs)
 
         return await measure(total, n, base_put, put, base_get, get)
     finally:
