@@ -4,7 +4,7 @@
 
 The `small` demo model (written to a temp dir), a history of H random tokens already
 saved to the node's kvstore (a real ``python -m services.kvstore`` process with RocksDB),
-then the history plus a 50-token new message; TTFT through the in-process AsyncEngine for:
+then the history plus a 50-token new message; TTFT through an AsyncEngine for:
 
 - recompute      reuse_mode=recompute: the whole prompt is prefilled
 - device         the history's KV is still in the engine's device cache
@@ -18,6 +18,12 @@ and for SSD the check TTFT <= 1.2 x max(load, compute): load = the SSD load alon
 (admission to last layer resident, measured in the ssd_whole run, where nothing overlaps
 it), compute = the suffix computed with the prefix resident (the device case).
 Goals (issue 5): device >= 20x faster than recompute at 2k tokens, DRAM layer-wise >= 15x.
+
+Each reuse mode is its own engine in its own process, loading the model on its worker
+thread as ``python -m services.engine`` does: every thread that runs parallel torch ops
+keeps an OpenMP team, and with more team threads than cores libgomp stops spinning
+between parallel regions. Three engines sharing this process made the 50-token forward
+pass ~30% slower than in a real engine process.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
+import multiprocessing as mp
 import os
 import socket
 import statistics
@@ -32,7 +40,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
@@ -63,57 +72,110 @@ def kvstore_process(port: int, ssd_path: Path):
             proc.wait()
 
 
-@contextlib.asynccontextmanager
-async def engines(loaded, address: str, dtype: str) -> AsyncIterator[dict]:
+def engine_process(conn: Connection, model: str, address: str, mode: str, dtype: str,
+                   threads: int) -> None:
+    """A child process serving one engine: commands in, results out over ``conn``."""
+    asyncio.run(_serve_engine(conn, model, address, mode, dtype, threads))
+
+
+async def _serve_engine(conn: Connection, model: str, address: str, mode: str, dtype: str,
+                        threads: int) -> None:
+    from services.engine.api_types import GenerateRequest, SamplingParams
     from services.engine.async_engine import AsyncEngine
     from services.engine.config import EngineConfig
 
-    base = {"dtype": dtype, "device_memory_bytes": 3 << 30, "max_num_batched_tokens": 512}
-    async with contextlib.AsyncExitStack() as stack:
-        out = {}
+    # Every reusing engine loads the whole stored prefix (policy "always"): the bench
+    # measures each tier's load path, and the cost planner, whose estimates come from
+    # loads measured under whatever else the machine is doing, may trim a tail span now
+    # and then, which would make a tier's row measure a mixture.
+    cfg = EngineConfig(model_path=model, dtype=dtype, device_memory_bytes=3 << 30,
+                       max_num_batched_tokens=512, num_threads=threads,
+                       kvstore_address="" if mode == "recompute" else address,
+                       reuse_mode=mode, reuse_policy="always")
+    async with AsyncEngine(cfg) as eng:
+        conn.send(("ready", None))
+        while True:
+            cmd, arg = await asyncio.to_thread(conn.recv)
+            if cmd == "stop":
+                break
+            if cmd == "attach":
+                out = eng.kv_connector is None or await eng.kv_connector.attach(timeout=120.0)
+            elif cmd == "drop":
+                out = await eng.drop_device_cache()
+            elif cmd == "status":
+                out = (await eng.status()).reuse
+            else:  # ("ttft", (ids, session))
+                ids, session = arg
+                req = GenerateRequest(prompt_token_ids=tuple(ids), session_id=session,
+                                      sampling=SamplingParams(max_tokens=1, ignore_eos=True))
+                t0 = time.perf_counter()
+                cached = 0
+                async for o in eng.generate(req):
+                    cached = o.cached_tokens
+                    break
+                out = (time.perf_counter() - t0, cached)
+                while (await eng.status()).blocks_used:  # saves in flight pin blocks
+                    await asyncio.sleep(0.005)
+            conn.send((cmd, out))
+
+
+class Engine:
+    """The parent's handle on one engine process."""
+
+    def __init__(self, ctx, model: str, address: str, mode: str, dtype: str, threads: int):
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=engine_process, daemon=True,
+                                args=(child, model, address, mode, dtype, threads))
+        self.proc.start()
+
+    def call(self, cmd: str, arg=None):
+        self.conn.send((cmd, arg))
+        return self.conn.recv()[1]
+
+    def started(self) -> None:
+        if not self.conn.poll(300):
+            raise RuntimeError("engine process did not start")
+        self.conn.recv()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError, BrokenPipeError):
+            self.conn.send(("stop", None))
+        self.proc.join(60)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+@contextlib.contextmanager
+def engines(model: str, address: str, dtype: str, threads: int) -> Iterator[dict[str, Engine]]:
+    ctx = mp.get_context("spawn")  # no torch state inherited from this process
+    out: dict[str, Engine] = {}
+    try:
         for name, mode in (("recompute", "recompute"), ("layerwise", "layerwise"),
                            ("whole", "whole_prefix")):
-            # Every reusing engine loads the whole stored prefix (policy "always"): the bench
-            # measures each tier's load path, and the cost planner, whose estimates come
-            # from loads measured under whatever else the machine is doing, may trim a tail
-            # span now and then, which would make a tier's row measure a mixture.
-            cfg = EngineConfig(kvstore_address=address, reuse_mode=mode, reuse_policy="always",
-                               **base)
-            out[name] = await stack.enter_async_context(AsyncEngine(cfg, loaded=loaded))
+            out[name] = Engine(ctx, model, address, mode, dtype, threads)
+        for eng in out.values():
+            eng.started()
         yield out
+    finally:
+        for eng in out.values():
+            eng.close()
 
 
-async def attach_all(engs: dict) -> None:
+def attach_all(engs: dict[str, Engine]) -> None:
     for name in ("layerwise", "whole"):
-        assert await engs[name].kv_connector.attach(timeout=120.0), "kvstore did not come up"
+        assert engs[name].call("attach"), "kvstore did not come up"
 
 
-async def ttft(eng, ids: list[int], session: str) -> tuple[float, int]:
-    from services.engine.api_types import GenerateRequest, SamplingParams
-
-    req = GenerateRequest(prompt_token_ids=tuple(ids), session_id=session,
-                          sampling=SamplingParams(max_tokens=1, ignore_eos=True))
-    t0 = time.perf_counter()
-    cached = 0
-    async for out in eng.generate(req):
-        cached = out.cached_tokens
-        break
-    dt = time.perf_counter() - t0
-    await settle(eng)
-    return dt, cached
+def ttft(eng: Engine, ids: list[int], session: str) -> tuple[float, int]:
+    return eng.call("ttft", (ids, session))
 
 
-async def settle(eng) -> None:
-    while (await eng.status()).blocks_used:  # saves in flight pin blocks
-        await asyncio.sleep(0.005)
-
-
-async def measure_size(engs: dict, restart, hist: list[int], fresh, reps: int,
-                       session: str) -> dict[str, float]:
+def measure_size(engs: dict[str, Engine], restart, hist: list[int], fresh, reps: int,
+                 session: str) -> dict[str, float]:
     """Each measured request is the history plus a NEW 50-token message (``fresh()``), so
     what is cached or stored is exactly the history and 50 tokens are always computed."""
     lw, whole = engs["layerwise"], engs["whole"]
-    await ttft(lw, hist, session)  # turn 1: computes and saves the history
+    ttft(lw, hist, session)  # turn 1: computes and saves the history
     res: dict[str, list[float]] = {k: [] for k in
                                    ("recompute", "device", "dram", "dram_whole", "ssd",
                                     "ssd_whole", "ssd_load")}
@@ -121,26 +183,26 @@ async def measure_size(engs: dict, restart, hist: list[int], fresh, reps: int,
     for rep in range(-1, reps):  # rep -1 warms this context length up, unmeasured
         if rep < 0:
             for eng in (lw, whole):
-                await eng.drop_device_cache()
-                await ttft(eng, hist + fresh(), session)
-            await ttft(lw, hist + fresh(), session)
+                eng.call("drop")
+                ttft(eng, hist + fresh(), session)
+            ttft(lw, hist + fresh(), session)
             continue
-        await engs["recompute"].drop_device_cache()  # its own prefix cache must not help
-        res["recompute"].append((await ttft(engs["recompute"], hist + fresh(), session))[0])
+        engs["recompute"].call("drop")  # its own prefix cache must not help
+        res["recompute"].append((ttft(engs["recompute"], hist + fresh(), session))[0])
         for eng, key in ((lw, "dram"), (whole, "dram_whole")):
-            await eng.drop_device_cache()
-            dt, cached = await ttft(eng, hist + fresh(), session)
-            assert cached == reused, f"{key}: {cached} tokens reused; {(await eng.status()).reuse}"
+            eng.call("drop")
+            dt, cached = ttft(eng, hist + fresh(), session)
+            assert cached == reused, f"{key}: {cached} tokens reused; {eng.call('status')}"
             res[key].append(dt)
-        dt, cached = await ttft(lw, hist + fresh(), session)  # the history is on device now
+        dt, cached = ttft(lw, hist + fresh(), session)  # the history is on device now
         assert cached == reused, f"device: {cached} tokens reused"
         res["device"].append(dt)
         for eng, key in ((lw, "ssd"), (whole, "ssd_whole")):
-            await restart()  # DRAM empty: the KV comes from RocksDB
-            await eng.drop_device_cache()
-            before = (await eng.status()).reuse.loaded_tokens.get("ssd", 0)
-            dt, cached = await ttft(eng, hist + fresh(), session)
-            st = (await eng.status()).reuse
+            restart()  # DRAM empty: the KV comes from RocksDB
+            eng.call("drop")
+            before = eng.call("status").loaded_tokens.get("ssd", 0)
+            dt, cached = ttft(eng, hist + fresh(), session)
+            st = eng.call("status")
             assert st.loaded_tokens.get("ssd", 0) - before == cached == reused, (
                 f"{key}: {cached} tokens reused; {st}")
             res[key].append(dt)
@@ -167,14 +229,12 @@ def report(size: int, r: dict[str, float]) -> None:
                   f"{'met' if ratio >= goal else 'NOT met'}")
 
 
-async def run(sizes: list[int], reps: int, dtype: str, threads: int) -> None:
-    from services.engine.model import load_model, write_demo_model
+def run(sizes: list[int], reps: int, dtype: str, threads: int) -> None:
+    from services.engine.model import write_demo_model
 
-    if threads:
-        torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory(prefix="overture-bench-") as tmp:
         model = write_demo_model(Path(tmp) / "small", size="small", seed=0)
-        loaded = load_model(model, dtype=getattr(torch, dtype))
+        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
         port = free_port()
         ssd = Path(tmp) / "ssd"
         procs: list = []
@@ -186,24 +246,23 @@ async def run(sizes: list[int], reps: int, dtype: str, threads: int) -> None:
 
         start()
         try:
-            async with engines(loaded, f"127.0.0.1:{port}", dtype) as engs:
-                await attach_all(engs)
+            with engines(str(model), f"127.0.0.1:{port}", dtype, threads) as engs:
+                attach_all(engs)
 
                 g = torch.Generator().manual_seed(0)
-                vocab = loaded.config.vocab_size
                 warm = torch.randint(16, vocab, (600,), generator=g).tolist()
 
-                async def restart() -> None:
-                    await asyncio.to_thread(procs.pop().close)  # drains writes to RocksDB
+                def restart() -> None:
+                    procs.pop().close()  # drains writes to RocksDB
                     start()
-                    await attach_all(engs)
+                    attach_all(engs)
                     # A fresh process pays first-call costs a long-running kvstore does not:
                     # warm its SSD read path on another session's KV.
                     for eng in (engs["layerwise"], engs["whole"]):
-                        await eng.drop_device_cache()
-                        await ttft(eng, warm, "warm")
+                        eng.call("drop")
+                        ttft(eng, warm, "warm")
                 for eng in engs.values():  # warm-up: first-call costs, prefill rate
-                    await ttft(eng, warm, "warm")
+                    ttft(eng, warm, "warm")
                 for size in sizes:
                     hist = torch.randint(16, vocab, (size,), generator=g).tolist()
 
@@ -211,7 +270,7 @@ async def run(sizes: list[int], reps: int, dtype: str, threads: int) -> None:
                         return torch.randint(16, vocab, (NEW_MESSAGE_TOKENS,),
                                              generator=g).tolist()
 
-                    r = await measure_size(engs, restart, hist, fresh, reps, f"s{size}")
+                    r = measure_size(engs, restart, hist, fresh, reps, f"s{size}")
                     report(size, r)
         finally:
             while procs:
@@ -234,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
     threads = args.threads or torch.get_num_threads()
     print(f"resume TTFT: small demo model, {args.dtype}, {threads} torch threads, "
           f"pid {os.getpid()}")
-    asyncio.run(run(sizes, reps, args.dtype, args.threads))
+    run(sizes, reps, args.dtype, args.threads)
 
 
 if __name__ == "__main__":

@@ -85,6 +85,7 @@ class EngineCore:
             whole_prefix=config.reuse_mode == WHOLE_PREFIX,
             load_timeout_s=config.kvstore_load_timeout_s,
             prefill_prior_s_per_token=config.reuse_prefill_s_per_token,
+            pool_on_cpu=torch.device(config.device).type == "cpu",
         )
         self.runner = ModelRunner(
             loaded.model, self.pool.kv_cache, mc.num_layers, config.block_size
