@@ -164,3 +164,57 @@ def test_long_generation_saves_chunks_as_they_fill(loaded: LoadedModel) -> None:
         core.check_integrity()
     finally:
         core.close()
+
+
+class PrefilledTransport(ScriptedTransport):
+    """Reports layers resident as soon as the load starts (KV content irrelevant): all of
+    them, or all but the last, whose wait then times out (the copy is still going until
+    then)."""
+
+    def __init__(self, all_layers: bool) -> None:
+        super().__init__()
+        self.all_layers = all_layers
+
+    def start_load(self, job: LoadJob) -> None:
+        super().start_load(job)
+        n = job.readiness.num_layers
+        for layer in range(n if self.all_layers else n - 1):
+            job.readiness.mark_loaded(layer)
+        if self.all_layers:
+            job.readiness.finish()
+
+
+@pytest.mark.parametrize("copy_done", [False, True])
+def test_layers_overlapping_a_cpu_pool_copy_leave_a_core_to_it(
+    loaded: LoadedModel, copy_done: bool
+) -> None:
+    full = torch.get_num_threads()
+    if full < 2:
+        pytest.skip("needs two intra-op threads")
+    core = make_core(loaded)
+    core.reuse.transport = PrefilledTransport(all_layers=copy_done)
+    seen: list[int] = []
+    make_waiter = core.reuse.waiter
+
+    def waiter(loading):
+        wait = make_waiter(loading)
+
+        def wait_and_look(layer: int) -> None:
+            wait(layer)
+            seen.append(torch.get_num_threads())
+
+        return wait_and_look
+
+    core.reuse.waiter = waiter
+    try:
+        add(core, loaded, "a", ReusePlan((LoadSpan(b"h", 0, 2, "dram", 1),), "lease-1", 0, 2))
+        core.step()
+        assert len(seen) == loaded.config.num_layers
+        if copy_done:
+            assert set(seen) == {full}
+        else:  # the last layer's wait timed out: a failed load leaves no copy to make room for
+            assert set(seen[:-1]) == {full - 1} and seen[-1] == full
+        assert torch.get_num_threads() == full  # restored after the step
+    finally:
+        torch.set_num_threads(full)
+        core.close()
