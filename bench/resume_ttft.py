@@ -10,8 +10,11 @@ then the history plus a 50-token new message; TTFT through an AsyncEngine for:
 - device         the history's KV is still in the engine's device cache
 - dram           device cache dropped; KV loaded from the kvstore's DRAM, layer-wise
 - dram_whole     the same, but the whole prefix is loaded before the first layer runs
-- ssd            kvstore restarted (DRAM empty; its SSD read path warmed on another
-                 session), KV loaded from SSD, layer-wise
+- ssd            the history evicted from the kvstore's DRAM (``Delete`` with
+                 ``tiers=["dram"]``, as capacity pressure would), KV loaded from SSD,
+                 layer-wise. ``--ssd-after-restart`` restarts the kvstore instead (DRAM
+                 empty, its SSD read path warmed on another session): a cold process also
+                 pays first-touch page faults for every buffer it fills
 - ssd_whole      the same without overlap; its load time alone is also reported
 
 and for SSD the check TTFT <= 1.2 x max(load, compute): load = the SSD load alone
@@ -40,10 +43,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+import grpc
 import torch
 
 NEW_MESSAGE_TOKENS = 50
@@ -170,8 +174,8 @@ def ttft(eng: Engine, ids: list[int], session: str) -> tuple[float, int]:
     return eng.call("ttft", (ids, session))
 
 
-def measure_size(engs: dict[str, Engine], restart, hist: list[int], fresh, reps: int,
-                 session: str) -> dict[str, float]:
+def measure_size(engs: dict[str, Engine], to_ssd: Callable[[str], None], hist: list[int],
+                 fresh: Callable[[], list[int]], reps: int, session: str) -> dict[str, float]:
     """Each measured request is the history plus a NEW 50-token message (``fresh()``), so
     what is cached or stored is exactly the history and 50 tokens are always computed."""
     lw, whole = engs["layerwise"], engs["whole"]
@@ -198,7 +202,7 @@ def measure_size(engs: dict[str, Engine], restart, hist: list[int], fresh, reps:
         assert cached == reused, f"device: {cached} tokens reused"
         res["device"].append(dt)
         for eng, key in ((lw, "ssd"), (whole, "ssd_whole")):
-            restart()  # DRAM empty: the KV comes from RocksDB
+            to_ssd(session)  # not in the kvstore's DRAM: the KV comes from RocksDB
             eng.call("drop")
             before = eng.call("status").loaded_tokens.get("ssd", 0)
             dt, cached = ttft(eng, hist + fresh(), session)
@@ -229,13 +233,25 @@ def report(size: int, r: dict[str, float]) -> None:
                   f"{'met' if ratio >= goal else 'NOT met'}")
 
 
-def run(sizes: list[int], reps: int, dtype: str, threads: int) -> None:
+def evict_dram(address: str, session: str) -> None:
+    """Drop the session's chunks from the kvstore's DRAM tier only (they stay on SSD)."""
+    from services.engine.wire import DEFAULT_TENANT
+    from shared.proto import kvstore_pb2, kvstore_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        kvstore_pb2_grpc.KVStoreStub(channel).Delete(kvstore_pb2.DeleteRequest(
+            session=kvstore_pb2.ManifestRef(tenant=DEFAULT_TENANT, session_id=session),
+            with_chunks=True, tiers=["dram"]), timeout=30)
+
+
+def run(sizes: list[int], reps: int, dtype: str, threads: int, ssd_after_restart: bool) -> None:
     from services.engine.model import write_demo_model
 
     with tempfile.TemporaryDirectory(prefix="overture-bench-") as tmp:
         model = write_demo_model(Path(tmp) / "small", size="small", seed=0)
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
         port = free_port()
+        address = f"127.0.0.1:{port}"
         ssd = Path(tmp) / "ssd"
         procs: list = []
 
@@ -246,7 +262,7 @@ def run(sizes: list[int], reps: int, dtype: str, threads: int) -> None:
 
         start()
         try:
-            with engines(str(model), f"127.0.0.1:{port}", dtype, threads) as engs:
+            with engines(str(model), address, dtype, threads) as engs:
                 attach_all(engs)
 
                 g = torch.Generator().manual_seed(0)
@@ -270,7 +286,9 @@ def run(sizes: list[int], reps: int, dtype: str, threads: int) -> None:
                         return torch.randint(16, vocab, (NEW_MESSAGE_TOKENS,),
                                              generator=g).tolist()
 
-                    r = measure_size(engs, restart, hist, fresh, reps, f"s{size}")
+                    to_ssd = (lambda _: restart()) if ssd_after_restart else (
+                        lambda session: evict_dram(address, session))
+                    r = measure_size(engs, to_ssd, hist, fresh, reps, f"s{size}")
                     report(size, r)
         finally:
             while procs:
@@ -285,6 +303,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                     help="float32 is the faster CPU dtype here (see the README)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    ap.add_argument("--ssd-after-restart", action="store_true",
+                    help="SSD rows: restart the kvstore instead of evicting its DRAM copy")
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s]
     reps = args.reps
@@ -293,7 +313,9 @@ def main(argv: list[str] | None = None) -> None:
     threads = args.threads or torch.get_num_threads()
     print(f"resume TTFT: small demo model, {args.dtype}, {threads} torch threads, "
           f"pid {os.getpid()}")
-    run(sizes, reps, args.dtype, args.threads)
+    print("ssd rows: " + ("kvstore restarted (cold process)" if args.ssd_after_restart
+                          else "history evicted from the kvstore's DRAM"))
+    run(sizes, reps, args.dtype, args.threads, args.ssd_after_restart)
 
 
 if __name__ == "__main__":

@@ -151,21 +151,25 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def Delete(
         self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteReply:
+        tiers = list(request.tiers)
+        try:
+            self.store.check_tier_names(tiers)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        everywhere = not tiers or self.store.lowest.name in tiers
         n = 0
         for k in request.keys:
-            n += await self.store.delete(k)
+            n += await self.store.delete(k, tiers)
         if request.session.session_id:
-            self.pool_path.forget(request.session.tenant, request.session.session_id)
+            tenant, sid = request.session.tenant, request.session.session_id
+            if everywhere:  # the session is gone, not just evicted from faster tiers
+                self.pool_path.forget(tenant, sid)
             try:
-                m = await self.store.get_manifest(
-                    request.session.tenant, request.session.session_id
-                )
+                m = await self.store.get_manifest(tenant, sid)
                 if m is not None and request.with_chunks:
                     for k in m.chunk_keys():
-                        n += await self.store.delete(k)
-                n += await self.store.delete_manifest(
-                    request.session.tenant, request.session.session_id
-                )
+                        n += await self.store.delete(k, tiers)
+                n += await self.store.delete_manifest(tenant, sid, tiers)
             except ChunkFormatError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.DeleteReply(deleted=n)

@@ -41,6 +41,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -340,14 +341,24 @@ class TieredStore:
                 continue
         return out
 
-    async def delete(self, key: str) -> int:
-        """Delete ``key`` from every tier; how many tiers held it."""
-        return await self._delete_everywhere(_C + key)
+    async def delete(self, key: str, tiers: Collection[str] = ()) -> int:
+        """Delete ``key`` from ``tiers`` (names; empty = every tier); how many held it."""
+        return await self._delete_from(_C + key, tiers)
 
-    async def _delete_everywhere(self, tkey: str) -> int:
-        self.forget_durable(tkey)
+    def check_tier_names(self, names: Collection[str]) -> None:
+        """Raise ``ValueError`` naming the known tiers if any name is not one of them."""
+        known = [t.name for t in self.tiers]
+        bad = [n for n in names if n not in known]
+        if bad:
+            raise ValueError(f"unknown tier(s) {bad}; this kvstore has {known}")
+
+    async def _delete_from(self, tkey: str, names: Collection[str]) -> int:
+        if not names or self.lowest.name in names:
+            self.forget_durable(tkey)
         n = 0
         for tier in self.tiers:
+            if names and tier.name not in names:
+                continue
             try:
                 n += bool(await tier.delete(tkey))
             except TierUnavailable as e:
@@ -425,8 +436,10 @@ class TieredStore:
                     await tier.delete(tkey)
         return None
 
-    async def delete_manifest(self, tenant: str, session_id: str) -> int:
-        return await self._delete_everywhere(_M + manifest_key(tenant, session_id))
+    async def delete_manifest(
+        self, tenant: str, session_id: str, tiers: Collection[str] = ()
+    ) -> int:
+        return await self._delete_from(_M + manifest_key(tenant, session_id), tiers)
 
     # ---------------------------------------------------------------- expiry
 

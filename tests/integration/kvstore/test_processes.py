@@ -71,6 +71,22 @@ async def test_two_nodes_stream_a_session_layer_by_layer(tmp_path: Path) -> None
                     peer_address=f"127.0.0.1:{free_port()}"))
             assert dead.value.code() == grpc.StatusCode.UNAVAILABLE
 
+            evicted = await sb.Delete(pb.DeleteRequest(
+                session=pb.ManifestRef(tenant="t1", session_id="chat1"), with_chunks=True,
+                tiers=["dram"]))
+            assert evicted.deleted == 12  # every chunk's DRAM copy; the manifest is not there
+            stat = await sb.Stat(pb.StatRequest(keys=[chunks[0][0].key]))
+            assert list(stat.keys[0].tiers) == ["ssd"]
+            assert (await sb.GetManifest(pb.ManifestRef(tenant="t1", session_id="chat1"))).found
+            async for msg in sb.GetChunks(req):  # still readable: from SSD, promoted again
+                assert msg.found
+            stat = await sb.Stat(pb.StatRequest(keys=[chunks[0][0].key]))
+            assert list(stat.keys[0].tiers) == ["dram", "ssd"]
+            with pytest.raises(grpc.aio.AioRpcError) as bad:
+                await sb.Delete(pb.DeleteRequest(keys=[chunks[0][0].key], tiers=["tape"]))
+            assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "tape" in (bad.value.details() or "")
+
             gone = await sb.Delete(pb.DeleteRequest(
                 session=pb.ManifestRef(tenant="t1", session_id="chat1"), with_chunks=True))
             assert gone.deleted >= 12
