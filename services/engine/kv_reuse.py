@@ -110,19 +110,25 @@ class KVReuse:
         if not readies:
             return None
         last, timeout = self.kv.num_layers - 1, self.load_timeout_s
-        share_cores = self.pool_on_cpu and not self.whole_prefix
         full = torch.get_num_threads()
+        share_cores = self.pool_on_cpu and not self.whole_prefix and full > 1
+
+        def budget() -> None:
+            copying = any(not (r.complete or r.failed) for r in readies)
+            want = full - 1 if copying else full
+            if torch.get_num_threads() != want:
+                torch.set_num_threads(want)
+                self._restore_threads = full
+
+        if share_cores:
+            budget()  # from the step's first op on: the copies have just started
 
         def wait_for_layer(layer: int) -> None:
             target = last if self.whole_prefix else layer
             for r in readies:
                 r.wait(target, timeout)  # a failure is settled after the step
-            if share_cores and full > 1:
-                copying = any(not (r.complete or r.failed) for r in readies)
-                want = full - 1 if copying else full
-                if torch.get_num_threads() != want:
-                    torch.set_num_threads(want)
-                    self._restore_threads = full
+            if share_cores:
+                budget()
 
         return wait_for_layer
 
