@@ -178,7 +178,10 @@ class EngineCore:
         loading = self.reuse.start_loads(out)
         row = {s.request_id: i for i, s in enumerate(out.sequences)}  # logits rows
         started = time.perf_counter()
-        logits = self.runner.execute(out, self.reuse.waiter(loading))  # (num_seqs, vocab)
+        try:
+            logits = self.runner.execute(out, self.reuse.waiter(loading))  # (num_seqs, vocab)
+        finally:
+            self.reuse.end_forward()
         if not loading:  # waits for loads would distort the measured compute rate
             self.reuse.prefill_rate.observe(out.total_tokens, time.perf_counter() - started)
         self.reuse.settle(loading, out)

@@ -132,12 +132,16 @@ class KVReuse:
 
         return wait_for_layer
 
-    def settle(self, loading: list[Sequence], out: SchedulerOutput) -> None:
-        """After the step: count complete loads; send failed ones back to be recomputed
-        (taken out of ``out`` so their output is neither indexed nor sampled)."""
+    def end_forward(self) -> None:
+        """(after every forward pass, also a failed one) Give back a core taken by the
+        waiter's thread budget."""
         if self._restore_threads:
             torch.set_num_threads(self._restore_threads)
             self._restore_threads = 0
+
+    def settle(self, loading: list[Sequence], out: SchedulerOutput) -> None:
+        """After the step: count complete loads; send failed ones back to be recomputed
+        (taken out of ``out`` so their output is neither indexed nor sampled)."""
         bs = self.kv.block_size
         for seq in loading:
             ready, plan = seq.loading, seq.load_plan
