@@ -87,6 +87,7 @@ async def _serve_engine(conn: Connection, model: str, address: str, mode: str, d
     from services.engine.api_types import GenerateRequest, SamplingParams
     from services.engine.async_engine import AsyncEngine
     from services.engine.config import EngineConfig
+    from shared.aio import freeze_startup_heap
 
     # Every reusing engine loads the whole stored prefix (policy "always"): the bench
     # measures each tier's load path, and the cost planner, whose estimates come from
@@ -97,6 +98,7 @@ async def _serve_engine(conn: Connection, model: str, address: str, mode: str, d
                        kvstore_address="" if mode == "recompute" else address,
                        reuse_mode=mode, reuse_policy="always")
     async with AsyncEngine(cfg) as eng:
+        freeze_startup_heap()  # as services.engine.service does once it is up
         conn.send(("ready", None))
         while True:
             cmd, arg = await asyncio.to_thread(conn.recv)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import Coroutine
 from typing import Any
 
@@ -14,3 +15,18 @@ def run_main(coro: Coroutine[Any, Any, Any]) -> Any:
     except ImportError:  # pragma: no cover - uvloop is a pinned dependency
         return asyncio.run(coro)
     return uvloop.run(coro)
+
+
+def freeze_startup_heap() -> None:
+    """Take everything alive once a service is up (modules, the model, a tier's index) out
+    of the garbage collector's sight, once per process, when it is ready to serve.
+
+    CPython's full collection walks every tracked object: ~210k of them in an engine or a
+    kvstore here, ~125 ms a pass. Such a pass fires now and then from ordinary request
+    churn, and a 125 ms stall in the middle of a KV load or a forward pass is a TTFT
+    spike. Frozen objects are never collected, which is what start-up state wants (it
+    lives as long as the process); later garbage is collected as usual. Not for test
+    processes that build and drop many services: their frozen cycles would leak.
+    """
+    gc.collect()
+    gc.freeze()

@@ -32,6 +32,7 @@ Decoding never copies the payload: the tensor is ``torch.frombuffer`` over the b
 from __future__ import annotations
 
 import functools
+import math
 import struct
 import warnings
 from dataclasses import dataclass
@@ -69,6 +70,14 @@ def _torch() -> Any:
     # and never needs it, and importing it costs seconds of process start-up.
     import torch
 
+    # torch.frombuffer warns (once per process) that a read-only buffer makes a read-only
+    # tensor's writes undefined. Decoded tensors over bytes from RocksDB/S3 are read-only by
+    # contract, and avoiding the warning would cost a copy: spend the one warning here,
+    # silenced, instead of wrapping every decode in catch_warnings (which is slow and
+    # races when decodes run on the tiers' reader threads).
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        torch.frombuffer(b"\0", dtype=torch.uint8)
     return torch
 
 
@@ -230,32 +239,23 @@ def decode_chunk(blob: bytes | bytearray | memoryview, *, verify: bool = True) -
             tenant=h["tenant"],
             model_fp=h["model_fp"],
             layer=int(h["layer"]),
-            block_hashes=tuple(bytes(x) for x in h["hashes"]),
+            block_hashes=tuple(map(bytes, h["hashes"])),
         )
         if h["dtype"] not in DTYPE_NAMES:
             raise ValueError(f"unknown dtype {h['dtype']!r}")
         dtype = _dtype(h["dtype"])
-        shape = [int(s) for s in h["shape"]]
+        shape = list(map(int, h["shape"]))
         nbytes = int(h["nbytes"])
     except (KeyError, TypeError, ValueError, msgpack.UnpackException) as e:
         raise ChunkCorrupt(f"unreadable chunk header: {e}") from None
     torch = _torch()
     start = _payload_offset(hlen)
-    numel = 1
-    for s in shape:
-        numel *= s
-    if start + nbytes != len(blob) or numel * torch.empty(0, dtype=dtype).element_size() != nbytes:
+    numel = math.prod(shape)
+    if start + nbytes != len(blob) or numel * dtype.itemsize != nbytes or min(shape, default=0) < 0:
         raise ChunkCorrupt("payload length does not match header shape/dtype")
     if nbytes == 0:
         return Chunk(meta, torch.empty(shape, dtype=dtype))
-    if isinstance(blob, bytearray):
-        flat = torch.frombuffer(blob, dtype=dtype, count=numel, offset=start)
-    else:
-        with warnings.catch_warnings():
-            # frombuffer warns on read-only buffers (bytes from RocksDB/S3); the tensor is
-            # read-only by contract, and avoiding the warning would cost a copy.
-            warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(blob, dtype=dtype, count=numel, offset=start)
+    flat = torch.frombuffer(blob, dtype=dtype, count=numel, offset=start)
     return Chunk(meta, flat.view(shape))
 
 

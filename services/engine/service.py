@@ -6,6 +6,7 @@ import asyncio
 import logging
 from contextlib import AsyncExitStack
 
+from shared.aio import freeze_startup_heap
 from shared.grpc_server import serve_grpc
 from shared.proto import engine_pb2_grpc
 
@@ -32,5 +33,6 @@ async def run(config: EngineConfig) -> None:
                 service_names=[SERVICE_NAME],
             )
         )
+        freeze_startup_heap()
         log.info("engine ready on %s:%d", config.host, server.port)
         await asyncio.Event().wait()  # until cancelled (SIGTERM/SIGINT)

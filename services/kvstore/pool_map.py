@@ -55,8 +55,7 @@ class PoolGeometry:
     @property
     def block_bytes(self) -> int:
         """K and V of one layer for ``block_size`` tokens."""
-        elem = lazy_torch().empty(0, dtype=self.torch_dtype).element_size()
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.torch_dtype.itemsize
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:

@@ -19,6 +19,7 @@ from services.kvstore.pool_path import PoolDataPath
 from services.kvstore.service import KVStoreService
 from services.kvstore.store import TieredStore
 from services.kvstore.tiers import build_tiers
+from shared.aio import freeze_startup_heap
 from shared.grpc_server import serve_grpc
 from shared.proto import kvstore_pb2_grpc as pb_grpc
 
@@ -80,6 +81,7 @@ async def run(config: KVStoreConfig, stop: asyncio.Event | None = None) -> None:
             )
             log.info("metrics on http://%s:%d/metrics", config.host, mport)
         tiers = ", ".join(t.name for t in store.tiers)
+        freeze_startup_heap()
         log.info("kvstore ready on %s:%d (tiers: %s)", config.host, server.port, tiers)
         await stop.wait()
         log.info("kvstore shutting down")

@@ -51,7 +51,7 @@ from services.kvstore.manifest import Manifest, manifest_key
 from services.kvstore.metrics import KVStoreMetrics
 from services.kvstore.store_io import TierIO
 from services.kvstore.sweeper import sweep_loop, sweep_tiers
-from services.kvstore.tiers.base import Blob, Tier, TierStats
+from services.kvstore.tiers.base import Blob, Checked, Tier, TierStats
 from services.kvstore.tiers.dram import DramTier
 from services.kvstore.write_behind import WriteBehind
 from shared.chunk_codec import (
@@ -224,26 +224,28 @@ class TieredStore:
     async def find_chunks(self, keys: list[str]) -> list[tuple[Chunk | None, str]]:
         """``find_chunk`` for many keys, one batched read per tier (a layer's chunks)."""
         found = await self._find_many(keys)
-        return [(None, "") if blob is None else (decode_chunk(blob, verify=not trusted), tier)
-                for blob, trusted, tier in found]
+        return [(None, "") if blob is None
+                else (decode_chunk(blob, verify=False) if chunk is None else chunk, tier)
+                for blob, chunk, tier in found]
 
     async def get_blob(self, key: str) -> Blob | None:
         """The sealed blob under ``key`` (for sending to a peer) or ``None``."""
-        blob, _trusted, _tier = (await self._find_many([key]))[0]
+        blob, _chunk, _tier = (await self._find_many([key]))[0]
         if isinstance(blob, bytearray):
             await checksum_work(seal_chunk, blob)  # a put not yet written behind
         return blob
 
-    async def _find_many(self, keys: list[str]) -> list[tuple[Blob | None, bool, str]]:
-        """(blob, trusted, tier name) per key, searching the tiers in order: DRAM hits are
-        trusted; a lower tier's hits are verified (a corrupt one is deleted and the search
-        goes on below) and promoted."""
-        out: list[tuple[Blob | None, bool, str]] = [(None, False, "")] * len(keys)
+    async def _find_many(self, keys: list[str]) -> list[tuple[Blob | None, Chunk | None, str]]:
+        """(blob, chunk, tier name) per key, searching the tiers in order. DRAM hits are
+        trusted and left encoded (chunk None). A lower tier's hits are verified and decoded
+        on the thread that read them (``get_many_checked``); a corrupt one is deleted and
+        the search goes on below; good ones are promoted."""
+        out: list[tuple[Blob | None, Chunk | None, str]] = [(None, None, "")] * len(keys)
         todo: list[int] = []
         for j, key in enumerate(keys):
             blob = self.io.dram_get(self.dram, _C + key)
             if blob is not None:
-                out[j] = (blob, True, self.dram.name)
+                out[j] = (blob, None, self.dram.name)
             else:
                 todo.append(j)
         for i, tier in enumerate(self.tiers[1:], start=1):
@@ -251,37 +253,32 @@ class TieredStore:
                 break
             tkeys = [_C + keys[j] for j in todo]
             try:
-                blobs = await self.io.get_many(tier, tkeys)
+                got = await self.io.get_many_checked(tier, tkeys, decode_chunk)
             except ChunkCorrupt as e:  # the medium failed the batch: read one by one
                 log.warning("%s reported corruption in a batch (%s); reading keys singly",
                             tier.name, e)
-                blobs = [await self._get_one_checked(tier, k) for k in tkeys]
+                got = [await self._get_one_checked(tier, k) for k in tkeys]
             missing = []
-            for j, tkey, blob in zip(todo, tkeys, blobs, strict=True):
-                if blob is None:
+            for j, tkey, hit in zip(todo, tkeys, got, strict=True):
+                if hit is None:
                     missing.append(j)
                     continue
-                try:
-                    meta = await self._verify(blob)
-                except ChunkCorrupt as e:
-                    await self._drop_corrupt(tier, tkey, e)
+                blob, chunk = hit
+                if isinstance(chunk, ChunkCorrupt):
+                    await self._drop_corrupt(tier, tkey, chunk)
                     missing.append(j)
                     continue
-                self._promote(tkey, blob, layer_priority(meta.layer), self.tiers[1:i])
-                out[j] = (blob, True, tier.name)
+                self._promote(tkey, blob, layer_priority(chunk.meta.layer), self.tiers[1:i])
+                out[j] = (blob, chunk, tier.name)
             todo = missing
         return out
 
-    async def _get_one_checked(self, tier: Tier, tkey: str) -> Blob | None:
+    async def _get_one_checked(self, tier: Tier, tkey: str) -> Checked[Chunk]:
         try:
-            return await self.io.get(tier, tkey)
+            return (await self.io.get_many_checked(tier, [tkey], decode_chunk))[0]
         except ChunkCorrupt as e:
             await self._drop_corrupt(tier, tkey, e)
             return None
-
-    async def _verify(self, blob: Blob) -> ChunkMeta:
-        await checksum_work(verify_chunk, blob)
-        return read_meta(blob)
 
     async def _drop_corrupt(self, tier: Tier, tkey: str, err: ChunkCorrupt) -> None:
         log.warning("corrupt chunk %s in %s (%s): deleted, served as a miss", tkey, tier.name, err)

@@ -6,10 +6,11 @@ Counts hits/misses, bytes in/out, evictions and errors per tier, and times each 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from services.kvstore.errors import TierUnavailable
 from services.kvstore.metrics import KVStoreMetrics
-from services.kvstore.tiers.base import Blob, Tier
+from services.kvstore.tiers.base import Blob, Checked, T, Tier
 from services.kvstore.tiers.dram import DramTier
 
 
@@ -54,13 +55,32 @@ class TierIO:
             c.get_err.inc()
             blobs = [None] * len(keys)
         c.get_s.observe(time.perf_counter() - t0)
+        self._count_reads(c, blobs)
+        return blobs
+
+    async def get_many_checked(
+        self, tier: Tier, keys: list[str], check: Callable[[Blob], T]
+    ) -> list[Checked[T]]:
+        """``tier.get_many_checked`` with the metrics of ``get_many``."""
+        c = self._c(tier)
+        t0 = time.perf_counter()
+        try:
+            got = await tier.get_many_checked(keys, check)
+        except TierUnavailable:
+            c.get_err.inc()
+            got = [None] * len(keys)
+        c.get_s.observe(time.perf_counter() - t0)
+        self._count_reads(c, [None if g is None else g[0] for g in got])
+        return got
+
+    @staticmethod
+    def _count_reads(c: _TierCounters, blobs: list[Blob | None]) -> None:
         for blob in blobs:
             if blob is None:
                 c.misses.inc()
             else:
                 c.hits.inc()
                 c.bytes_out.inc(len(blob))
-        return blobs
 
     def dram_get(self, tier: DramTier, key: str) -> Blob | None:
         """Synchronous DRAM read with metrics (no latency sample: there is no I/O to time)."""

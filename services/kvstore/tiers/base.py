@@ -23,9 +23,28 @@ Contract common to all tiers:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
+
+from shared.chunk_codec import ChunkCorrupt
 
 Blob = bytes | bytearray
+T = TypeVar("T")
+# One key of a checked batch read: a miss, or the blob with what the check made of it
+# (or the ChunkCorrupt it raised).
+Checked = tuple[Blob, "T | ChunkCorrupt"] | None
+
+
+def apply_check(blob: Blob | None, check: Callable[[Blob], T]) -> Checked[T]:
+    """``(blob, check(blob))``, the ``ChunkCorrupt`` it raised in place of the result, or
+    None for a miss."""
+    if blob is None:
+        return None
+    try:
+        return blob, check(blob)
+    except ChunkCorrupt as e:
+        return blob, e
 
 
 @dataclass(frozen=True)
@@ -57,6 +76,14 @@ class Tier(ABC):
         """``get`` of each key, in order. Tiers whose I/O hops to a thread override it to
         pay that hop once per batch (a layer's chunks are read together)."""
         return [await self.get(k) for k in keys]
+
+    async def get_many_checked(
+        self, keys: list[str], check: Callable[[Blob], T]
+    ) -> list[Checked[T]]:
+        """``get_many``, then ``check`` (e.g. verify and decode) on every hit. Tiers that
+        read on a worker thread override it to check there too, while the bytes they just
+        read are still in the CPU's cache and off the event loop. Default: on the loop."""
+        return [apply_check(b, check) for b in await self.get_many(keys)]
 
     @abstractmethod
     async def put(self, key: str, blob: Blob, priority: int = 0) -> list[str]:

@@ -21,8 +21,10 @@ Reads skip two things RocksDB would do by default, because the layer above does 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -40,7 +42,7 @@ from rocksdict import (
 )
 
 from services.kvstore.errors import ChunkCorrupt, TierOpenError, TierUnavailable
-from services.kvstore.tiers.base import Blob, Tier, TierStats
+from services.kvstore.tiers.base import Blob, Checked, T, Tier, TierStats, apply_check
 from services.kvstore.tiers.lru_index import PriorityLru
 
 log = logging.getLogger(__name__)
@@ -153,12 +155,24 @@ class SsdTier(Tier):
         """One thread hop for the whole batch (a hop costs ~0.2 ms on a busy VM, more than
         reading 1 MiB from the page cache). A key the index does not know is a miss
         without I/O; a medium error fails the batch."""
+        return await self._read_batch(keys, _read_all)
+
+    async def get_many_checked(
+        self, keys: list[str], check: Callable[[Blob], T]
+    ) -> list[Checked[T]]:
+        """``get_many`` with ``check`` run on the reading thread, right after each read:
+        verifying a chunk there hashes bytes that are still in cache (on the event loop,
+        after the batch, it ran at memory speed, ~4x slower here) and leaves the loop free."""
+        return await self._read_batch(keys, functools.partial(_read_all_checked, check=check))
+
+    async def _read_batch(self, keys: list[str], read: Callable[[Rdict, list[bytes]], list[Any]]
+                          ) -> list[Any]:
         db = self._live_db()
         want = [k for k in keys if k in self._index]
         if not want:
             return [None] * len(keys)
         try:
-            blobs = await self._run(_read_all, db, [_V + k.encode() for k in want])
+            blobs = await self._run(read, db, [_V + k.encode() for k in want])
         except TierUnavailable:
             raise
         except Exception as e:
@@ -261,3 +275,7 @@ def _read_all(db: Rdict, keys: list[bytes]) -> list[bytes | None]:
     # Point gets, not RocksDB's multi_get: through rocksdict the latter measured ~8x slower
     # for chunk-sized values here.
     return [db.get(k) for k in keys]
+
+
+def _read_all_checked(db: Rdict, keys: list[bytes], check: Callable[[Blob], T]) -> list[Checked[T]]:
+    return [apply_check(db.get(k), check) for k in keys]

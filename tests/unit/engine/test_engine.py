@@ -252,15 +252,22 @@ async def test_bad_requests_get_typed_errors(
 
 
 async def test_queue_bound_is_resource_exhausted(loaded: LoadedModel) -> None:
-    async with engine(loaded, max_waiting=1) as eng:
-        first = eng.generate(greedy(PROMPTS[0], 50))
-        second = eng.generate(greedy(PROMPTS[1], 50))
-        head = asyncio.ensure_future(first.__anext__())
+    # One running (max_num_seqs=1) and one waiting fill the queue whatever the timing: a
+    # third request is refused.
+    async with engine(loaded, max_waiting=1, max_num_seqs=1) as eng:
+        first = eng.generate(greedy(PROMPTS[0], 400))
+        await first.__anext__()  # running
+        second = eng.generate(greedy(PROMPTS[1], 4))
+        head = asyncio.ensure_future(second.__anext__())
+        while (await eng.status()).waiting < 1:  # admitted to the queue, not to the batch
+            assert not head.done()
+            await asyncio.sleep(0.005)
         with pytest.raises(EngineError) as e:
-            await asyncio.gather(head, second.__anext__())
+            await eng.generate(greedy(PROMPTS[2], 4)).__anext__()
         assert e.value.code == "resource_exhausted"
-        await head
         await first.aclose()
+        await head
+        await second.aclose()
         await idle(eng)
 
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from services.kvstore.metrics import KVStoreMetrics
 from services.kvstore.store import TieredStore
 from services.kvstore.streaming import stream_session
 from services.kvstore.tiers import DramTier, SsdTier
-from shared.chunk_codec import decode_chunk, encode_chunk
+from shared.chunk_codec import ChunkCorrupt, decode_chunk, encode_chunk
 from tests.unit.kvstore.chunks import kv_tensor, meta, session_chunks, session_manifest
 from tests.unit.kvstore.flaky import FlakyTier
 
@@ -107,6 +108,33 @@ async def test_ssd_get_many_answers_in_order_with_misses(tmp_path: Path) -> None
         await ssd.put("c", b"3")
         assert await ssd.get_many(["c", "b", "a", "c"]) == [b"3", None, b"1", b"3"]
         assert await ssd.get_many([]) == []
+    finally:
+        await ssd.close()
+
+
+async def test_ssd_get_many_checked_runs_the_check_on_the_reading_thread(tmp_path: Path) -> None:
+    """Hits come back with the check's result (or the ChunkCorrupt it raised), misses as
+    None, in key order; the check ran off the event loop's thread."""
+    ssd = SsdTier(str(tmp_path / "db"), 1 << 22)
+    await ssd.open()
+    try:
+        good = bytes(encode_chunk(meta("s", 0, 0), kv_tensor(5)))
+        bad = bytearray(good)
+        bad[-1] ^= 0xFF
+        await ssd.put("good", good)
+        await ssd.put("bad", bytes(bad))
+        threads: set[int] = set()
+
+        def check(blob: bytes):
+            threads.add(threading.get_ident())
+            return decode_chunk(blob)
+
+        got = await ssd.get_many_checked(["bad", "none", "good"], check)
+        assert got[1] is None
+        assert got[0] is not None and isinstance(got[0][1], ChunkCorrupt)
+        assert got[2] is not None and got[2][0] == good
+        assert torch.equal(got[2][1].tensor, kv_tensor(5))
+        assert threads and threading.get_ident() not in threads
     finally:
         await ssd.close()
 
