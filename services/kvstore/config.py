@@ -58,7 +58,10 @@ class KVStoreConfig:
     lease_s: float = opt(
         30.0, "a LookupPrefix lease expires this long after it was granted", min=0.01, max=3600.0
     )
+    # 1: on a CPU pool a load's reads and copies run on the cores the forward pass it
+    # overlaps uses; one layer at a time keeps them to one core (two in flight made a 2k
+    # SSD resume ~12 ms slower). Storage that waits on I/O (a cold NVMe) wants more.
     load_readahead_layers: int = opt(
-        2, "LoadIntoPool reads up to this many layers ahead of the copy", min=1, max=64
+        1, "LoadIntoPool reads up to this many layers ahead of the copy", min=1, max=64
     )
     s3: S3Config = sub(S3Config, "durable S3 tier")

@@ -1,8 +1,12 @@
 """LoadIntoPool: leased chunks into pool blocks, lowest layer first, reads ahead of copies.
 
     reads:   [layer 0] [layer 1] [layer 2] ...      <= readahead layers in flight
-    copies:            [layer 0] [layer 1] ...      one worker-thread copy per layer
+    copies:            [layer 0] [layer 1] ...      DRAM-held chunks: one worker-thread copy
     replies:                  L0 ok     L1 ok ...    the engine's layer l may start now
+
+A chunk read from a tier below DRAM is verified, checked and copied on the thread that
+read it (``_CopyOnRead``), so its layer needs no copy step; chunks the lease holds in
+DRAM are checked on the loop and copied by one worker-thread call per layer.
 
 Target blocks are layer-major: span k's blocks of layer l go to
 ``block_ids[l * n + off_k : l * n + off_k + use_k]`` with n = sum(use) and off_k the sum
@@ -12,8 +16,11 @@ of the earlier spans' use. Inside its chunk a span starts at
     chunk (bpc = 16):  | 0 1 2 ... 7 | 8 ... 12 | 13 14 15 |
     span first_block=40, use=5:  offset 8 ─┘└─ copies these 5 blocks
 
-Every chunk of a layer is read and checked (key, header hashes, shape, dtype) before any
-of that layer is copied, so a failed layer writes nothing; later layers are not loaded.
+A chunk is copied only after it passed its checks (checksum, key, header hashes, shape,
+dtype). A layer with a missing or failing chunk is reported failed and later layers are
+not loaded; blocks its good chunks were copied into are the request's own, and the
+engine never indexes a failed layer's blocks (it recomputes them). No copy runs after
+the call ends: a cancelled load waits for the copies under way.
 """
 
 from __future__ import annotations
@@ -22,9 +29,9 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from services.kvstore.bandwidth import TierBandwidth
 from services.kvstore.leases import Lease
@@ -32,12 +39,14 @@ from services.kvstore.pool_io import scatter_blocks
 from services.kvstore.pool_map import MappedPool, PoolError
 from services.kvstore.pool_types import LayerLoaded, LoadRequest, PrefixSpan
 from services.kvstore.store import TieredStore
+from services.kvstore.tiers.base import Blob
 from shared.chunk_codec import Chunk, ChunkCorrupt, chunk_key, decode_chunk
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class LoadFailed(Exception):
@@ -52,6 +61,7 @@ class Part:
     tier: str
     nbytes: int
     read_s: float
+    copy_s: float | None = None  # set when the tier read copied it already (_CopyOnRead)
 
 
 def _check_request(pool: MappedPool, req: LoadRequest, bpc: int) -> int:
@@ -98,14 +108,74 @@ def _check_chunk(
         )
 
 
+class _CopyOnRead:
+    """The ``check`` a layer's tier reads run on the thread that read them: verify and
+    decode the chunk, check it against the request, and scatter it into its target
+    blocks right there, while its bytes are still in the CPU's cache. That spares the
+    event loop the work, the layer a second thread hop, and the copy a second trip to
+    memory (the load's CPU time is what its overlap with the forward pass is up against
+    on a CPU pool).
+
+    A chunk that fails its checksum raises ``ChunkCorrupt`` before anything is copied
+    (the store deletes that copy and reads the tier below). Any other problem is recorded
+    in ``refused`` and nothing is copied: the layer fails, the engine recomputes it, and
+    the blocks written by the layer's other chunks are never indexed.
+    """
+
+    def __init__(self, kv: torch.Tensor, req: LoadRequest, layer: int, pool: MappedPool,
+                 bpc: int, lease: Lease | None, targets: dict[bytes, tuple[PrefixSpan, list[int]]]
+                 ) -> None:
+        self.kv, self.req, self.layer, self.pool, self.bpc = kv, req, layer, pool, bpc
+        self.lease = lease
+        self.targets = targets  # chunk hash -> (span, target block ids)
+        self.copied: dict[bytes, float] = {}  # chunk hash -> seconds copying
+        self.refused: dict[bytes, str] = {}
+
+    def __call__(self, blob: Blob) -> Chunk:
+        chunk = decode_chunk(blob)  # ChunkCorrupt propagates to the store
+        last = chunk.meta.block_hashes[-1]
+        try:
+            target = self.targets.get(last)
+            if target is None:
+                raise LoadFailed(f"layer {self.layer}: a read chunk is not one of the request's")
+            span, ids = target
+            key = chunk_key(self.req.tenant, self.req.model_fp, span.chunk_hash, self.layer)
+            _check_chunk(chunk, self.req, span, self.layer, self.pool, self.bpc,
+                         self.lease.expected.get(key) if self.lease else None)
+            t0 = time.perf_counter()
+            scatter_blocks(self.kv, chunk.tensor, span.first_block % self.bpc, ids)
+            self.copied[last] = time.perf_counter() - t0
+        except Exception as e:  # never out of the tier's read: it would fail the whole batch
+            self.refused[last] = str(e) if isinstance(e, LoadFailed) else (
+                f"layer {self.layer}: copy failed: {e}")
+        return chunk
+
+
+async def _to_the_end(aw: Awaitable[T]) -> T:
+    """Await ``aw``; if the caller is cancelled (the engine dropped the stream), let it
+    finish anyway first, so no pool write from a worker thread runs after the call ended."""
+    task = asyncio.ensure_future(aw)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.gather(task, return_exceptions=True)
+        raise
+
+
 async def _read_layer(
     store: TieredStore, req: LoadRequest, layer: int, n: int, pool: MappedPool, bpc: int,
     lease: Lease | None,
 ) -> list[Part]:
-    """Every span's chunk of ``layer``, checked: the lease's DRAM copies first, the rest
-    in one batched search of the tiers (one thread hop per tier, not per chunk)."""
+    """Every span's chunk of ``layer``: the lease's DRAM copies first (checked here, copied
+    later by ``_finish_copy``), the rest in one batched search of the tiers, checked and
+    copied on the thread that reads them (``_CopyOnRead``)."""
     t0 = time.perf_counter()
     keys = [chunk_key(req.tenant, req.model_fp, s.chunk_hash, layer) for s in req.spans]
+    targets: dict[bytes, tuple[PrefixSpan, list[int]]] = {}
+    pos = layer * n
+    for span in req.spans:
+        targets[span.chunk_hash] = (span, list(req.block_ids[pos : pos + span.use_blocks]))
+        pos += span.use_blocks
     found: list[tuple[Chunk | None, str]] = []
     unleased: list[int] = []
     for j, key in enumerate(keys):
@@ -118,32 +188,39 @@ async def _read_layer(
             found.append((decode_chunk(held, verify=False), store.dram.name))
         except ChunkCorrupt as e:
             raise LoadFailed(f"layer {layer}: chunk {key} is corrupt: {e}") from None
+    copier = _CopyOnRead(pool.kv, req, layer, pool, bpc, lease, targets)
     if unleased:
         try:
-            fetched = await store.find_chunks([keys[j] for j in unleased])
+            fetched = await _to_the_end(store.find_chunks([keys[j] for j in unleased], copier))
         except ChunkCorrupt as e:
             raise LoadFailed(f"layer {layer}: a chunk is corrupt: {e}") from None
         for j, got in zip(unleased, fetched, strict=True):
             found[j] = got
     read_s = (time.perf_counter() - t0) / len(keys)
     parts = []
-    pos = layer * n
     for span, key, (chunk, tier) in zip(req.spans, keys, found, strict=True):
         if chunk is None:
             raise LoadFailed(f"layer {layer}: chunk {key} is missing or corrupt")
-        _check_chunk(chunk, req, span, layer, pool, bpc,
-                     lease.expected.get(key) if lease else None)
-        ids = list(req.block_ids[pos : pos + span.use_blocks])
-        pos += span.use_blocks
+        why = copier.refused.get(span.chunk_hash)
+        if why is not None:
+            raise LoadFailed(why)
+        copied = copier.copied.get(span.chunk_hash)
+        if copied is None:  # a DRAM hit: checked here, copied by _finish_copy
+            _check_chunk(chunk, req, span, layer, pool, bpc,
+                         lease.expected.get(key) if lease else None)
         nbytes = span.use_blocks * pool.geometry.block_bytes
-        parts.append(Part(chunk.tensor, span.first_block % bpc, ids, tier, nbytes, read_s))
+        parts.append(Part(chunk.tensor, span.first_block % bpc, targets[span.chunk_hash][1],
+                          tier, nbytes, read_s, copied))
     return parts
 
 
 def _copy_parts(kv: torch.Tensor, parts: list[Part]) -> list[float]:
-    """Scatter each part into the pool (worker thread); seconds per part."""
+    """Scatter each part not copied yet into the pool (worker thread); seconds per part."""
     out = []
     for p in parts:
+        if p.copy_s is not None:
+            out.append(p.copy_s)
+            continue
         t0 = time.perf_counter()
         scatter_blocks(kv, p.tensor, p.offset, p.ids)
         out.append(time.perf_counter() - t0)
@@ -151,14 +228,10 @@ def _copy_parts(kv: torch.Tensor, parts: list[Part]) -> list[float]:
 
 
 async def _finish_copy(kv: torch.Tensor, parts: list[Part]) -> list[float]:
-    """Copy on a worker thread; if the caller is cancelled (the engine dropped the stream),
-    wait for the thread anyway, so no pool write happens after the call has ended."""
-    copy = asyncio.ensure_future(asyncio.to_thread(_copy_parts, kv, parts))
-    try:
-        return await asyncio.shield(copy)
-    except asyncio.CancelledError:
-        await asyncio.gather(copy, return_exceptions=True)
-        raise
+    """Copy what the tier reads did not on a worker thread (none: no thread hop)."""
+    if all(p.copy_s is not None for p in parts):
+        return [p.copy_s for p in parts if p.copy_s is not None]
+    return await _to_the_end(asyncio.to_thread(_copy_parts, kv, parts))
 
 
 async def load_layers(

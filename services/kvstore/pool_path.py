@@ -18,6 +18,7 @@ this call names. The reply comes once every new chunk is in DRAM, so the engine 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -58,7 +59,7 @@ class PoolDataPath:
         store: TieredStore,
         chunk_tokens: int,
         lease_s: float = 30.0,
-        readahead_layers: int = 2,
+        readahead_layers: int = 1,
         drain_s: float = 5.0,
     ) -> None:
         self.store = store
@@ -240,12 +241,17 @@ class PoolDataPath:
         """
         pool = self.pools.get(req.pool_id)
         bpc = self.pools.blocks_per_chunk(pool.geometry.block_size)
+        # aclosing: when the caller drops this stream, the loader's own clean-up (waiting
+        # for a read-and-copy under way) runs before we return, not whenever the event
+        # loop gets round to finalizing an abandoned generator: no pool write may follow
+        # the end of the call.
         try:
-            async for msg in load_layers(
+            async with contextlib.aclosing(load_layers(
                 self.store, pool, req, bpc, self.leases.get(req.lease_id),
                 self.bandwidth, self.readahead_layers,
-            ):
-                yield msg
+            )) as layers:
+                async for msg in layers:
+                    yield msg
         finally:
             if req.lease_id:
                 self.leases.release(req.lease_id)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 
@@ -227,8 +228,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self, request: pb.LoadIntoPoolRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.LayerLoaded]:
         try:
-            async for msg in self.pool_path.load(load_from_pb(request)):
-                yield layer_to_pb(msg)
+            # aclosing: a dropped call finishes the load's clean-up before it ends (see
+            # PoolDataPath.load): no pool write after the RPC.
+            async with contextlib.aclosing(self.pool_path.load(load_from_pb(request))) as layers:
+                async for msg in layers:
+                    yield layer_to_pb(msg)
         except (PoolError, ChunkFormatError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 

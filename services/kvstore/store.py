@@ -41,7 +41,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -221,9 +221,17 @@ class TieredStore:
         """``get`` plus the name of the tier it came from ("" on a miss)."""
         return (await self.find_chunks([key]))[0]
 
-    async def find_chunks(self, keys: list[str]) -> list[tuple[Chunk | None, str]]:
-        """``find_chunk`` for many keys, one batched read per tier (a layer's chunks)."""
-        found = await self._find_many(keys)
+    async def find_chunks(
+        self, keys: list[str], check: Callable[[Blob], Chunk] = decode_chunk
+    ) -> list[tuple[Chunk | None, str]]:
+        """``find_chunk`` for many keys, one batched read per tier (a layer's chunks).
+
+        ``check`` turns a lower tier's blob into the chunk on the thread that read it: it
+        must verify the checksum (raising ``ChunkCorrupt``) as ``decode_chunk`` does, and
+        may act on the chunk there (the pool load copies it into place while it is still
+        in cache). DRAM hits are decoded on the loop without it.
+        """
+        found = await self._find_many(keys, check)
         return [(None, "") if blob is None
                 else (decode_chunk(blob, verify=False) if chunk is None else chunk, tier)
                 for blob, chunk, tier in found]
@@ -235,7 +243,9 @@ class TieredStore:
             await checksum_work(seal_chunk, blob)  # a put not yet written behind
         return blob
 
-    async def _find_many(self, keys: list[str]) -> list[tuple[Blob | None, Chunk | None, str]]:
+    async def _find_many(
+        self, keys: list[str], check: Callable[[Blob], Chunk] = decode_chunk
+    ) -> list[tuple[Blob | None, Chunk | None, str]]:
         """(blob, chunk, tier name) per key, searching the tiers in order. DRAM hits are
         trusted and left encoded (chunk None). A lower tier's hits are verified and decoded
         on the thread that read them (``get_many_checked``); a corrupt one is deleted and
@@ -253,11 +263,11 @@ class TieredStore:
                 break
             tkeys = [_C + keys[j] for j in todo]
             try:
-                got = await self.io.get_many_checked(tier, tkeys, decode_chunk)
+                got = await self.io.get_many_checked(tier, tkeys, check)
             except ChunkCorrupt as e:  # the medium failed the batch: read one by one
                 log.warning("%s reported corruption in a batch (%s); reading keys singly",
                             tier.name, e)
-                got = [await self._get_one_checked(tier, k) for k in tkeys]
+                got = [await self._get_one_checked(tier, k, check) for k in tkeys]
             missing = []
             for j, tkey, hit in zip(todo, tkeys, got, strict=True):
                 if hit is None:
@@ -273,9 +283,11 @@ class TieredStore:
             todo = missing
         return out
 
-    async def _get_one_checked(self, tier: Tier, tkey: str) -> Checked[Chunk]:
+    async def _get_one_checked(
+        self, tier: Tier, tkey: str, check: Callable[[Blob], Chunk]
+    ) -> Checked[Chunk]:
         try:
-            return (await self.io.get_many_checked(tier, [tkey], decode_chunk))[0]
+            return (await self.io.get_many_checked(tier, [tkey], check))[0]
         except ChunkCorrupt as e:
             await self._drop_corrupt(tier, tkey, e)
             return None
