@@ -215,11 +215,12 @@ async def _read_layer(
 
 
 def _copy_parts(kv: torch.Tensor, parts: list[Part]) -> list[float]:
-    """Scatter each part not copied yet into the pool (worker thread); seconds per part."""
+    """Scatter each part not copied yet into the pool (worker thread); seconds per part
+    spent here (0 for parts copied by their read: ``read_s`` already covers that)."""
     out = []
     for p in parts:
         if p.copy_s is not None:
-            out.append(p.copy_s)
+            out.append(0.0)
             continue
         t0 = time.perf_counter()
         scatter_blocks(kv, p.tensor, p.offset, p.ids)
@@ -230,7 +231,7 @@ def _copy_parts(kv: torch.Tensor, parts: list[Part]) -> list[float]:
 async def _finish_copy(kv: torch.Tensor, parts: list[Part]) -> list[float]:
     """Copy what the tier reads did not on a worker thread (none: no thread hop)."""
     if all(p.copy_s is not None for p in parts):
-        return [p.copy_s for p in parts if p.copy_s is not None]
+        return [0.0] * len(parts)
     return await _to_the_end(asyncio.to_thread(_copy_parts, kv, parts))
 
 
