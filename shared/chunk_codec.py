@@ -232,9 +232,52 @@ def decode_chunk(blob: bytes | bytearray | memoryview, *, verify: bool = True) -
     """
     if verify:
         verify_chunk(blob)
-    _m, _v, _flags, hlen, _sum = _parse_preamble(blob)
+    head = parse_head(blob, len(blob))
+    torch = _torch()
+    dtype = _dtype(head.dtype)
+    if head.nbytes == 0:
+        return Chunk(head.meta, torch.empty(head.shape, dtype=dtype))
+    flat = torch.frombuffer(blob, dtype=dtype, count=math.prod(head.shape),
+                            offset=head.payload_offset)
+    return Chunk(head.meta, flat.view(head.shape))
+
+
+@dataclass(frozen=True)
+class ChunkHead:
+    """Everything before a chunk's payload, parsed: enough to place the payload (a reader
+    can then read it straight to where it is going) and to verify it afterwards."""
+
+    meta: ChunkMeta
+    dtype: str  # a name in DTYPE_NAMES
+    shape: tuple[int, ...]
+    nbytes: int  # payload bytes
+    payload_offset: int
+    checksum: int  # stored; meaningful only if sealed
+    sealed: bool
+    hashed_prefix: bytes  # the header bytes the checksum covers before the payload
+
+
+def head_length(prefix: bytes | bytearray | memoryview) -> int:
+    """How many leading bytes of a blob ``parse_head`` needs, given at least its preamble."""
+    if len(prefix) < PREAMBLE_BYTES:
+        raise ChunkCorrupt(f"blob of {len(prefix)} bytes is shorter than the chunk preamble")
+    magic, ver, _flags, hlen, _sum = _PREAMBLE.unpack_from(prefix, 0)
+    if magic != MAGIC:
+        raise ChunkCorrupt(f"bad magic {magic!r}")
+    if ver != FORMAT_VERSION:
+        raise ChunkCorrupt(f"unknown chunk format version {ver}")
+    return _payload_offset(hlen)
+
+
+def parse_head(prefix: bytes | bytearray | memoryview, total: int) -> ChunkHead:
+    """Parse the head of a blob of ``total`` bytes from its first ``head_length`` bytes (or
+    more); checks the payload length against the header, not the checksum."""
+    _m, _v, flags, hlen, checksum = _parse_preamble(prefix)
+    start = _payload_offset(hlen)
+    if len(prefix) < min(start, total):
+        raise ValueError(f"parse_head needs the first {start} bytes, got {len(prefix)}")
     try:
-        h = msgpack.unpackb(memoryview(blob)[PREAMBLE_BYTES : PREAMBLE_BYTES + hlen])
+        h = msgpack.unpackb(memoryview(prefix)[PREAMBLE_BYTES : PREAMBLE_BYTES + hlen])
         meta = ChunkMeta(
             tenant=h["tenant"],
             model_fp=h["model_fp"],
@@ -243,20 +286,31 @@ def decode_chunk(blob: bytes | bytearray | memoryview, *, verify: bool = True) -
         )
         if h["dtype"] not in DTYPE_NAMES:
             raise ValueError(f"unknown dtype {h['dtype']!r}")
-        dtype = _dtype(h["dtype"])
-        shape = list(map(int, h["shape"]))
+        dtype_name = str(h["dtype"])
+        shape = tuple(map(int, h["shape"]))
         nbytes = int(h["nbytes"])
     except (KeyError, TypeError, ValueError, msgpack.UnpackException) as e:
         raise ChunkCorrupt(f"unreadable chunk header: {e}") from None
-    torch = _torch()
-    start = _payload_offset(hlen)
     numel = math.prod(shape)
-    if start + nbytes != len(blob) or numel * dtype.itemsize != nbytes or min(shape, default=0) < 0:
+    if (start + nbytes != total or numel * _dtype(dtype_name).itemsize != nbytes
+            or min(shape, default=0) < 0):
         raise ChunkCorrupt("payload length does not match header shape/dtype")
-    if nbytes == 0:
-        return Chunk(meta, torch.empty(shape, dtype=dtype))
-    flat = torch.frombuffer(blob, dtype=dtype, count=numel, offset=start)
-    return Chunk(meta, flat.view(shape))
+    return ChunkHead(meta, dtype_name, shape, nbytes, start, checksum,
+                     bool(flags & _FLAG_SEALED), bytes(memoryview(prefix)[PREAMBLE_BYTES:start]))
+
+
+def verify_parts(head: ChunkHead, payload: list[memoryview]) -> None:
+    """``verify_chunk`` for a chunk whose payload was read into separate buffers (in
+    order): the checksum streams over them, so they need not be contiguous."""
+    if not head.sealed:
+        raise ChunkCorrupt("chunk is not sealed (no checksum)")
+    h = xxhash.xxh3_64(head.hashed_prefix)
+    for part in payload:
+        h.update(part)
+    actual = h.intdigest()
+    if actual != head.checksum:
+        raise ChunkCorrupt(
+            f"checksum mismatch: stored {head.checksum:#018x}, computed {actual:#018x}")
 
 
 def read_meta(blob: bytes | bytearray | memoryview) -> ChunkMeta:

@@ -4,9 +4,10 @@
     copies:            [layer 0] [layer 1] ...      DRAM-held chunks: one worker-thread copy
     replies:                  L0 ok     L1 ok ...    the engine's layer l may start now
 
-A chunk read from a tier below DRAM is verified, checked and copied on the thread that
-read it (``_CopyOnRead``), so its layer needs no copy step; chunks the lease holds in
-DRAM are checked on the loop and copied by one worker-thread call per layer.
+A chunk read from a tier below DRAM is verified, checked and put in place where it is
+read (``_CopyOnRead``; an SSD chunk goes from its file straight into its blocks), so its
+layer needs no copy step; chunks the lease holds in DRAM are checked on the loop and
+copied by one worker-thread call per layer.
 
 Target blocks are layer-major: span k's blocks of layer l go to
 ``block_ids[l * n + off_k : l * n + off_k + use_k]`` with n = sum(use) and off_k the sum
@@ -16,10 +17,12 @@ of the earlier spans' use. Inside its chunk a span starts at
     chunk (bpc = 16):  | 0 1 2 ... 7 | 8 ... 12 | 13 14 15 |
     span first_block=40, use=5:  offset 8 ─┘└─ copies these 5 blocks
 
-A chunk is copied only after it passed its checks (checksum, key, header hashes, shape,
-dtype). A layer with a missing or failing chunk is reported failed and later layers are
-not loaded; blocks its good chunks were copied into are the request's own, and the
-engine never indexes a failed layer's blocks (it recomputes them). No copy runs after
+A chunk is copied only after its header passed its checks (key, header hashes, shape,
+dtype); one read straight into its blocks is verified against its checksum after (a
+corrupt one is then overwritten by the tier below's copy, or its layer fails). A layer
+with a missing or failing chunk is reported failed and later layers are not loaded;
+blocks its chunks were copied into are the request's own, and the engine never indexes
+a failed layer's blocks (it recomputes them). No copy runs after
 the call ends: a cancelled load waits for the copies under way.
 """
 
@@ -35,12 +38,21 @@ from typing import TYPE_CHECKING, TypeVar
 
 from services.kvstore.bandwidth import TierBandwidth
 from services.kvstore.leases import Lease
-from services.kvstore.pool_io import scatter_blocks
+from services.kvstore.pool_io import lazy_torch, scatter_blocks
 from services.kvstore.pool_map import MappedPool, PoolError
 from services.kvstore.pool_types import LayerLoaded, LoadRequest, PrefixSpan
 from services.kvstore.store import TieredStore
-from services.kvstore.tiers.base import Blob
-from shared.chunk_codec import Chunk, ChunkCorrupt, chunk_key, decode_chunk
+from services.kvstore.tiers.base import Stored
+from shared.chunk_codec import (
+    Chunk,
+    ChunkCorrupt,
+    ChunkMeta,
+    chunk_key,
+    decode_chunk,
+    head_length,
+    parse_head,
+    verify_parts,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -88,38 +100,66 @@ def _check_request(pool: MappedPool, req: LoadRequest, bpc: int) -> int:
 
 
 def _check_chunk(
-    chunk: Chunk, req: LoadRequest, span: PrefixSpan, layer: int, pool: MappedPool,
-    bpc: int, expected: tuple[bytes, ...] | None,
+    meta: ChunkMeta, shape: tuple[int, ...], dtype: str, req: LoadRequest, span: PrefixSpan,
+    layer: int, pool: MappedPool, bpc: int, expected: tuple[bytes, ...] | None,
 ) -> None:
-    m, g = chunk.meta, pool.geometry
-    hashes = m.block_hashes
+    """A chunk (its header: ``meta``, payload ``shape`` and ``dtype`` name) is the one the
+    request wants for ``span`` in ``layer``, shaped as the pool's blocks."""
+    g = pool.geometry
+    hashes = meta.block_hashes
     off = span.first_block % bpc
-    if (m.tenant, m.model_fp, m.layer) != (req.tenant, req.model_fp, layer):
+    if (meta.tenant, meta.model_fp, meta.layer) != (req.tenant, req.model_fp, layer):
         raise LoadFailed(f"layer {layer}: chunk header names another tenant/model/layer")
     if hashes[-1] != span.chunk_hash or len(hashes) > bpc or len(hashes) < off + span.use_blocks:
         raise LoadFailed(f"layer {layer}: chunk at block {span.first_block} does not hold the span")
     if expected is not None and hashes != expected:
         raise LoadFailed(f"layer {layer}: chunk hashes differ from the lookup's")
     want = (len(hashes), 2, g.block_size, g.num_kv_heads, g.head_dim)
-    if tuple(chunk.tensor.shape) != want or chunk.tensor.dtype != g.torch_dtype:
+    if shape != want or dtype != g.dtype:
         raise LoadFailed(
-            f"layer {layer}: chunk is {tuple(chunk.tensor.shape)} {chunk.tensor.dtype}, "
-            f"the pool wants {want} {g.torch_dtype}"
+            f"layer {layer}: chunk is {shape} {dtype}, the pool wants {want} {g.dtype}"
         )
 
 
-class _CopyOnRead:
-    """The ``check`` a layer's tier reads run on the thread that read them: verify and
-    decode the chunk, check it against the request, and scatter it into its target
-    blocks right there, while its bytes are still in the CPU's cache. That spares the
-    event loop the work, the layer a second thread hop, and the copy a second trip to
-    memory (the load's CPU time is what its overlap with the forward pass is up against
-    on a CPU pool).
+def _check_decoded(chunk: Chunk, req: LoadRequest, span: PrefixSpan, layer: int,
+                   pool: MappedPool, bpc: int, expected: tuple[bytes, ...] | None) -> None:
+    _check_chunk(chunk.meta, tuple(chunk.tensor.shape),
+                 str(chunk.tensor.dtype).removeprefix("torch."), req, span, layer, pool, bpc,
+                 expected)
 
-    A chunk that fails its checksum raises ``ChunkCorrupt`` before anything is copied
-    (the store deletes that copy and reads the tier below). Any other problem is recorded
-    in ``refused`` and nothing is copied: the layer fails, the engine recomputes it, and
-    the blocks written by the layer's other chunks are never indexed.
+
+_HEAD_READ = 4096  # a chunk's preamble and header: ~50 bytes per block hash plus ~100
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int]]:
+    """``ids`` as (first, count) runs of consecutive block ids."""
+    out: list[tuple[int, int]] = []
+    for b in ids:
+        if out and out[-1][0] + out[-1][1] == b:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((b, 1))
+    return out
+
+
+class _CopyOnRead:
+    """The ``check`` a layer's tier reads run where they are read (inline for a page-cache
+    hit, else on the reading thread): verify the chunk, check it against the request, and
+    put its blocks in place.
+
+    A chunk in a file of a host-memory pool's kvstore is read straight into its target
+    blocks (``preadv``: header first, checked, then the payload, then the checksum over
+    what was read), one copy in all. A chunk already in memory (RocksDB's small values,
+    S3, a device pool) is verified and decoded first, then scattered while its bytes are
+    still in the CPU's cache. Either way this spares the event loop the work and the layer
+    a second thread hop: the load's CPU time is what its overlap with the forward pass is
+    up against on a CPU pool.
+
+    A chunk that fails its checksum raises ``ChunkCorrupt`` (the store deletes that copy
+    and reads the tier below, whose copy then overwrites the blocks). Any other problem is
+    found before anything is copied and recorded in ``refused``: the layer fails, the
+    engine recomputes it, and the blocks written by the layer's other chunks are never
+    indexed.
     """
 
     def __init__(self, kv: torch.Tensor, req: LoadRequest, layer: int, pool: MappedPool,
@@ -131,24 +171,64 @@ class _CopyOnRead:
         self.copied: dict[bytes, float] = {}  # chunk hash -> seconds copying
         self.refused: dict[bytes, str] = {}
 
-    def __call__(self, blob: Blob) -> Chunk:
-        chunk = decode_chunk(blob)  # ChunkCorrupt propagates to the store
-        last = chunk.meta.block_hashes[-1]
+    def __call__(self, hit: Stored) -> Chunk:
+        dest = self.pool.host_bytes
+        if hit.kept is None and dest is not None:
+            return self._read_into_blocks(hit, dest)
+        chunk = decode_chunk(hit.blob())  # ChunkCorrupt propagates to the store
+        target = self._target(chunk.meta, tuple(chunk.tensor.shape),
+                              str(chunk.tensor.dtype).removeprefix("torch."))
+        if target is not None:
+            span, ids = target
+            try:
+                t0 = time.perf_counter()
+                scatter_blocks(self.kv, chunk.tensor, span.first_block % self.bpc, ids)
+                self.copied[span.chunk_hash] = time.perf_counter() - t0
+            except Exception as e:  # never out of the tier's read: it fails the whole batch
+                self.refused[span.chunk_hash] = f"layer {self.layer}: copy failed: {e}"
+        return chunk
+
+    def _target(self, meta: ChunkMeta, shape: tuple[int, ...], dtype: str
+                ) -> tuple[PrefixSpan, list[int]] | None:
+        """The span and blocks this chunk goes to, or None (refused, reason recorded)."""
+        last = meta.block_hashes[-1]
         try:
             target = self.targets.get(last)
             if target is None:
                 raise LoadFailed(f"layer {self.layer}: a read chunk is not one of the request's")
-            span, ids = target
+            span = target[0]
             key = chunk_key(self.req.tenant, self.req.model_fp, span.chunk_hash, self.layer)
-            _check_chunk(chunk, self.req, span, self.layer, self.pool, self.bpc,
+            _check_chunk(meta, shape, dtype, self.req, span, self.layer, self.pool, self.bpc,
                          self.lease.expected.get(key) if self.lease else None)
-            t0 = time.perf_counter()
-            scatter_blocks(self.kv, chunk.tensor, span.first_block % self.bpc, ids)
-            self.copied[last] = time.perf_counter() - t0
-        except Exception as e:  # never out of the tier's read: it would fail the whole batch
-            self.refused[last] = str(e) if isinstance(e, LoadFailed) else (
-                f"layer {self.layer}: copy failed: {e}")
-        return chunk
+            return target
+        except LoadFailed as e:
+            self.refused[last] = str(e)
+            return None
+
+    def _read_into_blocks(self, hit: Stored, dest: memoryview) -> Chunk:
+        prefix = hit.read(0, _HEAD_READ)
+        need = head_length(prefix)  # ChunkCorrupt propagates
+        if len(prefix) < min(need, hit.nbytes):
+            prefix = hit.read(0, need)
+        head = parse_head(prefix, hit.nbytes)
+        empty = Chunk(head.meta, lazy_torch().empty(0))  # the blocks hold the data
+        target = self._target(head.meta, head.shape, head.dtype)
+        if target is None:
+            return empty
+        span, ids = target
+        t0 = time.perf_counter()
+        bb = self.pool.geometry.block_bytes
+        off, nb = span.first_block % self.bpc, len(head.meta.block_hashes)
+        # Blocks of the chunk outside the span are read too: the checksum covers them.
+        before, after = bytearray(off * bb), bytearray((nb - off - len(ids)) * bb)
+        bufs = [memoryview(before)] if before else []
+        bufs += [dest[first * bb : (first + n) * bb] for first, n in _runs(ids)]
+        if after:
+            bufs.append(memoryview(after))
+        hit.readinto(head.payload_offset, bufs)
+        verify_parts(head, bufs)
+        self.copied[span.chunk_hash] = time.perf_counter() - t0
+        return empty
 
 
 async def _to_the_end(aw: Awaitable[T]) -> T:
@@ -206,7 +286,7 @@ async def _read_layer(
             raise LoadFailed(why)
         copied = copier.copied.get(span.chunk_hash)
         if copied is None:  # a DRAM hit: checked here, copied by _finish_copy
-            _check_chunk(chunk, req, span, layer, pool, bpc,
+            _check_decoded(chunk, req, span, layer, pool, bpc,
                          lease.expected.get(key) if lease else None)
         nbytes = span.use_blocks * pool.geometry.block_bytes
         parts.append(Part(chunk.tensor, span.first_block % bpc, targets[span.chunk_hash][1],

@@ -81,6 +81,16 @@ class MappedPool:
         self.geometry = geometry
         self.kv = kv
         self._closer = closer
+        self._host_bytes: memoryview | None = None
+
+    @property
+    def host_bytes(self) -> memoryview | None:
+        """The pool's memory as writable bytes (block ``b`` at ``b * block_bytes``) when it
+        is host memory, for reads straight into blocks; None for a device pool."""
+        if self._host_bytes is None and self.kv.device.type == "cpu" and self.kv.numel():
+            flat = self.kv.view(-1).view(lazy_torch().uint8)
+            self._host_bytes = memoryview(flat.numpy()).cast("B")
+        return self._host_bytes
 
     def check_block_ids(self, block_ids: list[int]) -> None:
         n = self.geometry.num_blocks
@@ -90,6 +100,7 @@ class MappedPool:
 
     def close(self) -> None:
         self.kv = lazy_torch().empty(0, dtype=self.geometry.torch_dtype)
+        self._host_bytes = None
         if self._closer is not None:
             self._closer()
             self._closer = None

@@ -51,7 +51,7 @@ from services.kvstore.manifest import Manifest, manifest_key
 from services.kvstore.metrics import KVStoreMetrics
 from services.kvstore.store_io import TierIO
 from services.kvstore.sweeper import sweep_loop, sweep_tiers
-from services.kvstore.tiers.base import Blob, Checked, Tier, TierStats
+from services.kvstore.tiers.base import Blob, Checked, Stored, Tier, TierStats
 from services.kvstore.tiers.dram import DramTier
 from services.kvstore.write_behind import WriteBehind
 from shared.chunk_codec import (
@@ -74,6 +74,11 @@ _C = "c/"  # tier key prefix of chunks
 _M = "m/"  # tier key prefix of manifests
 MANIFEST_PRIORITY = 1 << 30  # local tiers never evict a manifest before a chunk
 _DURABLE_MEMORY = 100_000  # keys remembered as durable, to spare HEAD calls on manifests
+
+
+def decode_stored(hit: Stored) -> Chunk:
+    """The default check of a lower tier's hit: the whole blob, verified and decoded."""
+    return decode_chunk(hit.blob())
 
 
 def layer_priority(layer: int) -> int:
@@ -222,19 +227,16 @@ class TieredStore:
         return (await self.find_chunks([key]))[0]
 
     async def find_chunks(
-        self, keys: list[str], check: Callable[[Blob], Chunk] = decode_chunk
+        self, keys: list[str], check: Callable[[Stored], Chunk] = decode_stored
     ) -> list[tuple[Chunk | None, str]]:
         """``find_chunk`` for many keys, one batched read per tier (a layer's chunks).
 
-        ``check`` turns a lower tier's blob into the chunk on the thread that read it: it
-        must verify the checksum (raising ``ChunkCorrupt``) as ``decode_chunk`` does, and
-        may act on the chunk there (the pool load copies it into place while it is still
-        in cache). DRAM hits are decoded on the loop without it.
+        ``check`` turns a lower tier's hit into the chunk where it is read (inline or on
+        the reading thread): it must verify the checksum (raising ``ChunkCorrupt``) as
+        ``decode_chunk`` does, and may act on the chunk there (the pool load reads it
+        straight into its pool blocks). DRAM hits are decoded on the loop without it.
         """
-        found = await self._find_many(keys, check)
-        return [(None, "") if blob is None
-                else (decode_chunk(blob, verify=False) if chunk is None else chunk, tier)
-                for blob, chunk, tier in found]
+        return [(chunk, tier) for _blob, chunk, tier in await self._find_many(keys, check)]
 
     async def get_blob(self, key: str) -> Blob | None:
         """The sealed blob under ``key`` (for sending to a peer) or ``None``."""
@@ -244,18 +246,19 @@ class TieredStore:
         return blob
 
     async def _find_many(
-        self, keys: list[str], check: Callable[[Blob], Chunk] = decode_chunk
+        self, keys: list[str], check: Callable[[Stored], Chunk] = decode_stored
     ) -> list[tuple[Blob | None, Chunk | None, str]]:
-        """(blob, chunk, tier name) per key, searching the tiers in order. DRAM hits are
-        trusted and left encoded (chunk None). A lower tier's hits are verified and decoded
-        on the thread that read them (``get_many_checked``); a corrupt one is deleted and
-        the search goes on below; good ones are promoted."""
+        """(blob, chunk, tier name) per key, searching the tiers in order; ("" for a miss).
+        DRAM hits are trusted and decoded without a checksum. A lower tier's hits are
+        checked where they are read (``get_many_checked``); a corrupt one is deleted and
+        the search goes on below; good ones are promoted if the check kept their blob
+        (a check that read a chunk straight into place leaves none: blob None)."""
         out: list[tuple[Blob | None, Chunk | None, str]] = [(None, None, "")] * len(keys)
         todo: list[int] = []
         for j, key in enumerate(keys):
             blob = self.io.dram_get(self.dram, _C + key)
             if blob is not None:
-                out[j] = (blob, None, self.dram.name)
+                out[j] = (blob, decode_chunk(blob, verify=False), self.dram.name)
             else:
                 todo.append(j)
         for i, tier in enumerate(self.tiers[1:], start=1):
@@ -273,18 +276,20 @@ class TieredStore:
                 if hit is None:
                     missing.append(j)
                     continue
-                blob, chunk = hit
+                stored, chunk = hit
                 if isinstance(chunk, ChunkCorrupt):
                     await self._drop_corrupt(tier, tkey, chunk)
                     missing.append(j)
                     continue
-                self._promote(tkey, blob, layer_priority(chunk.meta.layer), self.tiers[1:i])
+                blob = stored.kept
+                if blob is not None:
+                    self._promote(tkey, blob, layer_priority(chunk.meta.layer), self.tiers[1:i])
                 out[j] = (blob, chunk, tier.name)
             todo = missing
         return out
 
     async def _get_one_checked(
-        self, tier: Tier, tkey: str, check: Callable[[Blob], Chunk]
+        self, tier: Tier, tkey: str, check: Callable[[Stored], Chunk]
     ) -> Checked[Chunk]:
         try:
             return (await self.io.get_many_checked(tier, [tkey], check))[0]

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from services.kvstore.errors import TierUnavailable
 from services.kvstore.metrics import KVStoreMetrics
-from services.kvstore.tiers.base import Blob, Checked, T, Tier
+from services.kvstore.tiers.base import Blob, Checked, Stored, T, Tier
 from services.kvstore.tiers.dram import DramTier
 
 
@@ -59,7 +59,7 @@ class TierIO:
         return blobs
 
     async def get_many_checked(
-        self, tier: Tier, keys: list[str], check: Callable[[Blob], T]
+        self, tier: Tier, keys: list[str], check: Callable[[Stored], T]
     ) -> list[Checked[T]]:
         """``tier.get_many_checked`` with the metrics of ``get_many``."""
         c = self._c(tier)
@@ -70,17 +70,18 @@ class TierIO:
             c.get_err.inc()
             got = [None] * len(keys)
         c.get_s.observe(time.perf_counter() - t0)
-        self._count_reads(c, [None if g is None else g[0] for g in got])
+        self._count_reads(c, [None if g is None else g[0].nbytes for g in got])
         return got
 
     @staticmethod
-    def _count_reads(c: _TierCounters, blobs: list[Blob | None]) -> None:
-        for blob in blobs:
-            if blob is None:
+    def _count_reads(c: _TierCounters, reads: list[Blob | int | None]) -> None:
+        """Hits, misses and bytes of a batch: each read is the blob, its size, or None."""
+        for r in reads:
+            if r is None:
                 c.misses.inc()
             else:
                 c.hits.inc()
-                c.bytes_out.inc(len(blob))
+                c.bytes_out.inc(r if isinstance(r, int) else len(r))
 
     def dram_get(self, tier: DramTier, key: str) -> Blob | None:
         """Synchronous DRAM read with metrics (no latency sample: there is no I/O to time)."""

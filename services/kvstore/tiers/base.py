@@ -31,20 +31,63 @@ from shared.chunk_codec import ChunkCorrupt
 
 Blob = bytes | bytearray
 T = TypeVar("T")
-# One key of a checked batch read: a miss, or the blob with what the check made of it
-# (or the ChunkCorrupt it raised).
-Checked = tuple[Blob, "T | ChunkCorrupt"] | None
 
 
-def apply_check(blob: Blob | None, check: Callable[[Blob], T]) -> Checked[T]:
-    """``(blob, check(blob))``, the ``ChunkCorrupt`` it raised in place of the result, or
+class Stored:
+    """One hit as a read's ``check`` sees it: a blob in memory, or (``FileStored``) a blob
+    in a file, which a check can read straight to where its bytes are going (the pool load
+    reads a chunk's payload into its pool blocks: one copy, no blob in between)."""
+
+    def __init__(self, blob: Blob) -> None:
+        self._blob: Blob | None = blob
+        self.nbytes = len(blob)
+
+    @property
+    def kept(self) -> Blob | None:
+        """The whole blob if it is in memory (it was, or ``blob()`` read it), else None."""
+        return self._blob
+
+    def blob(self) -> Blob:
+        """The whole blob in memory (a file-backed hit reads it once)."""
+        assert self._blob is not None
+        return self._blob
+
+    def read(self, offset: int, n: int) -> Blob | memoryview:
+        """Up to ``n`` bytes from ``offset`` (fewer at the end)."""
+        return memoryview(self.blob())[offset : offset + n]
+
+    def readinto(self, offset: int, bufs: list[memoryview]) -> None:
+        """Fill ``bufs`` in order with the bytes from ``offset``; ``ChunkCorrupt`` if the
+        blob ends first."""
+        src = memoryview(self.blob())
+        for b in bufs:
+            end = offset + len(b)
+            if end > len(src):
+                raise ChunkCorrupt(f"blob of {len(src)} bytes ends before byte {end}")
+            b[:] = src[offset:end]
+            offset = end
+
+
+# One key of a checked batch read: a miss, or the hit with what the check made of it (or
+# the ChunkCorrupt it raised).
+Checked = tuple[Stored, "T | ChunkCorrupt"] | None
+
+
+def apply_check(found: Stored | Blob | None, check: Callable[[Stored], T]) -> Checked[T]:
+    """``(hit, check(hit))``, the ``ChunkCorrupt`` it raised in place of the result, or
     None for a miss."""
-    if blob is None:
+    if found is None:
         return None
+    hit = found if isinstance(found, Stored) else Stored(found)
     try:
-        return blob, check(blob)
+        return hit, check(hit)
     except ChunkCorrupt as e:
-        return blob, e
+        return hit, e
+
+
+def whole_blob(hit: Stored) -> Blob:
+    """The trivial check: the blob itself (``get_many`` is this check on every hit)."""
+    return hit.blob()
 
 
 @dataclass(frozen=True)
@@ -78,11 +121,12 @@ class Tier(ABC):
         return [await self.get(k) for k in keys]
 
     async def get_many_checked(
-        self, keys: list[str], check: Callable[[Blob], T]
+        self, keys: list[str], check: Callable[[Stored], T]
     ) -> list[Checked[T]]:
         """``get_many``, then ``check`` (e.g. verify and decode) on every hit. Tiers that
         read on a worker thread override it to check there too, while the bytes they just
-        read are still in the CPU's cache and off the event loop. Default: on the loop."""
+        read are still in the CPU's cache and off the event loop; file-backed tiers hand
+        the check a ``FileStored``. Default: in-memory hits, on the loop."""
         return [apply_check(b, check) for b in await self.get_many(keys)]
 
     @abstractmethod

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import boto3
 import pytest
-from rocksdict import Options, Rdict
 
 from services.engine.model import LoadedModel
+from services.kvstore.tiers import SsdTier
 from tests.integration.reuse.harness import (
     engine, kvstore, kvstore_config, reference_transcript, run_turn, saves_settled, turn_request,
 )
@@ -33,20 +33,21 @@ def flip(blob: bytes) -> bytes:
     return bytes(b)
 
 
-def damage_ssd(path: Path, layer: int, how: str) -> int:
-    """Flip payload bytes of (``corrupt``) or delete the value of (``missing``, its index
-    entry stays, so lookups still see it) every chunk of ``layer`` in a closed kvstore's
-    RocksDB."""
-    db = Rdict(str(path), Options(raw_mode=True))
+async def damage_ssd(path: Path, layer: int, how: str) -> int:
+    """Flip payload bytes of (``corrupt``) or lose the stored bytes of (``missing``, the
+    catalog entry stays, so lookups still see it) every chunk of ``layer`` in a closed
+    kvstore's SSD tier."""
+    ssd = SsdTier(str(path), 1 << 40)
+    await ssd.open()
     try:
-        keys = [k for k in db.keys() if k.startswith(b"v:") and k.endswith(f"/{layer}".encode())]
+        keys = [k for k in ssd.keys() if k.startswith("c/") and k.endswith(f"/{layer}")]
         for k in keys:
             if how == "corrupt":
-                db[k] = flip(db[k])
+                await ssd.raw_put(k, flip(await ssd.get(k)))
             else:
-                del db[k]
+                await ssd.raw_drop(k)
     finally:
-        db.close()
+        await ssd.close()
     return len(keys)
 
 
@@ -61,7 +62,7 @@ async def test_bad_ssd_chunk_mid_load_falls_back(
             assert await eng.kv_connector.attach(timeout=10.0)
             assert (await run_turn(eng, turn_request(msgs1, "c")))[0] == want1
             await saves_settled(eng)
-        assert damage_ssd(cfg.ssd_path, 1, how) > 0  # layer 0 loads, layer 1 fails
+        assert await damage_ssd(cfg.ssd_path, 1, how) > 0  # layer 0 loads, layer 1 fails
         async with kvstore(cfg):
             assert await eng.kv_connector.attach(timeout=10.0)
             await eng.drop_device_cache()

@@ -55,9 +55,11 @@ async def test_dram_scan_expired() -> None:
     assert await t.scan_expired(cut - 100) == []
 
 
-async def test_ssd_roundtrip_capacity_and_reopen(tmp_path: Path) -> None:
+@pytest.mark.parametrize("inline_max", [4096, 0], ids=["in-rocksdb", "in-files"])
+async def test_ssd_roundtrip_capacity_and_reopen(tmp_path: Path, inline_max: int) -> None:
     path = str(tmp_path / "db")
-    t = SsdTier(path, capacity_bytes=1000)
+    files = tmp_path / "db" / "blobs"
+    t = SsdTier(path, capacity_bytes=1000, inline_max_bytes=inline_max)
     await t.open()
     try:
         assert await t.put("a", b"A" * 400, priority=0) == []
@@ -69,14 +71,20 @@ async def test_ssd_roundtrip_capacity_and_reopen(tmp_path: Path) -> None:
         assert t.stats().bytes_used == 900
         t.check_integrity()
         assert await t.delete("c")
+        # evicted, replaced and deleted blobs leave no file behind
+        assert len(list(files.iterdir())) == (1 if inline_max == 0 else 0)
     finally:
         await t.close()
-    t2 = SsdTier(path, capacity_bytes=1000)
+    (files / "00000000000000ff").write_bytes(b"a crash between file and catalog")
+    t2 = SsdTier(path, capacity_bytes=1000, inline_max_bytes=inline_max)
     await t2.open()
     try:
         assert await t2.get("a") == b"a" * 500
         assert not await t2.contains("c")
         assert t2.stats().entries == 1 and t2.stats().bytes_used == 500
+        assert len(list(files.iterdir())) == (1 if inline_max == 0 else 0)  # orphan removed
+        await t2.put("d", b"D" * 300)  # file numbers continue past the surviving ones
+        assert await t2.get("d") == b"D" * 300 and await t2.get("a") == b"a" * 500
         t2.check_integrity()
     finally:
         await t2.close()

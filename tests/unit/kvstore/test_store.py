@@ -112,29 +112,66 @@ async def test_ssd_get_many_answers_in_order_with_misses(tmp_path: Path) -> None
         await ssd.close()
 
 
-async def test_ssd_get_many_checked_runs_the_check_on_the_reading_thread(tmp_path: Path) -> None:
+@pytest.mark.parametrize("nowait", [True, False])
+async def test_ssd_get_many_checked_runs_the_check_where_it_reads(
+    tmp_path: Path, nowait: bool
+) -> None:
     """Hits come back with the check's result (or the ChunkCorrupt it raised), misses as
-    None, in key order; the check ran off the event loop's thread."""
-    ssd = SsdTier(str(tmp_path / "db"), 1 << 22)
+    None, in key order. A chunk file the page cache holds is checked inline on the loop
+    (RWF_NOWAIT); otherwise on the tier's reading thread. Chunks reach the check unread
+    (``FileStored``), small values (inline in RocksDB) as blobs, read on the thread."""
+    from services.kvstore.tiers.ssd import FileStored
+
+    ssd = SsdTier(str(tmp_path / "db"), 1 << 22, inline_max_bytes=512)
     await ssd.open()
     try:
+        ssd._nowait = nowait and ssd._nowait
         good = bytes(encode_chunk(meta("s", 0, 0), kv_tensor(5)))
+        assert len(good) > ssd.inline_max_bytes
         bad = bytearray(good)
         bad[-1] ^= 0xFF
-        await ssd.put("good", good)
-        await ssd.put("bad", bytes(bad))
-        threads: set[int] = set()
+        small = bytes(encode_chunk(meta("s", 1, 0), kv_tensor(5)[:, :1]))
+        assert len(small) <= ssd.inline_max_bytes
+        for k, v in (("good", good), ("bad", bytes(bad)), ("small", small)):
+            await ssd.put(k, v)
+        seen: dict[str, tuple[type, int]] = {}
 
-        def check(blob: bytes):
-            threads.add(threading.get_ident())
-            return decode_chunk(blob)
+        def check(hit):
+            chunk = decode_chunk(hit.blob())
+            seen[chunk.meta.key] = (type(hit), threading.get_ident())
+            return chunk
 
-        got = await ssd.get_many_checked(["bad", "none", "good"], check)
+        got = await ssd.get_many_checked(["bad", "none", "good", "small"], check)
         assert got[1] is None
         assert got[0] is not None and isinstance(got[0][1], ChunkCorrupt)
-        assert got[2] is not None and got[2][0] == good
+        assert got[2] is not None and got[2][0].kept == good
         assert torch.equal(got[2][1].tensor, kv_tensor(5))
-        assert threads and threading.get_ident() not in threads
+        assert got[3] is not None and torch.equal(got[3][1].tensor, kv_tensor(5)[:, :1])
+        kind, thread = seen[meta("s", 0, 0).key]
+        assert kind is FileStored
+        assert (thread == threading.get_ident()) == ssd._nowait
+        kind, thread = seen[meta("s", 1, 0).key]
+        assert kind is not FileStored and thread != threading.get_ident()
+        ssd.check_integrity()
+    finally:
+        await ssd.close()
+
+
+async def test_ssd_file_lost_under_its_entry_is_corrupt_and_dropped(tmp_path: Path) -> None:
+    """A chunk whose file vanished (the disk lost it) reads as corrupt in a checked read
+    (the store counts and deletes it) and as a miss, dropped, in a plain one."""
+    ssd = SsdTier(str(tmp_path / "db"), 1 << 22, inline_max_bytes=256)
+    await ssd.open()
+    try:
+        blob = bytes(encode_chunk(meta("s", 0, 0), kv_tensor(5)))
+        await ssd.put("a", blob)
+        await ssd.put("b", blob)
+        await ssd.raw_drop("a")
+        await ssd.raw_drop("b")
+        (hit,) = await ssd.get_many_checked(["a"], lambda h: decode_chunk(h.blob()))
+        assert hit is not None and isinstance(hit[1], ChunkCorrupt)
+        assert await ssd.get("b") is None and not await ssd.contains("b")
+        ssd.check_integrity()
     finally:
         await ssd.close()
 
