@@ -57,6 +57,8 @@ def _payload_offset(header_len: int) -> int:
     end = PREAMBLE_BYTES + header_len
     return end + (-end) % _ALIGN
 
+_NUMPY_DTYPES = frozenset(("float32", "float16", "float64", "int8", "uint8", "int32", "int64"))
+
 # Supported payload dtypes by wire name (= ``str(torch.dtype)`` without "torch.").
 DTYPE_NAMES = (
     "float32", "float16", "bfloat16", "float64", "int8", "uint8", "int32", "int64",
@@ -114,8 +116,9 @@ class ChunkMeta:
     layer: int
     block_hashes: tuple[bytes, ...]
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
+        """The store key (validates the fields; computed once: the put path uses it often)."""
         return chunk_key(self.tenant, self.model_fp, self.block_hashes[-1], self.layer)
 
 
@@ -162,7 +165,7 @@ def encode_chunk(meta: ChunkMeta, tensor: torch.Tensor, *, seal: bool = True) ->
         raise ChunkFormatError("encode_chunk needs a CPU tensor (copy it to host first)")
     if not meta.block_hashes:
         raise ChunkFormatError("a chunk names at least one block hash")
-    chunk_key(meta.tenant, meta.model_fp, meta.block_hashes[-1], meta.layer)  # validates
+    meta.key  # validates the fields
     nbytes = tensor.numel() * tensor.element_size()
     header = msgpack.packb(
         {
@@ -182,7 +185,13 @@ def encode_chunk(meta: ChunkMeta, tensor: torch.Tensor, *, seal: bool = True) ->
         # (nbytes,) uint8 view of the source; bytearray += is one malloc + one memcpy (no
         # zero-fill pass, and no torch copy kernel, whose thread fan-out costs more than the
         # copy for chunk-sized tensors).
-        blob += tensor.detach().contiguous().view(-1).view(torch.uint8).numpy().data
+        flat = tensor.detach() if tensor.requires_grad else tensor
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        # extend() of a buffer is bytearray's in-place concatenation (``+=`` of an ndarray
+        # would be numpy's broadcast add). numpy has no bfloat16/float8: view those as bytes.
+        blob.extend(flat.numpy() if dtype_name in _NUMPY_DTYPES
+                    else flat.view(-1).view(torch.uint8).numpy())
     if seal:
         seal_chunk(blob)
     return blob

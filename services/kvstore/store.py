@@ -76,6 +76,11 @@ MANIFEST_PRIORITY = 1 << 30  # local tiers never evict a manifest before a chunk
 _DURABLE_MEMORY = 100_000  # keys remembered as durable, to spare HEAD calls on manifests
 
 
+def _decode_trusted(blob: Blob) -> Chunk:
+    """A DRAM blob's chunk: trusted (it never left the process), so no checksum."""
+    return decode_chunk(blob, verify=False)
+
+
 def decode_stored(hit: Stored) -> Chunk:
     """The default check of a lower tier's hit: the whole blob, verified and decoded."""
     return decode_chunk(hit.blob())
@@ -197,12 +202,14 @@ class TieredStore:
         self.io.dram_put(self.dram, _C + key, blob, priority)
         self._durable.pop(key, None)
         fut = self.writer.submit(_C + key, blob, priority, self.local_tiers, durable=True)
-        if len(self.tiers) == 1:
+        if fut.done():  # nothing to write behind (DRAM is the only tier): durable now
             self._remember_durable(_C + key)
-        self._inflight[key] = fut
-        fut.add_done_callback(
-            lambda f, k=key: self._inflight.pop(k, None) if self._inflight.get(k) is f else None
-        )
+            self._inflight.pop(key, None)
+        else:
+            self._inflight[key] = fut
+            fut.add_done_callback(
+                lambda f, k=key: self._inflight.pop(k, None) if self._inflight.get(k) is f else None
+            )
         return PutReceipt(key, fut)
 
     def forget_durable(self, tier_key: str) -> None:
@@ -220,6 +227,10 @@ class TieredStore:
 
     async def get(self, key: str) -> Chunk | None:
         """The chunk under ``key`` or ``None`` (miss, unreachable or corrupt). See module doc."""
+        if self.dram.has_local(_C + key):  # the common case, without the batch machinery
+            hit = self.io.dram_get_decoded(self.dram, _C + key, _decode_trusted)
+            if hit is not None:
+                return hit[1]
         return (await self.find_chunk(key))[0]
 
     async def find_chunk(self, key: str) -> tuple[Chunk | None, str]:
@@ -256,9 +267,9 @@ class TieredStore:
         out: list[tuple[Blob | None, Chunk | None, str]] = [(None, None, "")] * len(keys)
         todo: list[int] = []
         for j, key in enumerate(keys):
-            blob = self.io.dram_get(self.dram, _C + key)
-            if blob is not None:
-                out[j] = (blob, decode_chunk(blob, verify=False), self.dram.name)
+            hit = self.io.dram_get_decoded(self.dram, _C + key, _decode_trusted)
+            if hit is not None:
+                out[j] = (hit[0], hit[1], self.dram.name)
             else:
                 todo.append(j)
         for i, tier in enumerate(self.tiers[1:], start=1):

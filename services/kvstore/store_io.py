@@ -83,6 +83,18 @@ class TierIO:
                 c.hits.inc()
                 c.bytes_out.inc(r if isinstance(r, int) else len(r))
 
+    def dram_get_decoded(self, tier: DramTier, key: str, decode: Callable[[Blob], T]
+                         ) -> tuple[Blob, T] | None:
+        """``dram_get`` with the blob's decoded form, decoded once per stored blob."""
+        c = self._c(tier)
+        hit = tier.get_decoded(key, decode)
+        if hit is None:
+            c.misses.inc()
+        else:
+            c.hits.inc()
+            c.bytes_out.inc(len(hit[0]))
+        return hit
+
     def dram_get(self, tier: DramTier, key: str) -> Blob | None:
         """Synchronous DRAM read with metrics (no latency sample: there is no I/O to time)."""
         c = self._c(tier)

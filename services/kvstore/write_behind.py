@@ -114,10 +114,10 @@ class WriteBehind:
     ) -> asyncio.Future[None]:
         """Queue ``blob`` for ``targets`` (in order); the future resolves when all are written."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        fut.add_done_callback(_consume)
         if not targets:
-            fut.set_result(None)
+            fut.set_result(None)  # nothing to consume: it can never hold an exception
             return fut
+        fut.add_done_callback(_consume)
         job = WriteJob(key, blob, priority, list(targets), durable, fut, next(self._seq), is_chunk)
         self._pending.append(job)
         if len(self._pending) > self.bound:

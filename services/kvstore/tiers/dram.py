@@ -8,6 +8,8 @@ must treat returned blobs as read-only except for sealing (see ``shared.chunk_co
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 from services.kvstore.tiers.base import Blob, Tier, TierStats
 from services.kvstore.tiers.lru_index import PriorityLru
@@ -19,6 +21,9 @@ class DramTier(Tier):
     def __init__(self, capacity_bytes: int) -> None:
         self._index = PriorityLru(capacity_bytes)
         self._blobs: dict[str, Blob] = {}
+        # What the store decoded each blob into (a chunk whose tensor views the blob): a
+        # DRAM hit is then a lookup, not a header parse and a tensor construction.
+        self._decoded: dict[str, Any] = {}
 
     async def get(self, key: str) -> Blob | None:
         return self.get_now(key)
@@ -29,6 +34,17 @@ class DramTier(Tier):
         if blob is not None:
             self._index.touch(key, time.time())
         return blob
+
+    def get_decoded(self, key: str, decode: Callable[[Blob], Any]) -> tuple[Blob, Any] | None:
+        """``get_now`` and ``decode(blob)``, decoded once per stored blob (no I/O)."""
+        blob = self._blobs.get(key)
+        if blob is None:
+            return None
+        self._index.touch(key, time.time())
+        obj = self._decoded.get(key)
+        if obj is None:
+            obj = self._decoded[key] = decode(blob)
+        return blob, obj
 
     def peek(self, key: str) -> Blob | None:
         """The blob without refreshing its recency (no I/O, synchronous)."""
@@ -58,6 +74,7 @@ class DramTier(Tier):
 
     def _drop(self, key: str) -> bool:
         self._index.remove(key)
+        self._decoded.pop(key, None)
         return self._blobs.pop(key, None) is not None
 
     async def contains(self, key: str) -> bool:
@@ -77,4 +94,5 @@ class DramTier(Tier):
     def check_integrity(self) -> None:
         self._index.check_integrity()
         assert set(self._blobs) == set(self._index.keys()), "blobs and index disagree"
+        assert set(self._decoded) <= set(self._blobs), "a decoded chunk outlived its blob"
         assert self._index.bytes_used <= self._index.capacity_bytes, "over budget"

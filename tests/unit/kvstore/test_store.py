@@ -40,6 +40,29 @@ async def test_put_lands_in_dram_before_returning_and_acks_durable(tmp_path: Pat
         s.check_integrity()
 
 
+async def test_dram_hits_decode_once_and_never_serve_a_replaced_blob() -> None:
+    """A DRAM hit reuses the chunk decoded at the first hit; replacing, evicting or
+    deleting the blob drops it, so a get never returns stale data."""
+    blob_bytes = len(encode_chunk(meta("s", 0, 0), kv_tensor(1)))
+    async with make_store([DramTier(2 * blob_bytes)]) as s:
+        a, b = meta("s", 0, 0), meta("s", 1, 0)
+        await s.put(a, kv_tensor(1))
+        first = await s.get(a.key)
+        assert first is not None and await s.get(a.key) is first  # decoded once
+        await s.put(a, kv_tensor(2))  # replaced
+        got = await s.get(a.key)
+        assert got is not None and torch.equal(got.tensor, kv_tensor(2))
+        await s.put(b, kv_tensor(3))
+        await s.put(meta("s", 2, 0), kv_tensor(4))  # evicts a, the least recently used
+        assert await s.get(a.key) is None
+        await s.put(a, kv_tensor(5))
+        got = await s.get(a.key)
+        assert got is not None and torch.equal(got.tensor, kv_tensor(5))
+        assert s.metrics.value("kvstore_hits_total", tier="dram") == 4
+        assert s.metrics.value("kvstore_misses_total", tier="dram") == 1
+        s.check_integrity()
+
+
 async def test_get_promotes_from_lower_tiers(tmp_path: Path) -> None:
     async with make_store([DramTier(1 << 20), SsdTier(str(tmp_path / "db"), 1 << 20)]) as s:
         r = await s.put(meta("s", 0, 2), kv_tensor(7))
