@@ -46,7 +46,18 @@ def extend_block_hashes(
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     parent = hashes[-1] if hashes else seed
-    for i in range(len(hashes), len(token_ids) // block_size):
-        parent = chain_hash(parent, token_ids[i * block_size : (i + 1) * block_size])
+    first, end = len(hashes), len(token_ids) // block_size
+    if first >= end:
+        return hashes
+    # Pack every new block's tokens in one call, then hash slices of it: the same bytes as
+    # chain_hash per block, at a fraction of the per-block cost (a 2k-token prompt is
+    # hashed on every request's path to its first token).
+    packed = memoryview(struct.pack(f"<{(end - first) * block_size}i",
+                                    *token_ids[first * block_size : end * block_size]))
+    step = 4 * block_size
+    for off in range(0, len(packed), step):
+        h = hashlib.blake2b(parent, digest_size=DIGEST_BYTES)
+        h.update(packed[off : off + step])
+        parent = h.digest()
         hashes.append(parent)
     return hashes

@@ -93,10 +93,16 @@ async def probe_chunk(
                 probe.blobs[key] = blob
                 continue
         below.append(key)
-    # Layers not in DRAM are located concurrently (S3 HEADs would add up otherwise).
-    tiers = await asyncio.gather(*(store.first_tier_below_dram(k) for k in below))
-    if any(t is None for t in tiers):
-        return None
+    # Layers not in DRAM: the SSD index answers most without I/O; the rest are located
+    # concurrently (S3 HEADs would add up otherwise).
+    tiers = [store.known_below_dram(k) for k in below]
+    ask = [i for i, t in enumerate(tiers) if t is None]
+    if ask:
+        for i, t in zip(ask, await asyncio.gather(
+                *(store.first_tier_below_dram(below[i]) for i in ask))):
+            if t is None:
+                return None
+            tiers[i] = t
     # Pinned only now, with no await since the gather: a cancelled lookup leaks no pins.
     for t, k in zip(tiers, below):
         assert t is not None

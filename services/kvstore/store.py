@@ -330,6 +330,13 @@ class TieredStore:
             self.dram.touch(_C + key)
         return blob
 
+    def known_below_dram(self, key: str) -> Tier | None:
+        """``first_tier_below_dram`` without I/O when the tier right below DRAM knows the
+        key from its own index (the SSD's); None means "ask ``first_tier_below_dram``"."""
+        if len(self.tiers) > 1 and self.tiers[1].has_local(_C + key):
+            return self.tiers[1]
+        return None
+
     async def first_tier_below_dram(self, key: str) -> Tier | None:
         """The fastest tier below DRAM holding chunk ``key`` (an unreachable tier is skipped)."""
         for tier in self.tiers[1:]:
