@@ -161,7 +161,7 @@ def encode_chunk(meta: ChunkMeta, tensor: torch.Tensor, *, seal: bool = True) ->
     dtype_name = str(tensor.dtype).removeprefix("torch.")
     if dtype_name not in DTYPE_NAMES:
         raise ChunkFormatError(f"unsupported dtype {tensor.dtype}; known: {', '.join(DTYPE_NAMES)}")
-    if tensor.device.type != "cpu":
+    if not tensor.is_cpu:
         raise ChunkFormatError("encode_chunk needs a CPU tensor (copy it to host first)")
     if not meta.block_hashes:
         raise ChunkFormatError("a chunk names at least one block hash")

@@ -91,7 +91,7 @@ def layer_priority(layer: int) -> int:
     return -layer
 
 
-@dataclass
+@dataclass(slots=True)
 class PutReceipt:
     key: str
     durable: asyncio.Future[None]

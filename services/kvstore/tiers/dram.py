@@ -62,14 +62,16 @@ class DramTier(Tier):
 
     def put_now(self, key: str, blob: Blob, priority: int = 0) -> list[str]:
         """Synchronous ``put``: the store uses it so a put lands before any await."""
-        self._drop(key)
-        if len(blob) > self._index.capacity_bytes:
+        if key in self._blobs:
+            self._drop(key)
+        size = len(blob)
+        if size > self._index.capacity_bytes:
             return [key]
-        evicted = self._index.victims(len(blob))
+        evicted = self._index.victims(size)
         for k in evicted:
             self._drop(k)
         self._blobs[key] = blob
-        self._index.add(key, len(blob), priority, time.time())
+        self._index.add(key, size, priority, time.time())
         return evicted
 
     def _drop(self, key: str) -> bool:

@@ -15,7 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 
-@dataclass
+@dataclass(slots=True)
 class Entry:
     size: int
     priority: int
@@ -57,9 +57,13 @@ class PriorityLru:
 
     def add(self, key: str, size: int, priority: int, now: float) -> None:
         """Record ``key`` (replacing any old entry) as the most recent of its priority."""
-        self.remove(key)
+        if key in self._entries:
+            self.remove(key)
         self._entries[key] = Entry(size, priority, now)
-        self._order.setdefault(priority, OrderedDict())[key] = None
+        bucket = self._order.get(priority)
+        if bucket is None:
+            bucket = self._order[priority] = OrderedDict()
+        bucket[key] = None
         self.bytes_used += size
 
     def touch(self, key: str, now: float) -> None:
