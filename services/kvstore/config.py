@@ -33,12 +33,20 @@ class KVStoreConfig:
         "ssd is off when ssd_path is empty, s3 when s3.bucket is empty",
     )
     dram_bytes: int = opt(2 << 30, "DRAM arena budget in bytes", min=0)
-    ssd_path: str = opt("", "RocksDB directory; empty disables the SSD tier")
+    ssd_path: str = opt(
+        "", "SSD tier directory (RocksDB catalog + one file per chunk); empty disables it"
+    )
     ssd_bytes: int = opt(20 << 30, "SSD tier capacity in bytes", min=0)
     chunk_tokens: int = opt(256, "tokens per chunk (multiple of the block size)", min=1)
     ttl_s: float = opt(7 * 24 * 3600.0, "lowest-tier expiry in seconds", min=1.0)
     ssd_cache_bytes: int = opt(256 << 20, "RocksDB block cache in bytes", min=1 << 20)
-    ssd_sync: bool = opt(False, "fsync the RocksDB WAL on every write (power-loss safe)")
+    ssd_sync: bool = opt(
+        False, "fsync each SSD write (chunk file, its directory, the RocksDB WAL): power-loss safe"
+    )
+    ssd_inline_bytes: int = opt(
+        4096, "SSD values up to this size stay inside RocksDB; larger ones (chunks) get a file",
+        min=0,
+    )
     local_ttl_s: float = opt(24 * 3600.0, "DRAM/SSD entries idle this long are swept", min=1.0)
     sweep_interval_s: float = opt(30.0, "seconds between sweeps of expired entries", min=0.01)
     write_queue: int = opt(

@@ -22,7 +22,8 @@ def _dram(cfg: KVStoreConfig) -> Tier | None:
 def _ssd(cfg: KVStoreConfig) -> Tier | None:
     if not cfg.ssd_path:
         return None
-    return SsdTier(cfg.ssd_path, cfg.ssd_bytes, cfg.ssd_sync, cache_bytes=cfg.ssd_cache_bytes)
+    return SsdTier(cfg.ssd_path, cfg.ssd_bytes, cfg.ssd_sync, cache_bytes=cfg.ssd_cache_bytes,
+                   inline_max_bytes=cfg.ssd_inline_bytes)
 
 
 def _s3(cfg: KVStoreConfig) -> Tier | None:
