@@ -230,7 +230,8 @@ class SsdTier(Tier):
         return db, entries, orphans
 
     async def close(self) -> None:
-        db, self._db = self._db, None
+        async with self._write_lock:  # a write under way finishes first (RocksDB would
+            db, self._db = self._db, None  # refuse the close while it holds the DB)
         if db is not None:
             await self._run(db.close)
         if self._pool is not None:
@@ -313,7 +314,7 @@ class SsdTier(Tier):
         result: list[Checked[T]] = []
         for k, hit in zip(keys, out, strict=True):
             if isinstance(hit, _Missing):
-                hit = await self._missing(k, hit.file_no)
+                hit = await self._missing(k, hit.file_no, check)
             if hit is not None:
                 self._index.touch(k, now)
             result.append(hit)
@@ -330,20 +331,26 @@ class SsdTier(Tier):
         finally:
             os.close(fd)
 
-    async def _missing(self, key: str, file_no: int) -> Checked[Any]:
-        """A file gone under its entry: a put or delete replaced it while it was read (a
-        miss), or it was lost (corruption: the caller drops the entry). Writes hold the
-        lock until the index agrees with the disk, so wait for it before telling."""
+    async def _missing(self, key: str, file_no: int, check: Callable[[Stored], T]
+                       ) -> Checked[T]:
+        """A file gone under its entry: a put replaced it while it was read (read the new
+        one), a delete or eviction dropped it (a miss), or it was lost (corruption: the
+        caller drops the entry). Writes hold the lock until the index agrees with the
+        disk, so wait for it before telling."""
         async with self._write_lock:
-            if self._files.get(key) != file_no:
-                return None
-        return Stored(b""), ChunkCorrupt(f"ssd: the file of {key} is missing")
+            now_no = self._files.get(key)
+            if now_no == file_no:
+                return Stored(b""), ChunkCorrupt(f"ssd: the file of {key} is missing")
+        if now_no is None or key not in self._index:
+            return None
+        got = await self._run(self._read_file, now_no, check, False)
+        return None if isinstance(got, _Missing) else got
 
     # ---------------------------------------------------------------- writes
 
     async def put(self, key: str, blob: Blob, priority: int = 0) -> list[str]:
-        db = self._live_db()
         async with self._write_lock:
+            db = self._live_db()  # under the lock: close() takes it too
             old = self._index.get(key)
             free_again = old.size if old else 0
             if len(blob) > self._index.capacity_bytes:
@@ -421,8 +428,8 @@ class SsdTier(Tier):
         return key in self._index
 
     async def delete(self, key: str) -> bool:
-        db = self._live_db()
         async with self._write_lock:
+            db = self._live_db()
             if self._index.remove(key) is None:
                 return False
             file_no = self._files.pop(key, None)

@@ -180,6 +180,82 @@ async def test_ssd_get_many_checked_runs_the_check_where_it_reads(
         await ssd.close()
 
 
+async def test_ssd_reads_racing_replaces_see_a_whole_version_never_corruption(
+    tmp_path: Path,
+) -> None:
+    """Readers of chunk files being replaced (new file, catalog, unlink of the old one)
+    get one complete version or a miss, never a corrupt read, and nothing is deleted."""
+    ssd = SsdTier(str(tmp_path / "db"), 1 << 24)
+    await ssd.open()
+    try:
+        versions = [bytes(encode_chunk(meta("s", 0, 0), kv_tensor(v, tokens=64)))
+                    for v in range(4)]
+        keys = [f"k{i}" for i in range(4)]
+        for k in keys:
+            await ssd.put(k, versions[0])
+        stop = asyncio.Event()
+
+        async def replacer() -> None:
+            for round_ in range(1, 30):
+                for k in keys:
+                    await ssd.put(k, versions[round_ % 4])
+            stop.set()
+
+        def check(hit):
+            return decode_chunk(hit.blob())  # verifies the checksum
+
+        async def reader() -> int:
+            n = 0
+            while not stop.is_set():
+                for hit in await ssd.get_many_checked(keys, check):
+                    assert hit is not None, "a replaced key went missing"
+                    assert not isinstance(hit[1], ChunkCorrupt), hit[1]
+                    assert bytes(hit[0].blob()) in versions
+                    n += 1
+                await asyncio.sleep(0)
+            return n
+
+        counts = await asyncio.gather(replacer(), *(reader() for _ in range(3)))
+        assert sum(c for c in counts if c) > 0
+        assert len(list((tmp_path / "db" / "blobs").iterdir())) == len(keys)
+        ssd.check_integrity()
+    finally:
+        await ssd.close()
+
+
+async def test_ssd_without_rwf_nowait_reads_on_its_threads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file system that refuses RWF_NOWAIT turns inline reads off for good; reads still
+    succeed, on the tier's threads."""
+    import errno
+    import os
+
+    ssd = SsdTier(str(tmp_path / "db"), 1 << 22)
+    await ssd.open()
+    try:
+        blob = bytes(encode_chunk(meta("s", 0, 0), kv_tensor(3, tokens=64)))
+        await ssd.put("a", blob)
+        real = os.preadv
+        where: list[str] = []
+
+        def no_nowait(fd, bufs, offset, flags=0):
+            where.append(threading.current_thread().name)
+            if flags:
+                raise OSError(errno.EOPNOTSUPP, "not supported")
+            return real(fd, bufs, offset, flags)
+
+        monkeypatch.setattr(os, "preadv", no_nowait)
+        assert await ssd.get("a") == blob
+        assert await ssd.get("a") == blob
+        assert not ssd._nowait
+        # one refused inline try, then every read on a kv-ssd thread
+        assert where[0] == threading.current_thread().name
+        assert all(t.startswith("kv-ssd") for t in where[1:]) and len(where) == 3
+    finally:
+        await ssd.close()
+
+
 async def test_ssd_file_lost_under_its_entry_is_corrupt_and_dropped(tmp_path: Path) -> None:
     """A chunk whose file vanished (the disk lost it) reads as corrupt in a checked read
     (the store counts and deletes it) and as a miss, dropped, in a plain one."""
