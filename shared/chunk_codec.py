@@ -31,6 +31,7 @@ Decoding never copies the payload: the tensor is ``torch.frombuffer`` over the b
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import struct
@@ -57,7 +58,6 @@ def _payload_offset(header_len: int) -> int:
     end = PREAMBLE_BYTES + header_len
     return end + (-end) % _ALIGN
 
-_NUMPY_DTYPES = frozenset(("float32", "float16", "float64", "int8", "uint8", "int32", "int64"))
 
 # Supported payload dtypes by wire name (= ``str(torch.dtype)`` without "torch.").
 DTYPE_NAMES = (
@@ -119,6 +119,9 @@ class ChunkMeta:
     @functools.cached_property
     def key(self) -> str:
         """The store key (validates the fields; computed once: the put path uses it often)."""
+        for h in self.block_hashes[:-1]:  # chunk_key checks the last one
+            if not isinstance(h, (bytes, bytearray)) or not h:
+                raise ChunkFormatError("a block hash must be non-empty bytes")
         return chunk_key(self.tenant, self.model_fp, self.block_hashes[-1], self.layer)
 
 
@@ -151,47 +154,81 @@ def _checksum(blob: bytes | bytearray | memoryview) -> int:
     return xxhash.xxh3_64_intdigest(memoryview(blob)[PREAMBLE_BYTES:])
 
 
+_ZEROS = bytes(_ALIGN)
+_HEADER_FIELDS = 7  # tenant, model_fp, dtype, shape, nbytes, layer, hashes
+_DTYPE_NAME: dict[Any, str] = {}  # torch.dtype -> wire name, filled on first use
+
+
+@functools.lru_cache(maxsize=1024)
+def _header_fixed(
+    tenant: str, model_fp: str, dtype_name: str, shape: tuple[int, ...], nbytes: int
+) -> bytes:
+    """The msgpack map header without its per-chunk fields (layer, hashes), packed once.
+
+    A session's chunks share tenant, model, dtype and shape, and packing the whole map per
+    chunk was the largest cost of a small put after the copy. ``_header_tail`` completes
+    it: the result is the map a ``packb`` of the dict gives (keys in another order; readers
+    look fields up by name).
+    """
+    assert _HEADER_FIELDS < 16  # a fixmap
+    fixed = {"tenant": tenant, "model_fp": model_fp, "dtype": dtype_name,
+             "shape": list(shape), "nbytes": nbytes}
+    packed = msgpack.packb(fixed)
+    return bytes((0x80 | _HEADER_FIELDS,)) + packed[1:]  # same entries, the full count
+
+
+def _header_tail(meta: ChunkMeta) -> memoryview:
+    """The map's last two entries: one packed array of key, value, key, value, minus the
+    array's own type byte (a fixarray of 4) is exactly those four items in a row."""
+    try:
+        packed = msgpack.packb(("layer", meta.layer, "hashes", meta.block_hashes))
+    except (TypeError, ValueError) as e:
+        raise ChunkFormatError(f"unpackable chunk fields: {e}") from None
+    return memoryview(packed)[1:]
+
+
+@functools.lru_cache(maxsize=256)
+def _byte_array(nbytes: int) -> type[ctypes.Array[ctypes.c_char]]:
+    return ctypes.c_char * nbytes
+
+
+def _dtype_name(dtype: Any) -> str:
+    name = _DTYPE_NAME.get(dtype)
+    if name is None:
+        name = str(dtype).removeprefix("torch.")
+        if name not in DTYPE_NAMES:
+            raise ChunkFormatError(f"unsupported dtype {dtype}; known: {', '.join(DTYPE_NAMES)}")
+        _DTYPE_NAME[dtype] = name
+    return name
+
+
 def encode_chunk(meta: ChunkMeta, tensor: torch.Tensor, *, seal: bool = True) -> bytearray:
     """Copy ``tensor`` (any shape, a supported dtype) into a new chunk blob.
 
     The tensor is copied exactly once, straight into the blob. ``seal=False`` defers the
     checksum to ``seal(blob)``.
     """
-    torch = _torch()
-    dtype_name = str(tensor.dtype).removeprefix("torch.")
-    if dtype_name not in DTYPE_NAMES:
-        raise ChunkFormatError(f"unsupported dtype {tensor.dtype}; known: {', '.join(DTYPE_NAMES)}")
+    dtype_name = _dtype_name(tensor.dtype)
     if not tensor.is_cpu:
         raise ChunkFormatError("encode_chunk needs a CPU tensor (copy it to host first)")
     if not meta.block_hashes:
         raise ChunkFormatError("a chunk names at least one block hash")
     meta.key  # validates the fields
-    nbytes = tensor.numel() * tensor.element_size()
-    header = msgpack.packb(
-        {
-            "tenant": meta.tenant,
-            "model_fp": meta.model_fp,
-            "layer": meta.layer,
-            "hashes": [bytes(h) for h in meta.block_hashes],
-            "dtype": dtype_name,
-            "shape": list(tensor.shape),
-            "nbytes": nbytes,
-        }
-    )
-    blob = bytearray(_PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, len(header), 0))
-    blob += header
-    blob += bytes(_payload_offset(len(header)) - len(blob))
+    nbytes = tensor.nbytes
+    fixed = _header_fixed(meta.tenant, meta.model_fp, dtype_name, tensor.shape, nbytes)
+    tail = _header_tail(meta)
+    hlen = len(fixed) + len(tail)
+    blob = bytearray(_PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, hlen, 0))
+    blob += fixed
+    blob += tail
+    blob += _ZEROS[: _payload_offset(hlen) - PREAMBLE_BYTES - hlen]
     if nbytes:
-        # (nbytes,) uint8 view of the source; bytearray += is one malloc + one memcpy (no
-        # zero-fill pass, and no torch copy kernel, whose thread fan-out costs more than the
-        # copy for chunk-sized tensors).
-        flat = tensor.detach() if tensor.requires_grad else tensor
-        if not flat.is_contiguous():
-            flat = flat.contiguous()
-        # extend() of a buffer is bytearray's in-place concatenation (``+=`` of an ndarray
-        # would be numpy's broadcast add). numpy has no bfloat16/float8: view those as bytes.
-        blob.extend(flat.numpy() if dtype_name in _NUMPY_DTYPES
-                    else flat.view(-1).view(torch.uint8).numpy())
+        # bytearray.extend of a buffer is one realloc + one memcpy (no zero-fill pass, and
+        # no torch copy kernel, whose thread fan-out costs more than the copy for
+        # chunk-sized tensors). The buffer is a ctypes view of the tensor's bytes: unlike
+        # ``.numpy()`` it is cheap to make and covers dtypes numpy lacks (bfloat16, fp8).
+        flat = tensor if tensor.is_contiguous() else tensor.contiguous()
+        blob.extend(_byte_array(nbytes).from_address(flat.data_ptr()))
     if seal:
         seal_chunk(blob)
     return blob

@@ -124,6 +124,8 @@ class TieredStore:
             self.io.put, metrics, write_queue, write_workers, backoff_max_s=retry_backoff_max_s
         )
         self.writer.on_durable = self._remember_durable
+        self._below_dram = tiers[1:]
+        self._landed_fut: asyncio.Future[None] | None = None
         self._inflight: dict[str, asyncio.Future[None]] = {}
         self._durable: OrderedDict[str, None] = OrderedDict()
         self._sweeper: asyncio.Task[None] | None = None
@@ -162,7 +164,7 @@ class TieredStore:
     @property
     def local_tiers(self) -> list[Tier]:
         """Tiers below DRAM that the write-behind fills (SSD and the lowest, in order)."""
-        return self.tiers[1:]
+        return self._below_dram
 
     # ---------------------------------------------------------------- chunks
 
@@ -199,18 +201,27 @@ class TieredStore:
         )
 
     def _admit(self, key: str, blob: Blob, priority: int) -> PutReceipt:
-        self.io.dram_put(self.dram, _C + key, blob, priority)
+        tier_key = _C + key
+        self.io.dram_put(self.dram, tier_key, blob, priority)
+        if not self._below_dram:  # DRAM is the only tier: durable as it lands
+            self._remember_durable_chunk(key)
+            return PutReceipt(key, self._landed())
         self._durable.pop(key, None)
-        fut = self.writer.submit(_C + key, blob, priority, self.local_tiers, durable=True)
-        if fut.done():  # nothing to write behind (DRAM is the only tier): durable now
-            self._remember_durable(_C + key)
-            self._inflight.pop(key, None)
-        else:
-            self._inflight[key] = fut
-            fut.add_done_callback(
-                lambda f, k=key: self._inflight.pop(k, None) if self._inflight.get(k) is f else None
-            )
+        fut = self.writer.submit(tier_key, blob, priority, self._below_dram, durable=True)
+        self._inflight[key] = fut
+        fut.add_done_callback(
+            lambda f, k=key: self._inflight.pop(k, None) if self._inflight.get(k) is f else None
+        )
         return PutReceipt(key, fut)
+
+    def _landed(self) -> asyncio.Future[None]:
+        """A resolved future for receipts with nothing to wait for (one per loop: a put to
+        a DRAM-only store should not pay for a future of its own)."""
+        fut = self._landed_fut
+        if fut is None or fut.get_loop() is not asyncio.get_running_loop():
+            fut = self._landed_fut = asyncio.get_running_loop().create_future()
+            fut.set_result(None)
+        return fut
 
     def forget_durable(self, tier_key: str) -> None:
         """The lowest tier lost ``tier_key`` (deleted, expired, corrupt): stop vouching for it."""
@@ -219,11 +230,16 @@ class TieredStore:
 
     def _remember_durable(self, tier_key: str) -> None:
         if tier_key.startswith(_C):
-            key = tier_key[len(_C) :]
-            self._durable[key] = None
-            self._durable.move_to_end(key)
-            while len(self._durable) > _DURABLE_MEMORY:
-                self._durable.popitem(last=False)
+            self._remember_durable_chunk(tier_key[len(_C) :])
+
+    def _remember_durable_chunk(self, key: str) -> None:
+        durable = self._durable
+        if key in durable:
+            durable.move_to_end(key)
+        else:
+            durable[key] = None
+            if len(durable) > _DURABLE_MEMORY:
+                durable.popitem(last=False)
 
     async def get(self, key: str) -> Chunk | None:
         """The chunk under ``key`` or ``None`` (miss, unreachable or corrupt). See module doc."""

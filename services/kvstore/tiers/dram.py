@@ -65,13 +65,17 @@ class DramTier(Tier):
         if key in self._blobs:
             self._drop(key)
         size = len(blob)
-        if size > self._index.capacity_bytes:
+        index = self._index
+        if index.bytes_used + size <= index.capacity_bytes:  # the common case: it fits
+            evicted = []
+        elif size > index.capacity_bytes:
             return [key]
-        evicted = self._index.victims(size)
-        for k in evicted:
-            self._drop(k)
+        else:
+            evicted = index.victims(size)
+            for k in evicted:
+                self._drop(k)
         self._blobs[key] = blob
-        self._index.add(key, size, priority, time.time())
+        index.add(key, size, priority, time.time())
         return evicted
 
     def _drop(self, key: str) -> bool:

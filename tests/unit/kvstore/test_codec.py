@@ -18,7 +18,9 @@ from shared.chunk_codec import (
 from tests.unit.kvstore.chunks import kv_tensor, meta
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.float8_e4m3fn]
+)
 def test_roundtrip_exact(dtype: torch.dtype) -> None:
     t = (kv_tensor(1) * 10).to(dtype)
     m = meta("s", 3, layer=5, blocks=2)
@@ -80,9 +82,34 @@ def test_bad_input_is_a_typed_error() -> None:
         encode_chunk(ChunkMeta("t", "fp", -1, (b"h",)), kv_tensor(0))
     with pytest.raises(ChunkFormatError):
         encode_chunk(meta("s", 0, 0), torch.zeros(3, dtype=torch.complex64))
+    with pytest.raises(ChunkFormatError):  # only the last hash is checked by the key
+        encode_chunk(ChunkMeta("t", "fp", 0, ("text", b"h")), kv_tensor(0))  # type: ignore[arg-type]
 
 
 def test_non_contiguous_tensor_is_stored_in_logical_order() -> None:
     t = kv_tensor(5).transpose(1, 2)  # (2, heads, tokens, dim), a strided view
     c = decode_chunk(encode_chunk(meta("s", 0, 0), t))
     assert torch.equal(c.tensor, t)
+
+
+def test_views_with_an_offset_and_grad_tensors_store_their_own_bytes() -> None:
+    base = kv_tensor(6)
+    view = base[1:]  # starts past the beginning of its storage
+    assert torch.equal(decode_chunk(encode_chunk(meta("s", 0, 0), view)).tensor, view)
+    leaf = kv_tensor(7).float().requires_grad_()
+    assert torch.equal(decode_chunk(encode_chunk(meta("s", 0, 0), leaf)).tensor, leaf.detach())
+
+
+def test_header_is_one_map_of_every_field() -> None:
+    import msgpack
+
+    from shared.chunk_codec import PREAMBLE_BYTES, _PREAMBLE
+
+    m = meta("s", 3, layer=200, blocks=17)  # a multi-byte layer and an array16 of hashes
+    t = kv_tensor(8)
+    blob = encode_chunk(m, t)
+    hlen = _PREAMBLE.unpack_from(blob)[3]
+    assert msgpack.unpackb(bytes(blob[PREAMBLE_BYTES : PREAMBLE_BYTES + hlen])) == {
+        "tenant": m.tenant, "model_fp": m.model_fp, "layer": 200, "hashes": list(m.block_hashes),
+        "dtype": "float32", "shape": list(t.shape), "nbytes": t.numel() * 4,
+    }
