@@ -228,6 +228,8 @@ def encode_chunk(meta: ChunkMeta, tensor: torch.Tensor, *, seal: bool = True) ->
         # chunk-sized tensors). The buffer is a ctypes view of the tensor's bytes: unlike
         # ``.numpy()`` it is cheap to make and covers dtypes numpy lacks (bfloat16, fp8).
         flat = tensor if tensor.is_contiguous() else tensor.contiguous()
+        if flat.is_neg():  # a lazily negated view: its memory holds the un-negated values
+            flat = flat.resolve_neg()
         blob.extend(_byte_array(nbytes).from_address(flat.data_ptr()))
     if seal:
         seal_chunk(blob)
@@ -330,6 +332,8 @@ def parse_head(prefix: bytes | bytearray | memoryview, total: int) -> ChunkHead:
             layer=int(h["layer"]),
             block_hashes=tuple(map(bytes, h["hashes"])),
         )
+        if not meta.block_hashes:
+            raise ValueError("no block hashes")
         if h["dtype"] not in DTYPE_NAMES:
             raise ValueError(f"unknown dtype {h['dtype']!r}")
         dtype_name = str(h["dtype"])
@@ -365,6 +369,8 @@ def read_meta(blob: bytes | bytearray | memoryview) -> ChunkMeta:
     try:
         h = msgpack.unpackb(memoryview(blob)[PREAMBLE_BYTES : PREAMBLE_BYTES + hlen])
         hashes = tuple(bytes(x) for x in h["hashes"])
+        if not hashes:
+            raise ValueError("no block hashes")
         return ChunkMeta(h["tenant"], h["model_fp"], int(h["layer"]), hashes)
     except (KeyError, TypeError, ValueError, msgpack.UnpackException) as e:
         raise ChunkCorrupt(f"unreadable chunk header: {e}") from None

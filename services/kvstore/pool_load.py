@@ -51,6 +51,7 @@ from shared.chunk_codec import (
     decode_chunk,
     head_length,
     parse_head,
+    verify_chunk,
     verify_parts,
 )
 
@@ -95,7 +96,11 @@ def _check_request(pool: MappedPool, req: LoadRequest, bpc: int) -> int:
             f"block_ids has {len(req.block_ids)} entries; expected num_layers * "
             f"sum(use_blocks) = {req.num_layers} * {n}"
         )
-    pool.check_block_ids(list(req.block_ids))
+    ids = list(req.block_ids)
+    pool.check_block_ids(ids)
+    if len(set(ids)) != len(ids):
+        # Two reads into one block would make a sound chunk fail its checksum there.
+        raise PoolError("block_ids repeat a block: every loaded block needs its own")
     return n
 
 
@@ -226,7 +231,16 @@ class _CopyOnRead:
         if after:
             bufs.append(memoryview(after))
         hit.readinto(head.payload_offset, bufs)
-        verify_parts(head, bufs)
+        try:
+            verify_parts(head, bufs)
+        except ChunkCorrupt:
+            # What failed is the copy in the pool's blocks, which something else may have
+            # written while they were read. Only the file's own bytes may condemn it (the
+            # store deletes a copy that raises here): check them apart.
+            verify_chunk(hit.blob())
+            self.refused[span.chunk_hash] = (
+                f"layer {self.layer}: the target blocks changed while the chunk was read")
+            return empty
         self.copied[span.chunk_hash] = time.perf_counter() - t0
         return empty
 

@@ -70,6 +70,9 @@ from services.kvstore.tiers.lru_index import PriorityLru
 
 log = logging.getLogger(__name__)
 
+# No access-time update on reads: with relatime the first read of a new file would write
+# its inode, a journalled write RWF_NOWAIT does not cover, on the event loop.
+_O_NOATIME = getattr(os, "O_NOATIME", 0)
 _V = b"v:"
 _M = b"m:"
 _BLOBS = "blobs"
@@ -119,22 +122,44 @@ class FileStored(Stored):
     def readinto(self, offset: int, bufs: list[memoryview]) -> None:
         if self._blob is not None:
             return super().readinto(offset, bufs)
+        if self._fd < 0:  # the number may belong to another file by now
+            raise RuntimeError("FileStored read after its file was closed")
         want = sum(len(b) for b in bufs)
         if offset + want > self.nbytes:
             raise ChunkCorrupt(f"ssd: blob of {self.nbytes} bytes ends before byte "
                                f"{offset + want}")
-        try:
-            got = os.preadv(self._fd, bufs, offset, self._flags)
-        except BlockingIOError:
-            raise _WouldBlock from None
-        except OSError as e:
-            if self._flags and e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise _NoWaitUnsupported from None
-            raise
-        if got < want:
+        while bufs:
+            try:
+                got = os.preadv(self._fd, bufs, offset, self._flags)
+            except BlockingIOError:
+                raise _WouldBlock from None
+            except OSError as e:
+                if self._flags and e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise _NoWaitUnsupported from None
+                raise
+            if got == want:
+                return
             if self._flags:  # partly cached, or the file shrank: the blocking read tells
                 raise _WouldBlock
-            raise ChunkCorrupt(f"ssd: blob file ends at byte {offset + got} of {self.nbytes}")
+            if got == 0:
+                raise ChunkCorrupt(f"ssd: blob file ends at byte {offset} of {self.nbytes}")
+            offset, want, bufs = offset + got, want - got, _skip(bufs, got)
+
+    def closed(self) -> None:
+        """The tier closed the file: any later read is a bug, not a read of another file."""
+        self._fd = -1
+
+
+def _skip(bufs: list[memoryview], n: int) -> list[memoryview]:
+    """``bufs`` without their first ``n`` bytes (after a short read)."""
+    out = []
+    for b in bufs:
+        if n >= len(b):
+            n -= len(b)
+            continue
+        out.append(b[n:])
+        n = 0
+    return out
 
 
 class SsdTier(Tier):
@@ -155,6 +180,7 @@ class SsdTier(Tier):
         self._blob_dir = os.path.join(path, _BLOBS)
         self._dir_fd = -1
         self._nowait = hasattr(os, "RWF_NOWAIT")
+        self._read_flags = os.O_RDONLY | os.O_CLOEXEC | _O_NOATIME
         self._db: Rdict | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._write_lock = asyncio.Lock()
@@ -166,7 +192,7 @@ class SsdTier(Tier):
         self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="kv-ssd")
         try:
             self._db, entries, orphans = await self._run(self._open_blocking)
-        except TierOpenError:
+        except BaseException:
             self._pool.shutdown(wait=False)
             self._pool = None
             raise
@@ -202,6 +228,22 @@ class SsdTier(Tier):
             raise TierOpenError(
                 f"kvstore.ssd_path: cannot open RocksDB at {self.path!r}: {e} {hint}"
             ) from None
+        try:
+            return self._load_catalog(db)
+        except BaseException as e:
+            db.close()  # releases RocksDB's lock: the path can be opened again
+            if self._dir_fd >= 0:
+                os.close(self._dir_fd)
+                self._dir_fd = -1
+            if isinstance(e, Exception) and not isinstance(e, TierOpenError):
+                raise TierOpenError(
+                    f"kvstore.ssd_path: cannot read the catalog at {self.path!r}: {e} {hint}"
+                ) from None
+            raise
+
+    def _load_catalog(
+        self, db: Rdict
+    ) -> tuple[Rdict, dict[str, tuple[int, int, float, int | None]], int]:
         wo = WriteOptions()
         wo.sync = self.sync
         wo.disable_wal = False
@@ -211,14 +253,29 @@ class SsdTier(Tier):
         ro.fill_cache(False)
         db.set_read_options(ro)
         entries: dict[str, tuple[int, int, float, int | None]] = {}
+        unreadable: list[bytes] = []
         it = db.iter()
-        it.seek(_M)
-        while it.valid() and it.key().startswith(_M):
-            size, prio, touched, *file_no = msgpack.unpackb(it.value())
-            entries[it.key()[2:].decode()] = (
-                int(size), int(prio), float(touched), int(file_no[0]) if file_no else None)
-            it.next()
-        del it  # an iterator pins the DB; drop it so close() releases the lock
+        try:
+            it.seek(_M)
+            while it.valid() and it.key().startswith(_M):
+                try:
+                    size, prio, touched, *file_no = msgpack.unpackb(it.value())
+                    entries[it.key()[2:].decode()] = (
+                        int(size), int(prio), float(touched),
+                        int(file_no[0]) if file_no else None)
+                except (ValueError, TypeError, UnicodeDecodeError, msgpack.UnpackException):
+                    unreadable.append(it.key())  # a damaged entry: its chunk is a miss
+                it.next()
+        finally:
+            del it  # an iterator pins the DB; drop it so close() can release the lock
+        if unreadable:
+            log.warning("ssd tier at %s: dropping %d unreadable catalog entries",
+                        self.path, len(unreadable))
+            batch = WriteBatch(raw_mode=True)
+            for k in unreadable:
+                batch.delete(k)
+                batch.delete(_V + k[len(_M):])
+            db.write(batch)
         live = {f"{e[3]:016x}" for e in entries.values() if e[3] is not None}
         orphans = 0
         for name in os.listdir(self._blob_dir):
@@ -227,6 +284,12 @@ class SsdTier(Tier):
                     os.unlink(os.path.join(self._blob_dir, name))
                     orphans += 1
         self._dir_fd = os.open(self._blob_dir, os.O_RDONLY | os.O_DIRECTORY)
+        if self.sync:  # the blobs directory's own entry, in case it was just created
+            parent = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(parent)
+            finally:
+                os.close(parent)
         return db, entries, orphans
 
     async def close(self) -> None:
@@ -245,6 +308,26 @@ class SsdTier(Tier):
         if self._pool is None:
             raise TierUnavailable("ssd tier is closed")
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def _run_settled(self, fn: Any, *args: Any) -> bool:
+        """``_run`` for writes: if the caller is cancelled meanwhile, wait for the thread
+        anyway (it cannot be stopped) so that the index is updated to match the disk before
+        the write lock is released. True if the caller was cancelled (raise it after that
+        update); ``fn``'s own error is raised, or the cancellation if there was one."""
+        fut = asyncio.ensure_future(self._run(fn, *args))
+        cancelled = False
+        while True:
+            try:
+                await asyncio.shield(fut)
+                return cancelled
+            except asyncio.CancelledError:
+                if fut.cancelled():  # the thread's future itself (executor shut down)
+                    raise
+                cancelled = True
+            except BaseException:
+                if cancelled:
+                    raise asyncio.CancelledError from None
+                raise
 
     def _live_db(self) -> Rdict:
         if self._db is None:
@@ -322,13 +405,22 @@ class SsdTier(Tier):
 
     def _read_file(self, file_no: int, check: Callable[[Stored], T], nowait: bool
                    ) -> Checked[T] | _Missing:
+        path = self._file(file_no)
         try:
-            fd = os.open(self._file(file_no), os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                fd = os.open(path, self._read_flags)
+            except PermissionError:  # O_NOATIME on a file of another user: read it anyway
+                self._read_flags &= ~_O_NOATIME
+                fd = os.open(path, self._read_flags)
         except FileNotFoundError:
             return _Missing(file_no)
+        stored = None
         try:
-            return apply_check(FileStored(fd, os.fstat(fd).st_size, nowait), check)
+            stored = FileStored(fd, os.fstat(fd).st_size, nowait)
+            return apply_check(stored, check)
         finally:
+            if stored is not None:
+                stored.closed()
             os.close(fd)
 
     async def _missing(self, key: str, file_no: int, check: Callable[[Stored], T]
@@ -377,8 +469,9 @@ class SsdTier(Tier):
                 batch.put(_M + kb, msgpack.packb([len(blob), priority, now, file_no]))
             dropped = [self._files[k] for k in [*victims, key] if k in self._files]
             try:
-                await self._run(self._write_blocking, db, batch, file_no, blob, dropped)
-            except TierUnavailable:
+                cancelled = await self._run_settled(
+                    self._write_blocking, db, batch, file_no, blob, dropped)
+            except (TierUnavailable, asyncio.CancelledError):
                 raise
             except Exception as e:  # disk full, I/O error
                 self._error = f"ssd write failed: {e}"
@@ -393,6 +486,8 @@ class SsdTier(Tier):
                 self._files.pop(key, None)
             else:
                 self._files[key] = file_no
+            if cancelled:  # the write is done and accounted: now the caller may stop
+                raise asyncio.CancelledError
             return victims
 
     def _write_blocking(self, db: Rdict, batch: WriteBatch, file_no: int | None, blob: Blob,
@@ -401,8 +496,8 @@ class SsdTier(Tier):
         then the catalog batch, then the files it no longer names (see the module doc)."""
         if file_no is not None:
             path = self._file(file_no)
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            try:  # from here on the file is ours to remove if the put fails
                 try:
                     view = memoryview(blob)
                     while view:
@@ -437,10 +532,14 @@ class SsdTier(Tier):
             batch.delete(_V + key.encode())
             batch.delete(_M + key.encode())
             try:
-                await self._run(self._write_blocking, db, batch, None, b"",
-                                [] if file_no is None else [file_no])
+                cancelled = await self._run_settled(
+                    self._write_blocking, db, batch, None, b"", [] if file_no is None else [file_no])
+            except asyncio.CancelledError:
+                raise
             except Exception as e:
                 raise TierUnavailable(f"ssd delete failed: {e}") from None
+            if cancelled:
+                raise asyncio.CancelledError
             return True
 
     async def scan_expired(self, older_than: float) -> list[str]:

@@ -113,3 +113,30 @@ def test_header_is_one_map_of_every_field() -> None:
         "tenant": m.tenant, "model_fp": m.model_fp, "layer": 200, "hashes": list(m.block_hashes),
         "dtype": "float32", "shape": list(t.shape), "nbytes": t.numel() * 4,
     }
+
+
+def test_negated_views_store_their_values() -> None:
+    t = kv_tensor(9)
+    neg = torch._neg_view(t)  # a lazily negated view over t's memory
+    assert neg.is_neg()
+    assert torch.equal(decode_chunk(encode_chunk(meta("s", 0, 0), neg)).tensor, -t)
+
+
+def test_a_header_without_block_hashes_is_corrupt() -> None:
+    """A sound-looking header naming no blocks is rejected as corrupt, not an IndexError."""
+    import msgpack
+
+    from shared.chunk_codec import PREAMBLE_BYTES, _PREAMBLE, parse_head
+
+    t = kv_tensor(10)
+    blob = encode_chunk(meta("s", 0, 0), t, seal=False)
+    hlen = _PREAMBLE.unpack_from(blob)[3]
+    h = msgpack.unpackb(bytes(blob[PREAMBLE_BYTES : PREAMBLE_BYTES + hlen]))
+    h["hashes"] = []
+    header = msgpack.packb(h)
+    forged = bytearray(_PREAMBLE.pack(b"OVKC", 2, 0, len(header), 0)) + header
+    forged += bytes(-len(forged) % 64) + t.numpy().tobytes()
+    with pytest.raises(ChunkCorrupt):
+        parse_head(forged, len(forged))
+    with pytest.raises(ChunkCorrupt):
+        read_meta(forged)

@@ -307,6 +307,11 @@ async def test_abandoned_load_stops_writing_and_ends_its_lease(path: PoolDataPat
         bad = [pool.num_blocks + 5] * (40 * LAYERS)
         [m async for m in path.load(LoadRequest(
             pid, "", TENANT, MODEL, tuple(r.spans), tuple(bad), LAYERS))]
+    with pytest.raises(PoolError, match="repeat"):
+        twice = ids(0, 40, DST, STRIDE)
+        twice[1] = twice[0]
+        [m async for m in path.load(LoadRequest(
+            pid, "", TENANT, MODEL, tuple(r.spans), tuple(twice), LAYERS))]
 
 
 async def _ssd_only(path: PoolDataPath, pid: str, pool, hs: tuple[bytes, ...], seed: int):
@@ -405,3 +410,32 @@ async def test_abandoned_ssd_load_writes_nothing_after_it_ends(path: PoolDataPat
     await asyncio.sleep(0.1)
     assert torch.equal(pool.kv_cache, after)
     assert not pool.kv_cache[DST + 2 * STRIDE : DST + 3 * STRIDE].any()  # never started
+
+
+async def test_blocks_written_during_an_ssd_read_fail_the_layer_not_the_chunk(
+    path: PoolDataPath, pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """If the pool's copy of a chunk read straight into its blocks fails the checksum
+    while the file's own bytes are sound (something wrote the blocks meanwhile), the
+    layer is recomputed and the chunk is neither counted corrupt nor deleted."""
+    from services.kvstore.tiers.ssd import FileStored
+
+    pid, _ = await path.attach(geometry(pool))
+    hs = hashes(40)
+    await _ssd_only(path, pid, pool, hs, seed=13)
+    ssd = path.store.tiers[1]
+    keys_before = sorted(ssd.keys())
+    real = FileStored.readinto
+
+    def scribbled(self, offset, bufs):
+        real(self, offset, bufs)
+        if offset > 0:  # the payload, read into pool blocks (whole-blob reads start at 0)
+            bufs[-1][:4] = b"\xff\xff\xff\xff"  # as a concurrent writer would
+
+    monkeypatch.setattr(FileStored, "readinto", scribbled)
+    r = await lookup(path, hs)
+    msgs = await load(path, pid, r, ids(0, 40, DST, STRIDE))
+    assert [(m.layer, m.ok) for m in msgs] == [(0, False)]
+    assert "changed while" in msgs[0].error
+    assert path.store.metrics.value("kvstore_checksum_failures_total", tier="ssd") == 0
+    assert sorted(ssd.keys()) == keys_before

@@ -401,3 +401,105 @@ async def test_manifest_refused_after_a_named_chunk_was_deleted() -> None:
         with pytest.raises(ManifestIncomplete):
             await s.put_manifest(m)
         s.check_integrity()
+
+
+async def test_ssd_put_cancelled_mid_write_leaves_index_and_disk_agreeing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A put whose caller is cancelled while its thread writes (the write-behind giving
+    up at close, a client gone) still finishes and is accounted before the lock is free:
+    the new value is readable, the replaced file gone, and a second put is not interleaved."""
+    ssd = SsdTier(str(tmp_path / "db"), 1 << 22, inline_max_bytes=0)
+    await ssd.open()
+    try:
+        old, new = (bytes(encode_chunk(meta("s", 0, 0), kv_tensor(v, tokens=64))) for v in (1, 2))
+        await ssd.put("a", old)
+        started, release = threading.Event(), threading.Event()
+        real = ssd._write_blocking
+
+        def slow(*args):
+            started.set()
+            release.wait(10)
+            return real(*args)
+
+        monkeypatch.setattr(ssd, "_write_blocking", slow)
+        task = asyncio.create_task(ssd.put("a", new))
+        await asyncio.to_thread(started.wait, 10)
+        task.cancel()
+        await asyncio.sleep(0.05)
+        assert not task.done()  # it waits for the thread it cannot stop
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        monkeypatch.setattr(ssd, "_write_blocking", real)
+        assert await ssd.get("a") == new
+        assert len(list((tmp_path / "db" / "blobs").iterdir())) == 1
+        ssd.check_integrity()
+    finally:
+        await ssd.close()
+
+
+async def test_ssd_short_reads_are_read_to_the_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A blocking preadv may return less than asked: the rest is read, not called corrupt."""
+    import os
+
+    ssd = SsdTier(str(tmp_path / "db"), 1 << 22, inline_max_bytes=0)
+    await ssd.open()
+    try:
+        blob = bytes(encode_chunk(meta("s", 0, 0), kv_tensor(4, tokens=64)))
+        await ssd.put("a", blob)
+        ssd._nowait = False
+        real = os.preadv
+
+        def dribble(fd, bufs, offset, flags=0):  # at most 1000 bytes per call
+            return real(fd, [memoryview(bufs[0])[:1000]], offset, flags)
+
+        monkeypatch.setattr(os, "preadv", dribble)
+        assert await ssd.get("a") == blob
+        assert ssd.keys() == ["a"]
+    finally:
+        await ssd.close()
+
+
+async def test_ssd_file_handle_is_dead_once_the_read_is_over(tmp_path: Path) -> None:
+    """A FileStored kept past its read cannot read through a descriptor number that may
+    belong to another file by then."""
+    ssd = SsdTier(str(tmp_path / "db"), 1 << 22, inline_max_bytes=0)
+    await ssd.open()
+    try:
+        await ssd.put("a", bytes(encode_chunk(meta("s", 0, 0), kv_tensor(5, tokens=64))))
+        kept = []
+        await ssd.get_many_checked(["a"], lambda hit: kept.append(hit) or 0)
+        with pytest.raises(RuntimeError):
+            kept[0].read(0, 16)
+    finally:
+        await ssd.close()
+
+
+async def test_ssd_unreadable_catalog_entry_is_dropped_at_open(tmp_path: Path) -> None:
+    """A damaged catalog entry costs its chunk (a miss), not the tier: the rest opens."""
+    from rocksdict import Options, Rdict
+
+    path = str(tmp_path / "db")
+    ssd = SsdTier(path, 1 << 22, inline_max_bytes=0)
+    await ssd.open()
+    blobs = {k: bytes(encode_chunk(meta(k, 0, 0), kv_tensor(i, tokens=64)))
+             for i, k in enumerate(("a", "b"))}
+    for k, b in blobs.items():
+        await ssd.put(k, b)
+    await ssd.close()
+    db = Rdict(path, Options(raw_mode=True))
+    db[b"m:a"] = b"\xc1 not msgpack"
+    db.close()
+    ssd = SsdTier(path, 1 << 22, inline_max_bytes=0)
+    await ssd.open()
+    try:
+        assert ssd.keys() == ["b"]
+        assert await ssd.get("b") == blobs["b"]
+        assert await ssd.get("a") is None
+        assert len(list((tmp_path / "db" / "blobs").iterdir())) == 1  # a's file: an orphan
+        ssd.check_integrity()
+    finally:
+        await ssd.close()
