@@ -33,6 +33,7 @@ from .reuse_planner import LoadSpan
 log = logging.getLogger(__name__)
 
 ATTACH_TIMEOUT_S = 2.0
+BACKGROUND_ATTACH_TIMEOUT_S = 30.0
 SAVE_TASK = "kvstore-save-"
 RECONNECT_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -129,7 +130,9 @@ class KVConnector:
 
     async def _attach_loop(self) -> None:
         delay = 0.05
-        while not await self.attach():
+        # A long deadline: a kvstore that is still starting (importing torch for the pool
+        # path takes seconds) answers late, and every attempt that times out is a warning.
+        while not await self.attach(BACKGROUND_ATTACH_TIMEOUT_S):
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.config.kvstore_attach_backoff_max_s)
 

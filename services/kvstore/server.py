@@ -15,6 +15,7 @@ from contextlib import AsyncExitStack
 from services.kvstore.config import KVStoreConfig
 from services.kvstore.metrics import KVStoreMetrics
 from services.kvstore.metrics_http import serve_metrics
+from services.kvstore.pool_io import lazy_torch
 from services.kvstore.pool_path import PoolDataPath
 from services.kvstore.service import KVStoreService
 from services.kvstore.store import TieredStore
@@ -55,6 +56,10 @@ async def run(config: KVStoreConfig, stop: asyncio.Event | None = None) -> None:
     metrics = KVStoreMetrics()
     async with AsyncExitStack() as stack:
         store = await stack.enter_async_context(build_store(config, metrics))
+        # The pool path needs torch, whose import takes seconds: start it now (the tiers
+        # opened), off the loop, so the engine's first AttachPool does not wait for it.
+        warm_torch = asyncio.create_task(asyncio.to_thread(lazy_torch), name="import-torch")
+        stack.push_async_callback(asyncio.gather, warm_torch, return_exceptions=True)
         pool_path = await stack.enter_async_context(
             PoolDataPath(
                 store,
