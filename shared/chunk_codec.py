@@ -37,7 +37,7 @@ import math
 import struct
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgpack
 import xxhash
@@ -155,6 +155,7 @@ def _checksum(blob: bytes | bytearray | memoryview) -> int:
 
 
 _ZEROS = bytes(_ALIGN)
+_BYTES = frozenset((bytes,))
 _HEADER_FIELDS = 7  # tenant, model_fp, dtype, shape, nbytes, layer, hashes
 _DTYPE_NAME: dict[Any, str] = {}  # torch.dtype -> wire name, filled on first use
 
@@ -290,8 +291,7 @@ def decode_chunk(blob: bytes | bytearray | memoryview, *, verify: bool = True) -
     return Chunk(head.meta, flat.view(head.shape))
 
 
-@dataclass(frozen=True)
-class ChunkHead:
+class ChunkHead(NamedTuple):
     """Everything before a chunk's payload, parsed: enough to place the payload (a reader
     can then read it straight to where it is going) and to verify it afterwards."""
 
@@ -326,14 +326,10 @@ def parse_head(prefix: bytes | bytearray | memoryview, total: int) -> ChunkHead:
         raise ValueError(f"parse_head needs the first {start} bytes, got {len(prefix)}")
     try:
         h = msgpack.unpackb(memoryview(prefix)[PREAMBLE_BYTES : PREAMBLE_BYTES + hlen])
-        meta = ChunkMeta(
-            tenant=h["tenant"],
-            model_fp=h["model_fp"],
-            layer=int(h["layer"]),
-            block_hashes=tuple(map(bytes, h["hashes"])),
-        )
-        if not meta.block_hashes:
-            raise ValueError("no block hashes")
+        hashes = tuple(h["hashes"])
+        if not hashes or not set(map(type, hashes)) <= _BYTES:  # msgpack bin is bytes
+            raise ValueError("block hashes must be a non-empty list of bytes")
+        meta = ChunkMeta(h["tenant"], h["model_fp"], int(h["layer"]), hashes)
         if h["dtype"] not in DTYPE_NAMES:
             raise ValueError(f"unknown dtype {h['dtype']!r}")
         dtype_name = str(h["dtype"])

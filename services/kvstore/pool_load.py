@@ -29,6 +29,7 @@ the call ends: a cancelled load waits for the copies under way.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import deque
@@ -89,7 +90,6 @@ def _check_request(pool: MappedPool, req: LoadRequest, bpc: int) -> int:
                 f"span at block {s.first_block} with {s.use_blocks} blocks does not fit one "
                 f"chunk of {bpc} blocks"
             )
-    chunk_key(req.tenant, req.model_fp, req.spans[0].chunk_hash, 0)  # ChunkFormatError if bad
     n = sum(s.use_blocks for s in req.spans)
     if len(req.block_ids) != req.num_layers * n:
         raise PoolError(
@@ -102,6 +102,19 @@ def _check_request(pool: MappedPool, req: LoadRequest, bpc: int) -> int:
         # Two reads into one block would make a sound chunk fail its checksum there.
         raise PoolError("block_ids repeat a block: every loaded block needs its own")
     return n
+
+
+@functools.cache
+def _no_payload() -> torch.Tensor:
+    """The tensor of a chunk read straight into pool blocks (never written: shared)."""
+    return lazy_torch().empty(0)
+
+
+def _key_prefixes(req: LoadRequest) -> dict[bytes, str]:
+    """Chunk hash -> its key without the layer: ``chunk_key`` checks the fields once per
+    request instead of once per chunk and layer."""
+    return {s.chunk_hash: chunk_key(req.tenant, req.model_fp, s.chunk_hash, 0)[:-1]
+            for s in req.spans}
 
 
 def _check_chunk(
@@ -168,11 +181,12 @@ class _CopyOnRead:
     """
 
     def __init__(self, kv: torch.Tensor, req: LoadRequest, layer: int, pool: MappedPool,
-                 bpc: int, lease: Lease | None, targets: dict[bytes, tuple[PrefixSpan, list[int]]]
-                 ) -> None:
+                 bpc: int, lease: Lease | None, targets: dict[bytes, tuple[PrefixSpan, list[int]]],
+                 keys: dict[bytes, str]) -> None:
         self.kv, self.req, self.layer, self.pool, self.bpc = kv, req, layer, pool, bpc
         self.lease = lease
         self.targets = targets  # chunk hash -> (span, target block ids)
+        self.keys = keys  # chunk hash -> key of its chunk in this layer
         self.copied: dict[bytes, float] = {}  # chunk hash -> seconds copying
         self.refused: dict[bytes, str] = {}
 
@@ -202,9 +216,8 @@ class _CopyOnRead:
             if target is None:
                 raise LoadFailed(f"layer {self.layer}: a read chunk is not one of the request's")
             span = target[0]
-            key = chunk_key(self.req.tenant, self.req.model_fp, span.chunk_hash, self.layer)
             _check_chunk(meta, shape, dtype, self.req, span, self.layer, self.pool, self.bpc,
-                         self.lease.expected.get(key) if self.lease else None)
+                         self.lease.expected.get(self.keys[last]) if self.lease else None)
             return target
         except LoadFailed as e:
             self.refused[last] = str(e)
@@ -216,7 +229,7 @@ class _CopyOnRead:
         if len(prefix) < min(need, hit.nbytes):
             prefix = hit.read(0, need)
         head = parse_head(prefix, hit.nbytes)
-        empty = Chunk(head.meta, lazy_torch().empty(0))  # the blocks hold the data
+        empty = Chunk(head.meta, _no_payload())  # the blocks hold the data
         target = self._target(head.meta, head.shape, head.dtype)
         if target is None:
             return empty
@@ -258,13 +271,13 @@ async def _to_the_end(aw: Awaitable[T]) -> T:
 
 async def _read_layer(
     store: TieredStore, req: LoadRequest, layer: int, n: int, pool: MappedPool, bpc: int,
-    lease: Lease | None,
+    lease: Lease | None, key_prefixes: dict[bytes, str],
 ) -> list[Part]:
     """Every span's chunk of ``layer``: the lease's DRAM copies first (checked here, copied
     later by ``_finish_copy``), the rest in one batched search of the tiers, checked and
     copied on the thread that reads them (``_CopyOnRead``)."""
     t0 = time.perf_counter()
-    keys = [chunk_key(req.tenant, req.model_fp, s.chunk_hash, layer) for s in req.spans]
+    keys = [key_prefixes[s.chunk_hash] + str(layer) for s in req.spans]
     targets: dict[bytes, tuple[PrefixSpan, list[int]]] = {}
     pos = layer * n
     for span in req.spans:
@@ -282,7 +295,8 @@ async def _read_layer(
             found.append((decode_chunk(held, verify=False), store.dram.name))
         except ChunkCorrupt as e:
             raise LoadFailed(f"layer {layer}: chunk {key} is corrupt: {e}") from None
-    copier = _CopyOnRead(pool.kv, req, layer, pool, bpc, lease, targets)
+    copier = _CopyOnRead(pool.kv, req, layer, pool, bpc, lease, targets,
+                         {s.chunk_hash: k for s, k in zip(req.spans, keys, strict=True)})
     if unleased:
         try:
             fetched = await _to_the_end(store.find_chunks([keys[j] for j in unleased], copier))
@@ -335,6 +349,7 @@ async def load_layers(
 ) -> AsyncIterator[LayerLoaded]:
     """See the module docstring. Raises ``PoolError`` (before any yield) on bad input."""
     n = _check_request(pool, req, bpc)
+    key_prefixes = _key_prefixes(req)
     kv = pool.kv
     m = store.metrics
     t_start = time.perf_counter()
@@ -345,7 +360,7 @@ async def load_layers(
         nonlocal next_layer
         while next_layer < req.num_layers and len(ahead) < readahead:
             ahead.append(asyncio.create_task(
-                _read_layer(store, req, next_layer, n, pool, bpc, lease),
+                _read_layer(store, req, next_layer, n, pool, bpc, lease, key_prefixes),
                 name=f"load-layer-{next_layer}",
             ))
             next_layer += 1
