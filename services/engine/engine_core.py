@@ -180,6 +180,9 @@ class EngineCore:
         started = time.perf_counter()
         try:
             logits = self.runner.execute(out, self.reuse.waiter(loading))  # (num_seqs, vocab)
+        except BaseException:
+            self.reuse.abandon(loading)  # before the failure frees the requests' blocks
+            raise
         finally:
             self.reuse.end_forward()
         if not loading:  # waits for loads would distort the measured compute rate
@@ -234,6 +237,7 @@ class EngineCore:
             return []  # blocks come back when the kvstore answers
         seq = self.scheduler.waiting[0]
         self._live.pop(seq.request_id, None)
+        self.reuse.drop_plan(seq)
         self.scheduler.finish(seq)
         log.warning("request %s cannot get KV blocks with nothing running", seq.request_id)
         return [

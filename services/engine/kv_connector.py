@@ -5,17 +5,26 @@
     admission ──LoadIntoPool──► LayerLoaded per layer ──► LayerReadiness (worker waits)
     request end ──SaveFromPool──► reply ──► the core unpins the blocks
     plan dropped ──ReleaseLease
+    a load or save that failed on our side ──FencePoolOp──► only then are its blocks let go
 
 The kvstore being down never fails a request: while not attached, lookups answer "nothing
 stored", loads fail at once (the request recomputes) and saves are skipped. Any RPC error
 drops the attachment and re-attaches in the background (a restarted kvstore has forgotten
 the pool).
+
+A load or save whose call ends in an error here (our deadline, a dropped connection) may
+still be copying on the kvstore's side: a copy under way runs to its end on a thread. Its
+blocks are let go (unparked, unpinned) only after ``FencePoolOp`` for the call's op id
+returns, retried until the kvstore answers; a restarted kvstore answers at once (the old
+process is gone). Until then the blocks stay out of use: never a wrong KV in a block.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import uuid
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +43,7 @@ log = logging.getLogger(__name__)
 
 ATTACH_TIMEOUT_S = 2.0
 BACKGROUND_ATTACH_TIMEOUT_S = 30.0
+FENCE_TIMEOUT_S = 30.0
 SAVE_TASK = "kvstore-save-"
 RECONNECT_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -77,6 +87,10 @@ class KVConnector:
         self._tasks: set[asyncio.Task] = set()
         self._warned: set[str] = set()
         self.on_attached: Callable[[int], None] | None = None  # gets blocks_per_chunk
+        # Op ids for FencePoolOp: unique across engine processes (the kvstore refuses ids
+        # it has seen), so a random prefix per connector and a counter.
+        self._op_prefix = uuid.uuid4().hex[:12]
+        self._op_seq = itertools.count()
 
     @property
     def attached(self) -> bool:
@@ -210,12 +224,17 @@ class KVConnector:
         if not self.attached or self._stub is None:
             job.readiness.fail(0, "the kvstore is not attached")
             job.readiness.finish()
+            self.release(job.plan.lease_id)  # a lease from before the kvstore was lost
             return
         self._spawn(self._load(job, ended), f"kvstore-load-{job.request_id}")
 
+    def _new_op_id(self) -> str:
+        return f"{self._op_prefix}-{next(self._op_seq)}"
+
     async def _load(self, job: LoadJob, ended: Callable[[], None] | None) -> None:
         r = job.readiness
-        req = wire.load_to_proto(job, self.pool_id, self.model_fp, self.num_layers)
+        op_id = self._new_op_id()
+        req = wire.load_to_proto(job, self.pool_id, self.model_fp, self.num_layers, op_id)
         # The whole call's deadline: every layer may take up to the per-layer wait.
         deadline = self.config.kvstore_load_timeout_s * 2
         try:
@@ -230,10 +249,26 @@ class KVConnector:
             r.fail(0, _describe(e))
             self._warn("LoadIntoPool", e)
             self._lost(e)
+            await self._fence(op_id)  # the kvstore may still be writing into the blocks
         finally:
             r.finish()
             if ended is not None:
                 ended()
+
+    async def _fence(self, op_id: str) -> None:
+        """Wait until the kvstore says call ``op_id`` can no longer touch the pool, however
+        long that takes (its blocks stay out of use meanwhile); gives up only when the
+        connector closes (the engine is going away with its pool)."""
+        delay = 0.05
+        while (stub := self._stub) is not None:
+            try:
+                await stub.FencePoolOp(kvstore_pb2.FencePoolOpRequest(op_id=op_id),
+                                       timeout=FENCE_TIMEOUT_S, wait_for_ready=True)
+                return
+            except grpc.aio.AioRpcError as e:
+                self._warn("FencePoolOp", e)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.config.kvstore_attach_backoff_max_s)
 
     # ---- save ---------------------------------------------------------------------------
     def start_save(self, job: SaveJob, done: Callable[[SaveJob], None]) -> None:
@@ -246,7 +281,8 @@ class KVConnector:
             if not self.attached or self._stub is None:
                 self.stats.save_errors += 1
                 return
-            req = wire.save_to_proto(job, self.pool_id, self.model_fp, self.num_layers)
+            op_id = self._new_op_id()
+            req = wire.save_to_proto(job, self.pool_id, self.model_fp, self.num_layers, op_id)
             reply = await self._stub.SaveFromPool(
                 req, timeout=self.config.kvstore_save_timeout_s
             )
@@ -256,6 +292,7 @@ class KVConnector:
             self.stats.save_errors += 1
             self._warn("SaveFromPool", e)
             self._lost(e)
+            await self._fence(op_id)  # the kvstore may still be reading the blocks
         finally:
             done(job)
 

@@ -30,7 +30,7 @@ from .api_types import ReuseStats
 from .kv_manager import KVCacheManager
 from .kv_transfer import LoadJob, SaveJob
 from .layer_readiness import LayerReadiness
-from .reuse_planner import PrefillRate
+from .reuse_planner import PrefillRate, ReusePlan
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
 
@@ -156,12 +156,26 @@ class KVReuse:
             self.load_failures += 1
             log.warning("KV load of %s failed (%s); recomputing blocks %d..%d",
                         seq.request_id, ready.error, plan.first_block, plan.end_block)
-            if not ready.finished:
-                ids = self.kv.table_slice(seq, plan.first_block, plan.end_block)
-                self.kv.pool.touch(ids)
-                self.parked.append((ready, ids))
+            self._park_unfinished(seq, ready, plan)
             self.scheduler.requeue(seq, out)  # frees its blocks; loaded ones were never indexed
             seq.num_cached_tokens = -1
+
+    def abandon(self, loading: list[Sequence]) -> None:
+        """(the step failed before ``settle``) The failure is about to free these requests'
+        blocks while their loads may still be writing: park the load targets first."""
+        for seq in loading:
+            ready, plan = seq.loading, seq.load_plan
+            seq.loading = seq.load_plan = None
+            if ready is not None and plan is not None:
+                self._park_unfinished(seq, ready, plan)
+
+    def _park_unfinished(self, seq: Sequence, ready: LayerReadiness, plan: ReusePlan) -> None:
+        """Hold an extra reference on the load's target blocks until its RPC has ended (the
+        kvstore may write them until then), so no other sequence can be given them."""
+        if not ready.finished:
+            ids = self.kv.table_slice(seq, plan.first_block, plan.end_block)
+            self.kv.pool.touch(ids)
+            self.parked.append((ready, ids))
 
     def unpark(self) -> None:
         """Release parked blocks whose load RPC has ended."""

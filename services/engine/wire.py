@@ -122,22 +122,23 @@ def span_to_proto(s: LoadSpan) -> kvstore_pb2.PrefixSpan:
 
 
 def load_to_proto(
-    job: LoadJob, pool_id: str, model_fp: str, num_layers: int
+    job: LoadJob, pool_id: str, model_fp: str, num_layers: int, op_id: str = ""
 ) -> kvstore_pb2.LoadIntoPoolRequest:
     return kvstore_pb2.LoadIntoPoolRequest(
         pool_id=pool_id, lease_id=job.plan.lease_id, tenant=kvstore_tenant(job.tenant),
         model_fp=model_fp,
         spans=[span_to_proto(s) for s in job.plan.spans], block_ids=list(job.block_ids),
-        num_layers=num_layers,
+        num_layers=num_layers, op_id=op_id,
     )
 
 
 def save_to_proto(
-    job: SaveJob, pool_id: str, model_fp: str, num_layers: int
+    job: SaveJob, pool_id: str, model_fp: str, num_layers: int, op_id: str = ""
 ) -> kvstore_pb2.SaveFromPoolRequest:
     return kvstore_pb2.SaveFromPoolRequest(
         pool_id=pool_id, tenant=kvstore_tenant(job.tenant), session_id=job.session_id,
         model_fp=model_fp,
         block_hashes=list(job.block_hashes), token_count=job.token_count,
         first_block=job.first_block, block_ids=list(job.block_ids), num_layers=num_layers,
+        op_id=op_id,
     )

@@ -9,13 +9,17 @@ chunk into the target blocks. Only the listed blocks are ever written.
 
 from __future__ import annotations
 
+import asyncio
 import functools
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from shared.chunk_codec import ChunkMeta, encode_chunk
 
 if TYPE_CHECKING:
     import torch
+
+T = TypeVar("T")
 
 
 @functools.cache
@@ -61,3 +65,14 @@ def scatter_blocks(kv: torch.Tensor, chunk: torch.Tensor, offset: int, ids: list
         torch = lazy_torch()
         kv.index_copy_(0, torch.tensor(ids, dtype=torch.long, device=kv.device), src)
 
+
+
+async def to_the_end(aw: Awaitable[T]) -> T:
+    """Await ``aw``; if the caller is cancelled (the engine dropped the call), let it finish
+    anyway first, so no pool read or write from a worker thread runs after the call ended."""
+    task = asyncio.ensure_future(aw)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.gather(task, return_exceptions=True)
+        raise

@@ -33,13 +33,13 @@ import functools
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 from services.kvstore.bandwidth import TierBandwidth
 from services.kvstore.leases import Lease
-from services.kvstore.pool_io import lazy_torch, scatter_blocks
+from services.kvstore.pool_io import lazy_torch, scatter_blocks, to_the_end
 from services.kvstore.pool_map import MappedPool, PoolError
 from services.kvstore.pool_types import LayerLoaded, LoadRequest, PrefixSpan
 from services.kvstore.store import TieredStore
@@ -60,7 +60,6 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 class LoadFailed(Exception):
@@ -258,17 +257,6 @@ class _CopyOnRead:
         return empty
 
 
-async def _to_the_end(aw: Awaitable[T]) -> T:
-    """Await ``aw``; if the caller is cancelled (the engine dropped the stream), let it
-    finish anyway first, so no pool write from a worker thread runs after the call ended."""
-    task = asyncio.ensure_future(aw)
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        await asyncio.gather(task, return_exceptions=True)
-        raise
-
-
 async def _read_layer(
     store: TieredStore, req: LoadRequest, layer: int, n: int, pool: MappedPool, bpc: int,
     lease: Lease | None, key_prefixes: dict[bytes, str],
@@ -299,7 +287,7 @@ async def _read_layer(
                          {s.chunk_hash: k for s, k in zip(req.spans, keys, strict=True)})
     if unleased:
         try:
-            fetched = await _to_the_end(store.find_chunks([keys[j] for j in unleased], copier))
+            fetched = await to_the_end(store.find_chunks([keys[j] for j in unleased], copier))
         except ChunkCorrupt as e:
             raise LoadFailed(f"layer {layer}: a chunk is corrupt: {e}") from None
         for j, got in zip(unleased, fetched, strict=True):
@@ -340,7 +328,7 @@ async def _finish_copy(kv: torch.Tensor, parts: list[Part]) -> list[float]:
     """Copy what the tier reads did not on a worker thread (none: no thread hop)."""
     if all(p.copy_s is not None for p in parts):
         return [0.0] * len(parts)
-    return await _to_the_end(asyncio.to_thread(_copy_parts, kv, parts))
+    return await to_the_end(asyncio.to_thread(_copy_parts, kv, parts))
 
 
 async def load_layers(

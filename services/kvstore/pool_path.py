@@ -27,9 +27,10 @@ from services.kvstore.bandwidth import TierBandwidth
 from services.kvstore.errors import ManifestIncomplete, TierUnavailable
 from services.kvstore.leases import Lease, LeaseTable
 from services.kvstore.manifest import Manifest
-from services.kvstore.pool_io import encode_from_pool, lazy_torch
+from services.kvstore.pool_io import encode_from_pool, lazy_torch, to_the_end
 from services.kvstore.pool_load import load_layers
 from services.kvstore.pool_map import MappedPool, PoolError, PoolGeometry, PoolRegistry
+from services.kvstore.pool_ops import PoolOps
 from services.kvstore.pool_types import (
     LayerLoaded,
     LoadRequest,
@@ -64,6 +65,7 @@ class PoolDataPath:
     ) -> None:
         self.store = store
         self.pools = PoolRegistry(chunk_tokens)
+        self.ops = PoolOps()  # saves and loads that may still touch a pool (FencePoolOp)
         self.leases = LeaseTable(lease_s, store.unpin)
         self.leases.on_change = store.metrics.active_leases.set
         self.bandwidth = TierBandwidth([t.name for t in store.tiers])
@@ -104,6 +106,13 @@ class PoolDataPath:
     # ---------------------------------------------------------------- save
 
     async def save(self, req: SaveRequest) -> SaveResult:
+        self.ops.begin(req.op_id)
+        try:
+            return await self._save(req)
+        finally:
+            self.ops.end(req.op_id)
+
+    async def _save(self, req: SaveRequest) -> SaveResult:
         pool = self.pools.get(req.pool_id)
         kv = pool.kv  # keep our view alive for the whole call
         bpc = self.pools.blocks_per_chunk(pool.geometry.block_size)
@@ -133,7 +142,8 @@ class PoolDataPath:
                     continue
                 base = layer * n - fb
                 jobs.append((meta, list(req.block_ids[base + start : base + end])))
-        blobs = await asyncio.to_thread(encode_from_pool, kv, jobs)
+        # to the end even if the call is dropped: the op ends when the pool reads do
+        blobs = await to_the_end(asyncio.to_thread(encode_from_pool, kv, jobs))
         for (meta, ids), blob in zip(jobs, blobs):
             self.store.put_encoded(meta, blob)
             self.store.metrics.pool_bytes_saved.inc(len(ids) * pool.geometry.block_bytes)
@@ -239,13 +249,14 @@ class PoolDataPath:
         Raises ``PoolError`` before the first yield for a malformed request. The lease
         (if still live) is used for its held copies and released at the end either way.
         """
-        pool = self.pools.get(req.pool_id)
-        bpc = self.pools.blocks_per_chunk(pool.geometry.block_size)
+        self.ops.begin(req.op_id)
         # aclosing: when the caller drops this stream, the loader's own clean-up (waiting
         # for a read-and-copy under way) runs before we return, not whenever the event
         # loop gets round to finalizing an abandoned generator: no pool write may follow
-        # the end of the call.
+        # the end of the call (nor the end of its op, which FencePoolOp waits for).
         try:
+            pool = self.pools.get(req.pool_id)
+            bpc = self.pools.blocks_per_chunk(pool.geometry.block_size)
             async with contextlib.aclosing(load_layers(
                 self.store, pool, req, bpc, self.leases.get(req.lease_id),
                 self.bandwidth, self.readahead_layers,
@@ -253,8 +264,13 @@ class PoolDataPath:
                 async for msg in layers:
                     yield msg
         finally:
+            self.ops.end(req.op_id)
             if req.lease_id:
                 self.leases.release(req.lease_id)
+
+    async def fence(self, op_id: str) -> None:
+        """Return once the save or load ``op_id`` can no longer touch its pool."""
+        await self.ops.fence(op_id)
 
     def check_integrity(self) -> None:
         self.pools.check_integrity()

@@ -46,6 +46,7 @@ class LoadRequest:
     spans: tuple[PrefixSpan, ...]
     block_ids: tuple[int, ...]  # layer-major: block_ids[layer * n + i]
     num_layers: int
+    op_id: str = ""  # the engine's id of this call, for FencePoolOp ("" = none)
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class SaveRequest:
     first_block: int  # a multiple of blocks_per_chunk
     block_ids: tuple[int, ...]  # layer-major: block_ids[layer * n + i] = block first_block+i
     num_layers: int
+    op_id: str = ""  # the engine's id of this call, for FencePoolOp ("" = none)
 
 
 @dataclass(frozen=True)

@@ -242,6 +242,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.pool_path.release(request.lease_id)
         return pb.ReleaseLeaseReply()
 
+    async def FencePoolOp(
+        self, request: pb.FencePoolOpRequest, context: grpc.aio.ServicerContext
+    ) -> pb.FencePoolOpReply:
+        await self.pool_path.fence(request.op_id)
+        return pb.FencePoolOpReply()
+
     async def SaveFromPool(
         self, request: pb.SaveFromPoolRequest, context: grpc.aio.ServicerContext
     ) -> pb.SaveFromPoolReply:

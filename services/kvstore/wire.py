@@ -111,6 +111,7 @@ def load_from_pb(p: pb.LoadIntoPoolRequest) -> LoadRequest:
         spans=tuple(span_from_pb(s) for s in p.spans),
         block_ids=tuple(p.block_ids),
         num_layers=p.num_layers,
+        op_id=p.op_id,
     )
 
 
@@ -129,4 +130,5 @@ def save_from_pb(p: pb.SaveFromPoolRequest) -> SaveRequest:
         first_block=p.first_block,
         block_ids=tuple(p.block_ids),
         num_layers=p.num_layers,
+        op_id=p.op_id,
     )

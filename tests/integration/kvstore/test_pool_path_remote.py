@@ -161,6 +161,19 @@ async def test_grpc_pool_path_with_a_real_kvstore_process(tmp_path: Path, pool) 
                 await st.LookupPrefix(pb.LookupPrefixRequest(
                     tenant=TENANT, model_fp="other-model", block_hashes=list(hs), num_layers=3))
             assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+            # A fence for a call not seen yet retires its id: arriving later, it is refused.
+            await st.FencePoolOp(pb.FencePoolOpRequest(op_id="engine-1-7"), timeout=10)
+            pool.kv_cache[DST:].zero_()
+            with pytest.raises(grpc.aio.AioRpcError) as bad:
+                async for _ in st.LoadIntoPool(pb.LoadIntoPoolRequest(
+                        pool_id=att.pool_id, tenant=TENANT, model_fp=MODEL, spans=found.spans,
+                        block_ids=ids(0, 40, DST, STRIDE), num_layers=LAYERS,
+                        op_id="engine-1-7")):
+                    pass
+            assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "fenced" in bad.value.details()
+            assert not pool.kv_cache[DST:].any()
     finally:
         assert kv.stop() == 0
     log = (tmp_path / "kv.log").read_text()

@@ -218,3 +218,56 @@ def test_layers_overlapping_a_cpu_pool_copy_leave_a_core_to_it(
     finally:
         torch.set_num_threads(before)
         core.close()
+
+
+def test_a_failed_step_parks_the_blocks_its_loads_may_still_write(
+    loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The forward pass raises (say, out of memory) while a load is under way: aborting the
+    requests must not hand the load's target blocks to anyone before its RPC has ended."""
+    core = make_core(loaded)
+    t = ScriptedTransport()
+    core.reuse.transport = t
+    try:
+        plan = ReusePlan((LoadSpan(b"h", 0, 2, "dram", 1),), "lease-1", 0, 2)
+        add(core, loaded, "a", plan)
+
+        def boom(*a: object, **kw: object) -> None:
+            raise RuntimeError("out of memory")
+
+        monkeypatch.setattr(core.runner, "execute", boom)
+        with pytest.raises(RuntimeError):
+            core.step()
+        (job,) = t.loads
+        core.abort_all()  # what the engine does with a failed step
+        targets = list(job.block_ids)
+        assert sorted(core.reuse.held_blocks()) == sorted(targets)
+        assert all(core.blocks.refcount[b] == 1 for b in targets)  # held, not free
+        monkeypatch.undo()
+        add(core, loaded, "b", None)
+        run(core)  # another request runs meanwhile, in other blocks
+        assert all(core.blocks.refcount[b] >= 1 for b in targets)
+        job.readiness.finish()  # the load's RPC ends
+        for s in t.saves:
+            core.reuse.unpin(s.job_id)
+        core.step()
+        assert core.reuse.held_blocks() == [] and core.blocks.num_used == 0
+        core.check_integrity()
+    finally:
+        core.close()
+
+
+def test_a_request_that_can_never_get_blocks_gives_its_lease_back(
+    loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    core = make_core(loaded)
+    t = ScriptedTransport()
+    core.reuse.transport = t
+    try:
+        add(core, loaded, "b", ReusePlan((LoadSpan(b"h", 0, 2, "dram", 1),), "lease-9", 0, 2))
+        monkeypatch.setattr(core.kv, "allocate", lambda *a, **kw: False)  # no pages to commit
+        events = core.step()
+        assert [type(e).__name__ for e in events] == ["Failure"]
+        assert t.released == ["lease-9"]
+    finally:
+        core.close()

@@ -439,3 +439,123 @@ async def test_blocks_written_during_an_ssd_read_fail_the_layer_not_the_chunk(
     assert "changed while" in msgs[0].error
     assert path.store.metrics.value("kvstore_checksum_failures_total", tier="ssd") == 0
     assert sorted(ssd.keys()) == keys_before
+
+
+async def test_fence_waits_for_a_dropped_load_still_copying(
+    path: PoolDataPath, pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine gave up on a load (deadline) while a read into its blocks was under way:
+    FencePoolOp returns only once that read is over, never while it can still write."""
+    import dataclasses
+    import threading
+
+    from services.kvstore.tiers.ssd import FileStored
+
+    pid, _ = await path.attach(geometry(pool))
+    hs = hashes(40)
+    await _ssd_only(path, pid, pool, hs, seed=14)
+    path.store.tiers[1]._nowait = False  # reads on the tier's threads, where we can hold one
+    entered, release = threading.Event(), threading.Event()
+    events: list[str] = []
+    real = FileStored.readinto
+
+    def held(self, offset, bufs):
+        if offset > 0 and not entered.is_set():  # the first payload read into the pool
+            entered.set()
+            release.wait(10)
+            events.append("read done")
+        return real(self, offset, bufs)
+
+    monkeypatch.setattr(FileStored, "readinto", held)
+    r = await lookup(path, hs)
+    req = dataclasses.replace(
+        LoadRequest(pid, r.lease_id, TENANT, MODEL, tuple(r.spans),
+                    tuple(ids(0, 40, DST, STRIDE)), LAYERS), op_id="op-1")
+
+    async def consume() -> None:
+        async for _ in path.load(req):
+            pass
+
+    loader = asyncio.create_task(consume())
+    await asyncio.to_thread(entered.wait, 10)
+    loader.cancel()  # the call is dropped: the read under way still runs to its end
+
+    async def fence() -> None:
+        await path.fence("op-1")
+        events.append("fenced")
+
+    fencer = asyncio.create_task(fence())
+    await asyncio.sleep(0.1)
+    assert not fencer.done() and path.ops.running == 1
+    release.set()
+    await asyncio.wait_for(fencer, 10)
+    await asyncio.gather(loader, return_exceptions=True)
+    assert events == ["read done", "fenced"]
+    assert path.ops.running == 0
+
+
+async def test_a_fenced_op_that_arrives_late_is_refused(path: PoolDataPath, pool) -> None:
+    """A fence for a call the kvstore has not seen (still in transit) retires its id:
+    if the call turns up afterwards it is refused before it touches the pool."""
+    import dataclasses
+
+    pid, _ = await path.attach(geometry(pool))
+    hs = hashes(40)
+    await _ssd_only(path, pid, pool, hs, seed=15)
+    await path.fence("late-1")  # returns at once
+    r = await lookup(path, hs)
+    req = dataclasses.replace(
+        LoadRequest(pid, r.lease_id, TENANT, MODEL, tuple(r.spans),
+                    tuple(ids(0, 40, DST, STRIDE)), LAYERS), op_id="late-1")
+    with pytest.raises(PoolError, match="fenced"):
+        [m async for m in path.load(req)]
+    assert not pool.kv_cache[DST:].any()
+    with pytest.raises(PoolError, match="fenced"):
+        await path.save(dataclasses.replace(
+            SaveRequest(pid, TENANT, "s", MODEL, hs, len(hs) * 16, 0,
+                        tuple(ids(0, 40, SRC, STRIDE)), LAYERS), op_id="late-1"))
+    path.release(r.lease_id)
+
+
+async def test_fence_waits_for_a_dropped_save_still_reading(
+    path: PoolDataPath, pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save whose call was dropped keeps reading the pool on its thread: its op ends,
+    and its fence returns, only after that read."""
+    import dataclasses
+    import threading
+
+    from services.kvstore import pool_path as pool_path_mod
+
+    pid, _ = await path.attach(geometry(pool))
+    hs = hashes(20)
+    fill(pool, ids(0, 20, SRC, STRIDE), seed=16)
+    entered, release = threading.Event(), threading.Event()
+    events: list[str] = []
+    real = pool_path_mod.encode_from_pool
+
+    def held(kv, jobs):
+        entered.set()
+        release.wait(10)
+        events.append("read done")
+        return real(kv, jobs)
+
+    monkeypatch.setattr(pool_path_mod, "encode_from_pool", held)
+    req = dataclasses.replace(
+        SaveRequest(pid, TENANT, "s", MODEL, hs, len(hs) * 16, 0,
+                    tuple(ids(0, 20, SRC, STRIDE)), LAYERS), op_id="save-1")
+    saver = asyncio.create_task(path.save(req))
+    await asyncio.to_thread(entered.wait, 10)
+    saver.cancel()
+
+    async def fence() -> None:
+        await path.fence("save-1")
+        events.append("fenced")
+
+    fencer = asyncio.create_task(fence())
+    await asyncio.sleep(0.1)
+    assert not fencer.done()
+    release.set()
+    await asyncio.wait_for(fencer, 10)
+    await asyncio.gather(saver, return_exceptions=True)
+    assert events == ["read done", "fenced"]
