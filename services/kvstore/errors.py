@@ -11,6 +11,7 @@ __all__ = [
     "TierOpenError",
     "TierUnavailable",
     "WriteDropped",
+    "WriteRefused",
 ]
 
 
@@ -27,6 +28,10 @@ class TierOpenError(StorageError):
 
 class WriteDropped(StorageError):
     """A queued write-behind was dropped because the queue was full (the local copy stays)."""
+
+
+class WriteRefused(StorageError):
+    """A tier will never take this blob (larger than its whole capacity): not retried."""
 
 
 class ManifestIncomplete(StorageError):

@@ -73,13 +73,14 @@ class PoolDataPath:
         self.drain_s = drain_s
         self._latest: OrderedDict[tuple[str, str], SavedSequence] = OrderedDict()
         self._manifests: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._writing: set[asyncio.Task[None]] = set()  # manifest tasks past their checks
 
     async def __aenter__(self) -> PoolDataPath:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         """Let pending manifests finish (up to drain_s), end leases, unmap the pools."""
-        tasks = list(self._manifests.values())
+        tasks = list({*self._manifests.values(), *self._writing})
         if tasks:
             await asyncio.wait(tasks, timeout=self.drain_s)
         for t in tasks:
@@ -165,27 +166,45 @@ class PoolDataPath:
             req.num_layers, bpc,
         )
         old = self._manifests.pop(sid, None)
-        if old is not None:
+        if old is not None and old not in self._writing:
             old.cancel()  # a newer sequence of the session supersedes it
-        task = asyncio.create_task(self._write_manifest(manifest), name=f"manifest-{sid[1]}")
+        task = asyncio.create_task(self._write_manifest(manifest, sid), name=f"manifest-{sid[1]}")
         self._manifests[sid] = task
         task.add_done_callback(
             lambda t, k=sid: self._manifests.pop(k, None) if self._manifests.get(k) is t else None
         )
 
-    def forget(self, tenant: str, session_id: str) -> None:
-        """The session was deleted: stop offering its latest sequence to lookups."""
-        self._latest.pop((tenant, session_id), None)
+    async def forget(self, tenant: str, session_id: str) -> None:
+        """The session is being deleted: stop offering its latest sequence to lookups, and
+        return only when no manifest of it can be written any more (a pending one is
+        cancelled; one being written is waited for, so the caller's delete comes after)."""
+        sid = (tenant, session_id)
+        self._latest.pop(sid, None)
+        task = self._manifests.pop(sid, None)
+        if task is None:
+            return
+        if task not in self._writing:
+            task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
-    async def _write_manifest(self, manifest: Manifest) -> None:
+    async def _write_manifest(self, manifest: Manifest, sid: tuple[str, str]) -> None:
+        me = asyncio.current_task()
         try:
-            await self.store.put_manifest(manifest)
+            await self.store.wait_durable(manifest)
+            if self._manifests.get(sid) is not me:
+                return  # superseded, or the session was deleted meanwhile
+            assert me is not None
+            self._writing.add(me)  # from here on it is not cancelled: its put must land
+            try:
+                await self.store.write_manifest(manifest)
+            finally:
+                self._writing.discard(me)
         except (ManifestIncomplete, TierUnavailable) as e:
             log.warning("manifest of %s not written: %s", manifest.key, e)
 
     async def wait_manifests(self) -> None:
         """Wait for the background manifest writes pending now (tests, shutdown)."""
-        await asyncio.gather(*self._manifests.values(), return_exceptions=True)
+        await asyncio.gather(*{*self._manifests.values(), *self._writing}, return_exceptions=True)
 
     # ---------------------------------------------------------------- lookup
 

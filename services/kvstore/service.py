@@ -164,7 +164,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if request.session.session_id:
             tenant, sid = request.session.tenant, request.session.session_id
             if everywhere:  # the session is gone, not just evicted from faster tiers
-                self.pool_path.forget(tenant, sid)
+                await self.pool_path.forget(tenant, sid)
             try:
                 m = await self.store.get_manifest(tenant, sid)
                 if m is not None and request.with_chunks:

@@ -38,6 +38,7 @@ long as its chunks end on the same blocks.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections import OrderedDict
@@ -46,7 +47,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from services.kvstore.checksum_work import checksum_work
-from services.kvstore.errors import ManifestIncomplete, TierUnavailable, WriteDropped
+from services.kvstore.errors import (
+    ManifestIncomplete,
+    TierUnavailable,
+    WriteDropped,
+    WriteRefused,
+)
 from services.kvstore.manifest import Manifest, manifest_key
 from services.kvstore.metrics import KVStoreMetrics
 from services.kvstore.store_io import TierIO
@@ -121,13 +127,22 @@ class TieredStore:
         self.local_ttl_s, self.ttl_s = local_ttl_s, ttl_s
         self.sweep_interval_s, self.drain_s = sweep_interval_s, drain_s
         self.writer = WriteBehind(
-            self.io.put, metrics, write_queue, write_workers, backoff_max_s=retry_backoff_max_s
+            self._write_below, metrics, write_queue, write_workers,
+            backoff_max_s=retry_backoff_max_s,
         )
-        self.writer.on_durable = self._remember_durable
         self._below_dram = tiers[1:]
         self._landed_fut: asyncio.Future[None] | None = None
         self._inflight: dict[str, asyncio.Future[None]] = {}
+        # What the store vouches for without asking the lowest tier (manifests are written
+        # on it): chunks acknowledged durable by this process and not lost since. A write
+        # vouches only if it is still the chunk's latest (``_write_gen``): a delete or a
+        # newer put in the meantime voids it.
         self._durable: OrderedDict[str, None] = OrderedDict()
+        self._write_gen: dict[str, int] = {}
+        self._gens = itertools.count()
+        # Chunks whose durable write was dropped (queue full, refused): a save must write
+        # them again rather than skip them as already stored.
+        self._unsaved: OrderedDict[str, None] = OrderedDict()
         self._sweeper: asyncio.Task[None] | None = None
         self._opened: list[Tier] = []
 
@@ -203,16 +218,40 @@ class TieredStore:
     def _admit(self, key: str, blob: Blob, priority: int) -> PutReceipt:
         tier_key = _C + key
         self.io.dram_put(self.dram, tier_key, blob, priority)
+        if self._unsaved:
+            self._unsaved.pop(key, None)
         if not self._below_dram:  # DRAM is the only tier: durable as it lands
             self._remember_durable_chunk(key)
             return PutReceipt(key, self._landed())
         self._durable.pop(key, None)
+        gen = self._write_gen[key] = next(self._gens)
         fut = self.writer.submit(tier_key, blob, priority, self._below_dram, durable=True)
         self._inflight[key] = fut
-        fut.add_done_callback(
-            lambda f, k=key: self._inflight.pop(k, None) if self._inflight.get(k) is f else None
-        )
+        fut.add_done_callback(lambda f, k=key, g=gen: self._written(k, g, f))
         return PutReceipt(key, fut)
+
+    def _written(self, key: str, gen: int, fut: asyncio.Future[None]) -> None:
+        """A chunk's write-behind ended: vouch for it only if nothing replaced or deleted
+        the chunk meanwhile; a dropped write leaves it to be written again."""
+        if self._inflight.get(key) is fut:
+            del self._inflight[key]
+        if self._write_gen.get(key) != gen:
+            return
+        del self._write_gen[key]
+        if fut.cancelled() or fut.exception() is not None:
+            self._mark_unsaved(key)
+        else:
+            self._remember_durable_chunk(key)
+
+    async def _write_below(self, tier: Tier, tier_key: str, blob: Blob, priority: int) -> None:
+        """The write-behind's put: a lowest tier that evicts for it loses those keys (no
+        more vouching for them), and one that cannot take the blob at all refuses it."""
+        evicted = await self.io.put(tier, tier_key, blob, priority)
+        if tier_key in evicted:
+            raise WriteRefused(f"{tier_key} ({len(blob)} bytes) does not fit {tier.name}")
+        if tier is self.lowest:
+            for k in evicted:
+                self.forget_durable(k)
 
     def _landed(self) -> asyncio.Future[None]:
         """A resolved future for receipts with nothing to wait for (one per loop: a put to
@@ -224,13 +263,18 @@ class TieredStore:
         return fut
 
     def forget_durable(self, tier_key: str) -> None:
-        """The lowest tier lost ``tier_key`` (deleted, expired, corrupt): stop vouching for it."""
+        """The lowest tier lost ``tier_key`` (deleted, expired, evicted, corrupt): stop
+        vouching for it, also when a write of it still in flight completes."""
         if tier_key.startswith(_C):
-            self._durable.pop(tier_key[len(_C):], None)
+            key = tier_key[len(_C):]
+            self._durable.pop(key, None)
+            self._write_gen.pop(key, None)
+            self._mark_unsaved(key)  # a later save writes it again even if held locally
 
-    def _remember_durable(self, tier_key: str) -> None:
-        if tier_key.startswith(_C):
-            self._remember_durable_chunk(tier_key[len(_C) :])
+    def _mark_unsaved(self, key: str) -> None:
+        self._unsaved[key] = None
+        if len(self._unsaved) > _DURABLE_MEMORY:
+            self._unsaved.popitem(last=False)
 
     def _remember_durable_chunk(self, key: str) -> None:
         durable = self._durable
@@ -374,6 +418,8 @@ class TieredStore:
         """Whether chunk ``key`` is known stored without remote I/O: in DRAM, being written
         behind, or in a local tier's index, or acknowledged durable by this process."""
         tkey = _C + key
+        if key in self._unsaved:
+            return False  # its durable write was dropped: it must be written again
         if key in self._inflight or key in self._durable or self.dram.peek(tkey) is not None:
             return True
         return any(t.has_local(tkey) for t in self.tiers[1:])
@@ -403,6 +449,7 @@ class TieredStore:
     async def _delete_from(self, tkey: str, names: Collection[str]) -> int:
         if not names or self.lowest.name in names:
             self.forget_durable(tkey)
+            self.writer.forget(tkey)  # a queued write would bring it back
         n = 0
         for tier in self.tiers:
             if names and tier.name not in names:
@@ -441,6 +488,12 @@ class TieredStore:
         Chunks still being written behind are waited for, up to ``wait_s`` seconds.
         Raises ``TierUnavailable`` if the lowest tier cannot take the manifest itself.
         """
+        await self.wait_durable(manifest, wait_s)
+        await self.write_manifest(manifest)
+
+    async def wait_durable(self, manifest: Manifest, wait_s: float = 30.0) -> None:
+        """Return once every chunk ``manifest`` names is durable in the lowest tier (writes
+        in flight waited for up to ``wait_s``); else raise ``ManifestIncomplete``."""
         keys = manifest.chunk_keys()
         inflight = [self._inflight[k] for k in keys if k in self._inflight]
         settled = [k for k in keys if k not in self._inflight and k not in self._durable]
@@ -458,6 +511,10 @@ class TieredStore:
             raise ManifestIncomplete(
                 f"manifest {manifest.key}: chunks are not durable in the lowest tier ({missing[0]})"
             )
+
+    async def write_manifest(self, manifest: Manifest) -> None:
+        """Write ``manifest`` to the lowest tier, then the local ones (``put_manifest``
+        without the durability check: only after ``wait_durable``)."""
         blob = manifest.encode()
         tkey = _M + manifest.key
         # Lowest tier first: it is the authority; the SSD copy only speeds up local reads.

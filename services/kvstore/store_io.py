@@ -106,8 +106,9 @@ class TierIO:
             c.bytes_out.inc(len(blob))
         return blob
 
-    async def put(self, tier: Tier, key: str, blob: Blob, priority: int) -> None:
-        """``tier.put`` with metrics; re-raises ``TierUnavailable`` for the caller to retry."""
+    async def put(self, tier: Tier, key: str, blob: Blob, priority: int) -> list[str]:
+        """``tier.put`` with metrics; re-raises ``TierUnavailable`` for the caller to retry.
+        Returns the keys the tier evicted for it (``[key]``: too large, not stored)."""
         c = self._c(tier)
         t0 = time.perf_counter()
         try:
@@ -118,6 +119,7 @@ class TierIO:
         finally:
             c.put_s.observe(time.perf_counter() - t0)
         self._account_put(tier, key, blob, evicted)
+        return evicted
 
     def dram_put(self, tier: DramTier, key: str, blob: Blob, priority: int) -> None:
         """Synchronous DRAM insert (no await: the put has landed when this returns)."""

@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from services.kvstore.checksum_work import checksum_work
-from services.kvstore.errors import TierUnavailable, WriteDropped
+from services.kvstore.errors import TierUnavailable, WriteDropped, WriteRefused
 from services.kvstore.metrics import KVStoreMetrics
 from services.kvstore.tiers.base import Blob, Tier
 from shared.chunk_codec import is_sealed, seal_chunk
@@ -30,7 +30,7 @@ from shared.chunk_codec import is_sealed, seal_chunk
 log = logging.getLogger(__name__)
 
 LOCAL_ATTEMPTS = 3
-PutFn = Callable[[Tier, str, Blob, int], Awaitable[None]]
+PutFn = Callable[[Tier, str, Blob, int], Awaitable[object]]
 
 
 @dataclass
@@ -71,7 +71,6 @@ class WriteBehind:
         self._tasks: list[asyncio.Task[None]] = []
         self._seq = itertools.count()
         self.dropped = 0
-        self.on_durable: Callable[[str], None] | None = None
 
     @property
     def depth(self) -> int:
@@ -133,6 +132,19 @@ class WriteBehind:
         self._wake()
         return fut
 
+    def forget(self, key: str) -> int:
+        """Drop the queued (not yet started) jobs of ``key``: it was deleted, and a write
+        landing afterwards would bring it back. Their acks fail with ``WriteDropped``."""
+        gone = [j for j in self._pending if j.key == key]
+        for job in gone:
+            self._pending.remove(job)
+            _fail(job, WriteDropped(f"{job.key}: deleted before it was written"))
+        if gone:
+            self._metrics.queue_depth.set(self.depth)
+            if not self.depth and self._idle is not None:
+                self._idle.set()
+        return len(gone)
+
     def _wake(self) -> None:
         if self._wakeup is not None:
             self._wakeup.set()
@@ -180,6 +192,12 @@ class WriteBehind:
             last = job.next_target == len(job.targets) - 1
             try:
                 await self._put(tier, job.key, job.blob, job.priority)
+            except WriteRefused as e:
+                if last and job.durable:  # it can never be durable: fail the ack now
+                    log.warning("write-behind of %s refused by %s: %s", job.key, tier.name, e)
+                    _fail(job, WriteDropped(f"{job.key}: {e}"))
+                    return
+                log.warning("skipping %s for %s: %s", tier.name, job.key, e)
             except TierUnavailable as e:
                 job.attempts += 1
                 if (last and job.durable) or job.attempts < LOCAL_ATTEMPTS:
@@ -192,8 +210,6 @@ class WriteBehind:
             job.done.set_result(None)
         if job.durable:
             self._metrics.durable_writes.inc()
-            if self.on_durable is not None:
-                self.on_durable(job.key)
 
     def _retry_later(self, job: WriteJob, err: Exception) -> None:
         pause = min(self._backoff_max_s, self._backoff_s * (2 ** min(job.attempts - 1, 20)))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -55,6 +55,7 @@ class S3Tier(Tier):
         self._degraded = ""
         self._bucket_ready = False
         self.bytes_used = 0  # bytes this process wrote (a bucket has no cheap size query)
+        self._closing = threading.Event()  # set by close(): retry loops stop between tries
 
     @property
     def degraded(self) -> str:
@@ -85,9 +86,18 @@ class S3Tier(Tier):
             log.warning("s3 unreachable at start, continuing degraded: %s", e)
 
     async def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        """Stop retrying, drop queued calls, and wait (off the loop, at most about one call's
+        timeout) for the calls under way: a hung endpoint must not stall the event loop or
+        hold shutdown far past ``drain_s``."""
+        pool, self._pool = self._pool, None
+        self._closing.set()
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+            try:
+                await asyncio.wait_for(asyncio.to_thread(pool.shutdown, True),
+                                       self.cfg.timeout_s + 1.0)
+            except TimeoutError:
+                log.warning("s3 calls still running at close; not waiting for them")
         self._client = None
 
     def _ensure_bucket_blocking(self) -> None:
@@ -112,7 +122,8 @@ class S3Tier(Tier):
         n = attempts or (1 if self._degraded else self.cfg.max_attempts)
         try:
             out = await self._run(
-                _with_retries, fn, args, n, self.cfg.backoff_s, self.cfg.backoff_max_s
+                _with_retries, fn, args, n, self.cfg.backoff_s, self.cfg.backoff_max_s,
+                self._closing,
             )
         except (BotoCoreError, ClientError) as e:
             self._degraded = f"s3 unreachable: {e}"
@@ -205,8 +216,10 @@ def _retryable(e: Exception) -> bool:
     return isinstance(e, BotoCoreError)  # connection refused/reset, timeouts
 
 
-def _with_retries(fn: Any, args: tuple, attempts: int, backoff: float, backoff_max: float) -> Any:
-    """Call ``fn`` up to ``attempts`` times, sleeping (on this worker thread) between tries."""
+def _with_retries(fn: Any, args: tuple, attempts: int, backoff: float, backoff_max: float,
+                  stop: threading.Event) -> Any:
+    """Call ``fn`` up to ``attempts`` times, waiting (on this worker thread) between tries;
+    ``stop`` (the tier closing) ends the retries: the last error is raised."""
     pause = backoff
     for i in range(attempts):
         try:
@@ -215,6 +228,7 @@ def _with_retries(fn: Any, args: tuple, attempts: int, backoff: float, backoff_m
             if i == attempts - 1 or not _retryable(e):
                 raise
             log.debug("s3 call failed (%s), retry %d in %.3fs", e, i + 1, pause)
-            time.sleep(pause)
+            if stop.wait(pause):
+                raise
             pause = min(backoff_max, pause * 2 if pause else backoff_max)
     raise AssertionError("unreachable: the loop returns or raises")

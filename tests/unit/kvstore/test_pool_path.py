@@ -559,3 +559,43 @@ async def test_fence_waits_for_a_dropped_save_still_reading(
     await asyncio.wait_for(fencer, 10)
     await asyncio.gather(saver, return_exceptions=True)
     assert events == ["read done", "fenced"]
+
+
+@pytest.mark.parametrize("phase", ["waiting", "writing"])
+async def test_a_session_delete_leaves_no_manifest_behind(tmp_path: Path, pool, phase: str) -> None:
+    """Forgetting a session (its Delete) while its manifest is pending, either still
+    waiting for its chunks or already being written, returns only when no manifest of it
+    can appear any more; the delete that follows leaves none."""
+    from tests.unit.kvstore.flaky import FlakyTier
+
+    class Gated(FlakyTier):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = asyncio.Event()
+            self.entered = asyncio.Event()
+            self.gated_prefix = "c/" if phase == "waiting" else "m/"
+
+        async def put(self, key, blob, priority=0):
+            if key.startswith(self.gated_prefix):
+                self.entered.set()
+                await self.gate.wait()
+            return await super().put(key, blob, priority)
+
+    remote = Gated()
+    store = TieredStore([DramTier(1 << 24), remote], KVStoreMetrics(),
+                        retry_backoff_max_s=0.02, drain_s=0.5)
+    async with store, PoolDataPath(store, CHUNK_TOKENS) as dp:
+        pid, _ = await dp.attach(geometry(pool))
+        hs = hashes(20)
+        fill(pool, ids(0, 20, SRC, STRIDE), seed=17)
+        await save(dp, pid, hs, session="gone")
+        await asyncio.wait_for(remote.entered.wait(), 5)
+        forgetting = asyncio.create_task(dp.forget(TENANT, "gone"))
+        await asyncio.sleep(0.05)
+        assert forgetting.done() == (phase == "waiting")  # a write under way is waited for
+        remote.gate.set()
+        await asyncio.wait_for(forgetting, 5)
+        await store.delete_manifest(TENANT, "gone", [])
+        await dp.wait_manifests()
+        await asyncio.sleep(0.05)
+        assert await store.get_manifest(TENANT, "gone") is None

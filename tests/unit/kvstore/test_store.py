@@ -503,3 +503,153 @@ async def test_ssd_unreadable_catalog_entry_is_dropped_at_open(tmp_path: Path) -
         ssd.check_integrity()
     finally:
         await ssd.close()
+
+
+class GatedTier(FlakyTier):
+    """A remote whose puts store the blob, then wait for ``gate`` before answering: the
+    window where the object exists but its write has not been acknowledged yet."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+        self.stored = asyncio.Event()
+
+    async def put(self, key: str, blob, priority: int = 0) -> list[str]:
+        out = await super().put(key, blob, priority)
+        self.stored.set()
+        await self.gate.wait()
+        return out
+
+
+async def test_a_delete_during_the_write_behind_voids_its_durable_ack() -> None:
+    """Deleted while its write to the lowest tier was in flight: the completing write
+    must not make the store vouch for a chunk the lowest tier no longer has."""
+    remote = GatedTier()
+    async with make_store([DramTier(1 << 20), remote]) as s:
+        m = meta("s", 0, 0)
+        r = await s.put(m, kv_tensor(1))
+        await asyncio.wait_for(remote.stored.wait(), 5)
+        await s.delete(r.key)
+        remote.gate.set()
+        await r.durable  # the write itself completed
+        assert not await s.is_durable(r.key)
+        assert not s.has_local_or_durable(r.key)
+        man = session_manifest("s", 1, 1, 1)  # names exactly chunk m
+        assert man.chunk_keys() == [r.key]
+        with pytest.raises(ManifestIncomplete):
+            await s.put_manifest(man, wait_s=0.5)
+
+
+async def test_a_queued_write_of_a_deleted_chunk_never_lands() -> None:
+    remote = FlakyTier()
+    remote.down = True
+    async with make_store([DramTier(1 << 20), remote]) as s:
+        r = await s.put(meta("s", 0, 0), kv_tensor(2))
+        await asyncio.sleep(0.05)  # queued for a retry
+        await s.delete(r.key)
+        remote.down = False
+        with pytest.raises(WriteDropped):
+            await r.durable
+        await asyncio.sleep(0.1)
+        assert not await remote.contains("c/" + r.key)
+        s.check_integrity()
+
+
+async def test_chunks_the_lowest_tier_evicts_are_no_longer_vouched_for(tmp_path: Path) -> None:
+    """With SSD as the lowest tier, a chunk it evicts for room stops counting as durable,
+    and the next save writes it again instead of skipping it."""
+    blob_bytes = len(encode_chunk(meta("s", 0, 0), kv_tensor(0, tokens=64)))
+    ssd = SsdTier(str(tmp_path / "db"), 2 * blob_bytes + blob_bytes // 2)
+    async with make_store([DramTier(1 << 22), ssd]) as s:
+        keys = []
+        for i in range(3):
+            r = await s.put(meta("s", i, 0), kv_tensor(i, tokens=64))
+            await r.durable
+            keys.append(r.key)
+        assert not await ssd.contains("c/" + keys[0])  # evicted for the third
+        assert keys[0] not in s._durable
+        assert not s.has_local_or_durable(keys[0])  # still in DRAM, but must be saved again
+        assert s.has_local_or_durable(keys[2])
+        r = await s.put(meta("s", 0, 0), kv_tensor(0, tokens=64))
+        await r.durable
+        assert s.has_local_or_durable(keys[0])
+
+
+async def test_a_dropped_write_is_written_again_by_the_next_save() -> None:
+    """The queue was full and dropped a chunk's durable write: it is kept locally but no
+    longer counts as stored, so the engine's next save of it goes through."""
+    remote = FlakyTier()
+    remote.down = True
+    async with make_store([DramTier(1 << 20), remote], write_queue=1) as s:
+        first = await s.put(meta("s", 0, 0), kv_tensor(3), priority=0)
+        await asyncio.sleep(0.05)
+        second = await s.put(meta("s", 1, 0), kv_tensor(4), priority=5)
+        with pytest.raises(WriteDropped):
+            await first.durable
+        await asyncio.sleep(0)
+        assert s.dram.has_local("c/" + first.key)  # the local copy stays
+        assert not s.has_local_or_durable(first.key)
+        remote.down = False
+        await second.durable
+        again = await s.put(meta("s", 0, 0), kv_tensor(3))
+        await again.durable
+        assert s.has_local_or_durable(first.key) and await remote.contains("c/" + first.key)
+
+
+async def test_closing_with_s3_black_holed_neither_stalls_the_loop_nor_overruns() -> None:
+    """An S3 endpoint that accepts connections and never answers: close gives up on the
+    write-behind after drain_s, stops the S3 retries, and never blocks the event loop."""
+    import socket
+
+    from services.kvstore.config import S3Config
+    from services.kvstore.tiers.s3 import S3Tier
+
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(64)
+    held: list = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        hole.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                held.append(hole.accept())
+            except OSError:
+                continue
+
+    acceptor = threading.Thread(target=accept, daemon=True)
+    acceptor.start()
+    try:
+        s3 = S3Tier(S3Config(endpoint_url=f"http://127.0.0.1:{hole.getsockname()[1]}",
+                             bucket="kv", access_key_id="x", secret_access_key="x",
+                             timeout_s=0.5, max_attempts=2, backoff_s=0.2))
+        store = make_store([DramTier(1 << 24), s3], drain_s=0.5)
+        await store.__aenter__()
+        gaps: list[float] = []
+
+        async def heartbeat() -> None:
+            last = time.monotonic()
+            while True:
+                await asyncio.sleep(0.01)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        beat = asyncio.create_task(heartbeat())
+        await store.put(meta("s", 0, 0), kv_tensor(1))
+        await asyncio.sleep(0.3)  # the S3 put is now on an S3 thread, waiting
+        gaps.clear()
+        t0 = time.monotonic()
+        await store.__aexit__(None, None, None)
+        took = time.monotonic() - t0
+        await asyncio.sleep(0.05)
+        beat.cancel()
+        assert max(gaps) < 0.5, f"event loop stalled {max(gaps):.2f}s"
+        assert took < 0.5 + 0.5 + 1.5, f"close took {took:.2f}s"  # drain, one call, slack
+    finally:
+        stop.set()
+        acceptor.join(2)
+        for conn, _ in held:
+            conn.close()
+        hole.close()
