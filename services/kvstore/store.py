@@ -137,7 +137,7 @@ class TieredStore:
         # on it): chunks acknowledged durable by this process and not lost since. A write
         # vouches only if it is still the chunk's latest (``_write_gen``): a delete or a
         # newer put in the meantime voids it.
-        self._durable: OrderedDict[str, None] = OrderedDict()
+        self._durable: OrderedDict[str, float] = OrderedDict()  # key -> when written
         self._write_gen: dict[str, int] = {}
         self._gens = itertools.count()
         # Chunks whose durable write was dropped (queue full, refused): a save must write
@@ -276,14 +276,12 @@ class TieredStore:
         if len(self._unsaved) > _DURABLE_MEMORY:
             self._unsaved.popitem(last=False)
 
-    def _remember_durable_chunk(self, key: str) -> None:
+    def _remember_durable_chunk(self, key: str, written_at: float | None = None) -> None:
         durable = self._durable
-        if key in durable:
-            durable.move_to_end(key)
-        else:
-            durable[key] = None
-            if len(durable) > _DURABLE_MEMORY:
-                durable.popitem(last=False)
+        durable[key] = time.time() if written_at is None else written_at
+        durable.move_to_end(key)
+        if len(durable) > _DURABLE_MEMORY:
+            durable.popitem(last=False)
 
     async def get(self, key: str) -> Chunk | None:
         """The chunk under ``key`` or ``None`` (miss, unreachable or corrupt). See module doc."""
@@ -469,12 +467,33 @@ class TieredStore:
             except WriteDropped:
                 return False
             return True
-        if key in self._durable:
+        return await self._durable_for_a_ttl(key)
+
+    async def _durable_for_a_ttl(self, key: str) -> bool:
+        """Whether chunk ``key`` is in the lowest tier with at least half its TTL to go.
+
+        A manifest is rewritten every turn but names chunks of every earlier turn; the
+        lowest tier expires each chunk by its own age. So a chunk older than half the
+        TTL is refreshed (its clock restarted) before a manifest may name it: a session in
+        use never has its early chunks expire under a manifest (Symphony §3.4: the
+        slowest tier holds the complete copy). What the store wrote itself recently is
+        trusted without asking."""
+        now = time.time()
+        at = self._durable.get(key)
+        if at is not None and now - at < self.ttl_s / 2:
             return True
+        tkey = _C + key
         try:
-            return await self.lowest.contains(_C + key)
+            at = await self.lowest.written_at(tkey)
+            if at is not None and now - at >= self.ttl_s / 2:
+                at = now if await self.lowest.refresh(tkey) else None
         except TierUnavailable:
             return False
+        if at is None:
+            self.forget_durable(tkey)
+            return False
+        self._remember_durable_chunk(key, at)
+        return True
 
     # ---------------------------------------------------------------- sessions
 
@@ -496,9 +515,9 @@ class TieredStore:
         in flight waited for up to ``wait_s``); else raise ``ManifestIncomplete``."""
         keys = manifest.chunk_keys()
         inflight = [self._inflight[k] for k in keys if k in self._inflight]
-        settled = [k for k in keys if k not in self._inflight and k not in self._durable]
+        settled = [k for k in keys if k not in self._inflight]
         # Cheap checks first: a chunk that is neither in flight nor durable fails at once.
-        present = await asyncio.gather(*(self.is_durable(k) for k in settled))
+        present = await asyncio.gather(*(self._durable_for_a_ttl(k) for k in settled))
         missing = [k for k, ok in zip(settled, present) if not ok]
         if not missing and inflight:
             done, _pending = await asyncio.wait(
@@ -538,7 +557,10 @@ class TieredStore:
                     return Manifest.decode(blob)
                 except (ValueError, KeyError, TypeError) as e:
                     log.warning("unreadable manifest %s in %s: %s", tkey, tier.name, e)
-                    await tier.delete(tkey)
+                    try:
+                        await tier.delete(tkey)
+                    except TierUnavailable as err:  # it stays unreadable: still a miss
+                        log.warning("could not delete %s from %s: %s", tkey, tier.name, err)
         return None
 
     async def delete_manifest(

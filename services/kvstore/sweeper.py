@@ -26,6 +26,11 @@ async def sweep_tiers(store: TieredStore, now: float) -> int:
         try:
             for key in await tier.scan_expired(now - ttl):
                 if tier is store.lowest:
+                    # The listing may be stale: a manifest write may have refreshed the
+                    # chunk since (see TieredStore._durable_for_a_ttl). Ask again.
+                    at = await tier.written_at(key)
+                    if at is not None and at >= now - ttl:
+                        continue
                     store.forget_durable(key)
                 if await tier.delete(key):
                     removed += 1

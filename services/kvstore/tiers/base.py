@@ -22,6 +22,7 @@ Contract common to all tiers:
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -144,6 +145,17 @@ class Tier(ABC):
     @abstractmethod
     async def scan_expired(self, older_than: float) -> list[str]:
         """Keys last written or read before the wall-clock time ``older_than``."""
+
+    async def written_at(self, key: str) -> float | None:
+        """Wall-clock time ``key``'s TTL counts from (its last write or refresh, or for an
+        idle-expiring local tier its last use); None if absent. Default: the last use is
+        unknown, so "now" for a present key."""
+        return time.time() if await self.contains(key) else None
+
+    async def refresh(self, key: str) -> bool:
+        """Restart ``key``'s TTL clock (a manifest about to name it); False if absent.
+        Default: nothing to restart."""
+        return await self.contains(key)
 
     @abstractmethod
     def stats(self) -> TierStats:

@@ -181,6 +181,38 @@ class S3Tier(Tier):
 
         return await self._call(blocking)
 
+    async def written_at(self, key: str) -> float | None:
+        def blocking() -> float | None:
+            self._ensure_bucket_blocking()
+            try:
+                head = self._client.head_object(Bucket=self.cfg.bucket, Key=self._obj(key))
+            except ClientError as e:
+                if _code(e) in _MISSING:
+                    return None
+                raise
+            return float(head["LastModified"].timestamp())
+
+        return await self._call(blocking)
+
+    async def refresh(self, key: str) -> bool:
+        """Copy the object onto itself: S3 has no touch, and expiry counts from
+        LastModified (a server-side copy; the bytes do not come here)."""
+        def blocking() -> bool:
+            self._ensure_bucket_blocking()
+            obj = self._obj(key)
+            try:
+                self._client.copy_object(
+                    Bucket=self.cfg.bucket, Key=obj, MetadataDirective="REPLACE",
+                    CopySource={"Bucket": self.cfg.bucket, "Key": obj},
+                )
+            except ClientError as e:
+                if _code(e) in _MISSING:
+                    return False
+                raise
+            return True
+
+        return await self._call(blocking)
+
     async def scan_expired(self, older_than: float) -> list[str]:
         def blocking() -> list[str]:
             self._ensure_bucket_blocking()

@@ -542,6 +542,16 @@ class SsdTier(Tier):
                 raise asyncio.CancelledError
             return True
 
+    async def written_at(self, key: str) -> float | None:
+        e = self._index.get(key)
+        return None if e is None else e.touched
+
+    async def refresh(self, key: str) -> bool:
+        if key not in self._index:
+            return False
+        self._index.touch(key, time.time())
+        return True
+
     async def scan_expired(self, older_than: float) -> list[str]:
         return self._index.older_than(older_than)
 

@@ -123,3 +123,23 @@ async def test_s3_unreachable_degrades_queues_drops_and_recovers(tmp_path: Path)
             assert s.health()[0]
         finally:
             stop()
+
+
+async def test_s3_refresh_restarts_an_objects_ttl_clock(moto_endpoint: str) -> None:
+    """``written_at`` is the object's LastModified; ``refresh`` (a copy onto itself)
+    moves it to now without changing the bytes; both tell an absent key."""
+    t = S3Tier(s3cfg(moto_endpoint))
+    await t.open()
+    try:
+        await t.put("c/k", b"payload")
+        first = await t.written_at("c/k")
+        assert first is not None and abs(first - time.time()) < 5
+        await asyncio.sleep(1.1)  # LastModified has one-second resolution
+        assert await t.refresh("c/k")
+        second = await t.written_at("c/k")
+        assert second is not None and second > first
+        assert await t.get("c/k") == b"payload"
+        assert await t.written_at("c/absent") is None
+        assert not await t.refresh("c/absent")
+    finally:
+        await t.close()

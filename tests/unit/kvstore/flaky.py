@@ -32,6 +32,14 @@ class FlakyTier(DramTier):
         self._check()
         return await super().contains(key)
 
+    async def written_at(self, key: str) -> float | None:
+        self._check()
+        return await super().written_at(key)
+
+    async def refresh(self, key: str) -> bool:
+        self._check()
+        return await super().refresh(key)
+
     def stats(self) -> TierStats:
         s = super().stats()
         return TierStats(self.name, s.entries, s.bytes_used, 0, not self.down, "down" if self.down else "")

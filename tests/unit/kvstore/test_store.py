@@ -14,7 +14,7 @@ from services.kvstore.store import TieredStore
 from services.kvstore.streaming import stream_session
 from services.kvstore.tiers import DramTier, SsdTier
 from shared.chunk_codec import ChunkCorrupt, decode_chunk, encode_chunk
-from tests.unit.kvstore.chunks import kv_tensor, meta, session_chunks, session_manifest
+from tests.unit.kvstore.chunks import TENANT, kv_tensor, meta, session_chunks, session_manifest
 from tests.unit.kvstore.flaky import FlakyTier
 
 
@@ -653,3 +653,42 @@ async def test_closing_with_s3_black_holed_neither_stalls_the_loop_nor_overruns(
         for conn, _ in held:
             conn.close()
         hole.close()
+
+
+async def test_a_manifest_refreshes_chunks_past_half_their_ttl() -> None:
+    """A session's manifest names chunks of its first turns too: one older than half the
+    lowest tier's TTL gets its clock restarted before the manifest is written, so the
+    sweep does not expire it from under the manifest."""
+    from services.kvstore.sweeper import sweep_tiers
+
+    remote = FlakyTier()
+    async with make_store([DramTier(1 << 20), remote], ttl_s=10.0) as s:
+        m = meta("s", 0, 0)
+        r = await s.put(m, kv_tensor(5))
+        await r.durable
+        now = time.time()
+        remote._index.get("c/" + r.key).touched = now - 6  # written 6 s ago
+        s._durable[r.key] = now - 6
+        await s.put_manifest(session_manifest("s", 1, 1, 1))
+        assert (await remote.written_at("c/" + r.key)) >= now  # refreshed
+        await sweep_tiers(s, now + 5)  # the old clock would have expired it here
+        assert await remote.contains("c/" + r.key)
+        assert await s.get_manifest(TENANT, "s") is not None
+
+
+async def test_the_sweep_rechecks_a_stale_listing_before_deleting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from services.kvstore.sweeper import sweep_tiers
+
+    remote = FlakyTier()
+    async with make_store([DramTier(1 << 20), remote], ttl_s=10.0) as s:
+        r = await s.put(meta("s", 0, 0), kv_tensor(6))
+        await r.durable
+
+        async def stale(older_than: float) -> list[str]:  # listed before a refresh
+            return ["c/" + r.key]
+
+        monkeypatch.setattr(remote, "scan_expired", stale)
+        assert await sweep_tiers(s, time.time()) == 0
+        assert await remote.contains("c/" + r.key)
