@@ -220,8 +220,10 @@ class TieredStore:
         self.io.dram_put(self.dram, tier_key, blob, priority)
         if self._unsaved:
             self._unsaved.pop(key, None)
-        if not self._below_dram:  # DRAM is the only tier: durable as it lands
-            self._remember_durable_chunk(key)
+        if not self._below_dram:
+            # DRAM is the only tier: durable as it lands, and its own index (no I/O) says
+            # so to ``_durable_for_a_ttl``: nothing to remember.
+            self._durable.pop(key, None)
             return PutReceipt(key, self._landed())
         self._durable.pop(key, None)
         gen = self._write_gen[key] = next(self._gens)
