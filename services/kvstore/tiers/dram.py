@@ -12,10 +12,10 @@ from collections.abc import Callable
 from typing import Any
 
 from services.kvstore.tiers.base import Blob, Tier, TierStats
-from services.kvstore.tiers.lru_index import PriorityLru
+from services.kvstore.tiers.lru_index import IndexedTtl, PriorityLru
 
 
-class DramTier(Tier):
+class DramTier(IndexedTtl, Tier):
     name = "dram"
 
     def __init__(self, capacity_bytes: int) -> None:
@@ -88,16 +88,6 @@ class DramTier(Tier):
 
     async def delete(self, key: str) -> bool:
         return self._drop(key)
-
-    async def written_at(self, key: str) -> float | None:
-        e = self._index.get(key)
-        return None if e is None else e.touched
-
-    async def refresh(self, key: str) -> bool:
-        if key not in self._index:
-            return False
-        self._index.touch(key, time.time())
-        return True
 
     async def scan_expired(self, older_than: float) -> list[str]:
         return self._index.older_than(older_than)

@@ -11,6 +11,7 @@ of the least recently used session go first.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -123,3 +124,20 @@ class PriorityLru:
             assert bucket, "empty bucket kept"
             for k in bucket:
                 assert self._entries[k].priority == prio, "key in the wrong priority bucket"
+
+
+class IndexedTtl:
+    """``Tier.written_at``/``refresh`` for a local tier whose ``PriorityLru`` is the truth:
+    its TTL counts from the last use (``touched``), and a refresh is a use."""
+
+    _index: PriorityLru
+
+    async def written_at(self, key: str) -> float | None:
+        e = self._index.get(key)
+        return None if e is None else e.touched
+
+    async def refresh(self, key: str) -> bool:
+        if key not in self._index:
+            return False
+        self._index.touch(key, time.time())
+        return True

@@ -161,17 +161,7 @@ class S3Tier(Tier):
         return []
 
     async def contains(self, key: str) -> bool:
-        def blocking() -> bool:
-            self._ensure_bucket_blocking()
-            try:
-                self._client.head_object(Bucket=self.cfg.bucket, Key=self._obj(key))
-            except ClientError as e:
-                if _code(e) in _MISSING:
-                    return False
-                raise
-            return True
-
-        return await self._call(blocking)
+        return await self.written_at(key) is not None  # one HEAD either way
 
     async def delete(self, key: str) -> bool:
         def blocking() -> bool:

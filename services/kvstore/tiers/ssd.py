@@ -66,7 +66,7 @@ from services.kvstore.tiers.base import (
     apply_check,
     whole_blob,
 )
-from services.kvstore.tiers.lru_index import PriorityLru
+from services.kvstore.tiers.lru_index import IndexedTtl, PriorityLru
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ def _skip(bufs: list[memoryview], n: int) -> list[memoryview]:
     return out
 
 
-class SsdTier(Tier):
+class SsdTier(IndexedTtl, Tier):
     name = "ssd"
 
     def __init__(
@@ -541,16 +541,6 @@ class SsdTier(Tier):
             if cancelled:
                 raise asyncio.CancelledError
             return True
-
-    async def written_at(self, key: str) -> float | None:
-        e = self._index.get(key)
-        return None if e is None else e.touched
-
-    async def refresh(self, key: str) -> bool:
-        if key not in self._index:
-            return False
-        self._index.touch(key, time.time())
-        return True
 
     async def scan_expired(self, older_than: float) -> list[str]:
         return self._index.older_than(older_than)

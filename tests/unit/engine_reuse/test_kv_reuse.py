@@ -64,6 +64,15 @@ def run(core: EngineCore) -> dict[str, list[int]]:
     return out
 
 
+def assert_all_let_go(core: EngineCore, t: ScriptedTransport) -> None:
+    """Once the saves are answered (and loads ended), the next step frees every block."""
+    for job in t.saves:
+        core.reuse.unpin(job.job_id)
+    core.step()
+    assert core.reuse.held_blocks() == [] and core.blocks.num_used == 0
+    core.check_integrity()
+
+
 def test_load_that_never_answers_falls_back_and_parks_its_blocks(loaded: LoadedModel) -> None:
     ref = make_core(loaded)
     try:
@@ -87,11 +96,7 @@ def test_load_that_never_answers_falls_back_and_parks_its_blocks(loaded: LoadedM
         assert got == want  # recomputed from scratch
         assert core.reuse.held_blocks() and t.saves  # still parked; the save is pinned
         t.loads[0].readiness.finish()  # the RPC ends at last
-        for job in t.saves:
-            core.reuse.unpin(job.job_id)
-        core.step()
-        assert core.reuse.held_blocks() == [] and core.blocks.num_used == 0
-        core.check_integrity()
+        assert_all_let_go(core, t)
     finally:
         core.close()
 
@@ -248,11 +253,7 @@ def test_a_failed_step_parks_the_blocks_its_loads_may_still_write(
         run(core)  # another request runs meanwhile, in other blocks
         assert all(core.blocks.refcount[b] >= 1 for b in targets)
         job.readiness.finish()  # the load's RPC ends
-        for s in t.saves:
-            core.reuse.unpin(s.job_id)
-        core.step()
-        assert core.reuse.held_blocks() == [] and core.blocks.num_used == 0
-        core.check_integrity()
+        assert_all_let_go(core, t)
     finally:
         core.close()
 
