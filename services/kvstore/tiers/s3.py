@@ -18,6 +18,7 @@ import asyncio
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from typing import Any
 
 import boto3
@@ -26,7 +27,16 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from services.kvstore.config import S3Config
 from services.kvstore.errors import TierUnavailable
-from services.kvstore.tiers.base import Blob, Tier, TierStats
+from services.kvstore.tiers.base import (
+    Blob,
+    Checked,
+    Stored,
+    T,
+    Tier,
+    TierStats,
+    apply_check,
+    whole_blob,
+)
 
 log = logging.getLogger(__name__)
 
@@ -139,17 +149,38 @@ class S3Tier(Tier):
     # ---------------------------------------------------------------- operations
 
     async def get(self, key: str) -> Blob | None:
-        def blocking() -> bytes | None:
-            self._ensure_bucket_blocking()
-            try:
-                resp = self._client.get_object(Bucket=self.cfg.bucket, Key=self._obj(key))
-            except ClientError as e:
-                if _code(e) in _MISSING:
-                    return None
-                raise
-            return resp["Body"].read()
+        return await self._call(self._get_blocking, key)
 
-        return await self._call(blocking)
+    def _get_blocking(self, key: str) -> bytes | None:
+        self._ensure_bucket_blocking()
+        try:
+            resp = self._client.get_object(Bucket=self.cfg.bucket, Key=self._obj(key))
+        except ClientError as e:
+            if _code(e) in _MISSING:
+                return None
+            raise
+        return resp["Body"].read()
+
+    async def get_many(self, keys: list[str]) -> list[Blob | None]:
+        got = await self.get_many_checked(keys, whole_blob)
+        return [None if g is None else g[1] for g in got]  # type: ignore[misc]
+
+    async def get_many_checked(
+        self, keys: list[str], check: Callable[[Stored], T]
+    ) -> list[Checked[T]]:
+        """Every key at once, each on its own thread of the pool (a layer's chunks are
+        independent objects: one round trip of latency, not one per chunk), checked there
+        (off the loop, bytes still in cache). Returns only once every call has ended, the
+        checks included: a check may be writing into an engine's pool blocks."""
+
+        def one(key: str) -> Checked[T]:
+            return apply_check(self._get_blocking(key), check)
+
+        got = await asyncio.gather(*(self._call(one, k) for k in keys), return_exceptions=True)
+        for g in got:
+            if isinstance(g, BaseException):
+                raise g
+        return got  # type: ignore[return-value]
 
     async def put(self, key: str, blob: Blob, priority: int = 0) -> list[str]:
         def blocking() -> None:

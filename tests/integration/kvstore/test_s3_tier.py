@@ -8,6 +8,7 @@ import uuid
 from pathlib import Path
 
 import boto3
+import pytest
 import torch
 
 from services.kvstore.config import KVStoreConfig, S3Config
@@ -141,5 +142,46 @@ async def test_s3_refresh_restarts_an_objects_ttl_clock(moto_endpoint: str) -> N
         assert await t.get("c/k") == b"payload"
         assert await t.written_at("c/absent") is None
         assert not await t.refresh("c/absent")
+    finally:
+        await t.close()
+
+
+async def test_s3_batch_reads_run_together_and_end_together(moto_endpoint: str) -> None:
+    """A layer's chunks are fetched concurrently, each checked on its S3 thread, results in
+    key order; if one fails, the call returns only after the others' checks are done (a
+    check may be writing into an engine's pool blocks)."""
+    import threading
+
+    t = S3Tier(s3cfg(moto_endpoint))
+    await t.open()
+    try:
+        keys = [f"c/k{i}" for i in range(4)]
+        for i, k in enumerate(keys):
+            await t.put(k, bytes([i]) * 16)
+        together = threading.Barrier(2, timeout=10)  # only passes with two checks in flight
+
+        def check(hit):
+            if hit.blob()[0] < 2:
+                together.wait()
+            return (threading.current_thread().name, bytes(hit.blob()))
+
+        got = await t.get_many_checked([*keys, "c/absent"], check)
+        assert [g[1][1] for g in got[:4]] == [bytes([i]) * 16 for i in range(4)]
+        assert got[4] is None
+        assert all(g[1][0].startswith("kv-s3") for g in got[:4])
+        assert await t.get_many(keys[:2]) == [bytes([0]) * 16, bytes([1]) * 16]
+
+        finished: list[str] = []
+
+        def failing(hit):
+            if hit.blob()[0] == 0:
+                raise RuntimeError("a bug in a check")
+            threading.Event().wait(0.3)
+            finished.append("slow")
+            return 1
+
+        with pytest.raises(RuntimeError):
+            await t.get_many_checked(keys[:2], failing)
+        assert finished == ["slow"]
     finally:
         await t.close()
