@@ -46,7 +46,10 @@ async def sweep_loop(store: TieredStore) -> None:
         await asyncio.sleep(store.sweep_interval_s)
         try:
             await store.sweep()
-            if log.isEnabledFor(logging.DEBUG):
+            # The invariants hold between writes: check only when the write-behind is idle
+            # (and its last acks' callbacks have run).
+            if log.isEnabledFor(logging.DEBUG) and await store.writer.wait_idle(0.1):
+                await asyncio.sleep(0)
                 store.check_integrity()
         except StorageError as e:
             log.warning("sweep failed: %s", e)

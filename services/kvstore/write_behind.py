@@ -86,6 +86,16 @@ class WriteBehind:
             for i in range(self._workers_n)
         ]
 
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until nothing is queued or being written (True), or ``timeout`` passes."""
+        if self._idle is None or not self.depth:
+            return True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
     async def close(self, drain_s: float) -> None:
         """Wait up to ``drain_s`` for the queue to empty, then cancel the workers."""
         if self.depth and self._idle is not None:

@@ -44,7 +44,10 @@ async def path(tmp_path: Path, pool) -> AsyncIterator[PoolDataPath]:
     async with make_store(tmp_path) as store, PoolDataPath(store, CHUNK_TOKENS) as dp:
         yield dp
         dp.check_integrity()
-        await asyncio.sleep(0.01)  # let done write-behind acks run their callbacks
+        # Writes still under way would finish between the check's reads; let them, and let
+        # their acks' callbacks run (a future done a moment ago has its callback pending).
+        await store.writer.wait_idle(10.0)
+        await asyncio.sleep(0)
         store.check_integrity()
 
 
