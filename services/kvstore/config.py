@@ -38,7 +38,12 @@ class KVStoreConfig:
     )
     ssd_bytes: int = opt(20 << 30, "SSD tier capacity in bytes", min=0)
     chunk_tokens: int = opt(256, "tokens per chunk (multiple of the block size)", min=1)
-    ttl_s: float = opt(7 * 24 * 3600.0, "lowest-tier expiry in seconds", min=1.0)
+    ttl_s: float = opt(
+        7 * 24 * 3600.0,
+        "lowest-tier expiry in seconds, counted from an object's last write; a manifest "
+        "refreshes the chunks it names once they are past half of it",
+        min=1.0,
+    )
     ssd_cache_bytes: int = opt(256 << 20, "RocksDB block cache in bytes", min=1 << 20)
     ssd_sync: bool = opt(
         False, "fsync each SSD write (chunk file, its directory, the RocksDB WAL): power-loss safe"
