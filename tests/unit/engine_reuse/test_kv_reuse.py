@@ -46,6 +46,18 @@ def make_core(loaded: LoadedModel, **kw: object) -> EngineCore:
     return EngineCore(cfg, loaded)
 
 
+def scripted_core(loaded: LoadedModel) -> tuple[EngineCore, ScriptedTransport]:
+    core = make_core(loaded)
+    t = ScriptedTransport()
+    core.reuse.transport = t
+    return core, t
+
+
+def two_block_plan(lease_id: str) -> ReusePlan:
+    """Load the prompt's first two blocks from DRAM under ``lease_id``."""
+    return ReusePlan((LoadSpan(b"h", 0, 2, "dram", 1),), lease_id, 0, 2)
+
+
 def add(core: EngineCore, loaded: LoadedModel, rid: str, plan: ReusePlan | None) -> None:
     req = GenerateRequest(request_id=rid, prompt=PROMPT, session_id="s",
                           sampling=SamplingParams(max_tokens=6, ignore_eos=True))
@@ -80,11 +92,9 @@ def test_load_that_never_answers_falls_back_and_parks_its_blocks(loaded: LoadedM
         want = run(ref)["r"]
     finally:
         ref.close()
-    core = make_core(loaded)
-    t = ScriptedTransport()
-    core.reuse.transport = t
+    core, t = scripted_core(loaded)
     try:
-        plan = ReusePlan((LoadSpan(b"h", 0, 2, "dram", 1),), "lease-1", 0, 2)
+        plan = two_block_plan("lease-1")
         add(core, loaded, "a", plan)
         assert core.step() == []  # the wait timed out: no token sampled for garbage KV
         assert len(t.loads) == 1 and core.reuse.load_failures == 1
@@ -102,9 +112,7 @@ def test_load_that_never_answers_falls_back_and_parks_its_blocks(loaded: LoadedM
 
 
 def test_save_pins_full_blocks_until_unpinned(loaded: LoadedModel) -> None:
-    core = make_core(loaded)
-    t = ScriptedTransport()
-    core.reuse.transport = t
+    core, t = scripted_core(loaded)
     try:
         add(core, loaded, "a", None)
         run(core)
@@ -121,19 +129,17 @@ def test_save_pins_full_blocks_until_unpinned(loaded: LoadedModel) -> None:
 
 
 def test_plan_dropped_at_admission_releases_its_lease(loaded: LoadedModel) -> None:
-    core = make_core(loaded)
-    t = ScriptedTransport()
-    core.reuse.transport = t
+    core, t = scripted_core(loaded)
     try:
         add(core, loaded, "warm", None)
         run(core)
         for job in t.saves:
             core.reuse.unpin(job.job_id)
         # Everything the plan names is on device by admission: nothing to load.
-        add(core, loaded, "b", ReusePlan((LoadSpan(b"h", 0, 2, "dram", 1),), "lease-2", 0, 2))
+        add(core, loaded, "b", two_block_plan("lease-2"))
         run(core)
         assert t.released == ["lease-2"] and len(t.loads) == 0
-        add(core, loaded, "c", ReusePlan((LoadSpan(b"h", 0, 2, "dram", 1),), "lease-3", 0, 2))
+        add(core, loaded, "c", two_block_plan("lease-3"))
         core.abort("c")  # aborted while waiting
         assert t.released[-1] == "lease-3"
     finally:
@@ -141,9 +147,7 @@ def test_plan_dropped_at_admission_releases_its_lease(loaded: LoadedModel) -> No
 
 
 def test_long_generation_saves_chunks_as_they_fill(loaded: LoadedModel) -> None:
-    core = make_core(loaded)
-    t = ScriptedTransport()
-    core.reuse.transport = t
+    core, t = scripted_core(loaded)
     core.reuse.blocks_per_chunk = 2  # 32-token chunks
     try:
         req = GenerateRequest(request_id="g", prompt=PROMPT, session_id="s",
@@ -212,7 +216,7 @@ def test_layers_overlapping_a_cpu_pool_copy_leave_a_core_to_it(
 
     core.reuse.waiter = waiter
     try:
-        add(core, loaded, "a", ReusePlan((LoadSpan(b"h", 0, 2, "dram", 1),), "lease-1", 0, 2))
+        add(core, loaded, "a", two_block_plan("lease-1"))
         core.step()
         assert len(seen) == loaded.config.num_layers
         if copy_done:
@@ -230,11 +234,9 @@ def test_a_failed_step_parks_the_blocks_its_loads_may_still_write(
 ) -> None:
     """The forward pass raises (say, out of memory) while a load is under way: aborting the
     requests must not hand the load's target blocks to anyone before its RPC has ended."""
-    core = make_core(loaded)
-    t = ScriptedTransport()
-    core.reuse.transport = t
+    core, t = scripted_core(loaded)
     try:
-        plan = ReusePlan((LoadSpan(b"h", 0, 2, "dram", 1),), "lease-1", 0, 2)
+        plan = two_block_plan("lease-1")
         add(core, loaded, "a", plan)
 
         def boom(*a: object, **kw: object) -> None:
@@ -261,11 +263,9 @@ def test_a_failed_step_parks_the_blocks_its_loads_may_still_write(
 def test_a_request_that_can_never_get_blocks_gives_its_lease_back(
     loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    core = make_core(loaded)
-    t = ScriptedTransport()
-    core.reuse.transport = t
+    core, t = scripted_core(loaded)
     try:
-        add(core, loaded, "b", ReusePlan((LoadSpan(b"h", 0, 2, "dram", 1),), "lease-9", 0, 2))
+        add(core, loaded, "b", two_block_plan("lease-9"))
         monkeypatch.setattr(core.kv, "allocate", lambda *a, **kw: False)  # no pages to commit
         events = core.step()
         assert [type(e).__name__ for e in events] == ["Failure"]
