@@ -52,6 +52,10 @@ PREAMBLE_BYTES = _PREAMBLE.size  # 20
 _FLAG_SEALED = 1
 _SUM_OFFSET = 12
 _ALIGN = 64
+# Bounds on untrusted headers (far above real use: hashes are 16 bytes, models < 200 layers)
+# so that a forged one cannot make a huge key or an integer that overflows downstream.
+MAX_HASH_BYTES = 64
+MAX_LAYER = (1 << 16) - 1
 
 
 def _payload_offset(header_len: int) -> int:
@@ -144,8 +148,10 @@ def chunk_key(tenant: str, model_fp: str, last_block_hash: bytes, layer: int) ->
     _check_name("model_fp", model_fp)
     if not isinstance(last_block_hash, (bytes, bytearray)) or not last_block_hash:
         raise ChunkFormatError("a block hash must be non-empty bytes")
-    if layer < 0:
-        raise ChunkFormatError(f"layer must be >= 0, got {layer}")
+    if len(last_block_hash) > MAX_HASH_BYTES:
+        raise ChunkFormatError(f"a block hash is longer than {MAX_HASH_BYTES} bytes")
+    if not 0 <= layer <= MAX_LAYER:
+        raise ChunkFormatError(f"layer must be in [0, {MAX_LAYER}], got {layer}")
     return f"{tenant}/{model_fp}/{bytes(last_block_hash).hex()}/{layer}"
 
 
@@ -326,10 +332,7 @@ def parse_head(prefix: bytes | bytearray | memoryview, total: int) -> ChunkHead:
         raise ValueError(f"parse_head needs the first {start} bytes, got {len(prefix)}")
     try:
         h = msgpack.unpackb(memoryview(prefix)[PREAMBLE_BYTES : PREAMBLE_BYTES + hlen])
-        hashes = tuple(h["hashes"])
-        if not hashes or not set(map(type, hashes)) <= _BYTES:  # msgpack bin is bytes
-            raise ValueError("block hashes must be a non-empty list of bytes")
-        meta = ChunkMeta(h["tenant"], h["model_fp"], int(h["layer"]), hashes)
+        meta = _meta_of(h)
         if h["dtype"] not in DTYPE_NAMES:
             raise ValueError(f"unknown dtype {h['dtype']!r}")
         dtype_name = str(h["dtype"])
@@ -363,10 +366,25 @@ def read_meta(blob: bytes | bytearray | memoryview) -> ChunkMeta:
     """The chunk's identity without touching the payload (no checksum)."""
     _m, _v, _f, hlen, _c = _parse_preamble(blob)
     try:
-        h = msgpack.unpackb(memoryview(blob)[PREAMBLE_BYTES : PREAMBLE_BYTES + hlen])
-        hashes = tuple(bytes(x) for x in h["hashes"])
-        if not hashes:
-            raise ValueError("no block hashes")
-        return ChunkMeta(h["tenant"], h["model_fp"], int(h["layer"]), hashes)
+        return _meta_of(msgpack.unpackb(memoryview(blob)[PREAMBLE_BYTES : PREAMBLE_BYTES + hlen]))
     except (KeyError, TypeError, ValueError, msgpack.UnpackException) as e:
         raise ChunkCorrupt(f"unreadable chunk header: {e}") from None
+
+
+def _meta_of(h: Any) -> ChunkMeta:
+    """The identity in an unpacked header, checked as strictly as ``encode_chunk`` checks
+    its input (a header from a peer or a client is untrusted: its key must be one that
+    ``chunk_key`` could have made). Raises ValueError/TypeError/KeyError."""
+    hashes = tuple(h["hashes"])
+    if not hashes or not set(map(type, hashes)) <= _BYTES:  # msgpack bin is bytes
+        raise ValueError("block hashes must be a non-empty list of bytes")
+    if max(map(len, hashes)) > MAX_HASH_BYTES:
+        raise ValueError(f"a block hash is longer than {MAX_HASH_BYTES} bytes")
+    tenant, model_fp, layer = h["tenant"], h["model_fp"], h["layer"]
+    if not isinstance(tenant, str) or not isinstance(model_fp, str) or type(layer) is not int:
+        raise TypeError("tenant and model_fp must be strings, layer an integer")
+    if layer > MAX_LAYER:
+        raise ValueError(f"layer {layer} is out of range")
+    meta = ChunkMeta(tenant, model_fp, layer, hashes)
+    meta.key  # noqa: B018 (validates the names; ChunkFormatError is a ValueError)
+    return meta

@@ -66,6 +66,10 @@ class KVStoreConfig:
     )
     stream_window: int = opt(4, "chunks read ahead of the consumer in GetChunks", min=1, max=256)
     peer_address: str = opt("", "default peer kvstore (host:port) for PullSession")
+    peer_timeout_s: float = opt(
+        10.0, "PullSession: deadline of the peer's manifest, and the longest wait for its "
+        "next chunk", min=0.01, max=600.0,
+    )
     drain_s: float = opt(5.0, "on shutdown, wait this long for queued writes", min=0.0, max=600.0)
     metrics_port: int = opt(0, "aiohttp /metrics port (0 = off)", min=0, max=65535)
     lease_s: float = opt(

@@ -9,7 +9,9 @@ lease holds, per chunk key and layer:
 - an S3 hit: nothing (the lowest tier keeps everything until its TTL).
 
 A lease ends on ``release`` (LoadIntoPool's end or ReleaseLease) or ``lease_s`` after it
-was granted, whichever comes first; ending it twice is harmless.
+was granted, whichever comes first; ending it twice is harmless. A load that takes the
+lease (``hold``) stops its clock: a slow load must not see its chunks unpinned, and so
+evictable, halfway through; the load releases it when it ends.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class Lease:
     # chunk key -> the block hashes the lookup matched it against (the load re-checks them)
     expected: dict[str, tuple[bytes, ...]] = field(default_factory=dict)
     timer: asyncio.TimerHandle | None = None
+    held: bool = False  # a load is using it: no expiry, the load releases it
 
 
 class LeaseTable:
@@ -58,6 +61,16 @@ class LeaseTable:
 
     def get(self, lease_id: str) -> Lease | None:
         return self._leases.get(lease_id)
+
+    def hold(self, lease_id: str) -> Lease | None:
+        """The live lease ``lease_id`` for a load that will ``release`` it when it ends;
+        it no longer expires meanwhile."""
+        lease = self._leases.get(lease_id)
+        if lease is not None and lease.timer is not None:
+            lease.timer.cancel()
+            lease.timer = None
+            lease.held = True
+        return lease
 
     def _expire(self, lease_id: str) -> None:
         if lease_id in self._leases:
@@ -96,4 +109,4 @@ class LeaseTable:
     def check_integrity(self) -> None:
         for lid, lease in self._leases.items():
             assert lease.lease_id == lid, "lease stored under another id"
-            assert lease.timer is not None, "live lease without an expiry timer"
+            assert (lease.timer is None) == lease.held, "live lease neither timed nor held"

@@ -17,7 +17,10 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-from shared.chunk_codec import ChunkFormatError, chunk_key
+from shared.chunk_codec import MAX_HASH_BYTES, MAX_LAYER, ChunkFormatError, chunk_key
+
+# 128 layers x 2048 chunks: a 512k-token context at 16 blocks of 16 tokens per chunk.
+MAX_MANIFEST_CHUNKS = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,16 @@ class Manifest:
             )
         if self.num_layers < 1 or self.blocks_per_chunk < 1 or self.token_count < 0:
             raise ChunkFormatError("num_layers and blocks_per_chunk must be >= 1, token_count >= 0")
+        # A manifest comes from clients and peers: bound the work it can ask for (every
+        # chunk it names is checked for durability before it is written).
+        chunks = -(-len(self.block_hashes) // self.blocks_per_chunk) * self.num_layers
+        if self.num_layers > MAX_LAYER + 1 or chunks > MAX_MANIFEST_CHUNKS:
+            raise ChunkFormatError(
+                f"a manifest names at most {MAX_MANIFEST_CHUNKS} chunks (layers x chunks per "
+                f"layer); this one {self.num_layers} x {chunks // self.num_layers}")
+        if any(not isinstance(h, bytes) or not 0 < len(h) <= MAX_HASH_BYTES
+               for h in self.block_hashes):
+            raise ChunkFormatError(f"block hashes must be 1 to {MAX_HASH_BYTES} bytes")
 
     @property
     def key(self) -> str:
@@ -83,7 +96,7 @@ class Manifest:
             tenant=h["tenant"],
             session_id=h["session_id"],
             model_fp=h["model_fp"],
-            block_hashes=tuple(bytes(x) for x in h["hashes"]),
+            block_hashes=tuple(h["hashes"]),  # msgpack bin: bytes (checked after)
             token_count=int(h["tokens"]),
             num_layers=int(h["layers"]),
             blocks_per_chunk=int(h["bpc"]),

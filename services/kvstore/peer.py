@@ -6,15 +6,17 @@ usable here while later layers are still on the wire.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 
 import grpc
 
 from services.kvstore.errors import ManifestIncomplete, TierUnavailable
+from services.kvstore.manifest import Manifest, manifest_key
 from services.kvstore.store import TieredStore
 from services.kvstore.wire import manifest_from_pb
-from shared.chunk_codec import ChunkCorrupt
+from shared.chunk_codec import ChunkCorrupt, ChunkFormatError
 from shared.grpc_server import insecure_channel
 from shared.proto import kvstore_pb2 as pb
 from shared.proto import kvstore_pb2_grpc as pb_grpc
@@ -39,38 +41,58 @@ async def pull_session(
     first_layer: int = 0,
     window: int = 4,
     write_manifest: bool = False,
+    timeout_s: float = 10.0,
 ) -> PullResult:
     """Copy ``tenant/session_id`` from the kvstore at ``peer`` into ``store``.
 
-    Raises ``TierUnavailable`` when the peer cannot be reached. Corrupt chunks count as
-    missing. With ``write_manifest`` the manifest is stored here once every chunk is
-    durable locally (only if none was missing).
+    Raises ``ChunkFormatError`` for a malformed session reference (before any call) and
+    ``TierUnavailable`` when the peer cannot be reached, sends a malformed manifest, or
+    stays silent for ``timeout_s`` (for the manifest, or between two chunks). Corrupt
+    chunks count as missing, and so does every chunk the manifest names that the stream
+    did not deliver (it may end early, e.g. when the peer's session changed meanwhile).
+    With ``write_manifest`` the manifest is stored here once every chunk is durable
+    locally (only if none was missing).
     """
+    manifest_key(tenant, session_id)  # the caller's input, checked before any call
     async with insecure_channel(peer) as channel:
         stub = pb_grpc.KVStoreStub(channel)
         ref = pb.ManifestRef(tenant=tenant, session_id=session_id)
         try:
-            reply = await stub.GetManifest(ref)
+            reply = await stub.GetManifest(ref, timeout=timeout_s)
             if not reply.found:
                 return PullResult(False, detail="peer has no manifest for this session")
-            manifest = manifest_from_pb(reply.manifest)
+            manifest = _peer_manifest(reply.manifest, tenant, session_id, peer)
+            expected = {k for layer in range(first_layer, manifest.num_layers)
+                        for k in manifest.layer_keys(layer)}
             result = PullResult(True)
-            req = pb.GetChunksRequest(session=ref, first_layer=first_layer, window=window)
-            async for msg in stub.GetChunks(req):
-                if not msg.found:
-                    result.missing += 1
-                    continue
-                try:
-                    await store.put_blob(msg.blob)
-                except ChunkCorrupt as e:
-                    log.warning("corrupt chunk %s from peer %s: %s", msg.key, peer, e)
-                    store.metrics.checksum_failures.labels("peer").inc()
-                    result.missing += 1
-                    continue
-                result.chunks += 1
-                result.bytes += len(msg.blob)
+            got: set[str] = set()
+            call = stub.GetChunks(
+                pb.GetChunksRequest(session=ref, first_layer=first_layer, window=window))
+            try:
+                while True:
+                    try:
+                        msg = await asyncio.wait_for(call.read(), timeout_s)
+                    except TimeoutError:
+                        raise TierUnavailable(
+                            f"peer {peer}: no chunk for {timeout_s:g} s mid-stream") from None
+                    if msg is grpc.aio.EOF:
+                        break
+                    if not msg.found:
+                        continue  # counted below, with anything else not delivered
+                    try:
+                        receipt = await store.put_blob(msg.blob)
+                    except ChunkCorrupt as e:
+                        log.warning("corrupt chunk %s from peer %s: %s", msg.key, peer, e)
+                        store.metrics.checksum_failures.labels("peer").inc()
+                        continue
+                    got.add(receipt.key)  # the chunk's own key, whatever the message said
+                    result.chunks += 1
+                    result.bytes += len(msg.blob)
+            finally:
+                call.cancel()  # no-op once the stream ended
         except grpc.aio.AioRpcError as e:
             raise TierUnavailable(f"peer {peer}: {e.code().name}: {e.details()}") from None
+    result.missing = len(expected - got)
     if write_manifest and not result.missing and first_layer == 0:
         # put_manifest waits (bounded) for the write-behind of the chunks just stored.
         try:
@@ -78,3 +100,15 @@ async def pull_session(
         except (ManifestIncomplete, TierUnavailable) as e:
             result.detail = f"manifest not written here: {e}"
     return result
+
+
+def _peer_manifest(p: pb.SessionManifest, tenant: str, session_id: str, peer: str) -> Manifest:
+    """The peer's manifest, refused (``TierUnavailable``: the peer's fault, not the
+    caller's) if malformed or not the session asked for."""
+    try:
+        manifest = manifest_from_pb(p)
+    except ChunkFormatError as e:
+        raise TierUnavailable(f"peer {peer} sent a malformed manifest: {e}") from None
+    if (manifest.tenant, manifest.session_id) != (tenant, session_id):
+        raise TierUnavailable(f"peer {peer} answered with the manifest of another session")
+    return manifest

@@ -268,7 +268,12 @@ class PoolDataPath:
         Raises ``PoolError`` before the first yield for a malformed request. The lease
         (if still live) is used for its held copies and released at the end either way.
         """
-        self.ops.begin(req.op_id)
+        try:
+            self.ops.begin(req.op_id)
+        except BaseException:  # refused (a fenced or reused op id): nothing will load it
+            if req.lease_id:
+                self.leases.release(req.lease_id)
+            raise
         # aclosing: when the caller drops this stream, the loader's own clean-up (waiting
         # for a read-and-copy under way) runs before we return, not whenever the event
         # loop gets round to finalizing an abandoned generator: no pool write may follow
@@ -277,7 +282,7 @@ class PoolDataPath:
             pool = self.pools.get(req.pool_id)
             bpc = self.pools.blocks_per_chunk(pool.geometry.block_size)
             async with contextlib.aclosing(load_layers(
-                self.store, pool, req, bpc, self.leases.get(req.lease_id),
+                self.store, pool, req, bpc, self.leases.hold(req.lease_id),
                 self.bandwidth, self.readahead_layers,
             )) as layers:
                 async for msg in layers:

@@ -70,7 +70,8 @@ async def run(config: KVStoreConfig, stop: asyncio.Event | None = None) -> None:
             )
         )
         service = KVStoreService(
-            store, config.node_id, config.stream_window, config.peer_address, pool_path
+            store, config.node_id, config.stream_window, config.peer_address, pool_path,
+            config.peer_timeout_s,
         )
         server = await stack.enter_async_context(
             serve_grpc(

@@ -41,8 +41,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         window: int,
         peer_address: str,
         pool_path: PoolDataPath,
+        peer_timeout_s: float = 10.0,
     ) -> None:
         self.store = store
+        self.peer_timeout_s = peer_timeout_s
         self.pool_path = pool_path
         self.node_id = node_id
         self.window = window
@@ -70,7 +72,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def GetChunks(
         self, request: pb.GetChunksRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ChunkData]:
-        window = request.window or self.window
+        # The client may ask for less read-ahead than the configured bound, never more:
+        # each chunk in flight is a blob held in memory.
+        window = min(request.window or self.window, self.window)
         if request.keys:
             for i, key in enumerate(request.keys):
                 blob = await self.store.get_blob(key)
@@ -193,6 +197,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 request.first_layer,
                 self.window,
                 write_manifest=request.wait_durable,
+                timeout_s=self.peer_timeout_s,
             )
         except TierUnavailable as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))

@@ -66,7 +66,7 @@ from shared.chunk_codec import (
     ChunkMeta,
     decode_chunk,
     encode_chunk,
-    read_meta,
+    parse_head,
     seal_chunk,
     verify_chunk,
 )
@@ -195,10 +195,12 @@ class TieredStore:
     async def put_blob(self, blob: Blob, priority: int | None = None) -> PutReceipt:
         """Store an already encoded, sealed chunk (from a peer or a client); verifies it first.
 
-        Raises ``ChunkCorrupt`` (nothing stored) if the blob fails its checksum.
+        Raises ``ChunkCorrupt`` (nothing stored) if the blob fails its checksum or is not a
+        well-formed chunk (its header is parsed as strictly as a read parses it, so nothing
+        stored here can fail a later read for its form).
         """
         await checksum_work(verify_chunk, blob)
-        meta = read_meta(blob)
+        meta = parse_head(blob, len(blob)).meta
         return self._admit(
             meta.key, blob, layer_priority(meta.layer) if priority is None else priority
         )

@@ -5,10 +5,11 @@ from __future__ import annotations
 import hashlib
 import zlib
 
+import msgpack
 import torch
 
 from services.kvstore.manifest import Manifest
-from shared.chunk_codec import ChunkMeta
+from shared.chunk_codec import PREAMBLE_BYTES, _PREAMBLE, ChunkMeta, encode_chunk, seal_chunk
 
 TENANT = "t1"
 MODEL = "fp0"
@@ -44,3 +45,18 @@ def session_chunks(m: Manifest) -> list[tuple[ChunkMeta, torch.Tensor]]:
             cm = ChunkMeta(m.tenant, m.model_fp, layer, m.chunk_hashes(i))
             out.append((cm, kv_tensor(seed=zlib.crc32(f"{m.session_id}:{layer}:{i}".encode()))))
     return out
+
+
+def forged_chunk(seal: bool = True, **fields) -> bytearray:
+    """A chunk whose header fields are replaced by ``fields`` (sealed: its checksum fits)."""
+    t = kv_tensor(10)
+    blob = encode_chunk(meta("s", 0, 0), t, seal=False)
+    hlen = _PREAMBLE.unpack_from(blob)[3]
+    h = msgpack.unpackb(bytes(blob[PREAMBLE_BYTES : PREAMBLE_BYTES + hlen]))
+    h.update(fields)
+    header = msgpack.packb(h)
+    forged = bytearray(_PREAMBLE.pack(b"OVKC", 2, 0, len(header), 0)) + header
+    forged += bytes(-len(forged) % 64) + t.numpy().tobytes()
+    if seal:
+        seal_chunk(forged)
+    return forged

@@ -15,7 +15,7 @@ from shared.chunk_codec import (
     seal_chunk,
     verify_chunk,
 )
-from tests.unit.kvstore.chunks import kv_tensor, meta
+from tests.unit.kvstore.chunks import forged_chunk, kv_tensor, meta
 
 
 @pytest.mark.parametrize(
@@ -122,21 +122,26 @@ def test_negated_views_store_their_values() -> None:
     assert torch.equal(decode_chunk(encode_chunk(meta("s", 0, 0), neg)).tensor, -t)
 
 
-def test_a_header_without_block_hashes_is_corrupt() -> None:
-    """A sound-looking header naming no blocks is rejected as corrupt, not an IndexError."""
-    import msgpack
+@pytest.mark.parametrize("fields", [
+    {"hashes": []},  # names no block: was an IndexError
+    {"hashes": [12345]},  # an integer: bytes(n) would have made n zero bytes
+    {"hashes": [b"x" * 65]},  # longer than any hash: a huge key
+    {"tenant": "a/b"},  # a name chunk_key refuses
+    {"model_fp": 7},
+    {"layer": 2**63},  # would overflow where layers are 32-bit
+    {"layer": -1},
+    {"layer": "3"},
+])
+def test_a_malformed_header_is_corrupt_whatever_the_field(fields: dict) -> None:
+    """Headers from peers and clients are untrusted: any field that encode_chunk would
+    have refused makes the chunk corrupt (a clean miss), never another exception."""
+    from shared.chunk_codec import parse_head
 
-    from shared.chunk_codec import PREAMBLE_BYTES, _PREAMBLE, parse_head
-
-    t = kv_tensor(10)
-    blob = encode_chunk(meta("s", 0, 0), t, seal=False)
-    hlen = _PREAMBLE.unpack_from(blob)[3]
-    h = msgpack.unpackb(bytes(blob[PREAMBLE_BYTES : PREAMBLE_BYTES + hlen]))
-    h["hashes"] = []
-    header = msgpack.packb(h)
-    forged = bytearray(_PREAMBLE.pack(b"OVKC", 2, 0, len(header), 0)) + header
-    forged += bytes(-len(forged) % 64) + t.numpy().tobytes()
+    forged = forged_chunk(**fields)
+    verify_chunk(forged)  # the checksum is fine: only the form is wrong
     with pytest.raises(ChunkCorrupt):
         parse_head(forged, len(forged))
     with pytest.raises(ChunkCorrupt):
         read_meta(forged)
+    with pytest.raises(ChunkCorrupt):
+        decode_chunk(forged)

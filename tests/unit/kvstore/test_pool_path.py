@@ -513,11 +513,35 @@ async def test_a_fenced_op_that_arrives_late_is_refused(path: PoolDataPath, pool
     with pytest.raises(PoolError, match="fenced"):
         [m async for m in path.load(req)]
     assert not pool.kv_cache[DST:].any()
+    # The refused load's lease ends with it: nothing is left pinned until it would expire.
+    assert len(path.leases) == 0
+    assert not any(path.store.tiers[1]._index.is_pinned(k) for k in path.store.tiers[1].keys())
     with pytest.raises(PoolError, match="fenced"):
         await path.save(dataclasses.replace(
             SaveRequest(pid, TENANT, "s", MODEL, hs, len(hs) * 16, 0,
                         tuple(ids(0, 40, SRC, STRIDE)), LAYERS), op_id="late-1"))
-    path.release(r.lease_id)
+
+
+async def test_a_lease_does_not_expire_while_a_load_uses_it(tmp_path: Path, pool) -> None:
+    """A slow load keeps its chunks pinned to the end, however long its lease_s was."""
+    async with make_store(tmp_path) as store, \
+            PoolDataPath(store, CHUNK_TOKENS, lease_s=0.1) as dp:
+        pid, _ = await dp.attach(geometry(pool))
+        hs = hashes(40)
+        await _ssd_only(dp, pid, pool, hs, seed=17)
+        r = await lookup(dp, hs)
+        ssd = store.tiers[1]
+        last = "c/" + chunk_key(TENANT, MODEL, hs[39], LAYERS - 1)
+        req = LoadRequest(pid, r.lease_id, TENANT, MODEL, tuple(r.spans),
+                          tuple(ids(0, 40, DST, STRIDE)), LAYERS)
+        stream = dp.load(req)
+        first = await anext(stream)  # the load holds the lease from here
+        assert first.ok
+        await asyncio.sleep(0.3)  # three lease_s: a timed lease would have ended
+        assert len(dp.leases) == 1 and ssd._index.is_pinned(last)
+        assert all(m.ok for m in [m async for m in stream])
+        assert len(dp.leases) == 0 and not ssd._index.is_pinned(last)
+        dp.check_integrity()
 
 
 async def test_fence_waits_for_a_dropped_save_still_reading(

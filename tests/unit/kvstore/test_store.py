@@ -13,8 +13,10 @@ from services.kvstore.metrics import KVStoreMetrics
 from services.kvstore.store import TieredStore
 from services.kvstore.streaming import stream_session
 from services.kvstore.tiers import DramTier, SsdTier
-from shared.chunk_codec import ChunkCorrupt, decode_chunk, encode_chunk
-from tests.unit.kvstore.chunks import TENANT, kv_tensor, meta, session_chunks, session_manifest
+from shared.chunk_codec import ChunkCorrupt, decode_chunk, encode_chunk, seal_chunk
+from tests.unit.kvstore.chunks import (
+    TENANT, forged_chunk, kv_tensor, meta, session_chunks, session_manifest,
+)
 from tests.unit.kvstore.flaky import FlakyTier
 
 
@@ -692,3 +694,19 @@ async def test_the_sweep_rechecks_a_stale_listing_before_deleting(
         monkeypatch.setattr(remote, "scan_expired", stale)
         assert await sweep_tiers(s, time.time()) == 0
         assert await remote.contains("c/" + r.key)
+
+
+async def test_put_blob_refuses_malformed_chunks_whose_checksum_fits() -> None:
+    """A blob from a client or a peer is checked as strictly as a read checks it: a chunk
+    stored here can never fail a later read for its form (nor poison a session stream)."""
+    good = encode_chunk(meta("s", 0, 0), kv_tensor(1))
+    trailing = bytearray(good) + bytes(64)  # resealed below: only its length is wrong
+    trailing[6:8] = b"\0\0"  # unsealed flag, so seal_chunk computes a fresh checksum
+    seal_chunk(trailing)
+    async with make_store([DramTier(1 << 20)]) as s:
+        for bad in (trailing, forged_chunk(tenant="a/b"), forged_chunk(hashes=[10**8])):
+            with pytest.raises(ChunkCorrupt):
+                await s.put_blob(bad)
+        assert s.stats()[0].entries == 0
+        r = await s.put_blob(good)
+        assert (await s.get(r.key)) is not None
