@@ -59,7 +59,7 @@ from services.kvstore.store_io import TierIO
 from services.kvstore.sweeper import sweep_loop, sweep_tiers
 from services.kvstore.tiers.base import Blob, Checked, Stored, Tier, TierStats
 from services.kvstore.tiers.dram import DramTier
-from services.kvstore.write_behind import WriteBehind
+from services.kvstore.write_behind import RECENT_DROPS_S, WriteBehind
 from shared.chunk_codec import (
     Chunk,
     ChunkCorrupt,
@@ -143,6 +143,9 @@ class TieredStore:
         # Chunks whose durable write was dropped (queue full, refused): a save must write
         # them again rather than skip them as already stored.
         self._unsaved: OrderedDict[str, None] = OrderedDict()
+        # Tier keys the sweep is deciding on in the lowest tier: not durable for a manifest
+        # meanwhile, since its delete may land after a manifest checked the chunk.
+        self.sweeping: set[str] = set()
         self._sweeper: asyncio.Task[None] | None = None
         self._opened: list[Tier] = []
 
@@ -227,12 +230,19 @@ class TieredStore:
             # so to ``_durable_for_a_ttl``: nothing to remember.
             self._durable.pop(key, None)
             return PutReceipt(key, self._landed())
+        return PutReceipt(key, self._write_behind(key, blob, priority, self._below_dram))
+
+    def _write_behind(self, key: str, blob: Blob, priority: int, targets: list[Tier]
+                      ) -> asyncio.Future[None]:
+        """Queue chunk ``key`` for ``targets`` (the lowest last); its ack makes the store
+        vouch for it, if nothing replaced or deleted it meanwhile (``_written``)."""
         self._durable.pop(key, None)
+        self._unsaved.pop(key, None)
         gen = self._write_gen[key] = next(self._gens)
-        fut = self.writer.submit(tier_key, blob, priority, self._below_dram, durable=True)
+        fut = self.writer.submit(_C + key, blob, priority, targets, durable=True)
         self._inflight[key] = fut
         fut.add_done_callback(lambda f, k=key, g=gen: self._written(k, g, f))
-        return PutReceipt(key, fut)
+        return fut
 
     def _written(self, key: str, gen: int, fut: asyncio.Future[None]) -> None:
         """A chunk's write-behind ended: vouch for it only if nothing replaced or deleted
@@ -470,7 +480,8 @@ class TieredStore:
                 await asyncio.shield(fut)
             except WriteDropped:
                 return False
-            return True
+        # An ack vouches only if nothing deleted the chunk while it was written (its
+        # ``_written`` callback, which ran before ours, decided that).
         return await self._durable_for_a_ttl(key)
 
     async def _durable_for_a_ttl(self, key: str) -> bool:
@@ -482,11 +493,13 @@ class TieredStore:
         use never has its early chunks expire under a manifest (Symphony §3.4: the
         slowest tier holds the complete copy). What the store wrote itself recently is
         trusted without asking."""
+        tkey = _C + key
+        if tkey in self.sweeping:
+            return False
         now = time.time()
         at = self._durable.get(key)
         if at is not None and now - at < self.ttl_s / 2:
             return True
-        tkey = _C + key
         try:
             at = await self.lowest.written_at(tkey)
             if at is not None and now - at >= self.ttl_s / 2:
@@ -495,6 +508,8 @@ class TieredStore:
             return False
         if at is None:
             self.forget_durable(tkey)
+            return False
+        if tkey in self.sweeping:  # the sweep started on it while we asked: it may delete it
             return False
         self._remember_durable_chunk(key, at)
         return True
@@ -516,24 +531,65 @@ class TieredStore:
 
     async def wait_durable(self, manifest: Manifest, wait_s: float = 30.0) -> None:
         """Return once every chunk ``manifest`` names is durable in the lowest tier (writes
-        in flight waited for up to ``wait_s``); else raise ``ManifestIncomplete``."""
+        in flight waited for up to ``wait_s``); else raise ``ManifestIncomplete``.
+
+        A chunk held here but not in the lowest tier is written down again first: its
+        write may have been queued when an earlier process stopped (what was unsaved is
+        not remembered across restarts), or dropped from a full queue."""
         keys = manifest.chunk_keys()
-        inflight = [self._inflight[k] for k in keys if k in self._inflight]
         settled = [k for k in keys if k not in self._inflight]
         # Cheap checks first: a chunk that is neither in flight nor durable fails at once.
         present = await asyncio.gather(*(self._durable_for_a_ttl(k) for k in settled))
         missing = [k for k, ok in zip(settled, present) if not ok]
-        if not missing and inflight:
-            done, _pending = await asyncio.wait(
-                [asyncio.shield(f) for f in inflight], timeout=wait_s
-            )
-            ok = sum(1 for f in done if not f.cancelled() and f.exception() is None)
-            if ok < len(inflight):
-                missing = [f"{len(inflight) - ok} chunks still not durable after {wait_s}s"]
         if missing:
-            raise ManifestIncomplete(
-                f"manifest {manifest.key}: chunks are not durable in the lowest tier ({missing[0]})"
-            )
+            lost = await self._write_down_again(missing)
+            if lost:
+                raise ManifestIncomplete(
+                    f"manifest {manifest.key}: chunks are not durable in the lowest tier "
+                    f"({lost[0]})")
+        pending = {k: self._inflight[k] for k in keys if k in self._inflight}
+        if pending:
+            await asyncio.wait([asyncio.shield(f) for f in pending.values()], timeout=wait_s)
+            late = sum(1 for f in pending.values() if not f.done())
+            if late:
+                raise ManifestIncomplete(
+                    f"manifest {manifest.key}: {late} chunks still not durable after {wait_s}s")
+            # A completed write vouches only if nothing deleted its chunk meanwhile.
+            for k in pending:
+                if k not in self._durable and not await self._durable_for_a_ttl(k):
+                    raise ManifestIncomplete(
+                        f"manifest {manifest.key}: chunk {k} was lost while written")
+
+    async def _write_down_again(self, keys: list[str]) -> list[str]:
+        """Queue the lowest-tier write of each chunk in ``keys`` from a local copy (DRAM, or
+        a local tier's, checked first); the keys with no copy here (or, while the lowest
+        tier is unhealthy, every key: its queue would only churn)."""
+        if self.lowest is self.dram or not self.lowest.stats().healthy:
+            return keys
+        lost = []
+        for key in keys:
+            tkey = _C + key
+            blob = self.dram.peek(tkey)
+            for tier in self.tiers[1:-1]:
+                if blob is not None:
+                    break
+                try:
+                    blob = await self.io.get(tier, tkey)
+                    if blob is not None:
+                        await checksum_work(verify_chunk, blob)
+                except TierUnavailable:
+                    blob = None
+                except ChunkCorrupt as e:
+                    await self._drop_corrupt(tier, tkey, e)
+                    blob = None
+            if blob is None or key in self._inflight:
+                if blob is None:
+                    lost.append(key)
+                continue
+            log.info("chunk %s is held here but not in %s: writing it again", key, self.lowest.name)
+            self._write_behind(key, blob, layer_priority(int(key.rsplit("/", 1)[1])),
+                               [self.lowest])
+        return lost
 
     async def write_manifest(self, manifest: Manifest) -> None:
         """Write ``manifest`` to the lowest tier, then the local ones (``put_manifest``
@@ -586,8 +642,10 @@ class TieredStore:
     def health(self) -> tuple[bool, str]:
         """(healthy, detail): unhealthy tiers named, e.g. ``s3 degraded: ...``."""
         problems = [f"{s.name} degraded: {s.detail}" for s in self.stats() if not s.healthy]
-        if self.writer.dropped:
-            problems.append(f"{self.writer.dropped} write-behind jobs dropped")
+        recent = self.writer.recent_drops()
+        if recent:  # the lifetime count is in Status.dropped_writes and the metrics
+            problems.append(f"{recent} write-behind jobs dropped in the last "
+                            f"{RECENT_DROPS_S / 60:g} min")
         return (not any(not s.healthy for s in self.stats()), "; ".join(problems) or "ok")
 
     def check_integrity(self) -> None:

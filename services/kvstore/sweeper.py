@@ -14,6 +14,7 @@ from services.kvstore.errors import StorageError, TierUnavailable
 
 if TYPE_CHECKING:
     from services.kvstore.store import TieredStore
+    from services.kvstore.tiers.base import Tier
 
 log = logging.getLogger(__name__)
 
@@ -25,19 +26,32 @@ async def sweep_tiers(store: TieredStore, now: float) -> int:
         ttl = store.ttl_s if tier is store.lowest else store.local_ttl_s
         try:
             for key in await tier.scan_expired(now - ttl):
-                if tier is store.lowest:
+                if tier is not store.lowest:
+                    removed += await _expire(store, tier, key)
+                    continue
+                # From the recheck to the delete, a manifest may not count on this chunk
+                # (TieredStore._durable_for_a_ttl), or it could name a chunk deleted next.
+                store.sweeping.add(key)
+                try:
                     # The listing may be stale: a manifest write may have refreshed the
-                    # chunk since (see TieredStore._durable_for_a_ttl). Ask again.
+                    # chunk since. Ask again.
                     at = await tier.written_at(key)
                     if at is not None and at >= now - ttl:
                         continue
                     store.forget_durable(key)
-                if await tier.delete(key):
-                    removed += 1
-                    store.metrics.expired.labels(tier.name).inc()
+                    removed += await _expire(store, tier, key)
+                finally:
+                    store.sweeping.discard(key)
         except TierUnavailable as e:
             log.warning("sweep of %s skipped: %s", tier.name, e)
     return removed
+
+
+async def _expire(store: TieredStore, tier: Tier, key: str) -> int:
+    if await tier.delete(key):
+        store.metrics.expired.labels(tier.name).inc()
+        return 1
+    return 0
 
 
 async def sweep_loop(store: TieredStore) -> None:

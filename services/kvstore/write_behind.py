@@ -7,9 +7,13 @@ chunk is acknowledged durable in the lowest tier it is also on SSD (unless SSD f
                   ▲                            │ TierUnavailable on the durable target
                   └──── not_before = now + backoff (doubling, capped) ◄┘
 
-A full queue drops the job with the lowest priority, oldest first (possibly the new one);
-its ack fails with ``WriteDropped``. Local copies are never touched by a drop. A local
-(non-durable) target that keeps failing is skipped after ``LOCAL_ATTEMPTS`` tries.
+Jobs with a local target (SSD) still to write go first, and a full queue drops, among the
+jobs with the least local work left, the one with the lowest priority, oldest first
+(possibly the new one); its ack fails with ``WriteDropped``. So an unreachable lowest tier,
+whose retries would otherwise fill the queue, never keeps a chunk from reaching the SSD:
+what a drop loses is a lowest-tier write (the chunk is written again by a later save or
+manifest), not a local copy. A local (non-durable) target that keeps failing is skipped
+after ``LOCAL_ATTEMPTS`` tries.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -30,6 +35,8 @@ from shared.chunk_codec import is_sealed, seal_chunk
 log = logging.getLogger(__name__)
 
 LOCAL_ATTEMPTS = 3
+RECENT_DROPS_S = 300.0  # how long a drop is reported in the store's health detail
+RECENT_DROPS_KEPT = 10_000
 PutFn = Callable[[Tier, str, Blob, int], Awaitable[object]]
 
 
@@ -71,6 +78,7 @@ class WriteBehind:
         self._tasks: list[asyncio.Task[None]] = []
         self._seq = itertools.count()
         self.dropped = 0
+        self._drop_times: deque[float] = deque(maxlen=RECENT_DROPS_KEPT)
 
     @property
     def depth(self) -> int:
@@ -129,13 +137,7 @@ class WriteBehind:
         fut.add_done_callback(_consume)
         job = WriteJob(key, blob, priority, list(targets), durable, fut, next(self._seq), is_chunk)
         self._pending.append(job)
-        if len(self._pending) > self.bound:
-            victim = min(self._pending, key=lambda j: (j.priority, j.seq))
-            self._pending.remove(victim)
-            self.dropped += 1
-            self._metrics.dropped_writes.inc()
-            log.warning("write-behind queue full (%d): dropped %s", self.bound, victim.key)
-            _fail(victim, WriteDropped(f"{victim.key}: write-behind queue full, write dropped"))
+        self._drop_if_full()
         self._metrics.queue_depth.set(self.depth)
         if self._idle is not None:
             self._idle.clear()
@@ -165,7 +167,7 @@ class WriteBehind:
             now = time.monotonic()
             ready = [j for j in self._pending if j.not_before <= now]
             if ready:
-                job = min(ready, key=lambda j: j.seq)
+                job = min(ready, key=lambda j: (not _local_left(j), j.seq))
                 self._pending.remove(job)
                 self._active += 1
                 return job
@@ -226,18 +228,34 @@ class WriteBehind:
         job.not_before = time.monotonic() + pause
         log.debug("write-behind %s: %s; retry in %.3fs", job.key, err, pause)
         self._pending.append(job)
-        if len(self._pending) > self.bound:
-            victim = min(self._pending, key=lambda j: (j.priority, j.seq))
-            self._pending.remove(victim)
-            self.dropped += 1
-            self._metrics.dropped_writes.inc()
-            _fail(victim, WriteDropped(f"{victim.key}: write-behind queue full, write dropped"))
+        self._drop_if_full()
         self._wake()
+
+    def _drop_if_full(self) -> None:
+        if len(self._pending) <= self.bound:
+            return
+        victim = min(self._pending, key=lambda j: (_local_left(j), j.priority, j.seq))
+        self._pending.remove(victim)
+        self.dropped += 1
+        self._drop_times.append(time.monotonic())
+        self._metrics.dropped_writes.inc()
+        log.warning("write-behind queue full (%d): dropped %s", self.bound, victim.key)
+        _fail(victim, WriteDropped(f"{victim.key}: write-behind queue full, write dropped"))
+
+    def recent_drops(self, window_s: float = RECENT_DROPS_S) -> int:
+        """Jobs dropped in the last ``window_s`` seconds (of the last ``RECENT_DROPS_KEPT``)."""
+        since = time.monotonic() - window_s
+        return sum(1 for t in self._drop_times if t >= since)
 
     def check_integrity(self) -> None:
         assert self._active >= 0
         assert len(self._pending) <= self.bound, "queue over its bound"
         assert len({id(j) for j in self._pending}) == len(self._pending), "job queued twice"
+
+
+def _local_left(job: WriteJob) -> bool:
+    """Whether ``job`` still has a target above the lowest tier to write."""
+    return job.next_target < len(job.targets) - (1 if job.durable else 0)
 
 
 def _fail(job: WriteJob, err: Exception) -> None:

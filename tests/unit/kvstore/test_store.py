@@ -710,3 +710,135 @@ async def test_put_blob_refuses_malformed_chunks_whose_checksum_fits() -> None:
         assert s.stats()[0].entries == 0
         r = await s.put_blob(good)
         assert (await s.get(r.key)) is not None
+
+
+class GatedRemote(FlakyTier):
+    """A lowest tier whose chunk puts store the object, then wait for ``gate``; deletes
+    wait for ``delete_gate`` before they act."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.stored = asyncio.Event(), asyncio.Event()
+        self.delete_gate = asyncio.Event()
+        self.delete_gate.set()
+        self.deleting = asyncio.Event()
+
+    async def put(self, key: str, blob, priority: int = 0) -> list[str]:
+        out = await super().put(key, blob, priority)
+        if key.startswith("c/"):
+            self.stored.set()
+            await self.gate.wait()
+        return out
+
+    async def delete(self, key: str) -> bool:
+        self.deleting.set()
+        await self.delete_gate.wait()
+        return await super().delete(key)
+
+
+async def test_a_chunk_deleted_while_its_write_is_in_flight_blocks_its_manifest() -> None:
+    """The write completes after the delete: its ack must not let a manifest name it."""
+    remote = GatedRemote()
+    async with make_store([DramTier(1 << 20), remote]) as s:
+        m = session_manifest("s", 1, 1, 1)
+        (cm, t), = session_chunks(m)
+        r = await s.put(cm, t)
+        await remote.stored.wait()  # in the lowest tier, the put not answered yet
+        manifest = asyncio.create_task(s.put_manifest(m, wait_s=5))
+        await asyncio.sleep(0.05)
+        assert await s.delete(r.key) == 2
+        remote.gate.set()
+        with pytest.raises(ManifestIncomplete):
+            await manifest
+        assert await s.get_manifest(TENANT, "s") is None
+        assert not await s.is_durable(r.key)
+
+
+async def test_the_sweep_and_a_manifest_never_leave_a_manifest_naming_a_deleted_chunk() -> None:
+    """Sweep: recheck age, delete. A manifest checking the chunk in between (its refresh
+    makes it young again) must not count on it: the sweep's delete is already decided."""
+    remote = GatedRemote()
+    async with make_store([DramTier(1 << 20), remote], ttl_s=0.2,
+                          sweep_interval_s=3600) as s:
+        m = session_manifest("s", 1, 1, 1)
+        (cm, t), = session_chunks(m)
+        r = await s.put(cm, t)
+        remote.gate.set()
+        await r.durable
+        await s.dram.delete("c/" + r.key)  # so only the lowest tier is swept for it
+        await asyncio.sleep(0.3)  # past the TTL
+        remote.delete_gate.clear()
+        sweep = asyncio.create_task(s.sweep())
+        await remote.deleting.wait()  # decided: the chunk is expired, its delete is under way
+        with pytest.raises(ManifestIncomplete):
+            await s.put_manifest(m, wait_s=1)
+        remote.delete_gate.set()
+        assert await sweep >= 1
+        assert await s.get_manifest(TENANT, "s") is None
+
+
+async def test_chunks_held_locally_but_never_written_down_are_rewritten_for_a_manifest(
+    tmp_path: Path,
+) -> None:
+    """A restart forgets which chunks were still to be written to the lowest tier: the
+    SSD has them, so saves skip them. The manifest writes them down from the SSD copy."""
+    remote = FlakyTier()
+    remote.down = True
+    m = session_manifest("s", 4, 2, 1)
+    async with make_store([DramTier(1 << 20), SsdTier(str(tmp_path / "db"), 1 << 20), remote],
+                          drain_s=0.2) as s:
+        for cm, t in session_chunks(m):
+            await s.put(cm, t)
+        await asyncio.sleep(0.3)  # on SSD; the lowest tier refuses every write
+    remote.down = False
+    async with make_store([DramTier(1 << 20), SsdTier(str(tmp_path / "db"), 1 << 20),
+                           remote]) as s:
+        assert all(s.has_local_or_durable(cm.key) for cm, _ in session_chunks(m))
+        keys = ["c/" + cm.key for cm, _ in session_chunks(m)]
+        assert not any([await remote.contains(k) for k in keys])
+        await s.put_manifest(m, wait_s=5)
+        assert all([await remote.contains(k) for k in keys])
+        assert (await s.get_manifest(TENANT, "s")) is not None
+        s.check_integrity()
+
+
+async def test_no_rewrite_while_the_lowest_tier_is_down(tmp_path: Path) -> None:
+    remote = FlakyTier()
+    m = session_manifest("s", 2, 1, 1)
+    async with make_store([DramTier(1 << 20), SsdTier(str(tmp_path / "db"), 1 << 20), remote],
+                          write_queue=2) as s:
+        remote.down = True
+        for cm, t in session_chunks(m):
+            await s.put(cm, t)
+        depth = s.writer.depth
+        with pytest.raises(ManifestIncomplete):
+            await s.put_manifest(m, wait_s=0.1)
+        assert s.writer.depth <= depth  # nothing queued again to churn against an outage
+        remote.down = False
+
+
+async def test_an_unreachable_lowest_tier_never_keeps_chunks_from_the_ssd(tmp_path: Path) -> None:
+    """Retries against a down lowest tier fill the bounded queue; fresh jobs still write
+    their SSD copy first, and the drops fall on lowest-tier writes only."""
+    class SlowToFail(FlakyTier):  # an unreachable endpoint takes a while to give up
+        async def put(self, key: str, blob, priority: int = 0) -> list[str]:
+            if self.down:
+                await asyncio.sleep(0.02)
+            return await super().put(key, blob, priority)
+
+    remote = SlowToFail()
+    remote.down = True
+    async with make_store([DramTier(1 << 22), SsdTier(str(tmp_path / "db"), 1 << 24), remote],
+                          write_queue=8, retry_backoff_max_s=0.01) as s:
+        keys = []
+        for i in range(60):  # later layers have lower priorities: the first to be dropped
+            keys.append((await s.put(meta("s", i, i % 4), kv_tensor(i))).key)
+            await asyncio.sleep(0.005)  # a steady stream, not one burst over the bound
+        await asyncio.sleep(0.2)
+        assert s.writer.dropped > 0  # the queue did overflow
+        ssd = s.tiers[1]
+        assert all(ssd.has_local("c/" + k) for k in keys)
+        ok, detail = s.health()
+        assert not ok and "dropped in the last" in detail
+        assert s.writer.recent_drops(window_s=1e-9) == 0  # old drops leave the detail
+        remote.down = False
