@@ -4,8 +4,11 @@ Every boto3 call runs on the tier's own thread pool (boto3 is blocking), with it
 retry loop: exponential backoff from ``backoff_s`` doubling up to ``backoff_max_s`` over
 ``max_attempts`` attempts, for connection errors, timeouts, throttling and 5xx replies.
 A call that still fails raises ``TierUnavailable`` and marks the tier *degraded* until the
-next successful call; while degraded, reads try once (callers fall back to local tiers
-rather than wait on a dead endpoint).
+next successful call. While degraded the tier is a circuit breaker: one call at a time
+probes the endpoint (a single attempt), at most once per pause (doubling from
+``backoff_s`` up to ``backoff_max_s``), and every other call fails at once. So callers fall
+back to local tiers rather than wait on a dead endpoint, and the write-behind's retries
+cost a dead endpoint one request per pause instead of a steady stream.
 
 Expiry: ``scan_expired`` lists objects whose LastModified is older than the cut-off; the
 store deletes them (a bucket lifecycle rule would be equivalent but is not available on
@@ -17,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from typing import Any
@@ -63,6 +67,8 @@ class S3Tier(Tier):
         self._client: Any = None
         self._pool: ThreadPoolExecutor | None = None
         self._degraded = ""
+        self._next_probe = 0.0  # while degraded: no call reaches the endpoint before this
+        self._probe_pause = 0.0
         self._bucket_ready = False
         self.bytes_used = 0  # bytes this process wrote (a bucket has no cheap size query)
         self._closing = threading.Event()  # set by close(): retry loops stop between tries
@@ -129,13 +135,25 @@ class S3Tier(Tier):
 
     async def _call(self, fn: Any, *args: Any, attempts: int | None = None) -> Any:
         """Run ``fn`` on the pool with retries; ``TierUnavailable`` once they are used up."""
-        n = attempts or (1 if self._degraded else self.cfg.max_attempts)
+        n = attempts or self.cfg.max_attempts
+        if self._degraded:
+            now = time.monotonic()
+            if now < self._next_probe:
+                raise TierUnavailable(f"{self._degraded} (next probe in "
+                                      f"{self._next_probe - now:.2f}s)")
+            self._next_probe = now + self._probe_pause  # this call is the probe
+            self._probe_pause = min(self.cfg.backoff_max_s, max(self._probe_pause * 2,
+                                                                self.cfg.backoff_s))
+            n = 1
         try:
             out = await self._run(
                 _with_retries, fn, args, n, self.cfg.backoff_s, self.cfg.backoff_max_s,
                 self._closing,
             )
         except (BotoCoreError, ClientError) as e:
+            if not self._degraded:
+                self._next_probe = time.monotonic() + self.cfg.backoff_s
+                self._probe_pause = self.cfg.backoff_s
             self._degraded = f"s3 unreachable: {e}"
             raise TierUnavailable(self._degraded) from None
         if self._degraded:
@@ -187,7 +205,7 @@ class S3Tier(Tier):
             self._ensure_bucket_blocking()
             self._client.put_object(Bucket=self.cfg.bucket, Key=self._obj(key), Body=blob)
 
-        await self._call(blocking, attempts=self.cfg.max_attempts)
+        await self._call(blocking)
         self.bytes_used += len(blob)
         return []
 

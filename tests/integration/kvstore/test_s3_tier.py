@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from services.kvstore.config import KVStoreConfig, S3Config
+from services.kvstore.errors import TierUnavailable
 from services.kvstore.metrics import KVStoreMetrics
 from services.kvstore.server import build_store
 from services.kvstore.tiers import S3Tier
@@ -124,6 +125,43 @@ async def test_s3_unreachable_degrades_queues_drops_and_recovers(tmp_path: Path)
             assert s.health()[0]
         finally:
             stop()
+
+
+async def test_a_degraded_s3_tier_probes_instead_of_hammering_the_endpoint() -> None:
+    """While degraded, one call at a time reaches the endpoint, at most once per pause;
+    the rest fail at once. When S3 is back, the next probe heals the tier."""
+    port = free_port()
+    t = S3Tier(s3cfg(f"http://127.0.0.1:{port}", backoff_s=0.05, backoff_max_s=0.2,
+                     max_attempts=3))
+    await t.open()  # unreachable: opens degraded
+    sent: list[float] = []
+    t._client.meta.events.register("before-send.s3.*", lambda **kw: sent.append(time.monotonic()))
+    try:
+        assert t.degraded
+        t0 = time.monotonic()
+        failed = 0
+        while time.monotonic() - t0 < 1.0:  # a write-behind retrying flat out for a second
+            results = await asyncio.gather(*(t.put(f"c/k{i}", b"x") for i in range(8)),
+                                           return_exceptions=True)
+            failed += sum(isinstance(r, TierUnavailable) for r in results)
+            await asyncio.sleep(0.01)
+        assert failed > 100
+        assert len(sent) <= 12  # ~1 s / 0.2 s pauses, plus the first short ones
+        url, stop = start_moto_server(port=port)
+        try:
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    await t.put("c/back", b"x")
+                    break
+                except TierUnavailable:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.05)
+            assert not t.degraded and await t.contains("c/back")
+        finally:
+            stop()
+    finally:
+        await t.close()
 
 
 async def test_s3_refresh_restarts_an_objects_ttl_clock(moto_endpoint: str) -> None:
