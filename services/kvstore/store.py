@@ -432,9 +432,14 @@ class TieredStore:
         tkey = _C + key
         if key in self._unsaved:
             return False  # its durable write was dropped: it must be written again
-        if key in self._inflight or key in self._durable or self.dram.peek(tkey) is not None:
+        if key in self._inflight or key in self._durable:
             return True
-        return any(t.has_local(tkey) for t in self.tiers[1:])
+        return self._held_locally(tkey) or self.lowest.has_local(tkey)
+
+    def _held_locally(self, tkey: str) -> bool:
+        """In DRAM or a local tier above the lowest (no I/O)."""
+        return self.dram.peek(tkey) is not None or any(
+            t.has_local(tkey) for t in self.tiers[1:-1])
 
     async def locate(self, key: str) -> list[str]:
         """Names of the tiers holding ``key`` (an unreachable tier is left out)."""
@@ -582,9 +587,10 @@ class TieredStore:
                 except ChunkCorrupt as e:
                     await self._drop_corrupt(tier, tkey, e)
                     blob = None
-            if blob is None or key in self._inflight:
-                if blob is None:
-                    lost.append(key)
+            if key in self._inflight:
+                continue  # a put of it started meanwhile: its write covers it
+            if blob is None or not self._held_locally(tkey):
+                lost.append(key)  # (deleted while we read it: not to be brought back)
                 continue
             log.info("chunk %s is held here but not in %s: writing it again", key, self.lowest.name)
             self._write_behind(key, blob, layer_priority(int(key.rsplit("/", 1)[1])),

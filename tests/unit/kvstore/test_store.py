@@ -842,3 +842,40 @@ async def test_an_unreachable_lowest_tier_never_keeps_chunks_from_the_ssd(tmp_pa
         assert not ok and "dropped in the last" in detail
         assert s.writer.recent_drops(window_s=1e-9) == 0  # old drops leave the detail
         remote.down = False
+
+
+async def test_a_chunk_deleted_while_its_copy_is_read_for_a_rewrite_stays_deleted(
+    tmp_path: Path,
+) -> None:
+    """The rewrite reads the SSD copy, awaiting; a delete lands meanwhile: the copy read
+    must not bring the chunk back in the lowest tier."""
+
+    class SlowSsd(SsdTier):
+        gate: asyncio.Event | None = None
+        reading = asyncio.Event()
+
+        async def get_many(self, keys: list[str]):
+            blobs = await super().get_many(keys)
+            if self.gate is not None:
+                self.reading.set()
+                await self.gate.wait()
+            return blobs
+
+    remote = FlakyTier()
+    m = session_manifest("s", 1, 1, 1)
+    (cm, t), = session_chunks(m)
+    ssd = SlowSsd(str(tmp_path / "db"), 1 << 20)
+    async with make_store([DramTier(1 << 20), ssd, remote]) as s:
+        await (await s.put(cm, t)).durable
+        await remote.delete("c/" + cm.key)  # lost below (as after an outage and a restart)
+        s.forget_durable("c/" + cm.key)
+        await s.dram.delete("c/" + cm.key)  # so the copy comes from the SSD
+        ssd.gate = asyncio.Event()
+        manifest = asyncio.create_task(s.put_manifest(m, wait_s=1))
+        await asyncio.wait_for(ssd.reading.wait(), 5)
+        await s.delete(cm.key)
+        ssd.gate.set()
+        with pytest.raises(ManifestIncomplete):
+            await manifest
+        await s.writer.wait_idle(5)
+        assert not await remote.contains("c/" + cm.key)
