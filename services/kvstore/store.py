@@ -252,7 +252,9 @@ class TieredStore:
         if self._write_gen.get(key) != gen:
             return
         del self._write_gen[key]
-        if fut.cancelled() or fut.exception() is not None:
+        if fut.cancelled() or fut.exception() is not None or (
+                self.sweeping and _C + key in self.sweeping):
+            # (a sweep's delete of the chunk may land after this write: never vouch then)
             self._mark_unsaved(key)
         else:
             self._remember_durable_chunk(key)
@@ -487,9 +489,9 @@ class TieredStore:
                 return False
         # An ack vouches only if nothing deleted the chunk while it was written (its
         # ``_written`` callback, which ran before ours, decided that).
-        return await self._durable_for_a_ttl(key)
+        return bool(await self._durable_for_a_ttl(key))
 
-    async def _durable_for_a_ttl(self, key: str) -> bool:
+    async def _durable_for_a_ttl(self, key: str) -> bool | None:
         """Whether chunk ``key`` is in the lowest tier with at least half its TTL to go.
 
         A manifest is rewritten every turn but names chunks of every earlier turn; the
@@ -497,7 +499,7 @@ class TieredStore:
         TTL is refreshed (its clock restarted) before a manifest may name it: a session in
         use never has its early chunks expire under a manifest (Symphony §3.4: the
         slowest tier holds the complete copy). What the store wrote itself recently is
-        trusted without asking."""
+        trusted without asking. None: unknown (the lowest tier did not answer)."""
         tkey = _C + key
         if tkey in self.sweeping:
             return False
@@ -510,7 +512,7 @@ class TieredStore:
             if at is not None and now - at >= self.ttl_s / 2:
                 at = now if await self.lowest.refresh(tkey) else None
         except TierUnavailable:
-            return False
+            return None
         if at is None:
             self.forget_durable(tkey)
             return False
@@ -544,8 +546,20 @@ class TieredStore:
         keys = manifest.chunk_keys()
         settled = [k for k in keys if k not in self._inflight]
         # Cheap checks first: a chunk that is neither in flight nor durable fails at once.
-        present = await asyncio.gather(*(self._durable_for_a_ttl(k) for k in settled))
-        missing = [k for k, ok in zip(settled, present) if not ok]
+        known = dict(zip(settled, await asyncio.gather(
+            *(self._durable_for_a_ttl(k) for k in settled))))
+        unknown = [k for k, ok in known.items() if ok is None]
+        if unknown and self.lowest.stats().healthy:
+            # Refused by a tier that was degraded, and has answered since (its first check
+            # was the probe that healed it): ask once more.
+            known.update(zip(unknown, await asyncio.gather(
+                *(self._durable_for_a_ttl(k) for k in unknown))))
+            unknown = [k for k in unknown if known[k] is None]
+        if unknown:  # not known absent: nothing to write again, but not known durable
+            raise ManifestIncomplete(
+                f"manifest {manifest.key}: {self.lowest.name} did not answer for "
+                f"{len(unknown)} chunks ({unknown[0]})")
+        missing = [k for k, ok in known.items() if ok is False]
         if missing:
             lost = await self._write_down_again(missing)
             if lost:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.kvstore.errors import ManifestIncomplete, WriteDropped
+from services.kvstore.errors import ManifestIncomplete, TierUnavailable, WriteDropped
 from services.kvstore.metrics import KVStoreMetrics
 from services.kvstore.store import TieredStore
 from services.kvstore.streaming import stream_session
@@ -879,3 +880,69 @@ async def test_a_chunk_deleted_while_its_copy_is_read_for_a_rewrite_stays_delete
             await manifest
         await s.writer.wait_idle(5)
         assert not await remote.contains("c/" + cm.key)
+
+
+async def test_a_chunk_rewritten_while_the_sweep_deletes_it_is_not_vouched_for() -> None:
+    """The sweep decided to delete an expired chunk; a save of the same chunk lands before
+    the (slow) delete does. The store must not vouch for it afterwards."""
+
+    class SlowDelete(FlakyTier):
+        async def delete(self, key: str) -> bool:
+            await asyncio.sleep(0.2)  # throttled and retried, say
+            return await super().delete(key)
+
+    remote = SlowDelete()
+    async with make_store([DramTier(1 << 22), remote], ttl_s=100.0, sweep_interval_s=3600) as s:
+        m = session_manifest("x", 1, 1, 1)
+        (cm, t), = session_chunks(m)
+        await (await s.put(cm, t)).durable
+        sweep = asyncio.create_task(s.sweep(now=time.time() + 200))  # it looks expired
+        await asyncio.sleep(0.05)  # the sweep is in its delete
+        await (await s.put(cm, t)).durable  # lands before the delete
+        assert await sweep >= 1
+        assert not await remote.contains("c/" + cm.key)
+        assert not await s.is_durable(cm.key)  # was vouched for from memory
+        await s.put_manifest(m, wait_s=2)  # writes the DRAM copy down again first
+        assert await remote.contains("c/" + cm.key)
+
+
+async def test_chunks_a_degraded_tier_would_not_answer_for_are_not_written_again() -> None:
+    """After a restart nothing is vouched for: a manifest asks the lowest tier for every
+    chunk at once. If that tier is a circuit breaker just due for its probe, all but the
+    probe are refused; once the probe heals it they are asked again, not rewritten."""
+
+    class Breaker(FlakyTier):
+        tripped = probing = False
+
+        async def written_at(self, key: str) -> float | None:
+            if self.tripped:
+                if self.probing:
+                    raise TierUnavailable("breaker open")
+                self.probing = True
+                await asyncio.sleep(0.01)
+                self.tripped = self.probing = False
+            return await super().written_at(key)
+
+        def stats(self):
+            st = super().stats()
+            return dataclasses.replace(st, healthy=st.healthy and not self.tripped)
+
+    remote = Breaker()
+    m = session_manifest("x", 8, 2, 2)
+    async with make_store([DramTier(1 << 22), remote]) as s:
+        for cm, t in session_chunks(m):
+            await (await s.put(cm, t)).durable
+    puts = remote.puts
+    async with make_store([DramTier(1 << 22), remote]) as s:  # a new process
+        remote.tripped = True
+        await s.put_manifest(m, wait_s=2)
+        assert remote.puts == puts + 1  # the manifest only: no chunk written again
+        remote.down = True  # a lowest tier that does not answer at all: no rewrite either
+        with pytest.raises(ManifestIncomplete, match="did not answer"):
+            await wait_durable_from_scratch(s, m)
+        remote.down = False
+
+
+async def wait_durable_from_scratch(s: TieredStore, m) -> None:
+    s._durable.clear()  # as after a restart
+    await s.wait_durable(m, wait_s=1)
