@@ -7,13 +7,15 @@ chunk is acknowledged durable in the lowest tier it is also on SSD (unless SSD f
                   ▲                            │ TierUnavailable on the durable target
                   └──── not_before = now + backoff (doubling, capped) ◄┘
 
-Jobs with a local target (SSD) still to write go first, and a full queue drops, among the
-jobs with the least local work left, the one with the lowest priority, oldest first
-(possibly the new one); its ack fails with ``WriteDropped``. So an unreachable lowest tier,
-whose retries would otherwise fill the queue, never keeps a chunk from reaching the SSD:
-what a drop loses is a lowest-tier write (the chunk is written again by a later save or
-manifest), not a local copy. A local (non-durable) target that keeps failing is skipped
-after ``LOCAL_ATTEMPTS`` tries.
+Workers take the oldest ready job, except that every other pick prefers the oldest with a
+local target (SSD) still to write. A full queue drops the job with the lowest priority,
+oldest first (possibly the new one); its ack fails with ``WriteDropped``. While the lowest
+tier is unhealthy, jobs with a local write still to do are dropped last. So an unreachable
+lowest tier, whose retries would otherwise fill the queue and every worker, never keeps a
+chunk from reaching the SSD (a drop loses a lowest-tier write, which a later save or
+manifest makes again), and once it is back its retries are served, not starved by new
+work. A local (non-durable) target that keeps failing is skipped after ``LOCAL_ATTEMPTS``
+tries.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import operator
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -51,6 +54,7 @@ class WriteJob:
     seq: int
     is_chunk: bool = True
     next_target: int = 0
+    local_left: bool = True  # a target above the lowest tier is still to be written
     attempts: int = 0
     not_before: float = field(default=0.0)
 
@@ -79,6 +83,7 @@ class WriteBehind:
         self._seq = itertools.count()
         self.dropped = 0
         self._drop_times: deque[float] = deque(maxlen=RECENT_DROPS_KEPT)
+        self._picks = 0
 
     @property
     def depth(self) -> int:
@@ -136,6 +141,7 @@ class WriteBehind:
             return fut
         fut.add_done_callback(_consume)
         job = WriteJob(key, blob, priority, list(targets), durable, fut, next(self._seq), is_chunk)
+        job.local_left = _local_left(job)
         self._pending.append(job)
         self._drop_if_full()
         self._metrics.queue_depth.set(self.depth)
@@ -167,7 +173,9 @@ class WriteBehind:
             now = time.monotonic()
             ready = [j for j in self._pending if j.not_before <= now]
             if ready:
-                job = min(ready, key=lambda j: (not _local_left(j), j.seq))
+                self._picks += 1
+                local = [j for j in ready if j.local_left] if self._picks % 2 else None
+                job = min(local or ready, key=_by_seq)
                 self._pending.remove(job)
                 self._active += 1
                 return job
@@ -217,6 +225,7 @@ class WriteBehind:
                     return
                 log.warning("giving up on %s for %s: %s", tier.name, job.key, e)
             job.next_target += 1
+            job.local_left = _local_left(job)
             job.attempts = 0
         if not job.done.done():
             job.done.set_result(None)
@@ -234,7 +243,11 @@ class WriteBehind:
     def _drop_if_full(self) -> None:
         if len(self._pending) <= self.bound:
             return
-        victim = min(self._pending, key=lambda j: (_local_left(j), j.priority, j.seq))
+        lowest = next((j.targets[-1] for j in self._pending if j.durable), None)
+        if lowest is not None and not lowest.stats().healthy:
+            victim = min(self._pending, key=lambda j: (j.local_left, j.priority, j.seq))
+        else:
+            victim = min(self._pending, key=lambda j: (j.priority, j.seq))
         self._pending.remove(victim)
         self.dropped += 1
         self._drop_times.append(time.monotonic())
@@ -251,6 +264,9 @@ class WriteBehind:
         assert self._active >= 0
         assert len(self._pending) <= self.bound, "queue over its bound"
         assert len({id(j) for j in self._pending}) == len(self._pending), "job queued twice"
+
+
+_by_seq = operator.attrgetter("seq")
 
 
 def _local_left(job: WriteJob) -> bool:

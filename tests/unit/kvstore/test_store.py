@@ -946,3 +946,31 @@ async def test_chunks_a_degraded_tier_would_not_answer_for_are_not_written_again
 async def wait_durable_from_scratch(s: TieredStore, m) -> None:
     s._durable.clear()  # as after a restart
     await s.wait_durable(m, wait_s=1)
+
+
+async def test_lowest_tier_retries_are_served_under_a_steady_load_of_new_writes() -> None:
+    """A short outage leaves chunks waiting for their lowest-tier retry. The tier is back,
+    but new saves keep arriving faster than the writer drains: the retries must still get
+    their turn instead of waiting until they are the first dropped."""
+
+    class SlowLocal(DramTier):
+        name = "ssd"
+
+        async def put(self, key: str, blob, priority: int = 0) -> list[str]:
+            await asyncio.sleep(0.005)
+            return await super().put(key, blob, priority)
+
+    remote = FlakyTier()
+    async with make_store([DramTier(1 << 28), SlowLocal(1 << 28), remote], write_queue=64,
+                          write_workers=1) as s:
+        remote.down = True
+        early = [await s.put(meta("a", i, 0), kv_tensor(i)) for i in range(5)]
+        await asyncio.sleep(0.1)  # on the SSD; their lowest-tier write waits for a retry
+        remote.down = False
+        n, t0 = 0, time.monotonic()
+        while time.monotonic() - t0 < 1.5:  # about 1.5x what one worker drains
+            for _ in range(3):
+                await s.put(meta("b", n, 0), kv_tensor(n))
+                n += 1
+            await asyncio.sleep(0.01)
+        await asyncio.wait_for(asyncio.gather(*(r.durable for r in early)), 5)
