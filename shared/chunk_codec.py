@@ -381,10 +381,12 @@ def _meta_of(h: Any) -> ChunkMeta:
     if max(map(len, hashes)) > MAX_HASH_BYTES:
         raise ValueError(f"a block hash is longer than {MAX_HASH_BYTES} bytes")
     tenant, model_fp, layer = h["tenant"], h["model_fp"], h["layer"]
-    if not isinstance(tenant, str) or not isinstance(model_fp, str) or type(layer) is not int:
+    # What chunk_key would refuse, checked without building the key (every read parses a
+    # header: ~0.5 us here against ~3.5 us for the key).
+    if type(tenant) is not str or type(model_fp) is not str or type(layer) is not int:
         raise TypeError("tenant and model_fp must be strings, layer an integer")
-    if layer > MAX_LAYER:
+    if not tenant or not model_fp or "/" in tenant or "/" in model_fp:
+        raise ValueError("tenant and model_fp must be non-empty without '/'")
+    if not 0 <= layer <= MAX_LAYER:
         raise ValueError(f"layer {layer} is out of range")
-    meta = ChunkMeta(tenant, model_fp, layer, hashes)
-    meta.key  # noqa: B018 (validates the names; ChunkFormatError is a ValueError)
-    return meta
+    return ChunkMeta(tenant, model_fp, layer, hashes)

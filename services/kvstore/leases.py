@@ -10,8 +10,10 @@ lease holds, per chunk key and layer:
 
 A lease ends on ``release`` (LoadIntoPool's end or ReleaseLease) or ``lease_s`` after it
 was granted, whichever comes first; ending it twice is harmless. A load that takes the
-lease (``hold``) stops its clock: a slow load must not see its chunks unpinned, and so
-evictable, halfway through; the load releases it when it ends.
+lease (``hold``) restarts its clock with ``HELD_FACTOR`` times the time: a slow load must
+not see its chunks unpinned, and so evictable, halfway through (the load releases it when
+it ends), yet a load stuck for good (a client that stopped reading but kept its
+connection) does not pin them forever.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from services.kvstore.tiers.base import Blob, Tier
 
 log = logging.getLogger(__name__)
 
+HELD_FACTOR = 10  # a lease taken by a load expires after this many times lease_s
+
 
 @dataclass
 class Lease:
@@ -35,7 +39,7 @@ class Lease:
     # chunk key -> the block hashes the lookup matched it against (the load re-checks them)
     expected: dict[str, tuple[bytes, ...]] = field(default_factory=dict)
     timer: asyncio.TimerHandle | None = None
-    held: bool = False  # a load is using it: no expiry, the load releases it
+    held: bool = False  # a load is using it (and releases it when it ends)
 
 
 class LeaseTable:
@@ -63,18 +67,23 @@ class LeaseTable:
         return self._leases.get(lease_id)
 
     def hold(self, lease_id: str) -> Lease | None:
-        """The live lease ``lease_id`` for a load that will ``release`` it when it ends;
-        it no longer expires meanwhile."""
+        """The live lease ``lease_id`` for a load that will ``release`` it when it ends
+        (its expiry pushed out to ``HELD_FACTOR`` x ``lease_s`` from now)."""
         lease = self._leases.get(lease_id)
-        if lease is not None and lease.timer is not None:
-            lease.timer.cancel()
-            lease.timer = None
+        if lease is not None and not lease.held:
+            if lease.timer is not None:
+                lease.timer.cancel()
+            lease.timer = asyncio.get_running_loop().call_later(
+                self.lease_s * HELD_FACTOR, self._expire, lease_id)
             lease.held = True
         return lease
 
     def _expire(self, lease_id: str) -> None:
-        if lease_id in self._leases:
-            log.info("lease %s expired after %.1fs", lease_id, self.lease_s)
+        lease = self._leases.get(lease_id)
+        if lease is not None:
+            log.info("lease %s expired after %.1fs%s", lease_id,
+                     self.lease_s * (HELD_FACTOR if lease.held else 1),
+                     " (a load held it that long)" if lease.held else "")
             self.release(lease_id)
 
     def release(self, lease_id: str) -> bool:
@@ -109,4 +118,4 @@ class LeaseTable:
     def check_integrity(self) -> None:
         for lid, lease in self._leases.items():
             assert lease.lease_id == lid, "lease stored under another id"
-            assert (lease.timer is None) == lease.held, "live lease neither timed nor held"
+            assert lease.timer is not None, "live lease without an expiry timer"

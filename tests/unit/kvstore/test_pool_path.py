@@ -524,6 +524,9 @@ async def test_a_fenced_op_that_arrives_late_is_refused(path: PoolDataPath, pool
 
 async def test_a_lease_does_not_expire_while_a_load_uses_it(tmp_path: Path, pool) -> None:
     """A slow load keeps its chunks pinned to the end, however long its lease_s was."""
+    import dataclasses
+
+    from services.kvstore.leases import HELD_FACTOR
     async with make_store(tmp_path) as store, \
             PoolDataPath(store, CHUNK_TOKENS, lease_s=0.1) as dp:
         pid, _ = await dp.attach(geometry(pool))
@@ -542,6 +545,14 @@ async def test_a_lease_does_not_expire_while_a_load_uses_it(tmp_path: Path, pool
         assert all(m.ok for m in [m async for m in stream])
         assert len(dp.leases) == 0 and not ssd._index.is_pinned(last)
         dp.check_integrity()
+        # A load stuck for good (its client stopped reading) pins its chunks only until
+        # HELD_FACTOR x lease_s.
+        r = await lookup(dp, hs)
+        stream = dp.load(dataclasses.replace(req, lease_id=r.lease_id))
+        assert (await anext(stream)).ok
+        await asyncio.sleep(0.1 * HELD_FACTOR + 0.3)
+        assert len(dp.leases) == 0 and not ssd._index.is_pinned(last)
+        await stream.aclose()
 
 
 async def test_fence_waits_for_a_dropped_save_still_reading(
