@@ -7,10 +7,11 @@ chunk is acknowledged durable in the lowest tier it is also on SSD (unless SSD f
                   ▲                            │ TierUnavailable on the durable target
                   └──── not_before = now + backoff (doubling, capped) ◄┘
 
-Workers take the oldest ready job, except that every other pick prefers the oldest with a
-local target (SSD) still to write. A full queue drops the job with the lowest priority,
-oldest first (possibly the new one); its ack fails with ``WriteDropped``. While the lowest
-tier is unhealthy, jobs with a local write still to do are dropped last. So an unreachable
+Workers take the oldest ready job, except that every other pick (every pick while the
+lowest tier is unhealthy) prefers the oldest with a local target (SSD) still to write. A
+full queue drops the job with the lowest priority, oldest first (possibly the new one);
+its ack fails with ``WriteDropped``. While the lowest tier is unhealthy, jobs with a local
+write still to do are dropped last. So an unreachable
 lowest tier, whose retries would otherwise fill the queue and every worker, never keeps a
 chunk from reaching the SSD (a drop loses a lowest-tier write, which a later save or
 manifest makes again), and once it is back its retries are served, not starved by new
@@ -174,7 +175,9 @@ class WriteBehind:
             ready = [j for j in self._pending if j.not_before <= now]
             if ready:
                 self._picks += 1
-                local = [j for j in ready if j.local_left] if self._picks % 2 else None
+                local = None
+                if self._picks % 2 or _lowest_down(ready):
+                    local = [j for j in ready if j.local_left]
                 job = min(local or ready, key=_by_seq)
                 self._pending.remove(job)
                 self._active += 1
@@ -243,8 +246,7 @@ class WriteBehind:
     def _drop_if_full(self) -> None:
         if len(self._pending) <= self.bound:
             return
-        lowest = next((j.targets[-1] for j in self._pending if j.durable), None)
-        if lowest is not None and not lowest.stats().healthy:
+        if _lowest_down(self._pending):
             victim = min(self._pending, key=lambda j: (j.local_left, j.priority, j.seq))
         else:
             victim = min(self._pending, key=lambda j: (j.priority, j.seq))
@@ -267,6 +269,12 @@ class WriteBehind:
 
 
 _by_seq = operator.attrgetter("seq")
+
+
+def _lowest_down(jobs: list[WriteJob]) -> bool:
+    """Whether the lowest tier the durable ones of ``jobs`` go to reports unhealthy."""
+    lowest = next((j.targets[-1] for j in jobs if j.durable), None)
+    return lowest is not None and not lowest.stats().healthy
 
 
 def _local_left(job: WriteJob) -> bool:
