@@ -11,12 +11,11 @@ Workers take the oldest ready job, except that every other pick (every pick whil
 lowest tier is unhealthy) prefers the oldest with a local target (SSD) still to write. A
 full queue drops the job with the lowest priority, oldest first (possibly the new one);
 its ack fails with ``WriteDropped``. While the lowest tier is unhealthy, jobs with a local
-write still to do are dropped last. So an unreachable
-lowest tier, whose retries would otherwise fill the queue and every worker, never keeps a
-chunk from reaching the SSD (a drop loses a lowest-tier write, which a later save or
-manifest makes again), and once it is back its retries are served, not starved by new
-work. A local (non-durable) target that keeps failing is skipped after ``LOCAL_ATTEMPTS``
-tries.
+write still to do are dropped last. So an unreachable lowest tier, whose retries would
+otherwise fill the queue and every worker, never keeps a chunk from reaching the SSD (a
+drop loses a lowest-tier write, which a later save or manifest makes again), and once it
+is back its retries are served, not starved by new work. A local (non-durable) target
+that keeps failing is skipped after ``LOCAL_ATTEMPTS`` tries.
 """
 
 from __future__ import annotations
