@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import stat
+import tempfile
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -82,6 +84,7 @@ class MappedPool:
         self.kv = kv
         self._closer = closer
         self._host_bytes: memoryview | None = None
+        self.identity: tuple[int, int] | None = None  # the CPU pool file's (dev, inode)
 
     @property
     def host_bytes(self) -> memoryview | None:
@@ -106,14 +109,44 @@ class MappedPool:
             self._closer = None
 
 
+# Where engines create CPU pools (services/engine/device.py: /dev/shm, else the temp dir)
+# and how they name them. AttachPool maps nothing else: a pool is read and written by
+# SaveFromPool and LoadIntoPool, so an arbitrary path would be an arbitrary-file write.
+POOL_DIRS = ("/dev/shm", tempfile.gettempdir())
+POOL_FILE_PREFIX = "overture-kv-"
+
+
+def _check_pool_path(name: str) -> None:
+    parent, base = os.path.split(os.path.abspath(name))
+    if parent not in POOL_DIRS or not base.startswith(POOL_FILE_PREFIX):
+        raise PoolError(
+            f"pool file {name!r} is not an engine pool: expected {POOL_FILE_PREFIX}* in "
+            f"{' or '.join(POOL_DIRS)}")
+
+
+def file_identity(name: str) -> tuple[int, int] | None:
+    """(device, inode) of the pool file, None if it is gone: a file re-created under the
+    same name (another engine) is another pool."""
+    try:
+        st = os.stat(name, follow_symlinks=False)
+    except (OSError, ValueError):
+        return None
+    return st.st_dev, st.st_ino
+
+
 def _map_cpu(geometry: PoolGeometry) -> tuple[torch.Tensor, Any]:
     need = geometry.num_blocks * geometry.block_bytes
+    _check_pool_path(geometry.pool_name)
     try:
-        fd = os.open(geometry.pool_name, os.O_RDWR)
-    except OSError as e:
-        raise PoolError(f"cannot open pool file {geometry.pool_name!r}: {e.strerror}") from None
+        fd = os.open(geometry.pool_name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the name
+        why = e.strerror if isinstance(e, OSError) else str(e)
+        raise PoolError(f"cannot open pool file {geometry.pool_name!r}: {why}") from None
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise PoolError(f"pool file {geometry.pool_name!r} is not a regular file")
+        size = st.st_size
         if size < need:
             raise PoolError(
                 f"pool file {geometry.pool_name!r} has {size} bytes; the geometry needs {need}"
@@ -177,7 +210,10 @@ def _map_cuda(geometry: PoolGeometry) -> tuple[torch.Tensor, Any]:
     from cuda import cudart  # lazy: only CUDA deployments install cuda-python
 
     handle = cudart.cudaIpcMemHandle_t()
-    handle.reserved = bytes.fromhex(geometry.pool_name)
+    try:
+        handle.reserved = bytes.fromhex(geometry.pool_name)
+    except ValueError as e:
+        raise PoolError(f"pool.pool_name is not a hex CUDA IPC handle: {e}") from None
     err, ptr = cudart.cudaIpcOpenMemHandle(handle, cudart.cudaIpcMemLazyEnablePeerAccess)
     if err != cudart.cudaError_t.cudaSuccess:
         raise PoolError(f"cudaIpcOpenMemHandle failed: {err}")
@@ -214,6 +250,9 @@ class PoolRegistry:
         self.blocks_per_chunk(geometry.block_size)
         self._drop_vanished()
         known = self._by_name.get(geometry.pool_name)
+        if known is not None and self._by_id[known].identity != self._identity(geometry):
+            self._detach(self._by_id[known])  # the name now names another engine's pool
+            known = None
         if known is not None:
             pool = self._by_id[known]
             if pool.geometry != geometry:
@@ -225,6 +264,7 @@ class PoolRegistry:
         mapper = _map_cpu if geometry.device == "cpu" else _map_cuda
         kv, closer = mapper(geometry)
         pool = MappedPool(f"pool-{uuid.uuid4().hex[:12]}", geometry, kv, closer)
+        pool.identity = self._identity(geometry)
         self._by_id[pool.pool_id] = pool
         self._by_name[geometry.pool_name] = pool.pool_id
         log.info("attached KV pool %s as %s: %s", geometry.pool_name, pool.pool_id, geometry)
@@ -244,11 +284,15 @@ class PoolRegistry:
                 return pool
         return None
 
+    @staticmethod
+    def _identity(geometry: PoolGeometry) -> tuple[int, int] | None:
+        return file_identity(geometry.pool_name) if geometry.device == "cpu" else None
+
     def _drop_vanished(self) -> None:
-        # An engine that exited removed its shm file: drop our mapping of it too.
+        # An engine that exited removed its shm file (or another one re-created the name):
+        # drop our mapping of it too.
         for pool in list(self._by_id.values()):
-            g = pool.geometry
-            if g.device == "cpu" and not os.path.exists(g.pool_name):
+            if pool.geometry.device == "cpu" and self._identity(pool.geometry) != pool.identity:
                 self._detach(pool)
 
     def _detach(self, pool: MappedPool) -> None:

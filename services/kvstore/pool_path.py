@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -43,13 +44,15 @@ from services.kvstore.pool_types import (
 )
 from services.kvstore.prefix_lookup import find_prefix
 from services.kvstore.store import TieredStore
-from shared.chunk_codec import ChunkMeta
+from shared.chunk_codec import ChunkFormatError, ChunkMeta, chunk_key
 
 log = logging.getLogger(__name__)
 
-# Sessions whose latest saved sequence is remembered in memory (the least recently saved
-# are forgotten first; their lookups then read the durable manifest instead).
+# Sessions whose latest saved sequence is remembered in memory, and their block hashes in
+# all (~60 bytes each): the least recently saved are forgotten first; their lookups then
+# read the durable manifest instead.
 LATEST_SESSIONS = 10_000
+LATEST_HASHES = 1 << 20
 
 
 class PoolDataPath:
@@ -72,21 +75,30 @@ class PoolDataPath:
         self.readahead_layers = readahead_layers
         self.drain_s = drain_s
         self._latest: OrderedDict[tuple[str, str], SavedSequence] = OrderedDict()
+        self._latest_hashes = 0
+        # Per session: the manifest task of its latest sequence, and every manifest task
+        # still running (a superseded one that is writing runs to its end).
         self._manifests: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._tasks: dict[tuple[str, str], set[asyncio.Task[None]]] = {}
         self._writing: set[asyncio.Task[None]] = set()  # manifest tasks past their checks
+        # Sessions deleted (``forget``) while a save may have been under way: a save that
+        # started before the delete must not bring the session back.
+        self._forgets = itertools.count(1)
+        self._forgotten: OrderedDict[tuple[str, str], int] = OrderedDict()
 
     async def __aenter__(self) -> PoolDataPath:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         """Let pending manifests finish (up to drain_s), end leases, unmap the pools."""
-        tasks = list({*self._manifests.values(), *self._writing})
+        tasks = self._all_tasks()
         if tasks:
             await asyncio.wait(tasks, timeout=self.drain_s)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._manifests.clear()
+        self._tasks.clear()
         self.leases.close()
         self.pools.close()
 
@@ -132,6 +144,14 @@ class PoolDataPath:
                 f"(len(block_hashes) - first_block) = {layers} * {n}"
             )
         pool.check_block_ids(list(req.block_ids))
+        # Everything about the request is checked before anything is stored or remembered.
+        chunk_key(req.tenant, req.model_fp, b"\0", layers - 1)  # the names (ChunkFormatError)
+        sid = (req.tenant, req.session_id)
+        manifest = Manifest(
+            req.tenant, req.session_id, req.model_fp, req.block_hashes, req.token_count,
+            layers, bpc,
+        ) if req.session_id and nb else None
+        deleted_before = self._forgotten.get(sid)
         jobs: list[tuple[ChunkMeta, list[int]]] = []
         skipped = 0
         for start in range(fb, nb, bpc):
@@ -148,44 +168,63 @@ class PoolDataPath:
         for (meta, ids), blob in zip(jobs, blobs):
             self.store.put_encoded(meta, blob)
             self.store.metrics.pool_bytes_saved.inc(len(ids) * pool.geometry.block_bytes)
-        if req.session_id and nb:
-            self._remember(req, bpc)
+        if manifest is not None and self._forgotten.get(sid) == deleted_before:
+            # (a session deleted while this save ran stays deleted)
+            self._remember(req, manifest)
         return SaveResult(len(jobs), skipped)
 
-    def _remember(self, req: SaveRequest, bpc: int) -> None:
+    def _remember(self, req: SaveRequest, manifest: Manifest) -> None:
         """The next turn's lookup sees this sequence now; its manifest follows once durable."""
         sid = (req.tenant, req.session_id)
+        self._drop_latest(sid)
         self._latest[sid] = SavedSequence(
             req.model_fp, req.block_hashes, req.token_count, req.num_layers
         )
-        self._latest.move_to_end(sid)
-        while len(self._latest) > LATEST_SESSIONS:
-            self._latest.popitem(last=False)
-        manifest = Manifest(
-            req.tenant, req.session_id, req.model_fp, req.block_hashes, req.token_count,
-            req.num_layers, bpc,
-        )
+        self._latest_hashes += len(req.block_hashes)
+        while len(self._latest) > LATEST_SESSIONS or (
+                self._latest_hashes > LATEST_HASHES and len(self._latest) > 1):
+            self._drop_latest(next(iter(self._latest)))
         old = self._manifests.pop(sid, None)
         if old is not None and old not in self._writing:
             old.cancel()  # a newer sequence of the session supersedes it
         task = asyncio.create_task(self._write_manifest(manifest, sid), name=f"manifest-{sid[1]}")
         self._manifests[sid] = task
-        task.add_done_callback(
-            lambda t, k=sid: self._manifests.pop(k, None) if self._manifests.get(k) is t else None
-        )
+        self._tasks.setdefault(sid, set()).add(task)
+        task.add_done_callback(lambda t, k=sid: self._manifest_done(k, t))
+
+    def _drop_latest(self, sid: tuple[str, str]) -> None:
+        seq = self._latest.pop(sid, None)
+        if seq is not None:
+            self._latest_hashes -= len(seq.block_hashes)
+
+    def _manifest_done(self, sid: tuple[str, str], task: asyncio.Task[None]) -> None:
+        if self._manifests.get(sid) is task:
+            del self._manifests[sid]
+        live = self._tasks.get(sid)
+        if live is not None:
+            live.discard(task)
+            if not live:
+                del self._tasks[sid]
+
+    def _all_tasks(self) -> list[asyncio.Task[None]]:
+        return [t for live in self._tasks.values() for t in live]
 
     async def forget(self, tenant: str, session_id: str) -> None:
         """The session is being deleted: stop offering its latest sequence to lookups, and
         return only when no manifest of it can be written any more (a pending one is
         cancelled; one being written is waited for, so the caller's delete comes after)."""
         sid = (tenant, session_id)
-        self._latest.pop(sid, None)
-        task = self._manifests.pop(sid, None)
-        if task is None:
-            return
-        if task not in self._writing:
-            task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        self._drop_latest(sid)
+        self._forgotten[sid] = next(self._forgets)  # a save under way will not remember it
+        self._forgotten.move_to_end(sid)
+        while len(self._forgotten) > LATEST_SESSIONS:
+            self._forgotten.popitem(last=False)
+        self._manifests.pop(sid, None)
+        tasks = list(self._tasks.get(sid, ()))
+        for task in tasks:
+            if task not in self._writing:
+                task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _write_manifest(self, manifest: Manifest, sid: tuple[str, str]) -> None:
         me = asyncio.current_task()
@@ -196,15 +235,22 @@ class PoolDataPath:
             assert me is not None
             self._writing.add(me)  # from here on it is not cancelled: its put must land
             try:
+                # An older manifest of the session still being written lands first, so the
+                # newest is the one that stays; then check again that this one is wanted.
+                older = [t for t in self._tasks.get(sid, ()) if t is not me and t in self._writing]
+                if older:
+                    await asyncio.gather(*older, return_exceptions=True)
+                    if self._manifests.get(sid) is not me:
+                        return
                 await self.store.write_manifest(manifest)
             finally:
                 self._writing.discard(me)
-        except (ManifestIncomplete, TierUnavailable) as e:
+        except (ManifestIncomplete, TierUnavailable, ChunkFormatError) as e:
             log.warning("manifest of %s not written: %s", manifest.key, e)
 
     async def wait_manifests(self) -> None:
         """Wait for the background manifest writes pending now (tests, shutdown)."""
-        await asyncio.gather(*{*self._manifests.values(), *self._writing}, return_exceptions=True)
+        await asyncio.gather(*self._all_tasks(), return_exceptions=True)
 
     # ---------------------------------------------------------------- lookup
 

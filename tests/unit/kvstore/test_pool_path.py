@@ -266,6 +266,11 @@ async def test_lease_pins_ssd_keys_and_expires(tmp_path: Path, pool) -> None:
 
 
 async def test_attach_rejects_bad_geometry(tmp_path: Path, pool) -> None:
+    import dataclasses
+    import os
+
+    from services.kvstore.pool_map import PoolGeometry
+
     async with make_store(tmp_path, ssd=False) as store, PoolDataPath(store, 200) as dp:
         with pytest.raises(ConfigError, match="kvstore.chunk_tokens"):
             await dp.attach(geometry(pool))
@@ -273,9 +278,26 @@ async def test_attach_rejects_bad_geometry(tmp_path: Path, pool) -> None:
         with pytest.raises(PoolError, match="needs"):
             await dp.attach(geometry(pool).__class__(**{
                 **geometry(pool).__dict__, "num_blocks": pool.num_blocks * 2}))
+        def named(name: str) -> PoolGeometry:
+            return dataclasses.replace(geometry(pool), pool_name=name)
+
+        # Only engine pool files are mapped: a pool is read and written by saves and loads.
+        victim = tmp_path / "victim.bin"
+        victim.write_bytes(bytes(pool.num_blocks * geometry(pool).block_bytes))
+        with pytest.raises(PoolError, match="not an engine pool"):
+            await dp.attach(named(str(victim)))
+        shm = os.path.dirname(pool.name)
+        link = os.path.join(shm, f"overture-kv-test-link-{os.getpid()}")
+        os.symlink(victim, link)
+        try:
+            with pytest.raises(PoolError, match="cannot open"):  # O_NOFOLLOW
+                await dp.attach(named(link))
+        finally:
+            os.unlink(link)
         with pytest.raises(PoolError, match="cannot open"):
-            await dp.attach(geometry(pool).__class__(**{
-                **geometry(pool).__dict__, "pool_name": str(tmp_path / "nope")}))
+            await dp.attach(named(os.path.join(shm, "overture-kv-nope")))
+        with pytest.raises(PoolError, match="cannot open"):
+            await dp.attach(named(os.path.join(shm, "overture-kv-\0")))
         with pytest.raises(PoolError, match="unknown pool_id"):
             await save(dp, "pool-x", hashes(16))
         with pytest.raises(PoolError, match="no pool attached"):
@@ -637,3 +659,33 @@ async def test_a_session_delete_leaves_no_manifest_behind(tmp_path: Path, pool, 
         await dp.wait_manifests()
         await asyncio.sleep(0.05)
         assert await store.get_manifest(TENANT, "gone") is None
+
+
+async def test_a_pool_file_recreated_under_its_name_is_mapped_anew(tmp_path: Path, pool) -> None:
+    """Another engine's pool that reuses a name is another pool: the old mapping (of a file
+    that no longer exists) is dropped, never read or written for the new one."""
+    import dataclasses
+    import os
+    import uuid
+
+    name = os.path.join(os.path.dirname(pool.name), f"overture-kv-test-{uuid.uuid4().hex[:8]}")
+    g = dataclasses.replace(geometry(pool), pool_name=name)
+    size = g.num_blocks * g.block_bytes
+    async with make_store(tmp_path, ssd=False) as store, PoolDataPath(store, CHUNK_TOKENS) as dp:
+        try:
+            for attempt in range(2):
+                with open(name, "wb") as f:
+                    f.truncate(size)
+                first, _ = await dp.attach(g)
+                again, _ = await dp.attach(g)
+                assert again == first  # the same file: the same mapping
+                if attempt == 0:
+                    old = first
+                    os.unlink(name)  # the engine exits; another one re-creates the name
+            assert first != old
+            with pytest.raises(PoolError, match="unknown pool_id"):
+                dp.pools.get(old)
+            dp.check_integrity()
+        finally:
+            if os.path.exists(name):
+                os.unlink(name)
