@@ -185,12 +185,20 @@ class AsyncEngine:
                 RESOURCE_EXHAUSTED,
                 f"the engine queue is full ({self.config.max_waiting} waiting); retry later",
             )
-        plan = await self._coordinator.plan(prepared) if self._coordinator else None
+        # The id is claimed before the lookup: a second call with it (a client retry) is
+        # refused instead of reaching the core as a second sequence under one id.
         queue: asyncio.Queue[GenerateOutput | EngineError] = asyncio.Queue()
         self._queues[rid] = queue
-        self._submit(_ADD, (prepared, plan))
-        finished = False
+        submitted = finished = False
         try:
+            coordinator = self._coordinator
+            plan = await coordinator.plan(prepared) if coordinator else None
+            if self._stopping or self._core is None:  # stopped during the lookup
+                if plan is not None and coordinator is not None:
+                    coordinator.connector.release(plan.lease_id)
+                raise EngineError(UNAVAILABLE, "the engine is shutting down")
+            self._submit(_ADD, (prepared, plan))
+            submitted = True
             while not finished:
                 item = await queue.get()
                 if isinstance(item, EngineError):
@@ -199,8 +207,9 @@ class AsyncEngine:
                 finished = item.finish_reason is not None
                 yield item
         finally:
-            self._queues.pop(rid, None)
-            if not finished:
+            if self._queues.get(rid) is queue:
+                del self._queues[rid]
+            if submitted and not finished:
                 self._submit(_ABORT, rid)
 
     def _submit(self, kind: str, arg: Any) -> None:

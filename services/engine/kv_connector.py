@@ -225,6 +225,8 @@ class KVConnector:
             job.readiness.fail(0, "the kvstore is not attached")
             job.readiness.finish()
             self.release(job.plan.lease_id)  # a lease from before the kvstore was lost
+            if ended is not None:  # as after any load: wakes a worker waiting on parked blocks
+                ended()
             return
         self._spawn(self._load(job, ended), f"kvstore-load-{job.request_id}")
 

@@ -227,6 +227,18 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             result = await self.pool_path.lookup(lookup_from_pb(request))
         except (PoolError, ChunkFormatError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if result.lease_id:
+            # A caller gone before the reply (a disconnect, or its deadline, which the
+            # server sees as time run out, not as a cancellation) never learns the lease
+            # id: end the lease here rather than let it pin chunks until it expires.
+            lease_id = result.lease_id
+
+            def ended(ctx: grpc.aio.ServicerContext) -> None:
+                left = ctx.time_remaining()
+                if ctx.cancelled() or (left is not None and left <= 0):
+                    self.pool_path.release(lease_id)
+
+            context.add_done_callback(ended)
         return lookup_to_pb(result)
 
     async def LoadIntoPool(

@@ -311,3 +311,40 @@ async def test_a_running_requests_blocks_are_shared_by_a_later_identical_prompt(
         await idle(eng)
     assert second[-1].cached_tokens > 0
     assert tokens(second) == tokens(head + rest)
+
+
+class SlowLookups:
+    """A coordinator whose kvstore lookup takes a while and finds nothing (a plan of None)."""
+
+    connector = None
+
+    async def plan(self, req: object) -> None:
+        await asyncio.sleep(0.2)
+
+
+async def test_a_request_id_in_use_is_refused_even_while_its_lookup_runs(loaded) -> None:
+    """The id is claimed before the lookup: a retry with the same id is refused, and the
+    first request and a bystander finish exactly as on their own."""
+    async with engine(loaded) as eng:
+        alone = tokens(await collect(eng, greedy(PROMPTS[0], 20)))
+        eng._coordinator = SlowLookups()
+        first = asyncio.create_task(collect(eng, greedy(PROMPTS[0], 20, request_id="same")))
+        bystander = asyncio.create_task(collect(eng, greedy(PROMPTS[7], 10)))
+        await asyncio.sleep(0.05)  # the first one's lookup is in flight
+        with pytest.raises(EngineError, match="already running"):
+            await collect(eng, greedy(PROMPTS[2], 20, request_id="same"))
+        assert tokens(await asyncio.wait_for(first, 60)) == alone
+        assert len(tokens(await asyncio.wait_for(bystander, 60))) == 10
+        eng._coordinator = None
+        await idle(eng)
+
+
+async def test_a_request_whose_lookup_runs_across_a_stop_ends_unavailable(loaded) -> None:
+    eng = AsyncEngine(config(), loaded=loaded)
+    await eng.start()
+    eng._coordinator = SlowLookups()
+    pending = asyncio.create_task(collect(eng, greedy(PROMPTS[1], 4)))
+    await asyncio.sleep(0.05)
+    await eng.stop()
+    with pytest.raises(EngineError, match="shutting down"):
+        await asyncio.wait_for(pending, 5)

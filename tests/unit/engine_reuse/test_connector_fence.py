@@ -101,3 +101,15 @@ async def test_op_ids_are_unique_across_connectors() -> None:
     a, b = connector(FakeStub()), connector(FakeStub())
     ids = {a._new_op_id(), a._new_op_id(), b._new_op_id()}
     assert len(ids) == 3
+
+
+async def test_a_load_refused_for_want_of_a_kvstore_still_reports_its_end() -> None:
+    """Not attached: the load fails at once, and ``ended`` runs as after any load (a worker
+    waiting for parked blocks is woken)."""
+    c = KVConnector(EngineConfig(), kvstore_pb2.PoolGeometry(model_fp="fp", num_layers=2))
+    ready = LayerReadiness(2)
+    ended: list[bool] = []
+    plan = ReusePlan((LoadSpan(b"h", 0, 1, "ssd", 1),), "", 0, 1)
+    c.start_load(LoadJob("r", "default", plan, (5, 6), ready), lambda: ended.append(True))
+    assert ready.failed and ready.finished and ended == [True]
+    await c.close()

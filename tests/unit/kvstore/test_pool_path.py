@@ -689,3 +689,85 @@ async def test_a_pool_file_recreated_under_its_name_is_mapped_anew(tmp_path: Pat
         finally:
             if os.path.exists(name):
                 os.unlink(name)
+
+
+async def test_a_lease_whose_lookup_reply_never_reached_the_caller_ends(
+    path: PoolDataPath, pool
+) -> None:
+    """A LookupPrefix cancelled after its lease was granted (the caller's deadline, a
+    disconnect) ends that lease: its id was never received, so no one else would."""
+    from services.kvstore.service import KVStoreService
+    from shared.proto import kvstore_pb2 as pb
+
+    class Context:
+        def __init__(self, cancelled: bool) -> None:
+            self._cancelled, self.callbacks = cancelled, []
+
+        def add_done_callback(self, cb) -> None:
+            self.callbacks.append(cb)
+
+        def cancelled(self) -> bool:
+            return self._cancelled
+
+        def time_remaining(self) -> float | None:
+            return None  # no deadline
+
+    pid, _ = await path.attach(geometry(pool))
+    hs = hashes(40)
+    await _ssd_only(path, pid, pool, hs, seed=21)
+    svc = KVStoreService(path.store, "n", 4, "", path)
+    req = pb.LookupPrefixRequest(tenant=TENANT, session_id="sess", model_fp=MODEL,
+                                 block_hashes=list(hs), first_block=0, num_layers=LAYERS)
+    for cancelled in (True, False):
+        ctx = Context(cancelled)
+        reply = await svc.LookupPrefix(req, ctx)
+        assert reply.lease_id and len(path.leases) == 1
+        for cb in ctx.callbacks:  # the RPC ends
+            cb(ctx)
+        assert len(path.leases) == (0 if cancelled else 1)
+    path.release(reply.lease_id)
+
+
+@pytest.mark.parametrize("deadline_s", [0.1, 5.0])
+async def test_a_lookup_past_its_deadline_ends_its_lease(
+    path: PoolDataPath, pool, deadline_s: float
+) -> None:
+    """Real gRPC: a reply that leaves after the caller's deadline never arrives, and the
+    server sees no cancellation, only time run out: its lease ends all the same."""
+    import time
+
+    import grpc
+
+    from services.kvstore.service import KVStoreService
+    from shared.grpc_server import insecure_channel, serve_grpc
+    from shared.proto import kvstore_pb2 as pb
+    from shared.proto import kvstore_pb2_grpc as pb_grpc
+
+    pid, _ = await path.attach(geometry(pool))
+    hs = hashes(40)
+    await _ssd_only(path, pid, pool, hs, seed=22)
+    real = path.lookup
+
+    async def slow(req):
+        out = await real(req)
+        time.sleep(0.3)  # the loop is held: the reply leaves 0.3 s after the grant
+        return out
+
+    path.lookup = slow
+    svc = KVStoreService(path.store, "n", 4, "", path)
+    register = [lambda s: pb_grpc.add_KVStoreServicer_to_server(svc, s)]
+    async with serve_grpc("127.0.0.1", 0, register=register, service_names=[]) as srv, \
+            insecure_channel(f"127.0.0.1:{srv.port}") as channel:
+        req = pb.LookupPrefixRequest(tenant=TENANT, session_id="sess", model_fp=MODEL,
+                                     block_hashes=list(hs), num_layers=LAYERS)
+        try:
+            reply = await pb_grpc.KVStoreStub(channel).LookupPrefix(req, timeout=deadline_s)
+        except grpc.aio.AioRpcError as e:
+            assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and deadline_s < 0.3
+            reply = None
+        await asyncio.sleep(0.3)
+        if reply is None:
+            assert len(path.leases) == 0
+        else:
+            assert len(path.leases) == 1
+            path.release(reply.lease_id)
