@@ -78,6 +78,8 @@ class AsyncEngine:
         self._inbox: deque[tuple[str, Any]] = deque()
         self._wake = asyncio.Event()
         self._queues: dict[str, asyncio.Queue[GenerateOutput | EngineError]] = {}
+        self._in_lookup: set[str] = set()  # request ids whose kvstore lookup is under way
+        self._aborted_in_lookup: set[str] = set()
         self._waiting_snapshot = 0
         self._pending_adds = 0
         # Worker jobs queued by the loop besides stepping runs; only the loop writes it.
@@ -190,13 +192,25 @@ class AsyncEngine:
         queue: asyncio.Queue[GenerateOutput | EngineError] = asyncio.Queue()
         self._queues[rid] = queue
         submitted = finished = False
+        core_now = self._core
         try:
             coordinator = self._coordinator
-            plan = await coordinator.plan(prepared) if coordinator else None
-            if self._stopping or self._core is None:  # stopped during the lookup
+            self._in_lookup.add(rid)
+            try:
+                plan = await coordinator.plan(prepared) if coordinator else None
+            finally:
+                self._in_lookup.discard(rid)
+            aborted = rid in self._aborted_in_lookup
+            self._aborted_in_lookup.discard(rid)
+            if self._stopping or self._core is not core_now or aborted:
                 if plan is not None and coordinator is not None:
                     coordinator.connector.release(plan.lease_id)
-                raise EngineError(UNAVAILABLE, "the engine is shutting down")
+                if not aborted:  # stopped (or restarted) during the lookup
+                    raise EngineError(UNAVAILABLE, "the engine is shutting down")
+                finished = True
+                n = len(prepared.prompt_token_ids)
+                yield GenerateOutput(rid, "", (), n, 0, 0, "abort", prepared.prompt_token_ids)
+                return
             self._submit(_ADD, (prepared, plan))
             submitted = True
             while not finished:
@@ -223,6 +237,9 @@ class AsyncEngine:
         finish_reason "abort"). Its blocks are free on return."""
         self._require_core()
         active = request_id in self._queues
+        if request_id in self._in_lookup:  # not in the core yet: it ends when its lookup does
+            self._aborted_in_lookup.add(request_id)
+            return True
         self._inbox.append((_ABORT, request_id))
         await self._run_inbox()
         return active

@@ -117,8 +117,11 @@ POOL_FILE_PREFIX = "overture-kv-"
 
 
 def _check_pool_path(name: str) -> None:
-    parent, base = os.path.split(os.path.abspath(name))
-    if parent not in POOL_DIRS or not base.startswith(POOL_FILE_PREFIX):
+    # Compared as given, normalized: "/dev/shm/x/../overture-kv-y" would pass a check of
+    # the normalized text while the kernel resolves x first (a symlink anywhere).
+    parent, base = os.path.split(name)
+    if (os.path.normpath(name) != name or parent not in POOL_DIRS
+            or not base.startswith(POOL_FILE_PREFIX)):
         raise PoolError(
             f"pool file {name!r} is not an engine pool: expected {POOL_FILE_PREFIX}* in "
             f"{' or '.join(POOL_DIRS)}")
@@ -134,7 +137,7 @@ def file_identity(name: str) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-def _map_cpu(geometry: PoolGeometry) -> tuple[torch.Tensor, Any]:
+def _map_cpu(geometry: PoolGeometry) -> tuple[torch.Tensor, Any, tuple[int, int] | None]:
     need = geometry.num_blocks * geometry.block_bytes
     _check_pool_path(geometry.pool_name)
     try:
@@ -144,8 +147,8 @@ def _map_cpu(geometry: PoolGeometry) -> tuple[torch.Tensor, Any]:
         raise PoolError(f"cannot open pool file {geometry.pool_name!r}: {why}") from None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise PoolError(f"pool file {geometry.pool_name!r} is not a regular file")
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:  # (a hard link: a file elsewhere)
+            raise PoolError(f"pool file {geometry.pool_name!r} is not a regular file of its own")
         size = st.st_size
         if size < need:
             raise PoolError(
@@ -159,6 +162,8 @@ def _map_cpu(geometry: PoolGeometry) -> tuple[torch.Tensor, Any]:
     flat = torch.frombuffer(mm, dtype=torch.uint8, count=need)
     kv = flat.view(geometry.torch_dtype).view(geometry.shape)
 
+    identity = (st.st_dev, st.st_ino)
+
     def close() -> None:
         # Never mm.close() here: torch.frombuffer does not hold a buffer export, so closing
         # would leave any tensor view still in use by an in-flight copy pointing at unmapped
@@ -167,7 +172,7 @@ def _map_cpu(geometry: PoolGeometry) -> tuple[torch.Tensor, Any]:
         nonlocal flat
         del flat
 
-    return kv, close
+    return kv, close, identity
 
 
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
@@ -206,7 +211,7 @@ class _CudaArray:
         }
 
 
-def _map_cuda(geometry: PoolGeometry) -> tuple[torch.Tensor, Any]:
+def _map_cuda(geometry: PoolGeometry) -> tuple[torch.Tensor, Any, tuple[int, int] | None]:
     from cuda import cudart  # lazy: only CUDA deployments install cuda-python
 
     handle = cudart.cudaIpcMemHandle_t()
@@ -225,7 +230,7 @@ def _map_cuda(geometry: PoolGeometry) -> tuple[torch.Tensor, Any]:
     def close() -> None:
         cudart.cudaIpcCloseMemHandle(ptr)
 
-    return kv, close
+    return kv, close, None
 
 
 class PoolRegistry:
@@ -262,9 +267,9 @@ class PoolRegistry:
                 )
             return pool
         mapper = _map_cpu if geometry.device == "cpu" else _map_cuda
-        kv, closer = mapper(geometry)
+        kv, closer, identity = mapper(geometry)
         pool = MappedPool(f"pool-{uuid.uuid4().hex[:12]}", geometry, kv, closer)
-        pool.identity = self._identity(geometry)
+        pool.identity = identity  # of the file mapped, not of whatever has the name now
         self._by_id[pool.pool_id] = pool
         self._by_name[geometry.pool_name] = pool.pool_id
         log.info("attached KV pool %s as %s: %s", geometry.pool_name, pool.pool_id, geometry)

@@ -228,17 +228,17 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         except (PoolError, ChunkFormatError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if result.lease_id:
-            # A caller gone before the reply (a disconnect, or its deadline, which the
-            # server sees as time run out, not as a cancellation) never learns the lease
-            # id: end the lease here rather than let it pin chunks until it expires.
+            # A caller gone before the reply never learns the lease id: end the lease here
+            # rather than let it pin chunks until it expires. Past the caller's deadline
+            # (which the server sees as time run out, not as a cancellation) the reply
+            # cannot arrive; a disconnect shows as a cancelled call once it is over.
             lease_id = result.lease_id
-
-            def ended(ctx: grpc.aio.ServicerContext) -> None:
-                left = ctx.time_remaining()
-                if ctx.cancelled() or (left is not None and left <= 0):
-                    self.pool_path.release(lease_id)
-
-            context.add_done_callback(ended)
+            left = context.time_remaining()
+            if left is not None and left <= 0:
+                self.pool_path.release(lease_id)
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "lookup past its deadline")
+            context.add_done_callback(
+                lambda ctx: self.pool_path.release(lease_id) if ctx.cancelled() else None)
         return lookup_to_pb(result)
 
     async def LoadIntoPool(

@@ -348,3 +348,16 @@ async def test_a_request_whose_lookup_runs_across_a_stop_ends_unavailable(loaded
     await eng.stop()
     with pytest.raises(EngineError, match="shutting down"):
         await asyncio.wait_for(pending, 5)
+
+
+async def test_a_request_aborted_during_its_lookup_ends_aborted(loaded) -> None:
+    async with engine(loaded) as eng:
+        eng._coordinator = SlowLookups()
+        pending = asyncio.create_task(collect(eng, greedy(PROMPTS[0], 20, request_id="r")))
+        await asyncio.sleep(0.05)
+        assert await eng.abort("r")
+        outs = await asyncio.wait_for(pending, 5)
+        assert outs[-1].finish_reason == "abort" and not tokens(outs)
+        eng._coordinator = None
+        assert len(tokens(await collect(eng, greedy(PROMPTS[0], 4, request_id="r")))) == 4
+        await idle(eng)

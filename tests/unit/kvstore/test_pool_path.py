@@ -294,6 +294,9 @@ async def test_attach_rejects_bad_geometry(tmp_path: Path, pool) -> None:
                 await dp.attach(named(link))
         finally:
             os.unlink(link)
+        sneaky = f"{shm}/somedir/../overture-kv-x"  # the kernel resolves somedir first
+        with pytest.raises(PoolError, match="not an engine pool"):
+            await dp.attach(named(sneaky))
         with pytest.raises(PoolError, match="cannot open"):
             await dp.attach(named(os.path.join(shm, "overture-kv-nope")))
         with pytest.raises(PoolError, match="cannot open"):
