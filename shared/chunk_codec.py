@@ -56,6 +56,7 @@ _ALIGN = 64
 # so that a forged one cannot make a huge key or an integer that overflows downstream.
 MAX_HASH_BYTES = 64
 MAX_LAYER = (1 << 16) - 1
+MAX_NAME_CHARS = 256  # tenant, model fingerprint, session id
 
 
 def _payload_offset(header_len: int) -> int:
@@ -138,8 +139,9 @@ class Chunk:
 
 
 def _check_name(what: str, value: str) -> None:
-    if not value or "/" in value:
-        raise ChunkFormatError(f"{what} must be a non-empty string without '/', got {value!r}")
+    if not value or "/" in value or len(value) > MAX_NAME_CHARS:
+        raise ChunkFormatError(f"{what} must be a non-empty string without '/', at most "
+                               f"{MAX_NAME_CHARS} characters, got {value[:80]!r}")
 
 
 def chunk_key(tenant: str, model_fp: str, last_block_hash: bytes, layer: int) -> str:
@@ -385,8 +387,9 @@ def _meta_of(h: Any) -> ChunkMeta:
     # header: ~0.5 us here against ~3.5 us for the key).
     if type(tenant) is not str or type(model_fp) is not str or type(layer) is not int:
         raise TypeError("tenant and model_fp must be strings, layer an integer")
-    if not tenant or not model_fp or "/" in tenant or "/" in model_fp:
-        raise ValueError("tenant and model_fp must be non-empty without '/'")
+    if (not tenant or not model_fp or "/" in tenant or "/" in model_fp
+            or len(tenant) > MAX_NAME_CHARS or len(model_fp) > MAX_NAME_CHARS):
+        raise ValueError("tenant and model_fp must be non-empty, short, without '/'")
     if not 0 <= layer <= MAX_LAYER:
         raise ValueError(f"layer {layer} is out of range")
     return ChunkMeta(tenant, model_fp, layer, hashes)

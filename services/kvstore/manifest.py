@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-from shared.chunk_codec import MAX_HASH_BYTES, MAX_LAYER, ChunkFormatError, chunk_key
+from shared.chunk_codec import MAX_HASH_BYTES, MAX_NAME_CHARS, ChunkFormatError, chunk_key
 
 # 128 layers x 2048 chunks: a 512k-token context at 16 blocks of 16 tokens per chunk.
 MAX_MANIFEST_CHUNKS = 1 << 18
+MAX_MODEL_LAYERS = 1024  # far above any model's; bounds what a request can name
 
 
 @dataclass(frozen=True)
@@ -35,16 +36,14 @@ class Manifest:
     updated: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
-        if not self.session_id or "/" in self.session_id:
-            raise ChunkFormatError(
-                f"session_id must be non-empty without '/', got {self.session_id!r}"
-            )
+        manifest_key(self.tenant, self.session_id)  # the names (ChunkFormatError) ...
+        chunk_key(self.tenant, self.model_fp, b"\0", 0)  # ... and the model's
         if self.num_layers < 1 or self.blocks_per_chunk < 1 or self.token_count < 0:
             raise ChunkFormatError("num_layers and blocks_per_chunk must be >= 1, token_count >= 0")
         # A manifest comes from clients and peers: bound the work it can ask for (every
         # chunk it names is checked for durability before it is written).
         chunks = -(-len(self.block_hashes) // self.blocks_per_chunk) * self.num_layers
-        if self.num_layers > MAX_LAYER + 1 or chunks > MAX_MANIFEST_CHUNKS:
+        if self.num_layers > MAX_MODEL_LAYERS or chunks > MAX_MANIFEST_CHUNKS:
             raise ChunkFormatError(
                 f"a manifest names at most {MAX_MANIFEST_CHUNKS} chunks (layers x chunks per "
                 f"layer); this one {self.num_layers} x {chunks // self.num_layers}")
@@ -105,6 +104,9 @@ class Manifest:
 
 
 def manifest_key(tenant: str, session_id: str) -> str:
-    if not tenant or "/" in tenant or not session_id or "/" in session_id:
-        raise ChunkFormatError("tenant and session_id must be non-empty without '/'")
+    if (not tenant or "/" in tenant or not session_id or "/" in session_id
+            or len(tenant) > MAX_NAME_CHARS or len(session_id) > MAX_NAME_CHARS):
+        raise ChunkFormatError(
+            f"tenant and session_id must be non-empty without '/', at most {MAX_NAME_CHARS} "
+            "characters")
     return f"{tenant}/{session_id}"

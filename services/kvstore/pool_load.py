@@ -80,8 +80,7 @@ class Part:
 def _check_request(pool: MappedPool, req: LoadRequest, bpc: int) -> int:
     if not req.spans:
         raise PoolError("LoadIntoPool needs at least one span")
-    if req.num_layers < 1:
-        raise PoolError("num_layers must be >= 1")
+    pool.check_model(req.model_fp, req.num_layers)
     for s in req.spans:
         off = s.first_block % bpc
         if s.use_blocks < 1 or off + s.use_blocks > bpc or not s.chunk_hash:

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from services.kvstore.pool_io import lazy_torch
-from shared.chunk_codec import DTYPE_NAMES
+from services.kvstore.manifest import MAX_MODEL_LAYERS
+from shared.chunk_codec import DTYPE_NAMES, ChunkFormatError, chunk_key
 from shared.config import ConfigError
 
 if TYPE_CHECKING:
@@ -73,6 +74,12 @@ class PoolGeometry:
                 raise PoolError(f"pool.{name} must be >= 1, got {getattr(self, name)}")
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise PoolError(f"pool.device {self.device!r} unknown; known: cpu, cuda")
+        if self.num_layers > MAX_MODEL_LAYERS:
+            raise PoolError(f"pool.num_layers must be <= {MAX_MODEL_LAYERS}, got {self.num_layers}")
+        try:
+            chunk_key("t", self.model_fp, b"\0", 0)  # a name chunk keys can carry
+        except ChunkFormatError as e:
+            raise PoolError(f"pool.model_fp: {e}") from None
 
 
 class MappedPool:
@@ -94,6 +101,16 @@ class MappedPool:
             flat = self.kv.view(-1).view(lazy_torch().uint8)
             self._host_bytes = memoryview(flat.numpy()).cast("B")
         return self._host_bytes
+
+    def check_model(self, model_fp: str, num_layers: int) -> None:
+        """A request names this pool's model and at most its layers (its KV would be
+        stored under another model's keys otherwise, or the work it asks be unbounded)."""
+        g = self.geometry
+        if model_fp != g.model_fp:
+            raise PoolError(f"model_fp {model_fp[:80]!r} is not the pool's ({g.model_fp!r})")
+        if not 1 <= num_layers <= g.num_layers:
+            raise PoolError(f"num_layers must be in [1, {g.num_layers}] (the pool's), got "
+                            f"{num_layers}")
 
     def check_block_ids(self, block_ids: list[int]) -> None:
         n = self.geometry.num_blocks

@@ -33,6 +33,7 @@ class PoolOps:
         """A call starts touching the pool (raises ``PoolError`` for a used or fenced id)."""
         if not op_id:
             return
+        _check_op_id(op_id)
         if op_id in self._running or op_id in self._ended:
             raise PoolError(f"pool op {op_id!r} already ran or was fenced; ids are single-use")
         self._running[op_id] = asyncio.Event()
@@ -48,6 +49,7 @@ class PoolOps:
         """Return once ``op_id`` can no longer touch the pool (see the module doc)."""
         if not op_id:
             return
+        _check_op_id(op_id)
         running = self._running.get(op_id)
         if running is None:
             self._retire(op_id)
@@ -63,3 +65,11 @@ class PoolOps:
     @property
     def running(self) -> int:
         return len(self._running)
+
+
+MAX_OP_ID_CHARS = 128  # ids are remembered after their op: bound what each one costs
+
+
+def _check_op_id(op_id: str) -> None:
+    if len(op_id) > MAX_OP_ID_CHARS:
+        raise PoolError(f"op_id is longer than {MAX_OP_ID_CHARS} characters")

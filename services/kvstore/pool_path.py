@@ -130,8 +130,7 @@ class PoolDataPath:
         kv = pool.kv  # keep our view alive for the whole call
         bpc = self.pools.blocks_per_chunk(pool.geometry.block_size)
         nb, fb, layers = len(req.block_hashes), req.first_block, req.num_layers
-        if layers < 1:
-            raise PoolError("num_layers must be >= 1")
+        pool.check_model(req.model_fp, layers)
         if fb > nb or fb % bpc:
             raise PoolError(
                 f"first_block {fb} must be a multiple of blocks_per_chunk {bpc} "
@@ -269,8 +268,7 @@ class PoolDataPath:
         pool = self._pool_for_model(req.model_fp)
         g = pool.geometry
         bpc = self.pools.blocks_per_chunk(g.block_size)
-        if req.num_layers < 1:
-            raise PoolError("num_layers must be >= 1")
+        pool.check_model(req.model_fp, req.num_layers)
         if req.first_block > len(req.block_hashes):
             raise PoolError(
                 f"first_block {req.first_block} is past the {len(req.block_hashes)} block hashes"

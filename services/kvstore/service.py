@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from services.kvstore.errors import ManifestIncomplete, StorageError, TierUnavailable
+from services.kvstore.manifest import manifest_key
 from services.kvstore.peer import pull_session
 from services.kvstore.pool_map import PoolError
 from services.kvstore.pool_path import PoolDataPath
@@ -25,7 +26,7 @@ from services.kvstore.wire import (
     save_from_pb,
     tier_to_pb,
 )
-from shared.chunk_codec import ChunkCorrupt, ChunkFormatError
+from shared.chunk_codec import MAX_LAYER, ChunkCorrupt, ChunkFormatError
 from shared.config import ConfigError
 from shared.proto import kvstore_pb2 as pb
 from shared.proto import kvstore_pb2_grpc as pb_grpc
@@ -76,6 +77,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         # each chunk in flight is a blob held in memory.
         window = min(request.window or self.window, self.window)
         if request.keys:
+            await _check_key_count(context, len(request.keys))
             for i, key in enumerate(request.keys):
                 blob = await self.store.get_blob(key)
                 yield _chunk_msg(key, blob, layer=_layer_of(key), index=i)
@@ -91,6 +93,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, "no manifest for this session")
             return
         last = request.last_layer if request.has_last_layer else None
+        if request.first_layer >= manifest.num_layers or (
+                last is not None and not request.first_layer <= last < manifest.num_layers):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"layers [{request.first_layer}, {last}] are not within the session's "
+                f"{manifest.num_layers} layers (first <= last required)")
         stream = stream_session(self.store, manifest, request.first_layer, last, window)
         async for layer, index, key, blob in stream:
             # grpc's write awaits HTTP/2 flow control, so the read-ahead stays bounded.
@@ -112,7 +120,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 stored += 1
             except ChunkCorrupt as e:
                 rejected += 1
-                detail = f"{msg.key}: {e}"
+                detail = f"{msg.key[:200]}: {e}"
+                if rejected > MAX_REJECTED_PER_CALL:  # a client sending garbage: stop reading
+                    await context.abort(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"more than {MAX_REJECTED_PER_CALL} malformed chunks in one call "
+                        f"({stored} stored before); last: {detail}")
         not_durable = 0
         if wait:
             for r in receipts:
@@ -150,6 +163,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def Stat(
         self, request: pb.StatRequest, context: grpc.aio.ServicerContext
     ) -> pb.StatReply:
+        await _check_key_count(context, len(request.keys))
         out = [pb.KeyLocation(key=k, tiers=await self.store.locate(k)) for k in request.keys]
         return pb.StatReply(keys=out)
 
@@ -161,6 +175,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             self.store.check_tier_names(tiers)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        await _check_key_count(context, len(request.keys))
+        if request.session.session_id:
+            try:  # before anything is done with the names
+                manifest_key(request.session.tenant, request.session.session_id)
+            except ChunkFormatError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         everywhere = not tiers or self.store.lowest.name in tiers
         n = 0
         for k in request.keys:
@@ -262,7 +282,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def FencePoolOp(
         self, request: pb.FencePoolOpRequest, context: grpc.aio.ServicerContext
     ) -> pb.FencePoolOpReply:
-        await self.pool_path.fence(request.op_id)
+        try:
+            await self.pool_path.fence(request.op_id)
+        except PoolError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.FencePoolOpReply()
 
     async def SaveFromPool(
@@ -278,8 +301,25 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
 
 def _layer_of(key: str) -> int:
+    """The layer a chunk key ends with (0 for a key that names none: the message still
+    tells the caller it was not found)."""
     tail = key.rsplit("/", 1)[-1]
-    return int(tail) if tail.isdigit() else 0
+    if not (tail.isascii() and tail.isdigit()) or len(tail) > 5:
+        return 0
+    layer = int(tail)
+    return layer if layer <= MAX_LAYER else 0
+
+
+# Per call: keys named (each is a read or a delete: bound the work of one small request),
+# and malformed chunks tolerated before a PutChunks stream is cut off.
+MAX_KEYS_PER_CALL = 4096
+MAX_REJECTED_PER_CALL = 64
+
+
+async def _check_key_count(context: grpc.aio.ServicerContext, n: int) -> None:
+    if n > MAX_KEYS_PER_CALL:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"at most {MAX_KEYS_PER_CALL} keys per call, got {n}")
 
 
 def _chunk_msg(key: str, blob: bytes | bytearray | None, layer: int, index: int) -> pb.ChunkData:

@@ -79,7 +79,8 @@ log = logging.getLogger(__name__)
 _C = "c/"  # tier key prefix of chunks
 _M = "m/"  # tier key prefix of manifests
 MANIFEST_PRIORITY = 1 << 30  # local tiers never evict a manifest before a chunk
-_DURABLE_MEMORY = 100_000  # keys remembered as durable, to spare HEAD calls on manifests
+_DURABLE_MEMORY = 100_000
+DURABLE_CHECK_BATCH = 1024  # chunks a manifest checks at once  # keys remembered as durable, to spare HEAD calls on manifests
 
 
 def _decode_trusted(blob: Blob) -> Chunk:
@@ -545,9 +546,27 @@ class TieredStore:
         not remembered across restarts), or dropped from a full queue."""
         keys = manifest.chunk_keys()
         settled = [k for k in keys if k not in self._inflight]
-        # Cheap checks first: a chunk that is neither in flight nor durable fails at once.
-        known = dict(zip(settled, await asyncio.gather(
-            *(self._durable_for_a_ttl(k) for k in settled))))
+        # In batches, stopping at the first batch with a chunk that cannot be had: a
+        # manifest naming many chunks this store never saw costs one batch of checks.
+        for i in range(0, len(settled), DURABLE_CHECK_BATCH):
+            await self._settle(manifest, settled[i : i + DURABLE_CHECK_BATCH])
+        pending = {k: self._inflight[k] for k in keys if k in self._inflight}
+        if pending:
+            await asyncio.wait([asyncio.shield(f) for f in pending.values()], timeout=wait_s)
+            late = sum(1 for f in pending.values() if not f.done())
+            if late:
+                raise ManifestIncomplete(
+                    f"manifest {manifest.key}: {late} chunks still not durable after {wait_s}s")
+            # A completed write vouches only if nothing deleted its chunk meanwhile.
+            for k in pending:
+                if k not in self._durable and not await self._durable_for_a_ttl(k):
+                    raise ManifestIncomplete(
+                        f"manifest {manifest.key}: chunk {k} was lost while written")
+
+    async def _settle(self, manifest: Manifest, keys: list[str]) -> None:
+        """Chunks ``keys`` (none in flight) durable, or written down again from a local
+        copy (in flight then); else ``ManifestIncomplete``."""
+        known = dict(zip(keys, await asyncio.gather(*(self._durable_for_a_ttl(k) for k in keys))))
         unknown = [k for k, ok in known.items() if ok is None]
         if unknown and self.lowest.stats().healthy:
             # Refused by a tier that was degraded, and has answered since (its first check
@@ -566,18 +585,6 @@ class TieredStore:
                 raise ManifestIncomplete(
                     f"manifest {manifest.key}: chunks are not durable in the lowest tier "
                     f"({lost[0]})")
-        pending = {k: self._inflight[k] for k in keys if k in self._inflight}
-        if pending:
-            await asyncio.wait([asyncio.shield(f) for f in pending.values()], timeout=wait_s)
-            late = sum(1 for f in pending.values() if not f.done())
-            if late:
-                raise ManifestIncomplete(
-                    f"manifest {manifest.key}: {late} chunks still not durable after {wait_s}s")
-            # A completed write vouches only if nothing deleted its chunk meanwhile.
-            for k in pending:
-                if k not in self._durable and not await self._durable_for_a_ttl(k):
-                    raise ManifestIncomplete(
-                        f"manifest {manifest.key}: chunk {k} was lost while written")
 
     async def _write_down_again(self, keys: list[str]) -> list[str]:
         """Queue the lowest-tier write of each chunk in ``keys`` from a local copy (DRAM, or

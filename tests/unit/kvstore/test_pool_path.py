@@ -265,6 +265,10 @@ async def test_lease_pins_ssd_keys_and_expires(tmp_path: Path, pool) -> None:
         assert dp.release(r.lease_id) is False  # already expired: harmless
 
 
+def path_store_empty(store: TieredStore) -> bool:
+    return store.stats()[0].entries == 0
+
+
 async def test_attach_rejects_bad_geometry(tmp_path: Path, pool) -> None:
     import dataclasses
     import os
@@ -305,6 +309,20 @@ async def test_attach_rejects_bad_geometry(tmp_path: Path, pool) -> None:
             await save(dp, "pool-x", hashes(16))
         with pytest.raises(PoolError, match="no pool attached"):
             await lookup(dp, hashes(16))
+        for bad in (dict(model_fp=""), dict(model_fp="a/b"), dict(num_layers=2**32 - 1)):
+            with pytest.raises(PoolError, match="model_fp|num_layers"):
+                await dp.attach(dataclasses.replace(geometry(pool), **bad))
+        pid, _ = await dp.attach(geometry(pool))
+        hs = hashes(16)
+        # Requests must name the pool's model and at most its layers: KV saved under another
+        # model's keys would be served to that model.
+        for model, layers in ((MODEL + "x", LAYERS), (MODEL, LAYERS + 1), (MODEL, 0)):
+            with pytest.raises(PoolError, match="model_fp|num_layers"):
+                await dp.save(SaveRequest(pid, TENANT, "s", model, hs, 256, 0,
+                                          tuple(ids(0, 16, SRC, STRIDE)) * layers, layers))
+            with pytest.raises(PoolError, match="model_fp|num_layers|no pool"):
+                await dp.lookup(LookupRequest(TENANT, "s", model, hs, 0, layers))
+        assert path_store_empty(store)
 
 
 async def test_abandoned_load_stops_writing_and_ends_its_lease(path: PoolDataPath, pool) -> None:

@@ -12,7 +12,7 @@ from services.kvstore.manifest import MAX_MANIFEST_CHUNKS, Manifest
 from services.kvstore.service import KVStoreService
 from shared.chunk_codec import ChunkFormatError
 from shared.proto import kvstore_pb2 as pb
-from tests.unit.kvstore.chunks import session_manifest
+from tests.unit.kvstore.chunks import session_chunks, session_manifest
 
 
 def test_a_manifest_naming_too_many_chunks_is_refused() -> None:
@@ -55,3 +55,106 @@ async def test_get_chunks_caps_the_clients_read_ahead(monkeypatch: pytest.Monkey
     for asked in (0, 2, 100000):
         [m async for m in svc.GetChunks(pb.GetChunksRequest(session=ref, window=asked), None)]
     assert seen == [4, 2, 4]
+
+
+class Aborted(Exception):
+    pass
+
+
+class FakeContext:
+    """The servicer context's abort (raises, as grpc's does) and nothing else."""
+
+    def __init__(self) -> None:
+        self.code = None
+
+    async def abort(self, code, details: str = "") -> None:
+        self.code = code
+        raise Aborted(f"{code}: {details}")
+
+
+def test_layers_in_keys_are_parsed_safely() -> None:
+    from services.kvstore.service import _layer_of
+
+    assert _layer_of("t/m/h/7") == 7
+    for key in ("t/m/h/\u00b2", "t/m/h/4294967296", "t/m/h/", "nothing"):
+        assert _layer_of(key) == 0  # named no layer: reported with layer 0, never a crash
+
+
+def test_manifests_and_names_are_bounded() -> None:
+    m = session_manifest("s", 4, 1, 1)
+    for bad in (dict(num_layers=65536), dict(session_id="x" * 300), dict(tenant="t" * 300),
+                dict(model_fp="a/b")):
+        with pytest.raises(ChunkFormatError):
+            dataclasses.replace(m, **bad)
+
+
+async def test_a_manifest_of_unknown_chunks_stops_at_the_first_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A manifest naming 2^18 chunks this store never saw costs one batch of checks."""
+    from services.kvstore.errors import ManifestIncomplete
+    from services.kvstore.metrics import KVStoreMetrics
+    from services.kvstore.store import DURABLE_CHECK_BATCH, TieredStore
+    from services.kvstore.tiers import DramTier
+
+    async with TieredStore([DramTier(1 << 20)], KVStoreMetrics()) as st:
+        asked = []
+        real = st._durable_for_a_ttl
+
+        async def counting(key: str):
+            asked.append(key)
+            return await real(key)
+
+        monkeypatch.setattr(st, "_durable_for_a_ttl", counting)
+        big = session_manifest("s", MAX_MANIFEST_CHUNKS // 1024, 1024, 1)
+        with pytest.raises(ManifestIncomplete):
+            await st.put_manifest(big)
+        assert len(asked) == DURABLE_CHECK_BATCH
+
+
+async def test_service_bounds_and_checks_requests_before_acting() -> None:
+    from services.kvstore.metrics import KVStoreMetrics
+    from services.kvstore.pool_path import PoolDataPath
+    from services.kvstore.service import MAX_KEYS_PER_CALL, MAX_REJECTED_PER_CALL
+    from services.kvstore.store import TieredStore
+    from services.kvstore.tiers import DramTier
+
+    async with TieredStore([DramTier(1 << 22)], KVStoreMetrics()) as st, \
+            PoolDataPath(st, 256) as dp:
+        svc = KVStoreService(st, "n", 4, "", dp)
+        too_many = [f"t/m/h/{i}" for i in range(MAX_KEYS_PER_CALL + 1)]
+
+        async def drain(stream) -> list:
+            return [m async for m in stream]
+
+        for call in (
+            lambda ctx: drain(svc.GetChunks(pb.GetChunksRequest(keys=too_many), ctx)),
+            lambda ctx: svc.Stat(pb.StatRequest(keys=too_many), ctx),
+            lambda ctx: svc.Delete(pb.DeleteRequest(keys=too_many), ctx),
+            lambda ctx: svc.Delete(pb.DeleteRequest(session=pb.ManifestRef(
+                tenant="t1", session_id="s" * 10000)), ctx),
+            lambda ctx: svc.FencePoolOp(pb.FencePoolOpRequest(op_id="o" * 10000), ctx),
+        ):
+            ctx = FakeContext()
+            with pytest.raises(Aborted, match="INVALID_ARGUMENT"):
+                await call(ctx)
+        assert not dp._forgotten and not dp.ops._ended  # nothing remembered of them
+
+        m = session_manifest("s", 2, 3, 1)
+        for cm, t in session_chunks(m):
+            await st.put(cm, t)
+        await st.put_manifest(m)
+        ref = pb.ManifestRef(tenant=m.tenant, session_id="s")
+        for first, last in ((3, None), (2, 1), (0, 3)):
+            req = pb.GetChunksRequest(session=ref, first_layer=first)
+            if last is not None:
+                req.last_layer, req.has_last_layer = last, True
+            with pytest.raises(Aborted, match="not within"):
+                await drain(svc.GetChunks(req, FakeContext()))
+
+        async def garbage():
+            for _ in range(MAX_REJECTED_PER_CALL + 5):
+                yield pb.ChunkData(key="k", blob=b"junk")
+
+        with pytest.raises(Aborted, match="malformed chunks"):
+            await svc.PutChunks(garbage(), FakeContext())
