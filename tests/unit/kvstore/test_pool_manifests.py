@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -52,7 +54,11 @@ def request(pid: str, hs: tuple[bytes, ...], session: str = "s", **kw) -> SaveRe
     return SaveRequest(**fields)
 
 
-async def test_a_deleted_session_stays_deleted_with_an_older_manifest_still_writing(pool) -> None:
+@contextlib.asynccontextmanager
+async def superseded_while_writing(pool) -> AsyncIterator[tuple[GatedManifests, TieredStore,
+                                                               PoolDataPath]]:
+    """A session saved twice: the first sequence's manifest is being written (held at the
+    remote's gate) when the second save supersedes it."""
     remote = GatedManifests()
     store = TieredStore([DramTier(1 << 24), remote], KVStoreMetrics(), drain_s=0.5)
     async with store, PoolDataPath(store, CHUNK_TOKENS) as dp:
@@ -60,6 +66,11 @@ async def test_a_deleted_session_stays_deleted_with_an_older_manifest_still_writ
         await dp.save(request(pid, hashes(20)))
         await asyncio.wait_for(remote.entered.wait(), 5)  # its manifest is being written
         await dp.save(request(pid, hashes(40)))  # supersedes it; the write goes on
+        yield remote, store, dp
+
+
+async def test_a_deleted_session_stays_deleted_with_an_older_manifest_still_writing(pool) -> None:
+    async with superseded_while_writing(pool) as (remote, store, dp):
         deleting = asyncio.create_task(dp.forget(TENANT, "s"))
         await asyncio.sleep(0.05)
         assert not deleting.done()  # it waits for the write under way ...
@@ -71,13 +82,7 @@ async def test_a_deleted_session_stays_deleted_with_an_older_manifest_still_writ
 
 
 async def test_the_newest_manifest_is_the_one_that_stays(pool) -> None:
-    remote = GatedManifests()
-    store = TieredStore([DramTier(1 << 24), remote], KVStoreMetrics(), drain_s=0.5)
-    async with store, PoolDataPath(store, CHUNK_TOKENS) as dp:
-        pid, _ = await dp.attach(geometry(pool))
-        await dp.save(request(pid, hashes(20)))
-        await asyncio.wait_for(remote.entered.wait(), 5)
-        await dp.save(request(pid, hashes(40)))
+    async with superseded_while_writing(pool) as (remote, store, dp):
         await asyncio.sleep(0.1)  # the newer one is durable and waits for the older write
         remote.gate.set()
         await dp.wait_manifests()
