@@ -129,7 +129,7 @@ class TieredStore:
         self.sweep_interval_s, self.drain_s = sweep_interval_s, drain_s
         self.writer = WriteBehind(
             self._write_below, metrics, write_queue, write_workers,
-            backoff_max_s=retry_backoff_max_s,
+            backoff_max_s=retry_backoff_max_s, undo=self._undo_write,
         )
         self._below_dram = tiers[1:]
         self._landed_fut: asyncio.Future[None] | None = None
@@ -147,6 +147,11 @@ class TieredStore:
         # Tier keys the sweep is deciding on in the lowest tier: not durable for a manifest
         # meanwhile, since its delete may land after a manifest checked the chunk.
         self.sweeping: set[str] = set()
+        # Tier keys being read below DRAM (count of reads), and those of them put or
+        # deleted meanwhile: such a read must not promote what it found (an older copy
+        # would replace the newer one in DRAM, or bring a deleted chunk back).
+        self._reading: dict[str, int] = {}
+        self._changed_while_read: set[str] = set()
         self._sweeper: asyncio.Task[None] | None = None
         self._opened: list[Tier] = []
 
@@ -223,6 +228,8 @@ class TieredStore:
 
     def _admit(self, key: str, blob: Blob, priority: int) -> PutReceipt:
         tier_key = _C + key
+        if self._reading and tier_key in self._reading:
+            self._changed_while_read.add(tier_key)
         self.io.dram_put(self.dram, tier_key, blob, priority)
         if self._unsaved:
             self._unsaved.pop(key, None)
@@ -347,6 +354,25 @@ class TieredStore:
                 out[j] = (hit[0], hit[1], self.dram.name)
             else:
                 todo.append(j)
+        if not todo:
+            return out
+        reading = [_C + keys[j] for j in todo]
+        for tk in reading:
+            self._reading[tk] = self._reading.get(tk, 0) + 1
+        try:
+            await self._find_below(keys, todo, out, check)
+        finally:
+            for tk in reading:
+                n = self._reading.pop(tk) - 1
+                if n:
+                    self._reading[tk] = n
+                else:
+                    self._changed_while_read.discard(tk)
+        return out
+
+    async def _find_below(self, keys: list[str], todo: list[int],
+                          out: list[tuple[Blob | None, Chunk | None, str]],
+                          check: Callable[[Stored], Chunk]) -> None:
         for i, tier in enumerate(self.tiers[1:], start=1):
             if not todo:
                 break
@@ -368,11 +394,10 @@ class TieredStore:
                     missing.append(j)
                     continue
                 blob = stored.kept
-                if blob is not None:
+                if blob is not None and tkey not in self._changed_while_read:
                     self._promote(tkey, blob, layer_priority(chunk.meta.layer), self.tiers[1:i])
                 out[j] = (blob, chunk, tier.name)
             todo = missing
-        return out
 
     async def _get_one_checked(
         self, tier: Tier, tkey: str, check: Callable[[Stored], Chunk]
@@ -392,6 +417,12 @@ class TieredStore:
             await tier.delete(tkey)
         except TierUnavailable as e:
             log.warning("could not delete corrupt %s from %s: %s", tkey, tier.name, e)
+
+    async def _undo_write(self, tier: Tier, tkey: str) -> None:
+        """A write-behind put that landed after its chunk was deleted: delete it again."""
+        if tier is self.lowest:
+            self.forget_durable(tkey)
+        await tier.delete(tkey)
 
     def _promote(self, tkey: str, blob: Blob, priority: int, upper: list[Tier]) -> None:
         self.io.dram_put(self.dram, tkey, blob, priority)
@@ -467,6 +498,8 @@ class TieredStore:
             raise ValueError(f"unknown tier(s) {bad}; this kvstore has {known}")
 
     async def _delete_from(self, tkey: str, names: Collection[str]) -> int:
+        if tkey in self._reading:
+            self._changed_while_read.add(tkey)
         if not names or self.lowest.name in names:
             self.forget_durable(tkey)
             self.writer.forget(tkey)  # a queued write would bring it back

@@ -21,6 +21,7 @@ that keeps failing is skipped after ``LOCAL_ATTEMPTS`` tries.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import operator
@@ -41,6 +42,7 @@ LOCAL_ATTEMPTS = 3
 RECENT_DROPS_S = 300.0  # how long a drop is reported in the store's health detail
 RECENT_DROPS_KEPT = 10_000
 PutFn = Callable[[Tier, str, Blob, int], Awaitable[object]]
+UndoFn = Callable[[Tier, str], Awaitable[object]]
 
 
 @dataclass
@@ -55,6 +57,7 @@ class WriteJob:
     is_chunk: bool = True
     next_target: int = 0
     local_left: bool = True  # a target above the lowest tier is still to be written
+    forgotten: bool = False  # its key was deleted while it ran: write no more, undo
     attempts: int = 0
     not_before: float = field(default=0.0)
 
@@ -68,8 +71,10 @@ class WriteBehind:
         workers: int,
         backoff_s: float = 0.05,
         backoff_max_s: float = 5.0,
+        undo: UndoFn | None = None,
     ) -> None:
         self._put = put
+        self._undo = undo
         self._metrics = metrics
         self.bound = bound
         self._workers_n = workers
@@ -84,6 +89,9 @@ class WriteBehind:
         self.dropped = 0
         self._drop_times: deque[float] = deque(maxlen=RECENT_DROPS_KEPT)
         self._picks = 0
+        # Unfinished jobs per key, oldest first: only the oldest may run, so a key's writes
+        # land in the order they were submitted (a retried older write never lands last).
+        self._by_key: dict[str, deque[WriteJob]] = {}
 
     @property
     def depth(self) -> int:
@@ -123,6 +131,7 @@ class WriteBehind:
         for job in self._pending:
             _fail(job, WriteDropped(f"{job.key}: kvstore shut down before the write completed"))
         self._pending.clear()
+        self._by_key.clear()
         self._metrics.queue_depth.set(0)
 
     def submit(
@@ -143,6 +152,7 @@ class WriteBehind:
         job = WriteJob(key, blob, priority, list(targets), durable, fut, next(self._seq), is_chunk)
         job.local_left = _local_left(job)
         self._pending.append(job)
+        self._by_key.setdefault(key, deque()).append(job)
         self._drop_if_full()
         self._metrics.queue_depth.set(self.depth)
         if self._idle is not None:
@@ -156,7 +166,10 @@ class WriteBehind:
         gone = [j for j in self._pending if j.key == key]
         for job in gone:
             self._pending.remove(job)
+            self._retire(job)
             _fail(job, WriteDropped(f"{job.key}: deleted before it was written"))
+        for job in self._by_key.get(key, ()):
+            job.forgotten = True  # under way: it stops and undoes what it wrote
         if gone:
             self._metrics.queue_depth.set(self.depth)
             if not self.depth and self._idle is not None:
@@ -171,7 +184,8 @@ class WriteBehind:
         assert self._wakeup is not None
         while True:
             now = time.monotonic()
-            ready = [j for j in self._pending if j.not_before <= now]
+            ready = [j for j in self._pending
+                     if j.not_before <= now and self._by_key[j.key][0] is j]
             if ready:
                 self._picks += 1
                 local = None
@@ -201,6 +215,9 @@ class WriteBehind:
                 log.exception("write-behind of %s failed", job.key)
                 _fail(job, WriteDropped(f"{job.key}: {e}"))
             finally:
+                if job.done.done():  # (not when it was queued again for a retry)
+                    self._retire(job)
+                    self._wake()  # the key's next write may run now
                 self._active -= 1
                 self._metrics.queue_depth.set(self.depth)
                 if not self.depth and self._idle is not None:
@@ -212,8 +229,13 @@ class WriteBehind:
         while job.next_target < len(job.targets):
             tier = job.targets[job.next_target]
             last = job.next_target == len(job.targets) - 1
+            if job.forgotten:
+                return await self._abandon(job)
             try:
                 await self._put(tier, job.key, job.blob, job.priority)
+                if job.forgotten:  # deleted while this put ran: it may have landed after
+                    job.next_target += 1
+                    return await self._abandon(job)
             except WriteRefused as e:
                 if last and job.durable:  # it can never be durable: fail the ack now
                     log.warning("write-behind of %s refused by %s: %s", job.key, tier.name, e)
@@ -234,6 +256,25 @@ class WriteBehind:
         if job.durable:
             self._metrics.durable_writes.inc()
 
+    async def _abandon(self, job: WriteJob) -> None:
+        """The job's key was deleted while it ran: undo the puts it made, fail its ack."""
+        _fail(job, WriteDropped(f"{job.key}: deleted while it was written"))
+        if self._undo is not None:
+            for tier in job.targets[: job.next_target]:
+                try:
+                    await self._undo(tier, job.key)
+                except TierUnavailable as e:
+                    log.warning("could not undo the write of deleted %s in %s: %s",
+                                job.key, tier.name, e)
+
+    def _retire(self, job: WriteJob) -> None:
+        jobs = self._by_key.get(job.key)
+        if jobs is not None:
+            with contextlib.suppress(ValueError):
+                jobs.remove(job)
+            if not jobs:
+                del self._by_key[job.key]
+
     def _retry_later(self, job: WriteJob, err: Exception) -> None:
         pause = min(self._backoff_max_s, self._backoff_s * (2 ** min(job.attempts - 1, 20)))
         job.not_before = time.monotonic() + pause
@@ -250,6 +291,7 @@ class WriteBehind:
         else:
             victim = min(self._pending, key=lambda j: (j.priority, j.seq))
         self._pending.remove(victim)
+        self._retire(victim)
         self.dropped += 1
         self._drop_times.append(time.monotonic())
         self._metrics.dropped_writes.inc()
@@ -265,6 +307,7 @@ class WriteBehind:
         assert self._active >= 0
         assert len(self._pending) <= self.bound, "queue over its bound"
         assert len({id(j) for j in self._pending}) == len(self._pending), "job queued twice"
+        assert all(j in self._by_key.get(j.key, ()) for j in self._pending), "job not keyed"
 
 
 _by_seq = operator.attrgetter("seq")

@@ -534,7 +534,9 @@ async def test_a_delete_during_the_write_behind_voids_its_durable_ack() -> None:
         await asyncio.wait_for(remote.stored.wait(), 5)
         await s.delete(r.key)
         remote.gate.set()
-        await r.durable  # the write itself completed
+        with pytest.raises(WriteDropped, match="deleted while"):
+            await r.durable  # the write landed after the delete: it was undone
+        assert not await remote.contains("c/" + r.key)
         assert not await s.is_durable(r.key)
         assert not s.has_local_or_durable(r.key)
         man = session_manifest("s", 1, 1, 1)  # names exactly chunk m
@@ -974,3 +976,67 @@ async def test_lowest_tier_retries_are_served_under_a_steady_load_of_new_writes(
                 n += 1
             await asyncio.sleep(0.01)
         await asyncio.wait_for(asyncio.gather(*(r.durable for r in early)), 5)
+
+
+@pytest.fixture
+def slow_ssd_reads(monkeypatch: pytest.MonkeyPatch):
+    """SSD reads on threads that take 0.2 s once the file is open (the old version)."""
+    from services.kvstore.tiers import ssd as ssd_mod
+
+    real = ssd_mod.apply_check
+
+    def slow(*a):
+        time.sleep(0.2)
+        return real(*a)
+
+    monkeypatch.setattr(ssd_mod, "apply_check", slow)
+
+
+def version(t: torch.Tensor | None) -> str | None:
+    return next((f"v{i}" for i in (1, 2) if t is not None and torch.equal(t, kv_tensor(i))),
+                None if t is None else "other")
+
+
+@pytest.mark.parametrize("then", ["put", "delete"])
+async def test_a_read_that_raced_a_put_or_delete_does_not_promote_what_it_found(
+    tmp_path: Path, slow_ssd_reads, then: str
+) -> None:
+    """A get reads v1 from SSD while v2 is put (or the chunk deleted): promoting v1 into
+    DRAM would serve it over v2 (or bring the deleted chunk back) until evicted."""
+    async with make_store([DramTier(1 << 20), SsdTier(str(tmp_path / "db"), 1 << 20)]) as s:
+        m = meta("s", 0, 0)
+        await (await s.put(m, kv_tensor(1))).durable
+        await s.delete(m.key, ["dram"])
+        s.tiers[1]._nowait = False  # read on a thread: the race window
+        reading = asyncio.create_task(s.get(m.key))
+        await asyncio.sleep(0.05)
+        if then == "put":
+            await (await s.put(m, kv_tensor(2))).durable
+        else:
+            assert await s.delete(m.key) == 1
+        assert version((await reading).tensor) == "v1"  # read before the change: fine
+        after = await s.get(m.key)
+        assert version(after.tensor if after else None) == ("v2" if then == "put" else None)
+
+
+async def test_writes_of_one_key_land_in_the_order_they_were_made(tmp_path: Path) -> None:
+    """v1's lowest-tier write fails and waits for a retry; v2 is put meanwhile. v1 must
+    not land last: every tier ends with v2."""
+    from shared.chunk_codec import decode_chunk
+
+    remote = FlakyTier()
+    remote.down = True
+    async with make_store([DramTier(1 << 20), SsdTier(str(tmp_path / "db"), 1 << 20),
+                           remote]) as s:
+        m = meta("s", 0, 0)
+        r1 = await s.put(m, kv_tensor(1))
+        await asyncio.sleep(0.03)  # v1 failed on the remote, retrying
+        r2 = await s.put(m, kv_tensor(2))
+        remote.down = False
+        await asyncio.gather(r1.durable, r2.durable, return_exceptions=True)
+        await s.writer.wait_idle(5)
+        tk = "c/" + m.key
+        assert version(decode_chunk(await remote.get(tk)).tensor) == "v2"
+        assert version(decode_chunk(await s.tiers[1].get(tk)).tensor) == "v2"
+        assert version((await s.get(m.key)).tensor) == "v2"
+        s.writer.check_integrity()
