@@ -390,7 +390,7 @@ class TieredStore:
                     continue
                 stored, chunk = hit
                 if isinstance(chunk, ChunkCorrupt):
-                    await self._drop_corrupt(tier, tkey, chunk)
+                    await self._drop_corrupt(tier, tkey, chunk, stored)
                     missing.append(j)
                     continue
                 blob = stored.kept
@@ -408,13 +408,17 @@ class TieredStore:
             await self._drop_corrupt(tier, tkey, e)
             return None
 
-    async def _drop_corrupt(self, tier: Tier, tkey: str, err: ChunkCorrupt) -> None:
+    async def _drop_corrupt(self, tier: Tier, tkey: str, err: ChunkCorrupt,
+                            found: Stored | None = None) -> None:
         log.warning("corrupt chunk %s in %s (%s): deleted, served as a miss", tkey, tier.name, err)
         self.metrics.checksum_failures.labels(tier.name).inc()
         if tier is self.lowest:
-            self.forget_durable(tkey)
+            self.forget_durable(tkey)  # (a newer copy is asked for again: conservative)
         try:
-            await tier.delete(tkey)
+            if found is None:
+                await tier.delete(tkey)
+            else:  # only that copy: a newer one written since stays
+                await tier.delete_copy(tkey, found)
         except TierUnavailable as e:
             log.warning("could not delete corrupt %s from %s: %s", tkey, tier.name, e)
 

@@ -142,6 +142,12 @@ class Tier(ABC):
     async def delete(self, key: str) -> bool:
         """Remove ``key``; True if it was there."""
 
+    async def delete_copy(self, key: str, found: Stored) -> bool:
+        """Remove ``key`` if it still holds the copy ``found`` was read from (a corrupt
+        copy must not take a newer one written meanwhile with it). Tiers that cannot tell
+        copies apart delete whatever is there."""
+        return await self.delete(key)
+
     @abstractmethod
     async def scan_expired(self, older_than: float) -> list[str]:
         """Keys last written or read before the wall-clock time ``older_than``."""

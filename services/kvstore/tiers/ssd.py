@@ -99,8 +99,9 @@ class FileStored(Stored):
     ``nowait``: every read is ``RWF_NOWAIT`` and raises ``_WouldBlock`` where the page
     cache does not hold the bytes, so the event loop never waits for the device."""
 
-    def __init__(self, fd: int, nbytes: int, nowait: bool) -> None:
+    def __init__(self, fd: int, nbytes: int, nowait: bool, file_no: int = -1) -> None:
         self._blob = None
+        self.file_no = file_no  # which of the tier's files this is
         self.nbytes = nbytes
         self._fd = fd
         self._flags = os.RWF_NOWAIT if nowait else 0
@@ -416,7 +417,7 @@ class SsdTier(IndexedTtl, Tier):
             return _Missing(file_no)
         stored = None
         try:
-            stored = FileStored(fd, os.fstat(fd).st_size, nowait)
+            stored = FileStored(fd, os.fstat(fd).st_size, nowait, file_no)
             return apply_check(stored, check)
         finally:
             if stored is not None:
@@ -523,8 +524,17 @@ class SsdTier(IndexedTtl, Tier):
         return key in self._index
 
     async def delete(self, key: str) -> bool:
+        return await self._delete(key, None)
+
+    async def delete_copy(self, key: str, found: Stored) -> bool:
+        file_no = found.file_no if isinstance(found, FileStored) else None
+        return await self._delete(key, file_no)
+
+    async def _delete(self, key: str, only_file: int | None) -> bool:
         async with self._write_lock:
             db = self._live_db()
+            if only_file is not None and self._files.get(key) != only_file:
+                return False  # replaced since that copy was read: the new one stays
             if self._index.remove(key) is None:
                 return False
             file_no = self._files.pop(key, None)

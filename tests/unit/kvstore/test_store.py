@@ -1040,3 +1040,25 @@ async def test_writes_of_one_key_land_in_the_order_they_were_made(tmp_path: Path
         assert version(decode_chunk(await s.tiers[1].get(tk)).tensor) == "v2"
         assert version((await s.get(m.key)).tensor) == "v2"
         s.writer.check_integrity()
+
+
+async def test_a_corrupt_copy_read_while_a_newer_one_lands_takes_only_itself(
+    tmp_path: Path, slow_ssd_reads
+) -> None:
+    ssd = SsdTier(str(tmp_path / "db"), 1 << 20, inline_max_bytes=0)  # chunks in files
+    async with make_store([DramTier(1 << 20), ssd]) as s:
+        m = meta("s", 0, 0)
+        await (await s.put(m, kv_tensor(1))).durable
+        await s.delete(m.key, ["dram"])
+        rotten = bytearray(await ssd.get("c/" + m.key))
+        rotten[-1] ^= 0xFF
+        await ssd.raw_put("c/" + m.key, bytes(rotten))  # the old copy rots on disk
+        ssd._nowait = False
+        reading = asyncio.create_task(s.get(m.key))
+        await asyncio.sleep(0.05)
+        await (await s.put(m, kv_tensor(2))).durable  # a good v2 lands on the SSD meanwhile
+        assert await reading is None  # the rotten copy: a miss, never wrong data
+        await s.delete(m.key, ["dram"])
+        assert "ssd" in await s.locate(m.key)  # v2 survived the rotten copy's removal
+        assert version((await s.get(m.key)).tensor) == "v2"
+        assert s.metrics.value("kvstore_checksum_failures_total", tier="ssd") == 1
