@@ -195,7 +195,9 @@ class WriteBehind:
                 self._pending.remove(job)
                 self._active += 1
                 return job
-            wait = min((j.not_before for j in self._pending), default=now + 1.0) - now
+            # Jobs behind an older one of their key are woken when it ends (not polled).
+            wait = min((j.not_before for j in self._pending if self._by_key[j.key][0] is j),
+                       default=now + 1.0) - now
             # No await between the scan and clear(): a submit cannot slip in unseen.
             self._wakeup.clear()
             try:
