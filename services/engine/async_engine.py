@@ -280,7 +280,7 @@ class AsyncEngine:
         if self.config.kvstore_address and self.config.reuse_mode != RECOMPUTE:
             self._connector, self._coordinator = await connect_reuse(
                 self.config, self._core, self._loaded.config,
-                lambda job: self._submit(_UNPIN, job),
+                lambda job, ok=True: self._submit(_UNPIN, (job, ok)),
             )
 
     async def shrink_kv(self, max_pages: int) -> int:
@@ -304,7 +304,7 @@ class AsyncEngine:
                 core.add(*arg)
                 adds += 1
             elif kind == _UNPIN:
-                core.unpin(arg)
+                core.unpin(*arg)
             elif (out := core.abort(arg)) is not None:
                 events.append(out)
         return events, adds

@@ -159,11 +159,12 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work() and not self._stalled
 
-    def unpin(self, job_id: int | None) -> None:
-        """A save was answered (or, with None, a load RPC ended): blocks may be free."""
+    def unpin(self, job_id: int | None, ok: bool = True) -> None:
+        """A save was answered (``ok``: it stored its chunks), or, with None, a load RPC
+        ended: blocks may be free."""
         self._stalled = False
         if job_id is not None:
-            self.reuse.unpin(job_id)
+            self.reuse.unpin(job_id, ok)
 
     @property
     def num_waiting(self) -> int:

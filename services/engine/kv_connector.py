@@ -273,12 +273,13 @@ class KVConnector:
             delay = min(delay * 2, self.config.kvstore_attach_backoff_max_s)
 
     # ---- save ---------------------------------------------------------------------------
-    def start_save(self, job: SaveJob, done: Callable[[SaveJob], None]) -> None:
-        """Copy ``job``'s blocks into the kvstore; ``done(job)`` runs afterwards in every
-        case (it unpins the blocks)."""
+    def start_save(self, job: SaveJob, done: Callable[[SaveJob, bool], None]) -> None:
+        """Copy ``job``'s blocks into the kvstore; ``done(job, ok)`` runs afterwards in every
+        case (it unpins the blocks; not ``ok``: the chunks were not stored)."""
         self._spawn(self._save(job, done), f"{SAVE_TASK}{job.job_id}")
 
-    async def _save(self, job: SaveJob, done: Callable[[SaveJob], None]) -> None:
+    async def _save(self, job: SaveJob, done: Callable[[SaveJob, bool], None]) -> None:
+        ok = False
         try:
             if not self.attached or self._stub is None:
                 self.stats.save_errors += 1
@@ -290,13 +291,14 @@ class KVConnector:
             )
             self.stats.saves += 1
             self.stats.chunks_saved += reply.chunks_written
+            ok = True
         except grpc.aio.AioRpcError as e:
             self.stats.save_errors += 1
             self._warn("SaveFromPool", e)
             self._lost(e)
             await self._fence(op_id)  # the kvstore may still be reading the blocks
         finally:
-            done(job)
+            done(job, ok)
 
 
 def _describe(err: BaseException) -> str:
@@ -314,7 +316,7 @@ class LoopTransport:
         self,
         loop: asyncio.AbstractEventLoop,
         connector: KVConnector,
-        unpin: Callable[[int | None], None],
+        unpin: Callable[[int | None, bool], None],
     ) -> None:
         self._loop = loop
         self._connector = connector
@@ -329,15 +331,15 @@ class LoopTransport:
 
     def start_load(self, job: LoadJob) -> None:
         # When the RPC ends, wake the worker: blocks parked behind a failed load free up.
-        if not self._post(self._connector.start_load, job, lambda: self._unpin(None)):
+        if not self._post(self._connector.start_load, job, lambda: self._unpin(None, True)):
             job.readiness.fail(0, "the event loop is closed")
             job.readiness.finish()
 
     def start_save(self, job: SaveJob) -> None:
         self._post(self._connector.start_save, job, self._saved)
 
-    def _saved(self, job: SaveJob) -> None:
-        self._unpin(job.job_id)
+    def _saved(self, job: SaveJob, ok: bool) -> None:
+        self._unpin(job.job_id, ok)
 
     def release(self, lease_id: str) -> None:
         self._post(self._connector.release, lease_id)

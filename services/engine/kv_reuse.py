@@ -66,6 +66,7 @@ class KVReuse:
         self.transport: KVTransport | None = None  # set by the AsyncEngine when connected
         self.prefill_rate = PrefillRate(prefill_prior_s_per_token)
         self.pinned: dict[int, list[int]] = {}  # save job -> blocks held until answered
+        self._saving: dict[int, tuple[Sequence, int]] = {}  # save job -> (seq, first block)
         self.parked: list[tuple[LayerReadiness, list[int]]] = []
         self.loaded_tokens: dict[str, int] = {}
         self.recomputed_tokens = 0
@@ -207,8 +208,12 @@ class KVReuse:
         """(request end) Hand ``seq``'s full computed blocks not saved yet to the kvstore;
         they stay pinned (one more reference) until ``unpin`` with the job's id."""
         full = seq.num_computed_tokens // self.kv.block_size
-        if self.transport is not None and full > seq.saved_blocks:
-            self._save_range(seq, seq.saved_blocks, full, seq.num_computed_tokens)
+        # From the first block not known saved: a mid-generation save still unanswered may
+        # yet fail, and this is the sequence's last chance (its chunks already stored are
+        # skipped by the kvstore without a copy).
+        first = min([seq.saved_blocks, *(f for s, f in self._saving.values() if s is seq)])
+        if self.transport is not None and full > first:
+            self._save_range(seq, first, full, seq.num_computed_tokens)
 
     def save_filled_chunks(self, seqs: list[Sequence]) -> None:
         """(during generation) Save the chunks that filled up since the last save:
@@ -224,8 +229,8 @@ class KVReuse:
                 continue  # still prefilling: its chunks go out from its first decode on
             end = seq.num_computed_tokens // self.kv.block_size // bpc * bpc
             if end - seq.saved_blocks >= bpc:
-                self._save_range(seq, seq.saved_blocks, end, end * self.kv.block_size)
-                seq.saved_blocks = end
+                first, seq.saved_blocks = seq.saved_blocks, end  # (before: it may fail at once)
+                self._save_range(seq, first, end, end * self.kv.block_size)
 
     def _save_range(self, seq: Sequence, first: int, end: int, tokens: int) -> None:
         """Save blocks [first, end) (``first`` a chunk boundary) with the hashes [0, end),
@@ -237,10 +242,18 @@ class KVReuse:
         job = SaveJob(next(self._job_ids), seq.tenant, seq.session_id,
                       tuple(seq.block_hashes[:end]), tokens, first, tuple(ids))
         self.pinned[job.job_id] = ids
+        self._saving[job.job_id] = (seq, first)
         self.transport.start_save(job)
 
-    def unpin(self, job_id: int) -> None:
+    def unpin(self, job_id: int, ok: bool = True) -> None:
+        """Save ``job_id`` was answered; not ``ok``: its chunks were not stored, so the
+        sequence's next save starts where this one did (a gap would leave every later
+        chunk of the session stored but unreachable: lookups stop at the first missing)."""
         ids = self.pinned.pop(job_id, None)
+        saving = self._saving.pop(job_id, None)
+        if not ok and saving is not None:
+            seq, first = saving
+            seq.saved_blocks = min(seq.saved_blocks, first)
         if ids:
             self.kv.pool.free(reversed(ids))  # later layers first: evicted first
 

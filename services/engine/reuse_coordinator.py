@@ -110,11 +110,12 @@ async def connect_reuse(
     config: EngineConfig,
     core: EngineCore,
     model: ModelConfig,
-    unpin: Callable[[int | None], None],
+    unpin: Callable[[int | None, bool], None],
 ) -> tuple[KVConnector, ReuseCoordinator]:
     """Start a connector for ``core``'s pool (attaching in the background), give the core
     its transport, and return the connector with the coordinator that plans loads.
-    ``unpin(job_id)`` must route to the worker (None: just wake it)."""
+    ``unpin(job_id, ok)`` must route to the worker (None: just wake it; ``ok``: the save
+    stored its chunks)."""
     geometry = pool_geometry_to_proto(
         pool_name=core.pool.name, device=config.device, num_blocks=core.pool.num_blocks,
         block_size=config.block_size, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,

@@ -85,7 +85,7 @@ async def test_a_failed_save_is_unpinned_only_after_its_fence() -> None:
     c = connector(stub)
     done: list[int] = []
     job = SaveJob(7, "default", "s", (b"h",), 16, 0, (1, 2))
-    c.start_save(job, lambda j: done.append(j.job_id))
+    c.start_save(job, lambda j, ok: done.append(j.job_id) if not ok else None)
     await asyncio.sleep(0.1)
     assert done == []  # still pinned: the kvstore may be reading the blocks
     stub.allow.set()

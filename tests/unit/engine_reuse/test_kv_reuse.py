@@ -146,9 +146,73 @@ def test_plan_dropped_at_admission_releases_its_lease(loaded: LoadedModel) -> No
         core.close()
 
 
-def test_long_generation_saves_chunks_as_they_fill(loaded: LoadedModel) -> None:
-    core, t = scripted_core(loaded)
+class AnsweringTransport(ScriptedTransport):
+    """Answers each save as it is made: stored, or (those in ``fail``) not stored."""
+
+    def __init__(self, core: EngineCore, fail: set[int] = frozenset()) -> None:
+        super().__init__()
+        self.core, self.fail = core, fail
+
+    def start_save(self, job: SaveJob) -> None:
+        super().start_save(job)
+        self.core.unpin(job.job_id, ok=len(self.saves) - 1 not in self.fail)
+
+
+def long_generation(loaded: LoadedModel, fail: set[int] = frozenset()
+                    ) -> tuple[EngineCore, list[SaveJob]]:
+    core = make_core(loaded)
+    t = core.reuse.transport = AnsweringTransport(core, fail)
     core.reuse.blocks_per_chunk = 2  # 32-token chunks
+    req = GenerateRequest(request_id="g", prompt=PROMPT, session_id="s",
+                          sampling=SamplingParams(max_tokens=90, ignore_eos=True))
+    core.add(prepare(req, tokenizer=loaded.tokenizer, model_name=loaded.name,
+                     vocab_size=loaded.config.vocab_size, max_model_len=core.max_model_len,
+                     fingerprint=loaded.fingerprint))
+    run(core)
+    return core, t.saves
+
+
+def covered(saves: list[SaveJob], layers: int) -> list[int]:
+    out = []
+    for job in saves:
+        assert job.first_block % 2 == 0
+        assert len(job.block_ids) == layers * (len(job.block_hashes) - job.first_block)
+        out.extend(range(job.first_block, len(job.block_hashes)))
+    return out
+
+
+def test_long_generation_saves_chunks_as_they_fill(loaded: LoadedModel) -> None:
+    core, saves = long_generation(loaded)
+    try:
+        assert len(saves) >= 3  # several during generation, then the rest at the end
+        assert covered(saves, loaded.config.num_layers) == list(
+            range(len(saves[-1].block_hashes)))  # each block once
+        assert all(len(j.block_hashes) % 2 == 0 for j in saves[:-1])  # whole chunks
+        assert core.blocks.num_used == 0
+        core.check_integrity()
+    finally:
+        core.close()
+
+
+def test_a_failed_save_is_made_again_by_the_next_one(loaded: LoadedModel) -> None:
+    """A mid-generation save that stored nothing leaves no gap: the next save starts where
+    it did (else every later chunk would be stored yet unreachable)."""
+    core, saves = long_generation(loaded, fail={0})
+    try:
+        assert saves[1].first_block == saves[0].first_block == 0
+        blocks = covered(saves[1:], loaded.config.num_layers)  # what the stored saves hold
+        assert blocks == list(range(len(saves[-1].block_hashes)))
+        assert core.blocks.num_used == 0
+        core.check_integrity()
+    finally:
+        core.close()
+
+
+def test_the_last_save_covers_saves_not_answered_yet(loaded: LoadedModel) -> None:
+    """A save still unanswered when the request ends may yet fail: the request's last
+    save starts at the first block such a save holds."""
+    core, t = scripted_core(loaded)  # answers nothing until the end
+    core.reuse.blocks_per_chunk = 2
     try:
         req = GenerateRequest(request_id="g", prompt=PROMPT, session_id="s",
                               sampling=SamplingParams(max_tokens=90, ignore_eos=True))
@@ -156,17 +220,7 @@ def test_long_generation_saves_chunks_as_they_fill(loaded: LoadedModel) -> None:
                          vocab_size=loaded.config.vocab_size, max_model_len=core.max_model_len,
                          fingerprint=loaded.fingerprint))
         run(core)
-        assert len(t.saves) >= 3  # several during generation, then the rest at the end
-        covered = []
-        layers = loaded.config.num_layers
-        for job in t.saves:
-            assert job.first_block % 2 == 0
-            n = len(job.block_hashes) - job.first_block
-            assert len(job.block_ids) == layers * n
-            covered.extend(range(job.first_block, len(job.block_hashes)))
-        assert covered == list(range(len(t.saves[-1].block_hashes)))  # each block once
-        assert all(len(j.block_hashes) % 2 == 0 for j in t.saves[:-1])  # whole chunks
-        core.check_integrity()
+        assert len(t.saves) >= 3 and t.saves[-1].first_block == 0
         for job in t.saves:
             core.reuse.unpin(job.job_id)
         assert core.blocks.num_used == 0
