@@ -158,10 +158,12 @@ class AnsweringTransport(ScriptedTransport):
         self.core.unpin(job.job_id, ok=len(self.saves) - 1 not in self.fail)
 
 
-def long_generation(loaded: LoadedModel, fail: set[int] = frozenset()
+def long_generation(loaded: LoadedModel, fail: set[int] = frozenset(), answer: bool = True
                     ) -> tuple[EngineCore, list[SaveJob]]:
+    """A 90-token generation in 32-token chunks; saves answered at once (those in ``fail``
+    storing nothing), or with ``answer=False`` never."""
     core = make_core(loaded)
-    t = core.reuse.transport = AnsweringTransport(core, fail)
+    t = core.reuse.transport = AnsweringTransport(core, fail) if answer else ScriptedTransport()
     core.reuse.blocks_per_chunk = 2  # 32-token chunks
     req = GenerateRequest(request_id="g", prompt=PROMPT, session_id="s",
                           sampling=SamplingParams(max_tokens=90, ignore_eos=True))
@@ -211,17 +213,10 @@ def test_a_failed_save_is_made_again_by_the_next_one(loaded: LoadedModel) -> Non
 def test_the_last_save_covers_saves_not_answered_yet(loaded: LoadedModel) -> None:
     """A save still unanswered when the request ends may yet fail: the request's last
     save starts at the first block such a save holds."""
-    core, t = scripted_core(loaded)  # answers nothing until the end
-    core.reuse.blocks_per_chunk = 2
+    core, saves = long_generation(loaded, answer=False)
     try:
-        req = GenerateRequest(request_id="g", prompt=PROMPT, session_id="s",
-                              sampling=SamplingParams(max_tokens=90, ignore_eos=True))
-        core.add(prepare(req, tokenizer=loaded.tokenizer, model_name=loaded.name,
-                         vocab_size=loaded.config.vocab_size, max_model_len=core.max_model_len,
-                         fingerprint=loaded.fingerprint))
-        run(core)
-        assert len(t.saves) >= 3 and t.saves[-1].first_block == 0
-        for job in t.saves:
+        assert len(saves) >= 3 and saves[-1].first_block == 0
+        for job in saves:
             core.reuse.unpin(job.job_id)
         assert core.blocks.num_used == 0
         core.check_integrity()
