@@ -115,6 +115,26 @@ def test_header_is_one_map_of_every_field() -> None:
     }
 
 
+def test_cached_header_parts_give_each_chunk_its_own_header_from_any_thread() -> None:
+    """The per-layout header cache and the per-thread packer: chunks of differing tail
+    lengths (layer and hash count) and tenants, encoded on several threads at once, each
+    decode to exactly their own meta; the cache stays bounded under many names."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from shared import chunk_codec
+
+    cases = [(meta(f"s{i % 3}", i, layer=(i * 37) % 300, blocks=1 + i % 20), kv_tensor(i % 4))
+             for i in range(64)]
+    with ThreadPoolExecutor(4) as pool:
+        blobs = list(pool.map(lambda c: encode_chunk(*c), cases * 4))
+    for (m, t), blob in zip(cases * 4, blobs, strict=True):
+        c = decode_chunk(blob)
+        assert c.meta == m and torch.equal(c.tensor, t)
+    for i in range(chunk_codec._MAX_LAYOUTS + 10):
+        encode_chunk(ChunkMeta(f"tenant{i}", "fp", 0, (b"h",)), kv_tensor(0))
+    assert len(chunk_codec._LAYOUTS) <= chunk_codec._MAX_LAYOUTS
+
+
 def test_negated_views_store_their_values() -> None:
     t = kv_tensor(9)
     neg = torch._neg_view(t)  # a lazily negated view over t's memory
