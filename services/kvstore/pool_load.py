@@ -19,7 +19,10 @@ of the earlier spans' use. Inside its chunk a span starts at
 
 A chunk is copied only after its header passed its checks (key, header hashes, shape,
 dtype); one read straight into its blocks is verified against its checksum after (a
-corrupt one is then overwritten by the tier below's copy, or its layer fails). A layer
+corrupt one is then overwritten by the tier below's copy, or its layer fails). A chunk
+the lease named is read head and payload at once and its head compared byte for byte
+with the one expected (``_CopyOnRead._read_known``); any other head is parsed and
+checked, and the chunk read again. A layer
 with a missing or failing chunk is reported failed and later layers are not loaded;
 blocks its chunks were copied into are the request's own, and the engine never indexes
 a failed layer's blocks (it recomputes them). No copy runs after
@@ -42,12 +45,14 @@ from services.kvstore.leases import Lease
 from services.kvstore.pool_io import lazy_torch, scatter_blocks, to_the_end
 from services.kvstore.pool_map import MappedPool, PoolError
 from services.kvstore.pool_types import LayerLoaded, LoadRequest, PrefixSpan
-from services.kvstore.store import TieredStore
+from services.kvstore.store import TieredStore, chunk_tier_key
 from services.kvstore.tiers.base import Stored
 from shared.chunk_codec import (
     Chunk,
     ChunkCorrupt,
+    ChunkHead,
     ChunkMeta,
+    ExpectedHead,
     chunk_key,
     decode_chunk,
     head_length,
@@ -149,6 +154,8 @@ _HEAD_READ = 4096  # a chunk's preamble and header: ~50 bytes per block hash plu
 
 def _runs(ids: list[int]) -> list[tuple[int, int]]:
     """``ids`` as (first, count) runs of consecutive block ids."""
+    if ids and ids == list(range(ids[0], ids[0] + len(ids))):  # the common case, in C
+        return [(ids[0], len(ids))]
     out: list[tuple[int, int]] = []
     for b in ids:
         if out and out[-1][0] + out[-1][1] == b:
@@ -185,6 +192,7 @@ class _CopyOnRead:
         self.lease = lease
         self.targets = targets  # chunk hash -> (span, target block ids)
         self.keys = keys  # chunk hash -> key of its chunk in this layer
+        self.by_tier_key = {chunk_tier_key(k): h for h, k in keys.items()}
         self.copied: dict[bytes, float] = {}  # chunk hash -> seconds copying
         self.refused: dict[bytes, str] = {}
 
@@ -222,26 +230,64 @@ class _CopyOnRead:
             return None
 
     def _read_into_blocks(self, hit: Stored, dest: memoryview) -> Chunk:
+        known = self._read_known(hit, dest)
+        if known is not None:
+            return known
         prefix = hit.read(0, _HEAD_READ)
         need = head_length(prefix)  # ChunkCorrupt propagates
         if len(prefix) < min(need, hit.nbytes):
             prefix = hit.read(0, need)
         head = parse_head(prefix, hit.nbytes)
-        empty = Chunk(head.meta, _no_payload())  # the blocks hold the data
         target = self._target(head.meta, head.shape, head.dtype)
         if target is None:
-            return empty
+            return Chunk(head.meta, _no_payload())
         span, ids = target
         t0 = time.perf_counter()
-        bb = self.pool.geometry.block_bytes
-        off, nb = span.first_block % self.bpc, len(head.meta.block_hashes)
-        # Blocks of the chunk outside the span are read too: the checksum covers them.
-        before, after = bytearray(off * bb), bytearray((nb - off - len(ids)) * bb)
-        bufs = [memoryview(before)] if before else []
-        bufs += [dest[first * bb : (first + n) * bb] for first, n in _runs(ids)]
-        if after:
-            bufs.append(memoryview(after))
+        bufs = self._payload_bufs(span, len(head.meta.block_hashes), ids, dest)
         hit.readinto(head.payload_offset, bufs)
+        return self._verified(hit, head, span, bufs, t0)
+
+    def _read_known(self, hit: Stored, dest: memoryview) -> Chunk | None:
+        """The chunk the lease names for this key, read head and payload in one ``preadv``
+        and recognised by its head's bytes (``ExpectedHead``: nothing to parse or check);
+        None if it is not that (the general read then parses the head, refuses it with a
+        reason or reads it again). What that read put in the blocks is harmless: they are
+        the request's own, and no layer is reported loaded from them."""
+        h = self.by_tier_key.get(hit.key)
+        if h is None or self.lease is None:
+            return None
+        hashes = self.lease.expected.get(self.keys[h])
+        span, ids = self.targets[h]
+        if (hashes is None or hashes[-1] != h or len(hashes) > self.bpc
+                or len(hashes) < span.first_block % self.bpc + len(ids)):
+            return None
+        t0 = time.perf_counter()
+        g = self.pool.geometry
+        want = ExpectedHead(ChunkMeta(self.req.tenant, self.req.model_fp, self.layer, hashes),
+                            g.dtype, (len(hashes), 2, g.block_size, g.num_kv_heads, g.head_dim))
+        if hit.nbytes != want.payload_offset + want.nbytes:
+            return None
+        lead = bytearray(want.payload_offset)
+        bufs = self._payload_bufs(span, len(hashes), ids, dest)
+        hit.readinto(0, [memoryview(lead), *bufs])
+        head = want.match(lead, hit.nbytes)
+        return None if head is None else self._verified(hit, head, span, bufs, t0)
+
+    def _payload_bufs(self, span: PrefixSpan, chunk_blocks: int, ids: list[int],
+                      dest: memoryview) -> list[memoryview]:
+        """Where a chunk's payload is read to: the span's blocks, and scratch for the
+        chunk's blocks outside the span (read too: the checksum covers them)."""
+        bb = self.pool.geometry.block_bytes
+        off = span.first_block % self.bpc
+        bufs = [memoryview(bytearray(off * bb))] if off else []
+        bufs += [dest[first * bb : (first + n) * bb] for first, n in _runs(ids)]
+        if chunk_blocks > off + len(ids):
+            bufs.append(memoryview(bytearray((chunk_blocks - off - len(ids)) * bb)))
+        return bufs
+
+    def _verified(self, hit: Stored, head: ChunkHead, span: PrefixSpan,
+                  bufs: list[memoryview], t0: float) -> Chunk:
+        empty = Chunk(head.meta, _no_payload())  # the blocks hold the data
         try:
             verify_parts(head, bufs)
         except ChunkCorrupt:

@@ -79,8 +79,13 @@ log = logging.getLogger(__name__)
 _C = "c/"  # tier key prefix of chunks
 _M = "m/"  # tier key prefix of manifests
 MANIFEST_PRIORITY = 1 << 30  # local tiers never evict a manifest before a chunk
-_DURABLE_MEMORY = 100_000
-DURABLE_CHECK_BATCH = 1024  # chunks a manifest checks at once  # keys remembered as durable, to spare HEAD calls on manifests
+_DURABLE_MEMORY = 100_000  # keys remembered as durable, to spare HEAD calls on manifests
+DURABLE_CHECK_BATCH = 1024  # chunks a manifest checks at once
+
+
+def chunk_tier_key(key: str) -> str:
+    """The key under which the tiers hold chunk ``key`` (what a read's ``Stored.key`` says)."""
+    return _C + key
 
 
 def _decode_trusted(blob: Blob) -> Chunk:

@@ -39,6 +39,8 @@ class Stored:
     in a file, which a check can read straight to where its bytes are going (the pool load
     reads a chunk's payload into its pool blocks: one copy, no blob in between)."""
 
+    key = ""  # the tier key the hit was read for ("" where the reader did not say)
+
     def __init__(self, blob: Blob) -> None:
         self._blob: Blob | None = blob
         self.nbytes = len(blob)
@@ -74,12 +76,14 @@ class Stored:
 Checked = tuple[Stored, "T | ChunkCorrupt"] | None
 
 
-def apply_check(found: Stored | Blob | None, check: Callable[[Stored], T]) -> Checked[T]:
-    """``(hit, check(hit))``, the ``ChunkCorrupt`` it raised in place of the result, or
-    None for a miss."""
+def apply_check(found: Stored | Blob | None, check: Callable[[Stored], T], key: str
+                ) -> Checked[T]:
+    """``(hit, check(hit))`` for the hit of tier key ``key``, the ``ChunkCorrupt`` the check
+    raised in place of the result, or None for a miss."""
     if found is None:
         return None
     hit = found if isinstance(found, Stored) else Stored(found)
+    hit.key = key
     try:
         return hit, check(hit)
     except ChunkCorrupt as e:
@@ -128,7 +132,8 @@ class Tier(ABC):
         read on a worker thread override it to check there too, while the bytes they just
         read are still in the CPU's cache and off the event loop; file-backed tiers hand
         the check a ``FileStored``. Default: in-memory hits, on the loop."""
-        return [apply_check(b, check) for b in await self.get_many(keys)]
+        return [apply_check(b, check, k)
+                for k, b in zip(keys, await self.get_many(keys), strict=True)]
 
     @abstractmethod
     async def put(self, key: str, blob: Blob, priority: int = 0) -> list[str]:

@@ -192,7 +192,7 @@ class S3Tier(Tier):
         checks included: a check may be writing into an engine's pool blocks."""
 
         def one(key: str) -> Checked[T]:
-            return apply_check(self._get_blocking(key), check)
+            return apply_check(self._get_blocking(key), check, key)
 
         got = await asyncio.gather(*(self._call(one, k) for k in keys), return_exceptions=True)
         for g in got:

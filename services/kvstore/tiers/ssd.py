@@ -373,7 +373,7 @@ class SsdTier(IndexedTtl, Tier):
             file_no = self._files.get(k)
             if file_no is not None and self._nowait:
                 try:
-                    out[j] = self._read_file(file_no, check, nowait=True)
+                    out[j] = self._read_file(k, file_no, check, nowait=True)
                     continue
                 except _WouldBlock:
                     pass
@@ -404,7 +404,7 @@ class SsdTier(IndexedTtl, Tier):
             result.append(hit)
         return result
 
-    def _read_file(self, file_no: int, check: Callable[[Stored], T], nowait: bool
+    def _read_file(self, key: str, file_no: int, check: Callable[[Stored], T], nowait: bool
                    ) -> Checked[T] | _Missing:
         path = self._file(file_no)
         try:
@@ -418,7 +418,7 @@ class SsdTier(IndexedTtl, Tier):
         stored = None
         try:
             stored = FileStored(fd, os.fstat(fd).st_size, nowait, file_no)
-            return apply_check(stored, check)
+            return apply_check(stored, check, key)
         finally:
             if stored is not None:
                 stored.closed()
@@ -436,7 +436,7 @@ class SsdTier(IndexedTtl, Tier):
                 return Stored(b""), ChunkCorrupt(f"ssd: the file of {key} is missing")
         if now_no is None or key not in self._index:
             return None
-        got = await self._run(self._read_file, now_no, check, False)
+        got = await self._run(self._read_file, key, now_no, check, False)
         return None if isinstance(got, _Missing) else got
 
     # ---------------------------------------------------------------- writes
@@ -609,7 +609,7 @@ def _read_blocking(tier: SsdTier, db: Rdict, items: list[tuple[int, str, int | N
     out: list[Checked[T] | _Missing] = []
     for _j, key, file_no in items:
         if file_no is None:
-            out.append(apply_check(db.get(_V + key.encode()), check))
+            out.append(apply_check(db.get(_V + key.encode()), check, key))
         else:
-            out.append(tier._read_file(file_no, check, nowait=False))
+            out.append(tier._read_file(key, file_no, check, nowait=False))
     return out

@@ -360,6 +360,14 @@ async def test_abandoned_load_stops_writing_and_ends_its_lease(path: PoolDataPat
             pid, "", TENANT, MODEL, tuple(r.spans), tuple(twice), LAYERS))]
 
 
+def _into_the_pool(offset: int, bufs: list) -> bool:
+    """Whether a ``FileStored.readinto`` reads a payload into pool blocks: a chunk the lease
+    named is read whole, its head into one buffer and the payload into the blocks after;
+    another has its payload read from past its head. (One buffer from 0: a head or a
+    whole blob.)"""
+    return offset > 0 or len(bufs) > 1
+
+
 async def _ssd_only(path: PoolDataPath, pid: str, pool, hs: tuple[bytes, ...], seed: int):
     """Save ``hs`` from the SRC blocks, wait until durable, drop every DRAM copy."""
     fill(pool, ids(0, len(hs), SRC, STRIDE), seed=seed)
@@ -407,8 +415,9 @@ async def test_ssd_chunks_are_read_straight_into_their_blocks(
     msgs = await load(path, pid, r, ids(0, 40, DST, STRIDE))
     assert all(m.ok for m in msgs)
     assert not scattered
-    # per chunk: the head, then the payload into the blocks (3 chunks a layer)
-    assert len(reads) == 2 * 3 * LAYERS
+    # per chunk one read, head and payload at once: the lease named the chunk, so its
+    # head is compared with the expected bytes instead of read and parsed first
+    assert len(reads) == 3 * LAYERS
     on_loop = threading.current_thread().name
     assert all((t == on_loop) == ssd._nowait for t in reads)
     assert all(not t.startswith("kv-ssd") for t in reads) == ssd._nowait
@@ -439,6 +448,49 @@ async def test_a_sound_but_mismatching_ssd_chunk_fails_its_layer_and_is_kept(
     assert not pool.kv_cache[[DST + STRIDE + i for i in range(16)]].any()
     assert path.store.metrics.value("kvstore_checksum_failures_total", tier="ssd") == 0
     assert await ssd.contains("c/" + key)
+
+
+def _repacked(blob: bytes, **fields) -> bytes:
+    """``blob`` with its header map packed in another key order (as another encoder may
+    write it) and ``fields`` replaced; sealed, payload unchanged."""
+    import msgpack
+
+    from shared.chunk_codec import _PREAMBLE, PREAMBLE_BYTES, parse_head, seal_chunk
+
+    head = parse_head(blob, len(blob))
+    hlen = _PREAMBLE.unpack_from(blob)[3]
+    h = msgpack.unpackb(blob[PREAMBLE_BYTES : PREAMBLE_BYTES + hlen])
+    h.update(fields)
+    header = msgpack.packb(dict(sorted(h.items())))
+    out = bytearray(_PREAMBLE.pack(b"OVKC", 2, 0, len(header), 0)) + header
+    out += bytes(-len(out) % 64) + blob[head.payload_offset :]
+    seal_chunk(out)
+    return bytes(out)
+
+
+async def test_ssd_chunks_with_an_unexpected_head_are_parsed_and_checked(
+    path: PoolDataPath, pool
+) -> None:
+    """The load recognises the chunks its lease named by their head's bytes. A sound chunk
+    whose head is laid out differently loads all the same (parsed, then read again), with
+    exactly its bytes; one of the same size whose head names another layer fails its
+    layer, is not counted corrupt and is kept."""
+    pid, _ = await path.attach(geometry(pool))
+    hs = hashes(40)
+    saved = await _ssd_only(path, pid, pool, hs, seed=15)
+    ssd = path.store.tiers[1]
+    k0 = "c/" + chunk_key(TENANT, MODEL, hs[15], 0)  # layer 0, chunk 0
+    await ssd.raw_put(k0, _repacked(await ssd.get(k0)))
+    k1 = "c/" + chunk_key(TENANT, MODEL, hs[31], 1)  # layer 1, chunk 1: layer 2's header
+    await ssd.raw_put(k1, _repacked(await ssd.get(k1), layer=2))
+    r = await lookup(path, hs)
+    msgs = await load(path, pid, r, ids(0, 40, DST, STRIDE))
+    assert [(m.layer, m.ok) for m in msgs] == [(0, True), (1, False)]
+    assert "another tenant/model/layer" in msgs[1].error
+    got = pool.kv_cache[[DST + i for i in range(40)]]
+    assert torch.equal(got, saved[[SRC + i for i in range(40)]])  # layer 0, repacked included
+    assert path.store.metrics.value("kvstore_checksum_failures_total", tier="ssd") == 0
+    assert await ssd.contains(k0) and await ssd.contains(k1)
 
 
 async def test_abandoned_ssd_load_writes_nothing_after_it_ends(path: PoolDataPath, pool) -> None:
@@ -475,7 +527,7 @@ async def test_blocks_written_during_an_ssd_read_fail_the_layer_not_the_chunk(
 
     def scribbled(self, offset, bufs):
         real(self, offset, bufs)
-        if offset > 0:  # the payload, read into pool blocks (whole-blob reads start at 0)
+        if _into_the_pool(offset, bufs):
             bufs[-1][:4] = b"\xff\xff\xff\xff"  # as a concurrent writer would
 
     monkeypatch.setattr(FileStored, "readinto", scribbled)
@@ -506,7 +558,7 @@ async def test_fence_waits_for_a_dropped_load_still_copying(
     real = FileStored.readinto
 
     def held(self, offset, bufs):
-        if offset > 0 and not entered.is_set():  # the first payload read into the pool
+        if _into_the_pool(offset, bufs) and not entered.is_set():  # the first such read
             entered.set()
             release.wait(10)
             events.append("read done")
