@@ -126,8 +126,9 @@ class ChunkMeta:
     def key(self) -> str:
         """The store key (validates the fields; computed once: the put path uses it often)."""
         for h in self.block_hashes[:-1]:  # chunk_key checks the last one
-            if not isinstance(h, (bytes, bytearray)) or not h:
-                raise ChunkFormatError("a block hash must be non-empty bytes")
+            if not isinstance(h, (bytes, bytearray)) or not 0 < len(h) <= MAX_HASH_BYTES:
+                # as strict as a read's ``_meta_of``: nothing written here is unreadable
+                raise ChunkFormatError(f"a block hash must be 1 to {MAX_HASH_BYTES} bytes")
         return chunk_key(self.tenant, self.model_fp, self.block_hashes[-1], self.layer)
 
 
@@ -178,6 +179,7 @@ class _Layout(NamedTuple):
 _LAYOUTS: dict[tuple[str, str, Any, tuple[int, ...]], _Layout] = {}
 _MAX_LAYOUTS = 1024
 _PREFIXES: dict[tuple[bytes, int], tuple[bytes, bytes]] = {}  # see ``_prefix``
+_MAX_PREFIXES = 4096  # (a layout's tail lengths vary with hash count and lengths)
 
 
 def _layout(tenant: str, model_fp: str, dtype: torch.dtype, shape: tuple[int, ...]) -> _Layout:
@@ -198,7 +200,6 @@ def _layout(tenant: str, model_fp: str, dtype: torch.dtype, shape: tuple[int, ..
                                 "shape": list(shape), "nbytes": nbytes})
         if len(_LAYOUTS) >= _MAX_LAYOUTS:  # bounded: names come from clients
             _LAYOUTS.clear()
-            _PREFIXES.clear()
         lay = _LAYOUTS[k] = _Layout(bytes((0x80 | _HEADER_FIELDS,)) + packed[1:], nbytes)
     return lay
 
@@ -208,6 +209,8 @@ def _prefix(fixed: bytes, tail_len: int) -> tuple[bytes, bytes]:
     checksum 0) and ``fixed``; the zero padding that aligns the payload."""
     p = _PREFIXES.get((fixed, tail_len))
     if p is None:
+        if len(_PREFIXES) >= _MAX_PREFIXES:
+            _PREFIXES.clear()
         hlen = len(fixed) + tail_len
         p = _PREFIXES[(fixed, tail_len)] = (
             _PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, hlen, 0) + fixed,

@@ -50,6 +50,7 @@ from services.kvstore.tiers.base import Stored
 from shared.chunk_codec import (
     Chunk,
     ChunkCorrupt,
+    ChunkFormatError,
     ChunkHead,
     ChunkMeta,
     ExpectedHead,
@@ -263,8 +264,12 @@ class _CopyOnRead:
             return None
         t0 = time.perf_counter()
         g = self.pool.geometry
-        want = ExpectedHead(ChunkMeta(self.req.tenant, self.req.model_fp, self.layer, hashes),
-                            g.dtype, (len(hashes), 2, g.block_size, g.num_kv_heads, g.head_dim))
+        try:
+            want = ExpectedHead(
+                ChunkMeta(self.req.tenant, self.req.model_fp, self.layer, hashes), g.dtype,
+                (len(hashes), 2, g.block_size, g.num_kv_heads, g.head_dim))
+        except ChunkFormatError:  # hashes no chunk can have (the lookup's prompt is the
+            return None  # client's): the general path refuses the chunk with its reason
         if hit.nbytes != want.payload_offset + want.nbytes:
             return None
         lead = bytearray(want.payload_offset)

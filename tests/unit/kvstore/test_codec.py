@@ -133,6 +133,50 @@ def test_cached_header_parts_give_each_chunk_its_own_header_from_any_thread() ->
     for i in range(chunk_codec._MAX_LAYOUTS + 10):
         encode_chunk(ChunkMeta(f"tenant{i}", "fp", 0, (b"h",)), kv_tensor(0))
     assert len(chunk_codec._LAYOUTS) <= chunk_codec._MAX_LAYOUTS
+    for n in range(1, 17):  # one layout, a header tail of every length hashes can give
+        for size in range(1, 65):
+            encode_chunk(ChunkMeta("t", "fp", 0, (b"h" * size,) * n), kv_tensor(0))
+    assert len(chunk_codec._PREFIXES) <= chunk_codec._MAX_PREFIXES
+
+
+def test_every_block_hash_is_bounded_as_a_read_bounds_it() -> None:
+    """A hash a read would refuse (over 64 bytes) is refused when encoding too, wherever it
+    sits in the chunk: nothing written can be unreadable."""
+    for hashes in ((b"x" * 65, b"y"), (b"y", b"x" * 65)):
+        with pytest.raises(ChunkFormatError, match="64"):
+            encode_chunk(ChunkMeta("t", "fp", 0, hashes), kv_tensor(0))
+
+
+def test_an_expected_head_matches_exactly_that_sealed_chunk() -> None:
+    """``ExpectedHead.match`` recognises the head ``encode_chunk`` wrote for one chunk,
+    sealed, as ``parse_head`` reads it; any other head or size is not a match."""
+    from shared.chunk_codec import ExpectedHead, parse_head
+
+    m, t = meta("s", 20, layer=200, blocks=16), kv_tensor(3, tokens=16)
+    blob = encode_chunk(m, t)
+    want = ExpectedHead(m, "float32", tuple(t.shape))
+    head = blob[: want.payload_offset]
+    assert want.match(head, len(blob)) == parse_head(blob, len(blob))
+    assert want.match(head, len(blob) + 1) is None  # the payload's length
+    assert want.match(head[:-1], len(blob)) is None  # not the whole head
+    assert want.match(encode_chunk(m, t, seal=False)[: want.payload_offset], len(blob)) is None
+    flagged = bytearray(head)
+    flagged[6] |= 2  # a flag this reader does not know
+    assert want.match(flagged, len(blob)) is None
+    others = [
+        ChunkMeta(m.tenant, m.model_fp, 201, m.block_hashes),
+        ChunkMeta("other", m.model_fp, 200, m.block_hashes),
+        ChunkMeta(m.tenant, "fp-other", 200, m.block_hashes),
+        meta("s", 20, layer=200, blocks=15),
+        meta("edited", 20, layer=200, blocks=16),
+    ]
+    for other in others:
+        blob2 = encode_chunk(other, t)
+        assert want.match(blob2[: want.payload_offset], len(blob2)) is None, other
+    # the same payload length in another dtype and shape; another length
+    for shape, dtype in (((16, 2, 4, 2, 8), "float16"), ((8, 2, 8, 2, 8), "float32")):
+        other_want = ExpectedHead(m, dtype, shape)
+        assert other_want.match(head, len(blob)) is None
 
 
 def test_negated_views_store_their_values() -> None:

@@ -493,6 +493,27 @@ async def test_ssd_chunks_with_an_unexpected_head_are_parsed_and_checked(
     assert await ssd.contains(k0) and await ssd.contains(k1)
 
 
+@pytest.mark.parametrize("nowait", [True, False])
+async def test_a_lease_naming_impossible_hashes_fails_the_layer_cleanly(
+    path: PoolDataPath, pool, nowait: bool
+) -> None:
+    """A lookup prompt with an empty hash inside a stored chunk (its last hash matches)
+    leases that chunk with hashes no chunk can have: the load fails the layer with the
+    reason, as for any hash mismatch, without a tier error on either read path."""
+    pid, _ = await path.attach(geometry(pool))
+    hs = hashes(40)
+    await _ssd_only(path, pid, pool, hs, seed=16)
+    ssd = path.store.tiers[1]
+    ssd._nowait = nowait and ssd._nowait
+    odd = hs[:3] + (b"",) + hs[4:]
+    r = await path.lookup(LookupRequest(TENANT, "", MODEL, odd, 0, LAYERS))
+    assert r.lease_id and r.matched_blocks == 40
+    msgs = await load(path, pid, r, ids(0, 40, DST, STRIDE))
+    assert [(m.layer, m.ok) for m in msgs] == [(0, False)]
+    assert "differ from the lookup's" in msgs[0].error
+    assert path.store.metrics.value("kvstore_tier_errors_total", tier="ssd", op="get") == 0
+
+
 async def test_abandoned_ssd_load_writes_nothing_after_it_ends(path: PoolDataPath, pool) -> None:
     pid, _ = await path.attach(geometry(pool))
     hs = hashes(40)
