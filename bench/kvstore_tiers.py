@@ -56,24 +56,33 @@ def metas(n: int) -> list[ChunkMeta]:
     return [ChunkMeta("bench", "fp", i % 32, (i.to_bytes(8, "big"),)) for i in range(n)]
 
 
-REPS = 5
+REPS = 5  # passes per side at least
+MAX_REPS = 50
+BUDGET_S = 1.0  # and at least this much time measured per side
 LAYER_CHUNKS = 8  # chunks of one layer of a 2k-token history (chunk_tokens=256)
 Op = Callable[[int], Awaitable[None]]
 
 
 async def paired(total: int, base: Op, ours: Op, n: int) -> tuple[float, float]:
-    """(baseline GB/s, ours GB/s): best of ``REPS`` alternating passes over ``n`` chunks.
+    """(baseline GB/s, ours GB/s): the best of alternating passes over ``n`` chunks.
 
     Alternating baseline and tier passes exposes both to the same background load (the
-    machine may be shared), and best-of filters out passes that were preempted.
+    machine may be shared), and best-of filters out passes that were preempted. Each side
+    gets ``REPS`` passes, more while it has been measured for less than ``BUDGET_S`` (as
+    ``timeit`` sizes its runs): a DRAM pass of 64 KiB chunks lasts ~30 ms, and five of them
+    were often all disturbed on a busy host, while an SSD or S3 pass lasts seconds.
     """
     best_base = best_ours = float("inf")
-    for _ in range(REPS):
+    spent = [0.0, 0.0]
+    reps = 0
+    while reps < REPS or (min(spent) < BUDGET_S and reps < MAX_REPS):
+        reps += 1
         for fn, which in ((base, 0), (ours, 1)):
             t0 = time.perf_counter()
             for i in range(n):
                 await fn(i)
             dt = time.perf_counter() - t0
+            spent[which] += dt
             if which == 0:
                 best_base = min(best_base, dt)
             else:

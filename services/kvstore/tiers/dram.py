@@ -62,10 +62,16 @@ class DramTier(IndexedTtl, Tier):
 
     def put_now(self, key: str, blob: Blob, priority: int = 0) -> list[str]:
         """Synchronous ``put``: the store uses it so a put lands before any await."""
-        if key in self._blobs:
-            self._drop(key)
         size = len(blob)
         index = self._index
+        old = self._blobs.get(key)
+        if old is not None:
+            self._decoded.pop(key, None)
+            if index.bytes_used - len(old) + size <= index.capacity_bytes:
+                self._blobs[key] = blob  # replaced in place (the index entry too)
+                index.add(key, size, priority, time.time())
+                return []
+            self._drop(key)
         if index.bytes_used + size <= index.capacity_bytes:  # the common case: it fits
             evicted = []
         elif size > index.capacity_bytes:

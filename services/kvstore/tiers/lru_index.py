@@ -58,7 +58,13 @@ class PriorityLru:
 
     def add(self, key: str, size: int, priority: int, now: float) -> None:
         """Record ``key`` (replacing any old entry) as the most recent of its priority."""
-        if key in self._entries:
+        old = self._entries.get(key)
+        if old is not None:
+            if old.priority == priority:  # a put over the same key: update it in place
+                self.bytes_used += size - old.size
+                old.size, old.touched = size, now
+                self._order[priority].move_to_end(key)
+                return
             self.remove(key)
         self._entries[key] = Entry(size, priority, now)
         bucket = self._order.get(priority)
