@@ -47,6 +47,25 @@ async def test_dram_budget_and_eviction_order() -> None:
     t.check_integrity()
 
 
+async def test_dram_put_over_a_key_replaces_it_as_the_newest() -> None:
+    """A put over a stored key replaces its blob, size and priority, makes it the most
+    recent of its priority, forgets its decoded chunk, and evicts others only if the new
+    size does not fit."""
+    t = DramTier(100)
+    await t.put("a", b"a" * 30, priority=0)
+    await t.put("b", b"b" * 30, priority=0)
+    assert t.get_decoded("a", len) == (b"a" * 30, 30)
+    assert await t.put("a", b"A" * 40, priority=0) == []  # in place: now newer than b
+    assert t.get_decoded("a", len) == (b"A" * 40, 40)  # decoded again, not the old one
+    assert t.stats().bytes_used == 70 and t._index.victims(31) == ["b"]
+    assert await t.put("a", b"P" * 20, priority=-1) == []  # another priority bucket
+    assert t._index.victims(60) == ["a"]  # the lowest priority goes first
+    assert await t.put("a", b"G" * 80, priority=0) == ["b"]  # grows past the budget
+    assert await t.get("a") == b"G" * 80 and not await t.contains("b")
+    assert t.stats().bytes_used == 80
+    t.check_integrity()
+
+
 async def test_dram_scan_expired() -> None:
     t = DramTier(100)
     await t.put("old", b"1")
