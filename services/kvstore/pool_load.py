@@ -17,16 +17,15 @@ of the earlier spans' use. Inside its chunk a span starts at
     chunk (bpc = 16):  | 0 1 2 ... 7 | 8 ... 12 | 13 14 15 |
     span first_block=40, use=5:  offset 8 ─┘└─ copies these 5 blocks
 
-A chunk is copied only after its header passed its checks (key, header hashes, shape,
-dtype); one read straight into its blocks is verified against its checksum after (a
-corrupt one is then overwritten by the tier below's copy, or its layer fails). A chunk
-the lease named is read head and payload at once and its head compared byte for byte
-with the one expected (``_CopyOnRead._read_known``); any other head is parsed and
-checked, and the chunk read again. A layer
-with a missing or failing chunk is reported failed and later layers are not loaded;
-blocks its chunks were copied into are the request's own, and the engine never indexes
-a failed layer's blocks (it recomputes them). No copy runs after
-the call ends: a cancelled load waits for the copies under way.
+A chunk file the lease named is read head and payload at once, and the head compared
+byte for byte with the one expected for exactly that chunk (``_CopyOnRead._read_known``);
+any other chunk has its header parsed and checked (key, header hashes, shape, dtype)
+before its payload is read. Either way a read straight into the blocks is verified
+against its checksum after (a corrupt chunk is then overwritten by the tier below's copy,
+or its layer fails). A layer with a missing or failing chunk is reported failed and later
+layers are not loaded; whatever was read into its blocks is in the request's own blocks,
+and the engine never indexes a failed layer's blocks (it recomputes them). No copy runs
+after the call ends: a cancelled load waits for the copies under way.
 """
 
 from __future__ import annotations
