@@ -58,6 +58,14 @@ class DecoderLayer(nn.Module):
     def linears(self) -> tuple[Linear, ...]:
         return self.qkv, self.o, self.gate_up, self.down
 
+    def pack_linears(self) -> None:
+        """Float32 CPU weights in oneDNN's layout (see linear.py); each packed weight's
+        parameter is dropped, so its plain copy is freed."""
+        for name, lin in (("qkv_w", self.qkv), ("o_w", self.o), ("gate_up_w", self.gate_up),
+                          ("down_w", self.down)):
+            if lin.pack():
+                setattr(self, name, None)
+
     def forward(
         self,
         h: torch.Tensor,
@@ -109,6 +117,10 @@ class LlamaModel(nn.Module):
         self.upcast_rows = default_upcast_rows(embed.dtype, embed.device)
         self.layers = nn.ModuleList(DecoderLayer(config, w, self.upcast_rows) for w in layers)
         self.rope = RotaryTables(config, embed.dtype, embed.device)
+        for layer in self.layers:
+            layer.pack_linears()
+        if lm_head is not None and self.head.pack():
+            self.lm_head = None  # a tied head stays plain: the embedding lookup reads it
 
     def set_upcast_rows(self, rows: int) -> None:
         """Override the float32-compute threshold of half-precision linears (0 = never,

@@ -133,3 +133,21 @@ def test_bf16_upcast_linears_match_plain_bf16(demo_tiny) -> None:
     exact = PagedCache(ref, 1, 48).step([prompt], [0])
     assert (plain - upcast).abs().max().item() < 0.02
     assert (upcast - exact).abs().max().item() < 0.02
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_float32_cpu_model_holds_each_linear_weight_once(hf_checkpoint, tied: bool) -> None:
+    """Float32 CPU linears run on oneDNN-packed weights that replace the plain ones (no
+    second copy); a tied head stays plain, as the embedding lookup reads it."""
+    from services.engine.model.linear import pack_float32
+
+    if pack_float32(torch.zeros(4, 4)) is None:
+        pytest.skip("this torch build has no oneDNN weight reorder")
+    folder, ref = hf_checkpoint(arch="llama", tie_word_embeddings=tied)
+    model = load_model(folder, dtype=torch.float32).model
+    names = {n for n, _ in model.named_parameters()}
+    assert not any(n.endswith(("qkv_w", "o_w", "gate_up_w", "down_w")) for n in names)
+    assert all(lin.w is None for layer in model.layers for lin in layer.linears())
+    assert (model.head.w is not None) == tied and (model.lm_head is not None) == tied
+    want = ref.lm_head.weight.detach()
+    assert torch.equal(model.head.weight, want)
