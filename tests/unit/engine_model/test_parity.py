@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.model import load_model
+from services.engine.model import load_model, paged_attention
 
 from .paged import PagedCache, greedy
 
@@ -76,9 +76,21 @@ def test_chunked_prefill_equals_one_shot(hf_checkpoint) -> None:
     torch.testing.assert_close(logits, full, atol=1e-5, rtol=0)
 
 
-def test_mixed_batch_equals_sequences_alone(hf_checkpoint) -> None:
+# Decode groups (paged_attention.group_by_length): 0 = a group per distinct context
+# length, the default, and one group for every decode.
+GROUPINGS = (0, None, 10**9)
+
+
+def _grouping(monkeypatch, call_keys: int | None) -> None:
+    if call_keys is not None:
+        monkeypatch.setattr(paged_attention, "GROUP_CALL_KEYS", call_keys)
+
+
+@pytest.mark.parametrize("call_keys", GROUPINGS)
+def test_mixed_batch_equals_sequences_alone(hf_checkpoint, monkeypatch, call_keys) -> None:
     """Prefill chunks and decodes of different sequences in one step give each sequence's
     own logits."""
+    _grouping(monkeypatch, call_keys)
     folder, _ = hf_checkpoint(arch="qwen2")
     model = load_model(folder, dtype=torch.float32).model
     prompts = [_prompt(n, seed=7) for n in (9, 21, 3, 40)]
@@ -93,7 +105,9 @@ def test_mixed_batch_equals_sequences_alone(hf_checkpoint) -> None:
         torch.testing.assert_close(logits[s], alone[s], atol=1e-5, rtol=0)
 
 
-def test_batched_decode_equals_single(hf_checkpoint) -> None:
+@pytest.mark.parametrize("call_keys", GROUPINGS)
+def test_batched_decode_equals_single(hf_checkpoint, monkeypatch, call_keys) -> None:
+    _grouping(monkeypatch, call_keys)
     folder, _ = hf_checkpoint(arch="llama", num_key_value_heads=1)
     model = load_model(folder, dtype=torch.float32).model
     prompts = [_prompt(n, seed=3) for n in (5, 17, 30)]
