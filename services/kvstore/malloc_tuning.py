@@ -10,9 +10,9 @@ in the process for reuse; the DRAM tier's byte budget still bounds what is live.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
+
+from shared.libc import glibc
 
 log = logging.getLogger(__name__)
 
@@ -24,15 +24,10 @@ TRIM_THRESHOLD_BYTES = 256 << 20
 
 def tune_malloc() -> bool:
     """Apply the thresholds (glibc only; elsewhere a no-op). True if applied."""
-    name = ctypes.util.find_library("c")
-    if not name:
+    libc = glibc()
+    if libc is None:  # not glibc (musl has no mallopt)
         return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
-        return False
-    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt = libc.mallopt
     ok = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
         mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
     )

@@ -21,7 +21,10 @@ Float32 weights on CPU are also held in oneDNN's own blocked layout, packed once
 weight, oneDNN reorders it on every call. For the 50-row step over a 2k history of the
 demo "small" model (float32, 12 layers, weights cold in cache as in a real step) that was
 6-9% of the step (median 169 vs 159 ms, interleaved runs); a 512-row prefill chunk is
-unchanged. The packed copy replaces the plain weight, so no memory is added.
+unchanged. The packed copy replaces the plain weight. Where the plain one was made at load
+(a bf16 checkpoint served in float32, fused q/k/v and gate/up) that adds no memory; a
+weight that was a zero-copy view of a float32 checkpoint's file mapping becomes anonymous
+memory instead (its file pages are then only reclaimable cache).
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from shared.libc import trim_heap
+
 from .errors import LoaderError
 from .fingerprint import model_fingerprint
 from .hf_config import ModelConfig, eos_ids_from_generation_config
@@ -78,6 +80,8 @@ def load_model(
     dev = torch.device(device)
     glob, layers = build_weights(cfg, TensorSource(files, dtype, dev))
     model = LlamaModel(cfg, glob, layers).eval()
+    del glob, layers  # the plain weights that packing replaced (see linear.py) go now
+    trim_heap()  # and glibc hands their memory back instead of keeping it for reuse
     fp = model_fingerprint(raw, folder / "tokenizer.json", files, dtype)
     name = served_name or folder.resolve().name
     log.info(
