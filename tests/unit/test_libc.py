@@ -1,16 +1,11 @@
 from __future__ import annotations
 
-import platform
-
-import pytest
-
 from services.kvstore.malloc_tuning import tune_malloc
 from shared.libc import glibc, trim_heap
 
 
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc only")
 def test_glibc_controls_are_reachable() -> None:
-    assert glibc() is not None
+    assert glibc() is not None  # the project's machines run Debian (glibc)
     big = [bytearray(1 << 20) for _ in range(64)]  # 64 MiB on the heap, then freed
     del big
     assert isinstance(trim_heap(), bool)

@@ -155,8 +155,7 @@ def test_float32_cpu_model_holds_each_linear_weight_once(hf_checkpoint, tied: bo
     second copy); a tied head stays plain, as the embedding lookup reads it."""
     from services.engine.model.linear import pack_float32
 
-    if pack_float32(torch.zeros(4, 4)) is None:
-        pytest.skip("this torch build has no oneDNN weight reorder")
+    assert pack_float32(torch.zeros(4, 4)) is not None, "the pinned torch build has oneDNN"
     folder, ref = hf_checkpoint(arch="llama", tie_word_embeddings=tied)
     model = load_model(folder, dtype=torch.float32).model
     names = {n for n, _ in model.named_parameters()}
