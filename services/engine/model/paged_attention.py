@@ -142,26 +142,61 @@ def build_plan(batch: ForwardBatch, block_size: int, group: int,
                                          _prefill_mask(n, kv_len, group, device, dtype)))
         start += n
     all_decode = not prefills
-    members = group_by_length([batch.kv_lens[s] for s in dec_seqs], GROUP_CALL_KEYS)
+    groups = _decode_groups(dec_rows, dec_seqs, [batch.kv_lens[s] for s in dec_seqs],
+                            all_decode, block_size, device, dtype)
+    return AttentionPlan(block_size=block_size, kv_rows=kv_rows, decode_groups=groups,
+                         all_decode=all_decode, prefills=prefills)
+
+
+def build_rows_plan(batch: ForwardBatch, rows: list[int], kv_rows: torch.Tensor,
+                    block_size: int, dtype: torch.dtype) -> AttentionPlan:
+    """Attention for only the query rows ``rows`` of the step (the packed rows whose
+    logits are wanted), each a one-token query over its own causal context: a row at
+    position p of its sequence attends keys 0..p, as a decode at p would. The queries
+    given to ``paged_attention`` are then ``q[rows]``. ``kv_rows``: the step's, for the
+    writes (they cover every row).
+
+    The last layer's output is read only at the logits rows, so only they need its
+    attention, output projection and MLP; its K/V is still written for every row. For a
+    prompt chunk of n tokens that skips n - 1 rows of the layer's most costly part."""
+    device = batch.input_ids.device
+    seq_of: list[int] = []
+    ctx_of: list[int] = []
+    for s, (n, kv_len) in enumerate(zip(batch.q_lens, batch.kv_lens, strict=True)):
+        seq_of.extend([s] * n)
+        ctx_of.extend(range(kv_len - n + 1, kv_len + 1))
+    seqs = [seq_of[r] for r in rows]
+    whole = seqs == list(range(batch.num_seqs))  # one row per sequence, in batch order
+    groups = _decode_groups(list(range(len(rows))), seqs, [ctx_of[r] for r in rows], whole,
+                            block_size, device, dtype)
+    return AttentionPlan(block_size=block_size, kv_rows=kv_rows, decode_groups=groups,
+                         all_decode=True)
+
+
+def _decode_groups(rows: list[int], seqs: list[int], lens: list[int], may_be_whole: bool,
+                   block_size: int, device: torch.device,
+                   dtype: torch.dtype) -> list[DecodeGroup]:
+    """One-token queries (query row ``rows[i]`` of sequence ``seqs[i]``, attending the
+    first ``lens[i]`` keys) split into decode groups. ``may_be_whole``: the queries are
+    every row of q and every sequence, in order, so a lone group needs no indexing."""
+    members = group_by_length(lens, GROUP_CALL_KEYS)
     groups = []
     for idx in members:
-        # A lone group of an all-decode step covers every row and sequence: no indexing.
-        whole = all_decode and len(members) == 1
+        whole = may_be_whole and len(members) == 1
         idx = sorted(idx)  # batch order, as the rows of q and of the block tables
-        lens = [batch.kv_lens[dec_seqs[i]] for i in idx]
-        length = max(lens)
+        glens = [lens[i] for i in idx]
+        length = max(glens)
         blocks = -(-length // block_size)
         mask = None
         if len(idx) > 1:
             ctx = torch.arange(blocks * block_size, device=device)
-            lt = torch.tensor(lens, device=device)
+            lt = torch.tensor(glens, device=device)
             mask = _additive(ctx[None, :] < lt[:, None], dtype)[:, None, None, :]
         groups.append(DecodeGroup(
-            rows=None if whole else torch.tensor([dec_rows[i] for i in idx], device=device),
-            seqs=None if whole else torch.tensor([dec_seqs[i] for i in idx], device=device),
+            rows=None if whole else torch.tensor([rows[i] for i in idx], device=device),
+            seqs=None if whole else torch.tensor([seqs[i] for i in idx], device=device),
             blocks=blocks, length=length, mask=mask))
-    return AttentionPlan(block_size=block_size, kv_rows=kv_rows, decode_groups=groups,
-                         all_decode=all_decode, prefills=prefills)
+    return groups
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -247,8 +282,8 @@ def _prefill(chunk: PrefillChunk, q: torch.Tensor, kv_cache: torch.Tensor,
 def paged_attention(plan: AttentionPlan, q: torch.Tensor, kv_cache: torch.Tensor,
                     tables: torch.Tensor, scale: float) -> torch.Tensor:
     """All sequences of a step. q (T, heads, hd) packed as in ForwardBatch -> (T, heads*hd)."""
-    if plan.all_decode and len(plan.decode_groups) == 1:
-        return _decode(plan.decode_groups[0], q, kv_cache, tables, scale)
+    if plan.all_decode and len(plan.decode_groups) == 1 and plan.decode_groups[0].rows is None:
+        return _decode(plan.decode_groups[0], q, kv_cache, tables, scale)  # every row, in order
     out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
     for c in plan.prefills:
         out[c.start:c.start + c.length] = _prefill(

@@ -164,3 +164,53 @@ def test_float32_cpu_model_holds_each_linear_weight_once(hf_checkpoint, tied: bo
     assert (model.head.w is not None) == tied and (model.lm_head is not None) == tied
     want = ref.lm_head.weight.detach()
     assert torch.equal(model.head.weight, want)
+
+
+def _mixed_step(cache: PagedCache, prompts: list[list[int]]):
+    """A step with a decode, a whole prompt and a continued chunk (after a first step)."""
+    cache.step([prompts[0][:-1], [], prompts[2][:12]], [0, 0, 0])
+    return cache.batch([prompts[0][-1:], prompts[1], prompts[2][12:]],
+                       [len(prompts[0]) - 1, 0, 12])
+
+
+@pytest.mark.parametrize("call_keys", GROUPINGS)
+def test_last_layer_output_rows_equal_every_row(hf_checkpoint, monkeypatch, call_keys) -> None:
+    """The last layer computed only at the logits rows (one-token queries over each row's
+    causal context) gives the logits of the full computation at those rows, for the last
+    row of each sequence and for any other rows, several of one sequence among them."""
+    _grouping(monkeypatch, call_keys)
+    folder, _ = hf_checkpoint(arch="qwen2", num_hidden_layers=3)
+    model = load_model(folder, dtype=torch.float32).model
+    prompts = [_prompt(n, seed=11) for n in (10, 19, 33)]
+    full_cache = PagedCache(model, 3, 48)
+    batch = _mixed_step(full_cache, prompts)
+    t = batch.num_tokens
+    batch.logits_indices = torch.arange(t)  # every row: nothing skipped
+    every = model(batch, full_cache.kv_cache)
+    for rows in ([0, 19, t - 1], [t - 1, 3, 4, 19, 20], [5], [1, 2, 25, 26, 27]):
+        cache = PagedCache(model, 3, 48)
+        batch = _mixed_step(cache, prompts)
+        batch.logits_indices = torch.tensor(rows)
+        got = model(batch, cache.kv_cache)
+        torch.testing.assert_close(got, every[rows], atol=1e-5, rtol=0)
+        # The K/V of every row was still written: the caches agree.
+        torch.testing.assert_close(cache.kv_cache, full_cache.kv_cache, atol=1e-6, rtol=0)
+
+
+def test_last_layer_runs_only_at_logits_rows(hf_checkpoint) -> None:
+    """A prompt's last layer computes its MLP for the last token alone; the other layers
+    for every token."""
+    folder, _ = hf_checkpoint(arch="llama", num_hidden_layers=3)
+    model = load_model(folder, dtype=torch.float32).model
+    seen: dict[int, list[int]] = {}
+    for i, layer in enumerate(model.layers):
+        inner = layer.down
+
+        def down(x, upcast_rows, i=i, inner=inner):
+            seen.setdefault(i, []).append(x.shape[0])
+            return inner(x, upcast_rows)
+
+        layer.down = down
+    cache = PagedCache(model, 2, 32)
+    cache.step([_prompt(20), _prompt(7)], [0, 0])
+    assert seen == {0: [27], 1: [27], 2: [2]}
