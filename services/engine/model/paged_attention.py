@@ -142,8 +142,11 @@ def build_plan(batch: ForwardBatch, block_size: int, group: int,
                                          _prefill_mask(n, kv_len, group, device, dtype)))
         start += n
     all_decode = not prefills
+    # A lone group covers every row and sequence only if each sequence has its one row (a
+    # sequence with no new tokens has none).
+    whole = all_decode and len(dec_seqs) == batch.num_seqs
     groups = _decode_groups(dec_rows, dec_seqs, [batch.kv_lens[s] for s in dec_seqs],
-                            all_decode, block_size, device, dtype)
+                            whole, block_size, device, dtype)
     return AttentionPlan(block_size=block_size, kv_rows=kv_rows, decode_groups=groups,
                          all_decode=all_decode, prefills=prefills)
 
@@ -165,10 +168,19 @@ def build_rows_plan(batch: ForwardBatch, rows: list[int], kv_rows: torch.Tensor,
     for s, (n, kv_len) in enumerate(zip(batch.q_lens, batch.kv_lens, strict=True)):
         seq_of.extend([s] * n)
         ctx_of.extend(range(kv_len - n + 1, kv_len + 1))
+    # Rows of decoding sequences are grouped as build_plan groups them. A row of a prompt
+    # chunk gets a call of its own, as its chunk had: a prompt's first token then does not
+    # depend on which other sequences share the step (a shared, padded call can change the
+    # last bits).
+    dec = [i for i, r in enumerate(rows) if batch.q_lens[seq_of[r]] == 1]
     seqs = [seq_of[r] for r in rows]
-    whole = seqs == list(range(batch.num_seqs))  # one row per sequence, in batch order
-    groups = _decode_groups(list(range(len(rows))), seqs, [ctx_of[r] for r in rows], whole,
-                            block_size, device, dtype)
+    whole = len(dec) == len(rows) and seqs == list(range(batch.num_seqs))
+    groups = _decode_groups(dec, [seqs[i] for i in dec], [ctx_of[rows[i]] for i in dec],
+                            whole, block_size, device, dtype)
+    for i, r in enumerate(rows):
+        if batch.q_lens[seq_of[r]] > 1:
+            groups += _decode_groups([i], [seqs[i]], [ctx_of[r]], False, block_size, device,
+                                     dtype)
     return AttentionPlan(block_size=block_size, kv_rows=kv_rows, decode_groups=groups,
                          all_decode=True)
 
@@ -281,7 +293,8 @@ def _prefill(chunk: PrefillChunk, q: torch.Tensor, kv_cache: torch.Tensor,
 
 def paged_attention(plan: AttentionPlan, q: torch.Tensor, kv_cache: torch.Tensor,
                     tables: torch.Tensor, scale: float) -> torch.Tensor:
-    """All sequences of a step. q (T, heads, hd) packed as in ForwardBatch -> (T, heads*hd)."""
+    """All sequences of a step. q (T, heads, hd) packed as in ForwardBatch -> (T, heads*hd);
+    for a plan from ``build_rows_plan``, q holds only its rows."""
     if plan.all_decode and len(plan.decode_groups) == 1 and plan.decode_groups[0].rows is None:
         return _decode(plan.decode_groups[0], q, kv_cache, tables, scale)  # every row, in order
     out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])

@@ -214,3 +214,33 @@ def test_last_layer_runs_only_at_logits_rows(hf_checkpoint) -> None:
     cache = PagedCache(model, 2, 32)
     cache.step([_prompt(20), _prompt(7)], [0, 0])
     assert seen == {0: [27], 1: [27], 2: [2]}
+
+
+def test_prompt_first_logits_do_not_depend_on_the_batch(hf_checkpoint) -> None:
+    """A prompt's first-token logits are bitwise the same alone and in a step with another
+    prompt (its last-layer row gets an attention call of its own)."""
+    folder, _ = hf_checkpoint(arch="llama", num_hidden_layers=3)
+    model = load_model(folder, dtype=torch.float32).model
+    p, q = _prompt(37, seed=5), _prompt(20, seed=9)
+    alone_p = PagedCache(model, 1, 64).step([p], [0])[0]
+    alone_q = PagedCache(model, 1, 64).step([q], [0])[0]
+    both = PagedCache(model, 2, 64).step([p, q], [0, 0])
+    assert torch.equal(both[0], alone_p) and torch.equal(both[1], alone_q)
+
+
+def test_decode_step_with_an_idle_sequence(hf_checkpoint) -> None:
+    """An all-decode step whose batch also holds a sequence with no new token: the others
+    still attend their own keys (the single-group fast path needs a row per sequence)."""
+    folder, _ = hf_checkpoint(arch="llama", num_hidden_layers=2)
+    model = load_model(folder, dtype=torch.float32).model
+    cache = PagedCache(model, 3, 32)
+    cache.step([[5, 6, 7], [8, 9], [10, 11, 12, 13]], [0, 0, 0])
+    want = PagedCache(model, 3, 32)
+    want.step([[5, 6, 7], [8, 9], [10, 11, 12, 13]], [0, 0, 0])
+    expected = want.step([[20], [], [21]], [3, 2, 4])
+    batch = cache.batch([[20], [], [21]], [3, 2, 4])
+    batch.q_lens, batch.kv_lens = [1, 0, 1], [4, 2, 5]  # the idle sequence put back
+    batch.block_tables = [t[[0, 1, 2]] for t in cache.tables]
+    batch.logits_indices = torch.tensor([0, 1])
+    got = model(batch, cache.kv_cache)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
