@@ -66,6 +66,19 @@ async def serve_grpc(
         await server.stop(grace_s)
 
 
-def insecure_channel(address: str) -> grpc.aio.Channel:
-    """A client channel with Overture's message-size limits."""
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+def insecure_channel(address: str, max_reconnect_backoff_ms: int = 0) -> grpc.aio.Channel:
+    """A client channel with Overture's message-size limits: the one set of channel options
+    every service's client uses.
+
+    ``max_reconnect_backoff_ms`` caps gRPC's reconnect backoff (its default grows to two
+    minutes): a client polling a peer that is still starting, or that restarts, notices it
+    within that time. 0 keeps gRPC's default."""
+    options = list(CHANNEL_OPTIONS)
+    if max_reconnect_backoff_ms:
+        first = min(100, max_reconnect_backoff_ms)
+        options += [
+            ("grpc.initial_reconnect_backoff_ms", first),
+            ("grpc.min_reconnect_backoff_ms", first),
+            ("grpc.max_reconnect_backoff_ms", max_reconnect_backoff_ms),
+        ]
+    return grpc.aio.insecure_channel(address, options=options)
