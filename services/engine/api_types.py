@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from shared.model_info import ModelInfo  # noqa: F401  (re-exported: part of the engine API)
-
 from dataclasses import dataclass, field
+
+from shared.model_info import ModelInfo  # noqa: F401  (re-exported: part of the engine API)
 
 
 @dataclass(frozen=True)

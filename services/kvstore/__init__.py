@@ -1,10 +1,10 @@
 """kvstore: the node's data plane — DRAM arena, RocksDB, S3 — behind ``TieredStore``.
 
 Public surface for other services (in-process use, e.g. the engine hand-off):
-``TieredStore`` (put/get by chunk key, per layer, manifests), ``Manifest``, the ``Tier``
-interface and ``build_tiers``, the typed errors, and ``PoolDataPath`` (the same-node
-data path to the engine's KV pool, ``pool_path.py``). The chunk format is
-``shared.chunk_codec``.
+``TieredStore`` (chunks by key across the tiers, ``store/``), ``ManifestStore`` and
+``Manifest`` (``manifests/``), the ``Tier`` interface and ``build_tiers`` (``tiers/``),
+the typed errors, and ``EnginePoolPath`` (the same-node data path to the engine's KV
+pool, ``pool/``). The chunk format is ``shared.chunk_codec``.
 """
 
 from __future__ import annotations
@@ -17,16 +17,17 @@ from services.kvstore.errors import (
     TierUnavailable,
     WriteDropped,
 )
-from services.kvstore.manifest import Manifest
-from services.kvstore.pool_map import PoolError, PoolGeometry
-from services.kvstore.pool_path import PoolDataPath
+from services.kvstore.manifests import Manifest, ManifestStore
+from services.kvstore.pool.attach import PoolError, PoolGeometry
+from services.kvstore.pool.data_path import EnginePoolPath
 from services.kvstore.store import PutReceipt, TieredStore, layer_priority
 
 __all__ = [
     "ChunkCorrupt",
     "Manifest",
     "ManifestIncomplete",
-    "PoolDataPath",
+    "ManifestStore",
+    "EnginePoolPath",
     "PoolError",
     "PoolGeometry",
     "PutReceipt",

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 import grpc
 
 from services.kvstore.errors import ManifestIncomplete, TierUnavailable
-from services.kvstore.manifest import Manifest, manifest_key
-from services.kvstore.store import TieredStore
+from services.kvstore.manifests import Manifest, ManifestStore, manifest_key
 from services.kvstore.wire import manifest_from_pb
 from shared.chunk_codec import ChunkCorrupt, ChunkFormatError
 from shared.grpc_server import insecure_channel
@@ -34,7 +33,7 @@ class PullResult:
 
 
 async def pull_session(
-    store: TieredStore,
+    manifests: ManifestStore,
     peer: str,
     tenant: str,
     session_id: str,
@@ -43,7 +42,7 @@ async def pull_session(
     write_manifest: bool = False,
     timeout_s: float = 10.0,
 ) -> PullResult:
-    """Copy ``tenant/session_id`` from the kvstore at ``peer`` into ``store``.
+    """Copy ``tenant/session_id`` from the kvstore at ``peer`` into ``manifests.store``.
 
     Raises ``ChunkFormatError`` for a malformed session reference (before any call) and
     ``TierUnavailable`` when the peer cannot be reached, sends a malformed manifest, or
@@ -54,6 +53,7 @@ async def pull_session(
     locally (only if none was missing).
     """
     manifest_key(tenant, session_id)  # the caller's input, checked before any call
+    store = manifests.store
     async with insecure_channel(peer) as channel:
         stub = pb_grpc.KVStoreStub(channel)
         ref = pb.ManifestRef(tenant=tenant, session_id=session_id)
@@ -96,7 +96,7 @@ async def pull_session(
     if write_manifest and not result.missing and first_layer == 0:
         # put_manifest waits (bounded) for the write-behind of the chunks just stored.
         try:
-            await store.put_manifest(manifest)
+            await manifests.put_manifest(manifest)
         except (ManifestIncomplete, TierUnavailable) as e:
             result.detail = f"manifest not written here: {e}"
     return result

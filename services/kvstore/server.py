@@ -13,10 +13,11 @@ import signal
 from contextlib import AsyncExitStack
 
 from services.kvstore.config import KVStoreConfig
+from services.kvstore.manifests import ManifestStore
 from services.kvstore.metrics import KVStoreMetrics
 from services.kvstore.metrics_http import serve_metrics
-from services.kvstore.pool_io import lazy_torch
-from services.kvstore.pool_path import PoolDataPath
+from services.kvstore.pool.copies import lazy_torch
+from services.kvstore.pool.data_path import EnginePoolPath
 from services.kvstore.service import KVStoreService
 from services.kvstore.store import TieredStore
 from services.kvstore.tiers import build_tiers
@@ -60,17 +61,19 @@ async def run(config: KVStoreConfig, stop: asyncio.Event | None = None) -> None:
         # opened), off the loop, so the engine's first AttachPool does not wait for it.
         warm_torch = asyncio.create_task(asyncio.to_thread(lazy_torch), name="import-torch")
         stack.push_async_callback(asyncio.gather, warm_torch, return_exceptions=True)
+        manifests = await stack.enter_async_context(ManifestStore(store, config.drain_s))
         pool_path = await stack.enter_async_context(
-            PoolDataPath(
+            EnginePoolPath(
                 store,
                 config.chunk_tokens,
                 lease_s=config.lease_s,
                 readahead_layers=config.load_readahead_layers,
                 drain_s=config.drain_s,
+                manifests=manifests,
             )
         )
         service = KVStoreService(
-            store, config.node_id, config.stream_window, config.peer_address, pool_path,
+            manifests, config.node_id, config.stream_window, config.peer_address, pool_path,
             config.peer_timeout_s,
         )
         server = await stack.enter_async_context(

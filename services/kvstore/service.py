@@ -9,11 +9,10 @@ from collections.abc import AsyncIterator
 import grpc
 
 from services.kvstore.errors import ManifestIncomplete, StorageError, TierUnavailable
-from services.kvstore.manifest import manifest_key
+from services.kvstore.manifests import ManifestStore, manifest_key
 from services.kvstore.peer import pull_session
-from services.kvstore.pool_map import PoolError
-from services.kvstore.pool_path import PoolDataPath
-from services.kvstore.store import TieredStore
+from services.kvstore.pool.attach import PoolError
+from services.kvstore.pool.data_path import EnginePoolPath
 from services.kvstore.streaming import stream_session
 from services.kvstore.wire import (
     geometry_from_pb,
@@ -37,14 +36,15 @@ log = logging.getLogger(__name__)
 class KVStoreService(pb_grpc.KVStoreServicer):
     def __init__(
         self,
-        store: TieredStore,
+        manifests: ManifestStore,
         node_id: str,
         window: int,
         peer_address: str,
-        pool_path: PoolDataPath,
+        pool_path: EnginePoolPath | None,
         peer_timeout_s: float = 10.0,
     ) -> None:
-        self.store = store
+        self.manifests = manifests
+        self.store = manifests.store
         self.peer_timeout_s = peer_timeout_s
         self.pool_path = pool_path
         self.node_id = node_id
@@ -83,7 +83,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 yield _chunk_msg(key, blob, layer=_layer_of(key), index=i)
             return
         try:
-            manifest = await self.store.get_manifest(
+            manifest = await self.manifests.get_manifest(
                 request.session.tenant, request.session.session_id
             )
         except ChunkFormatError as e:
@@ -142,7 +142,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self, request: pb.ManifestRef, context: grpc.aio.ServicerContext
     ) -> pb.ManifestReply:
         try:
-            m = await self.store.get_manifest(request.tenant, request.session_id)
+            m = await self.manifests.get_manifest(request.tenant, request.session_id)
         except ChunkFormatError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if m is None:
@@ -153,7 +153,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self, request: pb.SessionManifest, context: grpc.aio.ServicerContext
     ) -> pb.PutManifestReply:
         try:
-            await self.store.put_manifest(manifest_from_pb(request))
+            await self.manifests.put_manifest(manifest_from_pb(request))
         except ChunkFormatError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except (ManifestIncomplete, TierUnavailable) as e:
@@ -188,13 +188,13 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if request.session.session_id:
             tenant, sid = request.session.tenant, request.session.session_id
             if everywhere:  # the session is gone, not just evicted from faster tiers
-                await self.pool_path.forget(tenant, sid)
+                await self.manifests.forget(tenant, sid)
             try:
-                m = await self.store.get_manifest(tenant, sid)
+                m = await self.manifests.get_manifest(tenant, sid)
                 if m is not None and request.with_chunks:
                     for k in m.chunk_keys():
                         n += await self.store.delete(k, tiers)
-                n += await self.store.delete_manifest(tenant, sid, tiers)
+                n += await self.manifests.delete_manifest(tenant, sid, tiers)
             except ChunkFormatError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.DeleteReply(deleted=n)
@@ -210,7 +210,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             )
         try:
             r = await pull_session(
-                self.store,
+                self.manifests,
                 peer,
                 request.session.tenant,
                 request.session.session_id,
@@ -227,7 +227,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             found=r.found, chunks=r.chunks, missing=r.missing, bytes=r.bytes, detail=r.detail
         )
 
-    # ------------------------------------------------ same-node data path (pool_path.py)
+    # ------------------------------------------------ same-node data path (pool/)
 
     async def AttachPool(
         self, request: pb.AttachPoolRequest, context: grpc.aio.ServicerContext
@@ -266,7 +266,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     ) -> AsyncIterator[pb.LayerLoaded]:
         try:
             # aclosing: a dropped call finishes the load's clean-up before it ends (see
-            # PoolDataPath.load): no pool write after the RPC.
+            # EnginePoolPath.load): no pool write after the RPC.
             async with contextlib.aclosing(self.pool_path.load(load_from_pb(request))) as layers:
                 async for msg in layers:
                     yield layer_to_pb(msg)

@@ -13,7 +13,7 @@ import asyncio
 from collections import deque
 from collections.abc import AsyncIterator
 
-from services.kvstore.manifest import Manifest
+from services.kvstore.manifests.manifest import Manifest
 from services.kvstore.store import TieredStore
 from services.kvstore.tiers.base import Blob
 

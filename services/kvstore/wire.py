@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from services.kvstore.manifest import Manifest
-from services.kvstore.pool_map import PoolGeometry
-from services.kvstore.pool_types import (
+from services.kvstore.manifests.manifest import Manifest
+from services.kvstore.pool.attach import PoolGeometry
+from services.kvstore.pool.types import (
     LayerLoaded,
     LoadRequest,
     LookupRequest,
     LookupResult,
-    PrefixSpan,
     SaveRequest,
 )
 from services.kvstore.tiers.base import TierStats
+from shared.kv_layout import KVSpan
 from shared.proto import kvstore_pb2 as pb
 
 
@@ -71,15 +71,15 @@ def geometry_from_pb(p: pb.PoolGeometry) -> PoolGeometry:
     )
 
 
-def span_to_pb(s: PrefixSpan) -> pb.PrefixSpan:
+def span_to_pb(s: KVSpan) -> pb.PrefixSpan:
     return pb.PrefixSpan(
         chunk_hash=s.chunk_hash, first_block=s.first_block, use_blocks=s.use_blocks,
         tier=s.tier, bytes=s.nbytes,
     )
 
 
-def span_from_pb(p: pb.PrefixSpan) -> PrefixSpan:
-    return PrefixSpan(bytes(p.chunk_hash), p.first_block, p.use_blocks, p.tier, p.bytes)
+def span_from_pb(p: pb.PrefixSpan) -> KVSpan:
+    return KVSpan(bytes(p.chunk_hash), p.first_block, p.use_blocks, p.tier, p.bytes)
 
 
 def lookup_from_pb(p: pb.LookupPrefixRequest) -> LookupRequest:

@@ -11,15 +11,23 @@ import torch
 
 from services.kvstore.config import KVStoreConfig
 from services.kvstore.metrics import KVStoreMetrics
-from services.kvstore.pool_path import PoolDataPath
-from services.kvstore.pool_types import LoadRequest, LookupRequest, SaveRequest
+from services.kvstore.pool.data_path import EnginePoolPath
+from services.kvstore.pool.types import LoadRequest, LookupRequest, SaveRequest
 from services.kvstore.server import build_store
 from shared.config import build
 from shared.proto import kvstore_pb2 as pb
 from tests.integration.kvstore.helpers import KVStoreProcess, channel, stub
 from tests.integration.kvstore.test_s3_tier import s3cfg
 from tests.unit.kvstore.pools import (
-    CHUNK_TOKENS, LAYERS, MODEL, TENANT, fill, geometry, hashes, ids, make_pool,
+    CHUNK_TOKENS,
+    LAYERS,
+    MODEL,
+    TENANT,
+    fill,
+    geometry,
+    hashes,
+    ids,
+    make_pool,
 )
 
 STRIDE, SRC, DST = 64, 0, 256
@@ -55,12 +63,12 @@ async def test_lookup_and_load_from_s3_then_via_manifest_after_restart(
     saved = pool.kv_cache.clone()
     config = cfg(tmp_path, s3, "a")
     async with build_store(config, KVStoreMetrics()) as store, \
-            PoolDataPath(store, CHUNK_TOKENS) as dp:
+            EnginePoolPath(store, CHUNK_TOKENS) as dp:
         pid, _ = await dp.attach(geometry(pool))
         await dp.save(SaveRequest(pid, TENANT, "chat", MODEL, hs[:40], 40 * 16, 0,
                                   tuple(ids(0, 40, SRC, STRIDE)), LAYERS))
         await dp.wait_manifests()  # written once every chunk is durable in S3
-        assert (await store.get_manifest(TENANT, "chat")).block_hashes == hs[:40]
+        assert (await dp.manifests.get_manifest(TENANT, "chat")).block_hashes == hs[:40]
         for tier in store.tiers[:2]:  # drop DRAM and SSD: only S3 is left
             for key in tier._index.keys():
                 await tier.delete(key)
@@ -78,7 +86,7 @@ async def test_lookup_and_load_from_s3_then_via_manifest_after_restart(
     # manifest names the partial chunk, so a 50-block prompt still reuses 40.
     pool.kv_cache[DST:].zero_()
     async with build_store(cfg(tmp_path, s3, "b"), KVStoreMetrics()) as store, \
-            PoolDataPath(store, CHUNK_TOKENS) as dp:
+            EnginePoolPath(store, CHUNK_TOKENS) as dp:
         pid, _ = await dp.attach(geometry(pool))
         r = await dp.lookup(LookupRequest(TENANT, "chat", MODEL, hs, 0, LAYERS))
         assert r.matched_blocks == 40

@@ -14,9 +14,9 @@ import grpc
 import pytest
 import torch
 
+from services.kvstore.wire import manifest_to_pb
 from shared.chunk_codec import decode_chunk, encode_chunk
 from shared.proto import kvstore_pb2 as pb
-from services.kvstore.wire import manifest_to_pb
 from tests.integration.kvstore.helpers import REPO, KVStoreProcess, channel, put_chunks, stub
 from tests.s3_server import free_port
 from tests.unit.kvstore.chunks import session_chunks, session_manifest

@@ -13,6 +13,7 @@ import torch
 
 from services.kvstore.config import KVStoreConfig, S3Config
 from services.kvstore.errors import TierUnavailable
+from services.kvstore.manifests import ManifestStore
 from services.kvstore.metrics import KVStoreMetrics
 from services.kvstore.server import build_store
 from services.kvstore.tiers import S3Tier
@@ -60,7 +61,7 @@ async def test_store_writes_through_to_s3_and_serves_after_local_loss(moto_endpo
         m = session_manifest("sess", num_blocks=3, num_layers=2, bpc=2)
         for cm, t in session_chunks(m):
             await s.put(cm, t)
-        await s.put_manifest(m)
+        await ManifestStore(s).put_manifest(m)
         s3 = s.lowest
         assert isinstance(s3, S3Tier)
         for key in m.chunk_keys():
@@ -74,7 +75,7 @@ async def test_store_writes_through_to_s3_and_serves_after_local_loss(moto_endpo
     # a fresh store (another node sharing the bucket) finds the manifest in S3
     cfg2 = store_cfg(tmp_path / "n2", cfg.s3)
     async with build_store(cfg2, KVStoreMetrics()) as s2:
-        assert await s2.get_manifest("t1", "sess") == m
+        assert await ManifestStore(s2).get_manifest("t1", "sess") == m
 
 
 async def test_corrupt_s3_object_is_a_counted_miss(moto_endpoint: str, tmp_path: Path) -> None:

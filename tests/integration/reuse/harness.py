@@ -14,7 +14,7 @@ from services.engine.config import EngineConfig
 from services.engine.model import LoadedModel
 from services.kvstore.config import KVStoreConfig
 from services.kvstore.metrics import KVStoreMetrics
-from services.kvstore.pool_path import PoolDataPath
+from services.kvstore.pool.data_path import EnginePoolPath
 from services.kvstore.server import SERVICE_NAME, build_store
 from services.kvstore.service import KVStoreService
 from shared.config import build
@@ -28,7 +28,7 @@ TENANT = "acme"
 @dataclasses.dataclass
 class KVStoreHandle:
     address: str
-    pool_path: PoolDataPath
+    pool_path: EnginePoolPath
     config: KVStoreConfig
 
 
@@ -52,10 +52,10 @@ async def kvstore(config: KVStoreConfig) -> AsyncIterator[KVStoreHandle]:
     async with contextlib.AsyncExitStack() as stack:
         store = await stack.enter_async_context(build_store(config, KVStoreMetrics()))
         pool_path = await stack.enter_async_context(
-            PoolDataPath(store, config.chunk_tokens, lease_s=config.lease_s,
+            EnginePoolPath(store, config.chunk_tokens, lease_s=config.lease_s,
                          readahead_layers=config.load_readahead_layers, drain_s=config.drain_s)
         )
-        service = KVStoreService(store, config.node_id, config.stream_window, "", pool_path)
+        service = KVStoreService(pool_path.manifests, config.node_id, config.stream_window, "", pool_path)
         server = await stack.enter_async_context(serve_grpc(
             config.host, config.port,
             register=[lambda s: kvstore_pb2_grpc.add_KVStoreServicer_to_server(service, s)],

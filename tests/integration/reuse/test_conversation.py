@@ -12,7 +12,13 @@ import pytest
 from services.engine.async_engine import AsyncEngine
 from services.engine.model import LoadedModel
 from tests.integration.reuse.harness import (
-    engine, kvstore, kvstore_config, reference_transcript, run_turn, saves_settled, turn_request,
+    engine,
+    kvstore,
+    kvstore_config,
+    reference_transcript,
+    run_turn,
+    saves_settled,
+    turn_request,
 )
 from tests.s3_server import free_port
 

@@ -10,8 +10,15 @@ from services.engine.engine_core import EngineCore
 from services.engine.model import LoadedModel
 from services.engine.validation import prepare
 from tests.integration.reuse.harness import (
-    SYSTEM, engine, engine_config, kvstore, kvstore_config, reference_transcript, run_turn,
-    saves_settled, turn_request,
+    SYSTEM,
+    engine,
+    engine_config,
+    kvstore,
+    kvstore_config,
+    reference_transcript,
+    run_turn,
+    saves_settled,
+    turn_request,
 )
 
 TURNS = ["Tell me a story about a robot that learns to paint.", "Why is the sky blue?",

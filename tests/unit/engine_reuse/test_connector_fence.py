@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 
 import grpc
-import pytest
 
 from services.engine.config import EngineConfig
 from services.engine.kv_connector import KVConnector

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from services.engine.reuse_planner import (
-    LAYERWISE, RECOMPUTE, WHOLE_PREFIX, LoadSpan, PrefillRate, ReusePlan, choose_spans,
+    LAYERWISE,
+    RECOMPUTE,
+    WHOLE_PREFIX,
+    LoadSpan,
+    PrefillRate,
+    ReusePlan,
+    choose_spans,
 )
 
 BS = 16

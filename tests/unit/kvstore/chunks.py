@@ -8,8 +8,8 @@ import zlib
 import msgpack
 import torch
 
-from services.kvstore.manifest import Manifest
-from shared.chunk_codec import PREAMBLE_BYTES, _PREAMBLE, ChunkMeta, encode_chunk, seal_chunk
+from services.kvstore.manifests.manifest import Manifest
+from shared.chunk_codec import _PREAMBLE, PREAMBLE_BYTES, ChunkMeta, encode_chunk, seal_chunk
 
 TENANT = "t1"
 MODEL = "fp0"

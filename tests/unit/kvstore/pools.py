@@ -11,7 +11,7 @@ import hashlib
 import torch
 
 from services.engine.kv_pool import KVPool, block_bytes_for
-from services.kvstore.pool_map import PoolGeometry
+from services.kvstore.pool.attach import PoolGeometry
 
 TENANT = "t1"
 MODEL = "fp0"

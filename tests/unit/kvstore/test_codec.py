@@ -103,7 +103,7 @@ def test_views_with_an_offset_and_grad_tensors_store_their_own_bytes() -> None:
 def test_header_is_one_map_of_every_field() -> None:
     import msgpack
 
-    from shared.chunk_codec import PREAMBLE_BYTES, _PREAMBLE
+    from shared.chunk_codec import _PREAMBLE, PREAMBLE_BYTES
 
     m = meta("s", 3, layer=200, blocks=17)  # a multi-byte layer and an array16 of hashes
     t = kv_tensor(8)

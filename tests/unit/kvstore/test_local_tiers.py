@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from services.kvstore.config import KVStoreConfig
 from services.kvstore.errors import TierOpenError
 from services.kvstore.tiers import DramTier, SsdTier, build_tiers
 from services.kvstore.tiers.lru_index import PriorityLru
-from services.kvstore.config import KVStoreConfig
 from shared.config import ConfigError, build
 
 

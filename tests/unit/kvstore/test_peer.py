@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from services.kvstore.errors import TierUnavailable
+from services.kvstore.manifests import ManifestStore
 from services.kvstore.metrics import KVStoreMetrics
 from services.kvstore.peer import pull_session
 from services.kvstore.store import TieredStore
@@ -62,22 +63,22 @@ def store() -> TieredStore:
 
 async def test_a_whole_session_arrives_with_nothing_missing() -> None:
     async with peer(ScriptedPeer()) as addr, store() as st:
-        r = await pull_session(st, addr, TENANT, "s", timeout_s=5)
+        r = await pull_session(ManifestStore(st), addr, TENANT, "s", timeout_s=5)
         assert (r.found, r.chunks, r.missing) == (True, len(BLOBS), 0)
 
 
 async def test_a_stream_that_ends_early_counts_what_it_did_not_deliver() -> None:
     async with peer(ScriptedPeer("end", stop_at=3)) as addr, store() as st:
-        r = await pull_session(st, addr, TENANT, "s", write_manifest=True, timeout_s=5)
+        r = await pull_session(ManifestStore(st), addr, TENANT, "s", write_manifest=True, timeout_s=5)
         assert (r.chunks, r.missing) == (3, len(BLOBS) - 3)
-        assert await st.get_manifest(TENANT, "s") is None  # never written with chunks missing
+        assert await ManifestStore(st).get_manifest(TENANT, "s") is None  # never written with chunks missing
 
 
 async def test_a_peer_that_stalls_mid_stream_is_unavailable_not_a_hang() -> None:
     async with peer(ScriptedPeer("hang")) as addr, store() as st:
         t0 = time.monotonic()
         with pytest.raises(TierUnavailable, match="no chunk for"):
-            await pull_session(st, addr, TENANT, "s", timeout_s=0.3)
+            await pull_session(ManifestStore(st), addr, TENANT, "s", timeout_s=0.3)
         assert time.monotonic() - t0 < 5
         assert st.stats()[0].entries == 2  # what arrived before the stall is kept
 
@@ -85,7 +86,7 @@ async def test_a_peer_that_stalls_mid_stream_is_unavailable_not_a_hang() -> None
 async def test_a_peer_that_never_answers_the_manifest_is_unavailable() -> None:
     async with peer(ScriptedPeer("hang_manifest")) as addr, store() as st:
         with pytest.raises(TierUnavailable, match="DEADLINE_EXCEEDED"):
-            await pull_session(st, addr, TENANT, "s", timeout_s=0.3)
+            await pull_session(ManifestStore(st), addr, TENANT, "s", timeout_s=0.3)
 
 
 async def test_a_manifest_of_another_session_or_malformed_is_refused() -> None:
@@ -95,10 +96,10 @@ async def test_a_manifest_of_another_session_or_malformed_is_refused() -> None:
     for m, why in ((other, "another session"), (bad, "malformed")):
         async with peer(ScriptedPeer(manifest=m)) as addr, store() as st:
             with pytest.raises(TierUnavailable, match=why):
-                await pull_session(st, addr, TENANT, "s", timeout_s=5)
+                await pull_session(ManifestStore(st), addr, TENANT, "s", timeout_s=5)
 
 
 async def test_a_bad_session_reference_is_the_callers_error() -> None:
     async with store() as st:
         with pytest.raises(ChunkFormatError):
-            await pull_session(st, "127.0.0.1:1", TENANT, "a/b", timeout_s=0.3)
+            await pull_session(ManifestStore(st), "127.0.0.1:1", TENANT, "a/b", timeout_s=0.3)

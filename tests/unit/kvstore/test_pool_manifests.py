@@ -10,16 +10,25 @@ from pathlib import Path
 
 import pytest
 
-from services.kvstore import pool_path as pool_path_mod
+from services.kvstore.manifests import manifest_store as manifest_store_mod
 from services.kvstore.metrics import KVStoreMetrics
-from services.kvstore.pool_path import PoolDataPath
-from services.kvstore.pool_types import SaveRequest
+from services.kvstore.pool import save as pool_path_mod
+from services.kvstore.pool.data_path import EnginePoolPath
+from services.kvstore.pool.types import SaveRequest
 from services.kvstore.store import TieredStore
 from services.kvstore.tiers import DramTier, SsdTier
 from shared.chunk_codec import ChunkFormatError
 from tests.unit.kvstore.flaky import FlakyTier
 from tests.unit.kvstore.pools import (
-    CHUNK_TOKENS, LAYERS, MODEL, TENANT, fill, geometry, hashes, ids, make_pool,
+    CHUNK_TOKENS,
+    LAYERS,
+    MODEL,
+    TENANT,
+    fill,
+    geometry,
+    hashes,
+    ids,
+    make_pool,
 )
 
 
@@ -56,12 +65,12 @@ def request(pid: str, hs: tuple[bytes, ...], session: str = "s", **kw) -> SaveRe
 
 @contextlib.asynccontextmanager
 async def superseded_while_writing(pool) -> AsyncIterator[tuple[GatedManifests, TieredStore,
-                                                               PoolDataPath]]:
+                                                               EnginePoolPath]]:
     """A session saved twice: the first sequence's manifest is being written (held at the
     remote's gate) when the second save supersedes it."""
     remote = GatedManifests()
     store = TieredStore([DramTier(1 << 24), remote], KVStoreMetrics(), drain_s=0.5)
-    async with store, PoolDataPath(store, CHUNK_TOKENS) as dp:
+    async with store, EnginePoolPath(store, CHUNK_TOKENS) as dp:
         pid, _ = await dp.attach(geometry(pool))
         await dp.save(request(pid, hashes(20)))
         await asyncio.wait_for(remote.entered.wait(), 5)  # its manifest is being written
@@ -76,9 +85,9 @@ async def test_a_deleted_session_stays_deleted_with_an_older_manifest_still_writ
         assert not deleting.done()  # it waits for the write under way ...
         remote.gate.set()
         await deleting
-        await store.delete_manifest(TENANT, "s")  # ... so the caller's delete comes last
+        await dp.manifests.delete_manifest(TENANT, "s")  # ... so the caller's delete comes last
         await dp.wait_manifests()
-        assert await store.get_manifest(TENANT, "s") is None
+        assert await dp.manifests.get_manifest(TENANT, "s") is None
 
 
 async def test_the_newest_manifest_is_the_one_that_stays(pool) -> None:
@@ -86,7 +95,7 @@ async def test_the_newest_manifest_is_the_one_that_stays(pool) -> None:
         await asyncio.sleep(0.1)  # the newer one is durable and waits for the older write
         remote.gate.set()
         await dp.wait_manifests()
-        m = await store.get_manifest(TENANT, "s")
+        m = await dp.manifests.get_manifest(TENANT, "s")
         assert m is not None and len(m.block_hashes) == 40
 
 
@@ -102,44 +111,44 @@ async def test_a_session_deleted_while_a_save_runs_is_not_brought_back(
     monkeypatch.setattr(pool_path_mod, "encode_from_pool", slow)
     store = TieredStore([DramTier(1 << 24), SsdTier(str(tmp_path / "db"), 1 << 24)],
                         KVStoreMetrics(), drain_s=0.5)
-    async with store, PoolDataPath(store, CHUNK_TOKENS) as dp:
+    async with store, EnginePoolPath(store, CHUNK_TOKENS) as dp:
         pid, _ = await dp.attach(geometry(pool))
         saving = asyncio.create_task(dp.save(request(pid, hashes(20))))
         await asyncio.sleep(0.05)  # copying blocks
         await dp.forget(TENANT, "s")
-        await store.delete_manifest(TENANT, "s")
+        await dp.manifests.delete_manifest(TENANT, "s")
         await saving
         await dp.wait_manifests()
-        assert await store.get_manifest(TENANT, "s") is None
-        assert (TENANT, "s") not in dp._latest
+        assert await dp.manifests.get_manifest(TENANT, "s") is None
+        assert (TENANT, "s") not in dp.manifests._latest
         await dp.save(request(pid, hashes(20)))  # a save after the delete is remembered
         await dp.wait_manifests()
-        assert await store.get_manifest(TENANT, "s") is not None
+        assert await dp.manifests.get_manifest(TENANT, "s") is not None
 
 
 async def test_a_refused_save_stores_and_remembers_nothing(pool) -> None:
     store = TieredStore([DramTier(1 << 24)], KVStoreMetrics())
-    async with store, PoolDataPath(store, CHUNK_TOKENS) as dp:
+    async with store, EnginePoolPath(store, CHUNK_TOKENS) as dp:
         pid, _ = await dp.attach(geometry(pool))
         hs = hashes(20)
         for bad in (dict(session_id="a/b"), dict(tenant=""),
                     dict(tenant="", first_block=16, block_ids=tuple(ids(16, 4, 0, 64)))):
             with pytest.raises(ChunkFormatError):
                 await dp.save(request(pid, hs, **bad))
-        assert store.stats()[0].entries == 0 and not dp._latest
+        assert store.stats()[0].entries == 0 and not dp.manifests._latest
         await dp.wait_manifests()
 
 
 async def test_remembered_sequences_are_bounded_by_their_hashes(
     pool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(pool_path_mod, "LATEST_HASHES", 50)
+    monkeypatch.setattr(manifest_store_mod, "LATEST_HASHES", 50)
     store = TieredStore([DramTier(1 << 24)], KVStoreMetrics())
-    async with store, PoolDataPath(store, CHUNK_TOKENS) as dp:
+    async with store, EnginePoolPath(store, CHUNK_TOKENS) as dp:
         pid, _ = await dp.attach(geometry(pool))
         for i in range(4):  # 16 hashes each, nothing to copy (first_block = all)
             await dp.save(request(pid, hashes(16, tag=f"t{i}"), session=f"s{i}",
                                   first_block=16, block_ids=()))
-        assert list(dp._latest) == [(TENANT, "s1"), (TENANT, "s2"), (TENANT, "s3")]
-        assert dp._latest_hashes == 48
+        assert list(dp.manifests._latest) == [(TENANT, "s1"), (TENANT, "s2"), (TENANT, "s3")]
+        assert dp.manifests._latest_hashes == 48
         await dp.wait_manifests()

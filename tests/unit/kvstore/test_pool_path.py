@@ -10,15 +10,23 @@ import pytest
 import torch
 
 from services.kvstore.metrics import KVStoreMetrics
-from services.kvstore.pool_map import PoolError
-from services.kvstore.pool_path import PoolDataPath
-from services.kvstore.pool_types import LoadRequest, LookupRequest, LookupResult, SaveRequest
+from services.kvstore.pool.attach import PoolError
+from services.kvstore.pool.data_path import EnginePoolPath
+from services.kvstore.pool.types import LoadRequest, LookupRequest, LookupResult, SaveRequest
 from services.kvstore.store import TieredStore
 from services.kvstore.tiers import DramTier, SsdTier
 from shared.chunk_codec import ChunkMeta, chunk_key
 from shared.config import ConfigError
 from tests.unit.kvstore.pools import (
-    CHUNK_TOKENS, LAYERS, MODEL, TENANT, fill, geometry, hashes, ids, make_pool,
+    CHUNK_TOKENS,
+    LAYERS,
+    MODEL,
+    TENANT,
+    fill,
+    geometry,
+    hashes,
+    ids,
+    make_pool,
 )
 
 STRIDE = 64  # pool blocks per layer in the tests' layouts
@@ -40,8 +48,8 @@ def make_store(tmp_path: Path, dram: int = 1 << 24, ssd: bool = True) -> TieredS
 
 
 @pytest.fixture
-async def path(tmp_path: Path, pool) -> AsyncIterator[PoolDataPath]:
-    async with make_store(tmp_path) as store, PoolDataPath(store, CHUNK_TOKENS) as dp:
+async def path(tmp_path: Path, pool) -> AsyncIterator[EnginePoolPath]:
+    async with make_store(tmp_path) as store, EnginePoolPath(store, CHUNK_TOKENS) as dp:
         yield dp
         dp.check_integrity()
         # Writes still under way would finish between the check's reads; let them, and let
@@ -51,7 +59,7 @@ async def path(tmp_path: Path, pool) -> AsyncIterator[PoolDataPath]:
         store.check_integrity()
 
 
-async def save(dp: PoolDataPath, pid: str, hs: tuple[bytes, ...], first: int = 0,
+async def save(dp: EnginePoolPath, pid: str, hs: tuple[bytes, ...], first: int = 0,
                session: str = "sess") -> tuple[int, int]:
     n = len(hs) - first
     r = await dp.save(SaveRequest(
@@ -61,12 +69,12 @@ async def save(dp: PoolDataPath, pid: str, hs: tuple[bytes, ...], first: int = 0
     return r.chunks_written, r.chunks_skipped
 
 
-async def lookup(dp: PoolDataPath, hs: tuple[bytes, ...], first: int = 0,
+async def lookup(dp: EnginePoolPath, hs: tuple[bytes, ...], first: int = 0,
                  session: str = "sess") -> LookupResult:
     return await dp.lookup(LookupRequest(TENANT, session, MODEL, hs, first, LAYERS))
 
 
-async def load(dp: PoolDataPath, pid: str, r: LookupResult, dst_ids: list[int]) -> list:
+async def load(dp: EnginePoolPath, pid: str, r: LookupResult, dst_ids: list[int]) -> list:
     req = LoadRequest(pid, r.lease_id, TENANT, MODEL, tuple(r.spans), tuple(dst_ids), LAYERS)
     return [m async for m in dp.load(req)]
 
@@ -75,13 +83,13 @@ def spans_of(r: LookupResult) -> list[tuple[int, int]]:
     return [(s.first_block, s.use_blocks) for s in r.spans]
 
 
-async def durable(dp: PoolDataPath) -> None:
+async def durable(dp: EnginePoolPath) -> None:
     await dp.wait_manifests()
     await dp.store.writer.close(5.0)  # drain the write-behind
     await dp.store.writer.start()
 
 
-async def test_save_clear_lookup_load_roundtrip(path: PoolDataPath, pool) -> None:
+async def test_save_clear_lookup_load_roundtrip(path: EnginePoolPath, pool) -> None:
     pid, bpc = await path.attach(geometry(pool))
     assert bpc == 16 and (await path.attach(geometry(pool)))[0] == pid  # re-attach: same id
     hs = hashes(40)
@@ -113,7 +121,7 @@ async def test_save_clear_lookup_load_roundtrip(path: PoolDataPath, pool) -> Non
     assert await save(path, pid, hs) == (0, 3 * LAYERS)
 
 
-async def test_partial_chunk_growth_and_mid_chunk_first_block(path: PoolDataPath, pool) -> None:
+async def test_partial_chunk_growth_and_mid_chunk_first_block(path: EnginePoolPath, pool) -> None:
     pid, _ = await path.attach(geometry(pool))
     h50 = hashes(50)
     fill(pool, ids(0, 50, SRC, STRIDE), seed=2)
@@ -140,7 +148,7 @@ async def test_partial_chunk_growth_and_mid_chunk_first_block(path: PoolDataPath
         await save(path, pid, h50, first=40)
 
 
-async def test_edited_history_stops_at_the_first_differing_block(path: PoolDataPath, pool) -> None:
+async def test_edited_history_stops_at_the_first_differing_block(path: EnginePoolPath, pool) -> None:
     pid, _ = await path.attach(geometry(pool))
     fill(pool, ids(0, 40, SRC, STRIDE), seed=3)
     await save(path, pid, hashes(40))
@@ -155,14 +163,14 @@ async def test_edited_history_stops_at_the_first_differing_block(path: PoolDataP
     assert r.matched_blocks == 0 and r.spans == [] and r.lease_id == ""
 
 
-async def test_lookup_and_load_from_ssd_after_dram_is_dropped(path: PoolDataPath, pool) -> None:
+async def test_lookup_and_load_from_ssd_after_dram_is_dropped(path: EnginePoolPath, pool) -> None:
     pid, _ = await path.attach(geometry(pool))
     hs = hashes(40)
     fill(pool, ids(0, 40, SRC, STRIDE), seed=4)
     saved = pool.kv_cache.clone()
     await save(path, pid, hs)
     await durable(path)
-    assert (await path.store.get_manifest(TENANT, "sess")).block_hashes == hs
+    assert (await path.manifests.get_manifest(TENANT, "sess")).block_hashes == hs
     for key in path.store.dram._index.keys():
         await path.store.dram.delete(key)
     r = await lookup(path, hs)
@@ -176,7 +184,7 @@ async def test_lookup_and_load_from_ssd_after_dram_is_dropped(path: PoolDataPath
 
 
 async def test_corrupt_layer_2_loads_layers_0_1_and_fails_layer_2(
-    path: PoolDataPath, pool
+    path: EnginePoolPath, pool
 ) -> None:
     pid, _ = await path.attach(geometry(pool))
     hs = hashes(40)
@@ -220,7 +228,7 @@ async def test_corrupt_layer_2_loads_layers_0_1_and_fails_layer_2(
 async def test_lease_keeps_dram_hits_through_eviction(tmp_path: Path, pool) -> None:
     # DRAM only, room for about one session: eviction would lose the data for good.
     async with make_store(tmp_path, dram=330_000, ssd=False) as store, \
-            PoolDataPath(store, CHUNK_TOKENS) as dp:
+            EnginePoolPath(store, CHUNK_TOKENS) as dp:
         pid, _ = await dp.attach(geometry(pool))
         hs = hashes(40)
         fill(pool, ids(0, 40, SRC, STRIDE), seed=6)
@@ -246,7 +254,7 @@ async def test_lease_keeps_dram_hits_through_eviction(tmp_path: Path, pool) -> N
 
 async def test_lease_pins_ssd_keys_and_expires(tmp_path: Path, pool) -> None:
     async with make_store(tmp_path) as store, \
-            PoolDataPath(store, CHUNK_TOKENS, lease_s=0.05) as dp:
+            EnginePoolPath(store, CHUNK_TOKENS, lease_s=0.05) as dp:
         pid, _ = await dp.attach(geometry(pool))
         hs = hashes(40)
         fill(pool, ids(0, 40, SRC, STRIDE), seed=7)
@@ -273,12 +281,12 @@ async def test_attach_rejects_bad_geometry(tmp_path: Path, pool) -> None:
     import dataclasses
     import os
 
-    from services.kvstore.pool_map import PoolGeometry
+    from services.kvstore.pool.attach import PoolGeometry
 
-    async with make_store(tmp_path, ssd=False) as store, PoolDataPath(store, 200) as dp:
+    async with make_store(tmp_path, ssd=False) as store, EnginePoolPath(store, 200) as dp:
         with pytest.raises(ConfigError, match="kvstore.chunk_tokens"):
             await dp.attach(geometry(pool))
-    async with make_store(tmp_path, ssd=False) as store, PoolDataPath(store, 256) as dp:
+    async with make_store(tmp_path, ssd=False) as store, EnginePoolPath(store, 256) as dp:
         with pytest.raises(PoolError, match="needs"):
             await dp.attach(geometry(pool).__class__(**{
                 **geometry(pool).__dict__, "num_blocks": pool.num_blocks * 2}))
@@ -325,7 +333,7 @@ async def test_attach_rejects_bad_geometry(tmp_path: Path, pool) -> None:
         assert path_store_empty(store)
 
 
-async def test_abandoned_load_stops_writing_and_ends_its_lease(path: PoolDataPath, pool) -> None:
+async def test_abandoned_load_stops_writing_and_ends_its_lease(path: EnginePoolPath, pool) -> None:
     pid, _ = await path.attach(geometry(pool))
     hs = hashes(40)
     fill(pool, ids(0, 40, SRC, STRIDE), seed=8)
@@ -368,7 +376,7 @@ def _into_the_pool(offset: int, bufs: list) -> bool:
     return offset > 0 or len(bufs) > 1
 
 
-async def _ssd_only(path: PoolDataPath, pid: str, pool, hs: tuple[bytes, ...], seed: int):
+async def _ssd_only(path: EnginePoolPath, pid: str, pool, hs: tuple[bytes, ...], seed: int):
     """Save ``hs`` from the SRC blocks, wait until durable, drop every DRAM copy."""
     fill(pool, ids(0, len(hs), SRC, STRIDE), seed=seed)
     saved = pool.kv_cache.clone()
@@ -382,7 +390,7 @@ async def _ssd_only(path: PoolDataPath, pid: str, pool, hs: tuple[bytes, ...], s
 
 @pytest.mark.parametrize("nowait", [True, False])
 async def test_ssd_chunks_are_read_straight_into_their_blocks(
-    path: PoolDataPath, pool, monkeypatch: pytest.MonkeyPatch, nowait: bool
+    path: EnginePoolPath, pool, monkeypatch: pytest.MonkeyPatch, nowait: bool
 ) -> None:
     """SSD chunks go from their files into the target blocks (preadv, no blob, no
     scatter copy, no DRAM promotion), inline when the page cache holds them, else on the
@@ -390,7 +398,7 @@ async def test_ssd_chunks_are_read_straight_into_their_blocks(
     import os
     import threading
 
-    from services.kvstore import pool_load
+    from services.kvstore.pool import load as pool_load
 
     pid, _ = await path.attach(geometry(pool))
     hs = hashes(40)
@@ -428,7 +436,7 @@ async def test_ssd_chunks_are_read_straight_into_their_blocks(
 
 
 async def test_a_sound_but_mismatching_ssd_chunk_fails_its_layer_and_is_kept(
-    path: PoolDataPath, pool
+    path: EnginePoolPath, pool
 ) -> None:
     """A chunk with a valid checksum that does not fit the request (another shape) is not
     copied and fails the layer; it is not corruption: no checksum failure, the copy stays."""
@@ -469,7 +477,7 @@ def _repacked(blob: bytes, **fields) -> bytes:
 
 
 async def test_ssd_chunks_with_an_unexpected_head_are_parsed_and_checked(
-    path: PoolDataPath, pool
+    path: EnginePoolPath, pool
 ) -> None:
     """The load recognises the chunks its lease named by their head's bytes. A sound chunk
     whose head is laid out differently loads all the same (parsed, then read again), with
@@ -495,7 +503,7 @@ async def test_ssd_chunks_with_an_unexpected_head_are_parsed_and_checked(
 
 @pytest.mark.parametrize("nowait", [True, False])
 async def test_a_lease_naming_impossible_hashes_fails_the_layer_cleanly(
-    path: PoolDataPath, pool, nowait: bool
+    path: EnginePoolPath, pool, nowait: bool
 ) -> None:
     """A lookup prompt with an empty hash inside a stored chunk (its last hash matches)
     leases that chunk with hashes no chunk can have: the load fails the layer with the
@@ -514,7 +522,7 @@ async def test_a_lease_naming_impossible_hashes_fails_the_layer_cleanly(
     assert path.store.metrics.value("kvstore_tier_errors_total", tier="ssd", op="get") == 0
 
 
-async def test_abandoned_ssd_load_writes_nothing_after_it_ends(path: PoolDataPath, pool) -> None:
+async def test_abandoned_ssd_load_writes_nothing_after_it_ends(path: EnginePoolPath, pool) -> None:
     pid, _ = await path.attach(geometry(pool))
     hs = hashes(40)
     await _ssd_only(path, pid, pool, hs, seed=13)
@@ -532,7 +540,7 @@ async def test_abandoned_ssd_load_writes_nothing_after_it_ends(path: PoolDataPat
 
 
 async def test_blocks_written_during_an_ssd_read_fail_the_layer_not_the_chunk(
-    path: PoolDataPath, pool, monkeypatch: pytest.MonkeyPatch
+    path: EnginePoolPath, pool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """If the pool's copy of a chunk read straight into its blocks fails the checksum
     while the file's own bytes are sound (something wrote the blocks meanwhile), the
@@ -561,7 +569,7 @@ async def test_blocks_written_during_an_ssd_read_fail_the_layer_not_the_chunk(
 
 
 async def test_fence_waits_for_a_dropped_load_still_copying(
-    path: PoolDataPath, pool, monkeypatch: pytest.MonkeyPatch
+    path: EnginePoolPath, pool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The engine gave up on a load (deadline) while a read into its blocks was under way:
     FencePoolOp returns only once that read is over, never while it can still write."""
@@ -613,7 +621,7 @@ async def test_fence_waits_for_a_dropped_load_still_copying(
     assert path.ops.running == 0
 
 
-async def test_a_fenced_op_that_arrives_late_is_refused(path: PoolDataPath, pool) -> None:
+async def test_a_fenced_op_that_arrives_late_is_refused(path: EnginePoolPath, pool) -> None:
     """A fence for a call the kvstore has not seen (still in transit) retires its id:
     if the call turns up afterwards it is refused before it touches the pool."""
     import dataclasses
@@ -642,9 +650,9 @@ async def test_a_lease_does_not_expire_while_a_load_uses_it(tmp_path: Path, pool
     """A slow load keeps its chunks pinned to the end, however long its lease_s was."""
     import dataclasses
 
-    from services.kvstore.leases import HELD_FACTOR
+    from services.kvstore.pool.leases import HELD_FACTOR
     async with make_store(tmp_path) as store, \
-            PoolDataPath(store, CHUNK_TOKENS, lease_s=0.1) as dp:
+            EnginePoolPath(store, CHUNK_TOKENS, lease_s=0.1) as dp:
         pid, _ = await dp.attach(geometry(pool))
         hs = hashes(40)
         await _ssd_only(dp, pid, pool, hs, seed=17)
@@ -672,14 +680,14 @@ async def test_a_lease_does_not_expire_while_a_load_uses_it(tmp_path: Path, pool
 
 
 async def test_fence_waits_for_a_dropped_save_still_reading(
-    path: PoolDataPath, pool, monkeypatch: pytest.MonkeyPatch
+    path: EnginePoolPath, pool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A save whose call was dropped keeps reading the pool on its thread: its op ends,
     and its fence returns, only after that read."""
     import dataclasses
     import threading
 
-    from services.kvstore import pool_path as pool_path_mod
+    from services.kvstore.pool import save as pool_path_mod
 
     pid, _ = await path.attach(geometry(pool))
     hs = hashes(20)
@@ -738,7 +746,7 @@ async def test_a_session_delete_leaves_no_manifest_behind(tmp_path: Path, pool, 
     remote = Gated()
     store = TieredStore([DramTier(1 << 24), remote], KVStoreMetrics(),
                         retry_backoff_max_s=0.02, drain_s=0.5)
-    async with store, PoolDataPath(store, CHUNK_TOKENS) as dp:
+    async with store, EnginePoolPath(store, CHUNK_TOKENS) as dp:
         pid, _ = await dp.attach(geometry(pool))
         hs = hashes(20)
         fill(pool, ids(0, 20, SRC, STRIDE), seed=17)
@@ -749,10 +757,10 @@ async def test_a_session_delete_leaves_no_manifest_behind(tmp_path: Path, pool, 
         assert forgetting.done() == (phase == "waiting")  # a write under way is waited for
         remote.gate.set()
         await asyncio.wait_for(forgetting, 5)
-        await store.delete_manifest(TENANT, "gone", [])
+        await dp.manifests.delete_manifest(TENANT, "gone", [])
         await dp.wait_manifests()
         await asyncio.sleep(0.05)
-        assert await store.get_manifest(TENANT, "gone") is None
+        assert await dp.manifests.get_manifest(TENANT, "gone") is None
 
 
 async def test_a_pool_file_recreated_under_its_name_is_mapped_anew(tmp_path: Path, pool) -> None:
@@ -765,7 +773,7 @@ async def test_a_pool_file_recreated_under_its_name_is_mapped_anew(tmp_path: Pat
     name = os.path.join(os.path.dirname(pool.name), f"overture-kv-test-{uuid.uuid4().hex[:8]}")
     g = dataclasses.replace(geometry(pool), pool_name=name)
     size = g.num_blocks * g.block_bytes
-    async with make_store(tmp_path, ssd=False) as store, PoolDataPath(store, CHUNK_TOKENS) as dp:
+    async with make_store(tmp_path, ssd=False) as store, EnginePoolPath(store, CHUNK_TOKENS) as dp:
         try:
             for attempt in range(2):
                 with open(name, "wb") as f:
@@ -786,7 +794,7 @@ async def test_a_pool_file_recreated_under_its_name_is_mapped_anew(tmp_path: Pat
 
 
 async def test_a_lease_whose_lookup_reply_never_reached_the_caller_ends(
-    path: PoolDataPath, pool
+    path: EnginePoolPath, pool
 ) -> None:
     """A LookupPrefix cancelled after its lease was granted (the caller's deadline, a
     disconnect) ends that lease: its id was never received, so no one else would."""
@@ -809,7 +817,7 @@ async def test_a_lease_whose_lookup_reply_never_reached_the_caller_ends(
     pid, _ = await path.attach(geometry(pool))
     hs = hashes(40)
     await _ssd_only(path, pid, pool, hs, seed=21)
-    svc = KVStoreService(path.store, "n", 4, "", path)
+    svc = KVStoreService(path.manifests, "n", 4, "", path)
     req = pb.LookupPrefixRequest(tenant=TENANT, session_id="sess", model_fp=MODEL,
                                  block_hashes=list(hs), first_block=0, num_layers=LAYERS)
     for cancelled in (True, False):
@@ -824,7 +832,7 @@ async def test_a_lease_whose_lookup_reply_never_reached_the_caller_ends(
 
 @pytest.mark.parametrize("deadline_s", [0.1, 5.0])
 async def test_a_lookup_past_its_deadline_ends_its_lease(
-    path: PoolDataPath, pool, deadline_s: float
+    path: EnginePoolPath, pool, deadline_s: float
 ) -> None:
     """Real gRPC: a reply that leaves after the caller's deadline never arrives, and the
     server sees no cancellation, only time run out: its lease ends all the same."""
@@ -848,7 +856,7 @@ async def test_a_lookup_past_its_deadline_ends_its_lease(
         return out
 
     path.lookup = slow
-    svc = KVStoreService(path.store, "n", 4, "", path)
+    svc = KVStoreService(path.manifests, "n", 4, "", path)
     register = [lambda s: pb_grpc.add_KVStoreServicer_to_server(svc, s)]
     async with serve_grpc("127.0.0.1", 0, register=register, service_names=[]) as srv, \
             insecure_channel(f"127.0.0.1:{srv.port}") as channel:

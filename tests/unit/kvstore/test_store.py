@@ -10,13 +10,19 @@ import pytest
 import torch
 
 from services.kvstore.errors import ManifestIncomplete, TierUnavailable, WriteDropped
+from services.kvstore.manifests import ManifestStore
 from services.kvstore.metrics import KVStoreMetrics
 from services.kvstore.store import TieredStore
 from services.kvstore.streaming import stream_session
 from services.kvstore.tiers import DramTier, SsdTier
 from shared.chunk_codec import ChunkCorrupt, decode_chunk, encode_chunk, seal_chunk
 from tests.unit.kvstore.chunks import (
-    TENANT, forged_chunk, kv_tensor, meta, session_chunks, session_manifest,
+    TENANT,
+    forged_chunk,
+    kv_tensor,
+    meta,
+    session_chunks,
+    session_manifest,
 )
 from tests.unit.kvstore.flaky import FlakyTier
 
@@ -320,17 +326,17 @@ async def test_manifest_only_after_chunks_are_durable() -> None:
         remote.down = True
         receipts = [await s.put(cm, t) for cm, t in chunks[:-1]]
         with pytest.raises(ManifestIncomplete):
-            await s.put_manifest(m)  # last chunk never put
+            await ManifestStore(s).put_manifest(m)  # last chunk never put
         await s.put(*chunks[-1])
         with pytest.raises(ManifestIncomplete, match="not durable after"):
-            await s.put_manifest(m, wait_s=0.05)  # all put, none durable yet
-        assert await s.get_manifest("t1", "sess") is None
+            await ManifestStore(s).put_manifest(m, wait_s=0.05)  # all put, none durable yet
+        assert await ManifestStore(s).get_manifest("t1", "sess") is None
         remote.down = False
-        await s.put_manifest(m)  # waits for the in-flight writes
+        await ManifestStore(s).put_manifest(m)  # waits for the in-flight writes
         assert all(r.durable.done() for r in receipts)
-        got = await s.get_manifest("t1", "sess")
+        got = await ManifestStore(s).get_manifest("t1", "sess")
         assert got == m
-        layer1 = await s.get_layer(m, 1)
+        layer1 = await ManifestStore(s).get_layer(m, 1)
         assert [torch.equal(c.tensor, t) for c, (_cm, t) in zip(layer1, chunks[3:])] == [True] * 3
 
 
@@ -402,7 +408,7 @@ async def test_manifest_refused_after_a_named_chunk_was_deleted() -> None:
             await (await s.put(cm, t)).durable
         await s.delete(m.chunk_keys()[1])
         with pytest.raises(ManifestIncomplete):
-            await s.put_manifest(m)
+            await ManifestStore(s).put_manifest(m)
         s.check_integrity()
 
 
@@ -537,12 +543,12 @@ async def test_a_delete_during_the_write_behind_voids_its_durable_ack() -> None:
         with pytest.raises(WriteDropped, match="deleted while"):
             await r.durable  # the write landed after the delete: it was undone
         assert not await remote.contains("c/" + r.key)
-        assert not await s.is_durable(r.key)
+        assert not await s.ledger.is_durable(r.key)
         assert not s.has_local_or_durable(r.key)
         man = session_manifest("s", 1, 1, 1)  # names exactly chunk m
         assert man.chunk_keys() == [r.key]
         with pytest.raises(ManifestIncomplete):
-            await s.put_manifest(man, wait_s=0.5)
+            await ManifestStore(s).put_manifest(man, wait_s=0.5)
 
 
 async def test_a_queued_write_of_a_deleted_chunk_never_lands() -> None:
@@ -572,7 +578,7 @@ async def test_chunks_the_lowest_tier_evicts_are_no_longer_vouched_for(tmp_path:
             await r.durable
             keys.append(r.key)
         assert not await ssd.contains("c/" + keys[0])  # evicted for the third
-        assert keys[0] not in s._durable
+        assert keys[0] not in s.ledger._durable
         assert not s.has_local_or_durable(keys[0])  # still in DRAM, but must be saved again
         assert s.has_local_or_durable(keys[2])
         r = await s.put(meta("s", 0, 0), kv_tensor(0, tokens=64))
@@ -664,7 +670,6 @@ async def test_a_manifest_refreshes_chunks_past_half_their_ttl() -> None:
     """A session's manifest names chunks of its first turns too: one older than half the
     lowest tier's TTL gets its clock restarted before the manifest is written, so the
     sweep does not expire it from under the manifest."""
-    from services.kvstore.sweeper import sweep_tiers
 
     remote = FlakyTier()
     async with make_store([DramTier(1 << 20), remote], ttl_s=10.0) as s:
@@ -673,18 +678,17 @@ async def test_a_manifest_refreshes_chunks_past_half_their_ttl() -> None:
         await r.durable
         now = time.time()
         remote._index.get("c/" + r.key).touched = now - 6  # written 6 s ago
-        s._durable[r.key] = now - 6
-        await s.put_manifest(session_manifest("s", 1, 1, 1))
+        s.ledger._durable[r.key] = now - 6
+        await ManifestStore(s).put_manifest(session_manifest("s", 1, 1, 1))
         assert (await remote.written_at("c/" + r.key)) >= now  # refreshed
-        await sweep_tiers(s, now + 5)  # the old clock would have expired it here
+        await s.sweeper.sweep(now + 5)  # the old clock would have expired it here
         assert await remote.contains("c/" + r.key)
-        assert await s.get_manifest(TENANT, "s") is not None
+        assert await ManifestStore(s).get_manifest(TENANT, "s") is not None
 
 
 async def test_the_sweep_rechecks_a_stale_listing_before_deleting(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from services.kvstore.sweeper import sweep_tiers
 
     remote = FlakyTier()
     async with make_store([DramTier(1 << 20), remote], ttl_s=10.0) as s:
@@ -695,7 +699,7 @@ async def test_the_sweep_rechecks_a_stale_listing_before_deleting(
             return ["c/" + r.key]
 
         monkeypatch.setattr(remote, "scan_expired", stale)
-        assert await sweep_tiers(s, time.time()) == 0
+        assert await s.sweeper.sweep(time.time()) == 0
         assert await remote.contains("c/" + r.key)
 
 
@@ -747,14 +751,14 @@ async def test_a_chunk_deleted_while_its_write_is_in_flight_blocks_its_manifest(
         (cm, t), = session_chunks(m)
         r = await s.put(cm, t)
         await remote.stored.wait()  # in the lowest tier, the put not answered yet
-        manifest = asyncio.create_task(s.put_manifest(m, wait_s=5))
+        manifest = asyncio.create_task(ManifestStore(s).put_manifest(m, wait_s=5))
         await asyncio.sleep(0.05)
         assert await s.delete(r.key) == 2
         remote.gate.set()
         with pytest.raises(ManifestIncomplete):
             await manifest
-        assert await s.get_manifest(TENANT, "s") is None
-        assert not await s.is_durable(r.key)
+        assert await ManifestStore(s).get_manifest(TENANT, "s") is None
+        assert not await s.ledger.is_durable(r.key)
 
 
 async def test_the_sweep_and_a_manifest_never_leave_a_manifest_naming_a_deleted_chunk() -> None:
@@ -774,10 +778,10 @@ async def test_the_sweep_and_a_manifest_never_leave_a_manifest_naming_a_deleted_
         sweep = asyncio.create_task(s.sweep())
         await remote.deleting.wait()  # decided: the chunk is expired, its delete is under way
         with pytest.raises(ManifestIncomplete):
-            await s.put_manifest(m, wait_s=1)
+            await ManifestStore(s).put_manifest(m, wait_s=1)
         remote.delete_gate.set()
         assert await sweep >= 1
-        assert await s.get_manifest(TENANT, "s") is None
+        assert await ManifestStore(s).get_manifest(TENANT, "s") is None
 
 
 async def test_chunks_held_locally_but_never_written_down_are_rewritten_for_a_manifest(
@@ -799,9 +803,9 @@ async def test_chunks_held_locally_but_never_written_down_are_rewritten_for_a_ma
         assert all(s.has_local_or_durable(cm.key) for cm, _ in session_chunks(m))
         keys = ["c/" + cm.key for cm, _ in session_chunks(m)]
         assert not any([await remote.contains(k) for k in keys])
-        await s.put_manifest(m, wait_s=5)
+        await ManifestStore(s).put_manifest(m, wait_s=5)
         assert all([await remote.contains(k) for k in keys])
-        assert (await s.get_manifest(TENANT, "s")) is not None
+        assert (await ManifestStore(s).get_manifest(TENANT, "s")) is not None
         s.check_integrity()
 
 
@@ -815,7 +819,7 @@ async def test_no_rewrite_while_the_lowest_tier_is_down(tmp_path: Path) -> None:
             await s.put(cm, t)
         depth = s.writer.depth
         with pytest.raises(ManifestIncomplete):
-            await s.put_manifest(m, wait_s=0.1)
+            await ManifestStore(s).put_manifest(m, wait_s=0.1)
         assert s.writer.depth <= depth  # nothing queued again to churn against an outage
         remote.down = False
 
@@ -871,10 +875,10 @@ async def test_a_chunk_deleted_while_its_copy_is_read_for_a_rewrite_stays_delete
     async with make_store([DramTier(1 << 20), ssd, remote]) as s:
         await (await s.put(cm, t)).durable
         await remote.delete("c/" + cm.key)  # lost below (as after an outage and a restart)
-        s.forget_durable("c/" + cm.key)
+        s.ledger.lost("c/" + cm.key)
         await s.dram.delete("c/" + cm.key)  # so the copy comes from the SSD
         ssd.gate = asyncio.Event()
-        manifest = asyncio.create_task(s.put_manifest(m, wait_s=1))
+        manifest = asyncio.create_task(ManifestStore(s).put_manifest(m, wait_s=1))
         await asyncio.wait_for(ssd.reading.wait(), 5)
         await s.delete(cm.key)
         ssd.gate.set()
@@ -903,8 +907,8 @@ async def test_a_chunk_rewritten_while_the_sweep_deletes_it_is_not_vouched_for()
         await (await s.put(cm, t)).durable  # lands before the delete
         assert await sweep >= 1
         assert not await remote.contains("c/" + cm.key)
-        assert not await s.is_durable(cm.key)  # was vouched for from memory
-        await s.put_manifest(m, wait_s=2)  # writes the DRAM copy down again first
+        assert not await s.ledger.is_durable(cm.key)  # was vouched for from memory
+        await ManifestStore(s).put_manifest(m, wait_s=2)  # writes the DRAM copy down again first
         assert await remote.contains("c/" + cm.key)
 
 
@@ -937,7 +941,7 @@ async def test_chunks_a_degraded_tier_would_not_answer_for_are_not_written_again
     puts = remote.puts
     async with make_store([DramTier(1 << 22), remote]) as s:  # a new process
         remote.tripped = True
-        await s.put_manifest(m, wait_s=2)
+        await ManifestStore(s).put_manifest(m, wait_s=2)
         assert remote.puts == puts + 1  # the manifest only: no chunk written again
         remote.down = True  # a lowest tier that does not answer at all: no rewrite either
         with pytest.raises(ManifestIncomplete, match="did not answer"):
@@ -946,8 +950,8 @@ async def test_chunks_a_degraded_tier_would_not_answer_for_are_not_written_again
 
 
 async def wait_durable_from_scratch(s: TieredStore, m) -> None:
-    s._durable.clear()  # as after a restart
-    await s.wait_durable(m, wait_s=1)
+    s.ledger._durable.clear()  # as after a restart
+    await ManifestStore(s).wait_durable(m, wait_s=1)
 
 
 async def test_lowest_tier_retries_are_served_under_a_steady_load_of_new_writes() -> None:

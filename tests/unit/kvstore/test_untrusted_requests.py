@@ -8,7 +8,8 @@ import msgpack
 import pytest
 
 from services.kvstore import service as service_mod
-from services.kvstore.manifest import MAX_MANIFEST_CHUNKS, Manifest
+from services.kvstore.manifests import ManifestStore
+from services.kvstore.manifests.manifest import MAX_MANIFEST_CHUNKS, Manifest
 from services.kvstore.service import KVStoreService
 from shared.chunk_codec import ChunkFormatError
 from shared.proto import kvstore_pb2 as pb
@@ -46,6 +47,8 @@ async def test_get_chunks_caps_the_clients_read_ahead(monkeypatch: pytest.Monkey
         yield
 
     class Store:
+        store = None
+
         async def get_manifest(self, tenant, session_id):
             return session_manifest("s", 2, 1, 1)
 
@@ -93,35 +96,36 @@ async def test_a_manifest_of_unknown_chunks_stops_at_the_first_batch(
 ) -> None:
     """A manifest naming 2^18 chunks this store never saw costs one batch of checks."""
     from services.kvstore.errors import ManifestIncomplete
+    from services.kvstore.manifests.manifest_store import DURABLE_CHECK_BATCH
     from services.kvstore.metrics import KVStoreMetrics
-    from services.kvstore.store import DURABLE_CHECK_BATCH, TieredStore
+    from services.kvstore.store import TieredStore
     from services.kvstore.tiers import DramTier
 
     async with TieredStore([DramTier(1 << 20)], KVStoreMetrics()) as st:
         asked = []
-        real = st._durable_for_a_ttl
+        real = st.ledger.durable_for_a_ttl
 
         async def counting(key: str):
             asked.append(key)
             return await real(key)
 
-        monkeypatch.setattr(st, "_durable_for_a_ttl", counting)
+        monkeypatch.setattr(st.ledger, "durable_for_a_ttl", counting)
         big = session_manifest("s", MAX_MANIFEST_CHUNKS // 1024, 1024, 1)
         with pytest.raises(ManifestIncomplete):
-            await st.put_manifest(big)
+            await ManifestStore(st).put_manifest(big)
         assert len(asked) == DURABLE_CHECK_BATCH
 
 
 async def test_service_bounds_and_checks_requests_before_acting() -> None:
     from services.kvstore.metrics import KVStoreMetrics
-    from services.kvstore.pool_path import PoolDataPath
+    from services.kvstore.pool.data_path import EnginePoolPath
     from services.kvstore.service import MAX_KEYS_PER_CALL, MAX_REJECTED_PER_CALL
     from services.kvstore.store import TieredStore
     from services.kvstore.tiers import DramTier
 
     async with TieredStore([DramTier(1 << 22)], KVStoreMetrics()) as st, \
-            PoolDataPath(st, 256) as dp:
-        svc = KVStoreService(st, "n", 4, "", dp)
+            EnginePoolPath(st, 256) as dp:
+        svc = KVStoreService(dp.manifests, "n", 4, "", dp)
         too_many = [f"t/m/h/{i}" for i in range(MAX_KEYS_PER_CALL + 1)]
 
         async def drain(stream) -> list:
@@ -138,12 +142,12 @@ async def test_service_bounds_and_checks_requests_before_acting() -> None:
             ctx = FakeContext()
             with pytest.raises(Aborted, match="INVALID_ARGUMENT"):
                 await call(ctx)
-        assert not dp._forgotten and not dp.ops._ended  # nothing remembered of them
+        assert not dp.manifests._forgotten and not dp.ops._ended  # nothing remembered of them
 
         m = session_manifest("s", 2, 3, 1)
         for cm, t in session_chunks(m):
             await st.put(cm, t)
-        await st.put_manifest(m)
+        await dp.manifests.put_manifest(m)
         ref = pb.ManifestRef(tenant=m.tenant, session_id="s")
         for first, last in ((3, None), (2, 1), (0, 3)):
             req = pb.GetChunksRequest(session=ref, first_layer=first)

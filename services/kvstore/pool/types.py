@@ -4,19 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-@dataclass(frozen=True)
-class PrefixSpan:
-    """``use_blocks`` sequence blocks from ``first_block`` on, served by the chunk whose last
-    block hash is ``chunk_hash`` (in every layer). The chunk starts at
-    ``first_block - first_block % blocks_per_chunk``; only the first span of a lookup whose
-    ``first_block`` is mid-chunk starts after its chunk's start."""
-
-    chunk_hash: bytes
-    first_block: int
-    use_blocks: int
-    tier: str = ""  # slowest tier any layer of it sits in
-    nbytes: int = 0  # payload bytes over all layers for use_blocks
+from shared.kv_layout import KVSpan
 
 
 @dataclass(frozen=True)
@@ -32,7 +20,7 @@ class LookupRequest:
 @dataclass
 class LookupResult:
     matched_blocks: int
-    spans: list[PrefixSpan] = field(default_factory=list)
+    spans: list[KVSpan] = field(default_factory=list)
     lease_id: str = ""
     tier_bytes_per_s: dict[str, float] = field(default_factory=dict)
 
@@ -43,7 +31,7 @@ class LoadRequest:
     lease_id: str
     tenant: str
     model_fp: str
-    spans: tuple[PrefixSpan, ...]
+    spans: tuple[KVSpan, ...]
     block_ids: tuple[int, ...]  # layer-major: block_ids[layer * n + i]
     num_layers: int
     op_id: str = ""  # the engine's id of this call, for FencePoolOp ("" = none)
@@ -74,14 +62,3 @@ class SaveRequest:
 class SaveResult:
     chunks_written: int
     chunks_skipped: int
-
-
-@dataclass(frozen=True)
-class SavedSequence:
-    """The latest sequence saved for a (tenant, session): lookups use it before the
-    durable manifest exists."""
-
-    model_fp: str
-    block_hashes: tuple[bytes, ...]
-    token_count: int
-    num_layers: int

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from services.kvstore.leases import Lease
+from services.kvstore.pool.leases import Lease
 from services.kvstore.store import TieredStore
 from services.kvstore.tiers.base import Tier
 from shared.chunk_codec import ChunkCorrupt, chunk_key, read_meta

@@ -40,10 +40,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from services.kvstore.bandwidth import TierBandwidth
-from services.kvstore.leases import Lease
-from services.kvstore.pool_io import lazy_torch, scatter_blocks, to_the_end
-from services.kvstore.pool_map import MappedPool, PoolError
-from services.kvstore.pool_types import LayerLoaded, LoadRequest, PrefixSpan
+from services.kvstore.pool.attach import MappedPool
+from services.kvstore.pool.copies import lazy_torch, scatter_blocks, to_the_end
+from services.kvstore.pool.leases import Lease
+from services.kvstore.pool.load_checks import (
+    LoadFailed,
+    check_chunk,
+    check_decoded,
+    check_request,
+    key_prefixes,
+)
+from services.kvstore.pool.types import LayerLoaded, LoadRequest
 from services.kvstore.store import TieredStore, chunk_tier_key
 from services.kvstore.tiers.base import Stored
 from shared.chunk_codec import (
@@ -53,22 +60,20 @@ from shared.chunk_codec import (
     ChunkHead,
     ChunkMeta,
     ExpectedHead,
-    chunk_key,
     decode_chunk,
     head_length,
     parse_head,
     verify_chunk,
     verify_parts,
 )
+from shared.kv_layout import KVSpan
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
 
-
-class LoadFailed(Exception):
-    """One layer cannot be loaded (miss, corrupt, mismatch): the engine recomputes."""
+_HEAD_READ = 4096  # a chunk's preamble and header: ~50 bytes per block hash plus ~100
 
 
 @dataclass
@@ -82,74 +87,10 @@ class Part:
     copy_s: float | None = None  # set when the tier read copied it already (_CopyOnRead)
 
 
-def _check_request(pool: MappedPool, req: LoadRequest, bpc: int) -> int:
-    if not req.spans:
-        raise PoolError("LoadIntoPool needs at least one span")
-    pool.check_model(req.model_fp, req.num_layers)
-    for s in req.spans:
-        off = s.first_block % bpc
-        if s.use_blocks < 1 or off + s.use_blocks > bpc or not s.chunk_hash:
-            raise PoolError(
-                f"span at block {s.first_block} with {s.use_blocks} blocks does not fit one "
-                f"chunk of {bpc} blocks"
-            )
-    n = sum(s.use_blocks for s in req.spans)
-    if len(req.block_ids) != req.num_layers * n:
-        raise PoolError(
-            f"block_ids has {len(req.block_ids)} entries; expected num_layers * "
-            f"sum(use_blocks) = {req.num_layers} * {n}"
-        )
-    ids = list(req.block_ids)
-    pool.check_block_ids(ids)
-    if len(set(ids)) != len(ids):
-        # Two reads into one block would make a sound chunk fail its checksum there.
-        raise PoolError("block_ids repeat a block: every loaded block needs its own")
-    return n
-
-
 @functools.cache
 def _no_payload() -> torch.Tensor:
     """The tensor of a chunk read straight into pool blocks (never written: shared)."""
     return lazy_torch().empty(0)
-
-
-def _key_prefixes(req: LoadRequest) -> dict[bytes, str]:
-    """Chunk hash -> its key without the layer: ``chunk_key`` checks the fields once per
-    request instead of once per chunk and layer."""
-    return {s.chunk_hash: chunk_key(req.tenant, req.model_fp, s.chunk_hash, 0)[:-1]
-            for s in req.spans}
-
-
-def _check_chunk(
-    meta: ChunkMeta, shape: tuple[int, ...], dtype: str, req: LoadRequest, span: PrefixSpan,
-    layer: int, pool: MappedPool, bpc: int, expected: tuple[bytes, ...] | None,
-) -> None:
-    """A chunk (its header: ``meta``, payload ``shape`` and ``dtype`` name) is the one the
-    request wants for ``span`` in ``layer``, shaped as the pool's blocks."""
-    g = pool.geometry
-    hashes = meta.block_hashes
-    off = span.first_block % bpc
-    if (meta.tenant, meta.model_fp, meta.layer) != (req.tenant, req.model_fp, layer):
-        raise LoadFailed(f"layer {layer}: chunk header names another tenant/model/layer")
-    if hashes[-1] != span.chunk_hash or len(hashes) > bpc or len(hashes) < off + span.use_blocks:
-        raise LoadFailed(f"layer {layer}: chunk at block {span.first_block} does not hold the span")
-    if expected is not None and hashes != expected:
-        raise LoadFailed(f"layer {layer}: chunk hashes differ from the lookup's")
-    want = (len(hashes), 2, g.block_size, g.num_kv_heads, g.head_dim)
-    if shape != want or dtype != g.dtype:
-        raise LoadFailed(
-            f"layer {layer}: chunk is {shape} {dtype}, the pool wants {want} {g.dtype}"
-        )
-
-
-def _check_decoded(chunk: Chunk, req: LoadRequest, span: PrefixSpan, layer: int,
-                   pool: MappedPool, bpc: int, expected: tuple[bytes, ...] | None) -> None:
-    _check_chunk(chunk.meta, tuple(chunk.tensor.shape),
-                 str(chunk.tensor.dtype).removeprefix("torch."), req, span, layer, pool, bpc,
-                 expected)
-
-
-_HEAD_READ = 4096  # a chunk's preamble and header: ~50 bytes per block hash plus ~100
 
 
 def _runs(ids: list[int]) -> list[tuple[int, int]]:
@@ -186,7 +127,7 @@ class _CopyOnRead:
     """
 
     def __init__(self, kv: torch.Tensor, req: LoadRequest, layer: int, pool: MappedPool,
-                 bpc: int, lease: Lease | None, targets: dict[bytes, tuple[PrefixSpan, list[int]]],
+                 bpc: int, lease: Lease | None, targets: dict[bytes, tuple[KVSpan, list[int]]],
                  keys: dict[bytes, str]) -> None:
         self.kv, self.req, self.layer, self.pool, self.bpc = kv, req, layer, pool, bpc
         self.lease = lease
@@ -214,7 +155,7 @@ class _CopyOnRead:
         return chunk
 
     def _target(self, meta: ChunkMeta, shape: tuple[int, ...], dtype: str
-                ) -> tuple[PrefixSpan, list[int]] | None:
+                ) -> tuple[KVSpan, list[int]] | None:
         """The span and blocks this chunk goes to, or None (refused, reason recorded)."""
         last = meta.block_hashes[-1]
         try:
@@ -222,7 +163,7 @@ class _CopyOnRead:
             if target is None:
                 raise LoadFailed(f"layer {self.layer}: a read chunk is not one of the request's")
             span = target[0]
-            _check_chunk(meta, shape, dtype, self.req, span, self.layer, self.pool, self.bpc,
+            check_chunk(meta, shape, dtype, self.req, span, self.layer, self.pool, self.bpc,
                          self.lease.expected.get(self.keys[last]) if self.lease else None)
             return target
         except LoadFailed as e:
@@ -277,7 +218,7 @@ class _CopyOnRead:
         head = want.match(lead, hit.nbytes)
         return None if head is None else self._verified(hit, head, span, bufs, t0)
 
-    def _payload_bufs(self, span: PrefixSpan, chunk_blocks: int, ids: list[int],
+    def _payload_bufs(self, span: KVSpan, chunk_blocks: int, ids: list[int],
                       dest: memoryview) -> list[memoryview]:
         """Where a chunk's payload is read to: the span's blocks, and scratch for the
         chunk's blocks outside the span (read too: the checksum covers them)."""
@@ -289,7 +230,7 @@ class _CopyOnRead:
             bufs.append(memoryview(bytearray((chunk_blocks - off - len(ids)) * bb)))
         return bufs
 
-    def _verified(self, hit: Stored, head: ChunkHead, span: PrefixSpan,
+    def _verified(self, hit: Stored, head: ChunkHead, span: KVSpan,
                   bufs: list[memoryview], t0: float) -> Chunk:
         empty = Chunk(head.meta, _no_payload())  # the blocks hold the data
         try:
@@ -315,7 +256,7 @@ async def _read_layer(
     copied on the thread that reads them (``_CopyOnRead``)."""
     t0 = time.perf_counter()
     keys = [key_prefixes[s.chunk_hash] + str(layer) for s in req.spans]
-    targets: dict[bytes, tuple[PrefixSpan, list[int]]] = {}
+    targets: dict[bytes, tuple[KVSpan, list[int]]] = {}
     pos = layer * n
     for span in req.spans:
         targets[span.chunk_hash] = (span, list(req.block_ids[pos : pos + span.use_blocks]))
@@ -351,7 +292,7 @@ async def _read_layer(
             raise LoadFailed(why)
         copied = copier.copied.get(span.chunk_hash)
         if copied is None:  # a DRAM hit: checked here, copied by _finish_copy
-            _check_decoded(chunk, req, span, layer, pool, bpc,
+            check_decoded(chunk, req, span, layer, pool, bpc,
                          lease.expected.get(key) if lease else None)
         nbytes = span.use_blocks * pool.geometry.block_bytes
         parts.append(Part(chunk.tensor, span.first_block % bpc, targets[span.chunk_hash][1],
@@ -385,8 +326,8 @@ async def load_layers(
     bandwidth: TierBandwidth, readahead: int,
 ) -> AsyncIterator[LayerLoaded]:
     """See the module docstring. Raises ``PoolError`` (before any yield) on bad input."""
-    n = _check_request(pool, req, bpc)
-    key_prefixes = _key_prefixes(req)
+    n = check_request(pool, req, bpc)
+    prefixes = key_prefixes(req)
     kv = pool.kv
     m = store.metrics
     t_start = time.perf_counter()
@@ -397,7 +338,7 @@ async def load_layers(
         nonlocal next_layer
         while next_layer < req.num_layers and len(ahead) < readahead:
             ahead.append(asyncio.create_task(
-                _read_layer(store, req, next_layer, n, pool, bpc, lease, key_prefixes),
+                _read_layer(store, req, next_layer, n, pool, bpc, lease, prefixes),
                 name=f"load-layer-{next_layer}",
             ))
             next_layer += 1

@@ -30,9 +30,9 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from services.kvstore.checksum_work import checksum_work
 from services.kvstore.errors import TierUnavailable, WriteDropped, WriteRefused
 from services.kvstore.metrics import KVStoreMetrics
+from services.kvstore.store.checksum_work import checksum_work
 from services.kvstore.tiers.base import Blob, Tier
 from shared.chunk_codec import is_sealed, seal_chunk
 
