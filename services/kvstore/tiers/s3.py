@@ -267,12 +267,6 @@ class S3Tier(Tier):
 
         return await self._call(blocking)
 
-    async def raw_put(self, key: str, blob: bytes) -> None:
-        """Overwrite an object's bytes directly (fault-injection tests)."""
-        await self._call(
-            lambda: self._client.put_object(Bucket=self.cfg.bucket, Key=self._obj(key), Body=blob)
-        )
-
     def stats(self) -> TierStats:
         return TierStats(self.name, 0, self.bytes_used, 0, not self._degraded, self._degraded)
 

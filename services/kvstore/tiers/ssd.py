@@ -7,17 +7,12 @@ Layout (one atomic RocksDB WriteBatch per put)::
         b"v:" + key -> blob     only blobs of at most ``inline_max_bytes`` (manifests)
     <path>/blobs/<file number> every larger blob (chunks), written before its catalog entry
 
-Why chunks live beside RocksDB and not in it (key-value separation, as WiscKey and
-RocksDB's own BlobDB do for large values): through rocksdict every read of a value is a
-copy into RocksDB's block buffer and another into a fresh Python ``bytes``, with no way to
-read into memory we choose. A chunk in its own file is read with ``preadv`` straight to
-where it is going, the engine's pool blocks when a session is loaded: one copy in all, as
-a plain file read. That cut a 48 MiB layer-wise load from ~36 to ~11 ms of CPU here,
-time the load would otherwise take from the forward pass it overlaps.
-
-Reads that the page cache can serve run inline on the event loop (``RWF_NOWAIT``: the
-kernel refuses rather than waits for the device; the refused ones go to the tier's
-threads). A thread hop costs ~0.2 ms on this VM, more than reading 1 MiB from the cache.
+Chunks live beside RocksDB, not in it (key-value separation, as WiscKey and BlobDB do):
+through rocksdict a value is copied twice on every read, into memory it chooses; a file is
+read with ``preadv`` straight to where it is going (``ssd_files``), the engine's pool
+blocks when a session is loaded. Reads the page cache can serve run inline on the event
+loop (``RWF_NOWAIT``); the refused ones go to the tier's threads. (Measurements: the
+kvstore README.)
 
 Crash safety: a blob's file is complete before the catalog entry naming it is written,
 and replaced or evicted files are unlinked only after the entry that drops them. With
@@ -34,28 +29,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
 import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import msgpack
 from rocksdict import (
-    BlockBasedOptions,
-    Cache,
-    DBCompressionType,
-    Options,
     Rdict,
-    ReadOptions,
     WriteBatch,
-    WriteOptions,
 )
 
-from services.kvstore.errors import ChunkCorrupt, TierOpenError, TierUnavailable
+from services.kvstore.errors import ChunkCorrupt, TierUnavailable
 from services.kvstore.tiers.base import (
     Blob,
     Checked,
@@ -67,100 +54,22 @@ from services.kvstore.tiers.base import (
     whole_blob,
 )
 from services.kvstore.tiers.lru_index import IndexedTtl, PriorityLru
+from services.kvstore.tiers.ssd_catalog import META_PREFIX, VALUE_PREFIX, open_catalog
+from services.kvstore.tiers.ssd_files import (
+    FileStored,
+    Missing,
+    NoWaitUnsupported,
+    WouldBlock,
+)
 
 log = logging.getLogger(__name__)
 
 # No access-time update on reads: with relatime the first read of a new file would write
 # its inode, a journalled write RWF_NOWAIT does not cover, on the event loop.
 _O_NOATIME = getattr(os, "O_NOATIME", 0)
-_V = b"v:"
-_M = b"m:"
+_V = VALUE_PREFIX
+_M = META_PREFIX
 _BLOBS = "blobs"
-
-
-class _WouldBlock(Exception):
-    """An inline read needs the device (``RWF_NOWAIT`` refused): retry it on a thread."""
-
-
-class _NoWaitUnsupported(Exception):
-    """The file system does not take ``RWF_NOWAIT``: read on threads from now on."""
-
-
-class _Missing:
-    """An indexed blob whose file is gone (``file_no`` is the one that was looked for)."""
-
-    def __init__(self, file_no: int) -> None:
-        self.file_no = file_no
-
-
-class FileStored(Stored):
-    """A blob in one of the tier's files, read on demand (see ``Stored``).
-
-    ``nowait``: every read is ``RWF_NOWAIT`` and raises ``_WouldBlock`` where the page
-    cache does not hold the bytes, so the event loop never waits for the device."""
-
-    def __init__(self, fd: int, nbytes: int, nowait: bool, file_no: int = -1) -> None:
-        self._blob = None
-        self.file_no = file_no  # which of the tier's files this is
-        self.nbytes = nbytes
-        self._fd = fd
-        self._flags = os.RWF_NOWAIT if nowait else 0
-
-    def blob(self) -> Blob:
-        if self._blob is None:
-            buf = bytearray(self.nbytes)
-            self.readinto(0, [memoryview(buf)])
-            self._blob = buf
-        return self._blob
-
-    def read(self, offset: int, n: int) -> Blob | memoryview:
-        if self._blob is not None:
-            return memoryview(self._blob)[offset : offset + n]
-        buf = bytearray(max(0, min(n, self.nbytes - offset)))
-        self.readinto(offset, [memoryview(buf)])
-        return buf
-
-    def readinto(self, offset: int, bufs: list[memoryview]) -> None:
-        if self._blob is not None:
-            return super().readinto(offset, bufs)
-        if self._fd < 0:  # the number may belong to another file by now
-            raise RuntimeError("FileStored read after its file was closed")
-        want = sum(len(b) for b in bufs)
-        if offset + want > self.nbytes:
-            raise ChunkCorrupt(f"ssd: blob of {self.nbytes} bytes ends before byte "
-                               f"{offset + want}")
-        while bufs:
-            try:
-                got = os.preadv(self._fd, bufs, offset, self._flags)
-            except BlockingIOError:
-                raise _WouldBlock from None
-            except OSError as e:
-                if self._flags and e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
-                    raise _NoWaitUnsupported from None
-                raise
-            if got == want:
-                return
-            if self._flags:  # partly cached, or the file shrank: the blocking read tells
-                raise _WouldBlock
-            if got == 0:
-                raise ChunkCorrupt(f"ssd: blob file ends at byte {offset} of {self.nbytes}")
-            offset, want, bufs = offset + got, want - got, _skip(bufs, got)
-
-    def closed(self) -> None:
-        """The tier closed the file: any later read is a bug, not a read of another file."""
-        self._fd = -1
-
-
-def _skip(bufs: list[memoryview], n: int) -> list[memoryview]:
-    """``bufs`` without their first ``n`` bytes (after a short read)."""
-    out = []
-    for b in bufs:
-        if n >= len(b):
-            n -= len(b)
-            continue
-        out.append(b[n:])
-        n = 0
-    return out
 
 
 class SsdTier(IndexedTtl, Tier):
@@ -192,7 +101,8 @@ class SsdTier(IndexedTtl, Tier):
     async def open(self) -> None:
         self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="kv-ssd")
         try:
-            self._db, entries, orphans = await self._run(self._open_blocking)
+            self._db, entries, orphans, self._dir_fd = await self._run(
+                open_catalog, self.path, self._blob_dir, self.cache_bytes, self.sync)
         except BaseException:
             self._pool.shutdown(wait=False)
             self._pool = None
@@ -206,92 +116,6 @@ class SsdTier(IndexedTtl, Tier):
             "ssd tier open at %s: %d entries, %d bytes (%d in files; %d orphan files removed)",
             self.path, len(entries), self._index.bytes_used, len(self._files), orphans,
         )
-
-    def _open_blocking(self) -> tuple[Rdict, dict[str, tuple[int, int, float, int | None]], int]:
-        hint = "(is another kvstore using this path? is the disk writable and not full?)"
-        try:
-            Path(self._blob_dir).mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise TierOpenError(
-                f"kvstore.ssd_path: cannot create {self.path!r}: {e.strerror} {hint}"
-            ) from None
-        opts = Options(raw_mode=True)
-        opts.create_if_missing(True)
-        # The catalog's values are small, and chunks are high-entropy floats besides:
-        # compression would cost CPU on every read and write for almost no space.
-        opts.set_compression_type(DBCompressionType.none())
-        table = BlockBasedOptions()
-        table.set_block_cache(Cache(self.cache_bytes))
-        opts.set_block_based_table_factory(table)
-        try:
-            db = Rdict(self.path, opts)
-        except Exception as e:  # rocksdict raises a bare Exception for IO errors
-            raise TierOpenError(
-                f"kvstore.ssd_path: cannot open RocksDB at {self.path!r}: {e} {hint}"
-            ) from None
-        try:
-            return self._load_catalog(db)
-        except BaseException as e:
-            db.close()  # releases RocksDB's lock: the path can be opened again
-            if self._dir_fd >= 0:
-                os.close(self._dir_fd)
-                self._dir_fd = -1
-            if isinstance(e, Exception) and not isinstance(e, TierOpenError):
-                raise TierOpenError(
-                    f"kvstore.ssd_path: cannot read the catalog at {self.path!r}: {e} {hint}"
-                ) from None
-            raise
-
-    def _load_catalog(
-        self, db: Rdict
-    ) -> tuple[Rdict, dict[str, tuple[int, int, float, int | None]], int]:
-        wo = WriteOptions()
-        wo.sync = self.sync
-        wo.disable_wal = False
-        db.set_write_options(wo)
-        ro = ReadOptions()
-        ro.set_verify_checksums(False)
-        ro.fill_cache(False)
-        db.set_read_options(ro)
-        entries: dict[str, tuple[int, int, float, int | None]] = {}
-        unreadable: list[bytes] = []
-        it = db.iter()
-        try:
-            it.seek(_M)
-            while it.valid() and it.key().startswith(_M):
-                try:
-                    size, prio, touched, *file_no = msgpack.unpackb(it.value())
-                    entries[it.key()[2:].decode()] = (
-                        int(size), int(prio), float(touched),
-                        int(file_no[0]) if file_no else None)
-                except (ValueError, TypeError, UnicodeDecodeError, msgpack.UnpackException):
-                    unreadable.append(it.key())  # a damaged entry: its chunk is a miss
-                it.next()
-        finally:
-            del it  # an iterator pins the DB; drop it so close() can release the lock
-        if unreadable:
-            log.warning("ssd tier at %s: dropping %d unreadable catalog entries",
-                        self.path, len(unreadable))
-            batch = WriteBatch(raw_mode=True)
-            for k in unreadable:
-                batch.delete(k)
-                batch.delete(_V + k[len(_M):])
-            db.write(batch)
-        live = {f"{e[3]:016x}" for e in entries.values() if e[3] is not None}
-        orphans = 0
-        for name in os.listdir(self._blob_dir):
-            if name not in live:  # written or dropped around a crash: no entry names it
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(self._blob_dir, name))
-                    orphans += 1
-        self._dir_fd = os.open(self._blob_dir, os.O_RDONLY | os.O_DIRECTORY)
-        if self.sync:  # the blobs directory's own entry, in case it was just created
-            parent = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(parent)
-            finally:
-                os.close(parent)
-        return db, entries, orphans
 
     async def close(self) -> None:
         async with self._write_lock:  # a write under way finishes first (RocksDB would
@@ -365,7 +189,7 @@ class SsdTier(IndexedTtl, Tier):
     async def _read_batch(self, keys: list[str], check: Callable[[Stored], T]
                           ) -> list[Checked[T]]:
         db = self._live_db()
-        out: list[Checked[T] | _Missing] = [None] * len(keys)
+        out: list[Checked[T] | Missing] = [None] * len(keys)
         later: list[tuple[int, str, int | None]] = []  # read on a thread: one hop in all
         for j, k in enumerate(keys):
             if k not in self._index:
@@ -375,9 +199,9 @@ class SsdTier(IndexedTtl, Tier):
                 try:
                     out[j] = self._read_file(k, file_no, check, nowait=True)
                     continue
-                except _WouldBlock:
+                except WouldBlock:
                     pass
-                except _NoWaitUnsupported:
+                except NoWaitUnsupported:
                     log.info("ssd: %s does not take RWF_NOWAIT; reading on threads", self.path)
                     self._nowait = False
                 except OSError as e:
@@ -397,7 +221,7 @@ class SsdTier(IndexedTtl, Tier):
         now = time.time()
         result: list[Checked[T]] = []
         for k, hit in zip(keys, out, strict=True):
-            if isinstance(hit, _Missing):
+            if isinstance(hit, Missing):
                 hit = await self._missing(k, hit.file_no, check)
             if hit is not None:
                 self._index.touch(k, now)
@@ -405,7 +229,7 @@ class SsdTier(IndexedTtl, Tier):
         return result
 
     def _read_file(self, key: str, file_no: int, check: Callable[[Stored], T], nowait: bool
-                   ) -> Checked[T] | _Missing:
+                   ) -> Checked[T] | Missing:
         path = self._file(file_no)
         try:
             try:
@@ -414,7 +238,7 @@ class SsdTier(IndexedTtl, Tier):
                 self._read_flags &= ~_O_NOATIME
                 fd = os.open(path, self._read_flags)
         except FileNotFoundError:
-            return _Missing(file_no)
+            return Missing(file_no)
         stored = None
         try:
             stored = FileStored(fd, os.fstat(fd).st_size, nowait, file_no)
@@ -437,7 +261,7 @@ class SsdTier(IndexedTtl, Tier):
         if now_no is None or key not in self._index:
             return None
         got = await self._run(self._read_file, key, now_no, check, False)
-        return None if isinstance(got, _Missing) else got
+        return None if isinstance(got, Missing) else got
 
     # ---------------------------------------------------------------- writes
 
@@ -567,24 +391,6 @@ class SsdTier(IndexedTtl, Tier):
     def unpin(self, key: str) -> None:
         self._index.unpin(key)
 
-    # ---------------------------------------------------------------- fault injection
-
-    async def raw_put(self, key: str, blob: bytes) -> None:
-        """Overwrite the stored bytes of ``key`` without bookkeeping (fault-injection tests)."""
-        file_no = self._files.get(key)
-        if file_no is None:
-            await self._run(self._live_db().put, _V + key.encode(), blob)
-        else:
-            await self._run(Path(self._file(file_no)).write_bytes, blob)
-
-    async def raw_drop(self, key: str) -> None:
-        """Lose the stored bytes of ``key`` but keep its entry (fault-injection tests)."""
-        file_no = self._files.get(key)
-        if file_no is None:
-            await self._run(self._live_db().delete, _V + key.encode())
-        else:
-            await self._run(os.unlink, self._file(file_no))
-
     def stats(self) -> TierStats:
         healthy = self._db is not None and not self._error
         return TierStats(
@@ -603,10 +409,10 @@ class SsdTier(IndexedTtl, Tier):
 
 
 def _read_blocking(tier: SsdTier, db: Rdict, items: list[tuple[int, str, int | None]],
-                   check: Callable[[Stored], T]) -> list[Checked[T] | _Missing]:
+                   check: Callable[[Stored], T]) -> list[Checked[T] | Missing]:
     """The reads the loop left to a thread: catalog values by point gets (through rocksdict
     multi_get measured ~8x slower for chunk-sized values), files with blocking reads."""
-    out: list[Checked[T] | _Missing] = []
+    out: list[Checked[T] | Missing] = []
     for _j, key, file_no in items:
         if file_no is None:
             out.append(apply_check(db.get(_V + key.encode()), check, key))

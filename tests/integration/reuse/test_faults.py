@@ -22,6 +22,7 @@ from tests.integration.reuse.harness import (
     turn_request,
 )
 from tests.s3_server import free_port
+from tests.unit.kvstore.tier_faults import lose, overwrite
 
 TURNS = ["Tell me a story about a robot that learns to paint.", "Why is the sky blue?"]
 
@@ -49,9 +50,9 @@ async def damage_ssd(path: Path, layer: int, how: str) -> int:
         keys = [k for k in ssd.keys() if k.startswith("c/") and k.endswith(f"/{layer}")]
         for k in keys:
             if how == "corrupt":
-                await ssd.raw_put(k, flip(await ssd.get(k)))
+                await overwrite(ssd, k, flip(await ssd.get(k)))
             else:
-                await ssd.raw_drop(k)
+                await lose(ssd, k)
     finally:
         await ssd.close()
     return len(keys)

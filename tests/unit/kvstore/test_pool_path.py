@@ -28,6 +28,7 @@ from tests.unit.kvstore.pools import (
     ids,
     make_pool,
 )
+from tests.unit.kvstore.tier_faults import overwrite
 
 STRIDE = 64  # pool blocks per layer in the tests' layouts
 SRC, DST = 0, 256  # bases of the saved and the loaded blocks
@@ -198,7 +199,7 @@ async def test_corrupt_layer_2_loads_layers_0_1_and_fails_layer_2(
     key = "c/" + chunk_key(TENANT, MODEL, hs[31], 2)  # layer 2, chunk 1
     blob = bytearray(await ssd.get(key))
     blob[-100] ^= 0xFF
-    await ssd.raw_put(key, bytes(blob))
+    await overwrite(ssd, key, bytes(blob))
     r = await lookup(path, hs)
     assert r.matched_blocks == 40
     pool.kv_cache[DST:].zero_()
@@ -448,7 +449,7 @@ async def test_a_sound_but_mismatching_ssd_chunk_fails_its_layer_and_is_kept(
     ssd = path.store.tiers[1]
     key = chunk_key(TENANT, MODEL, hs[15], 1)  # layer 1, chunk 0
     wrong = torch.ones(16, 2, CHUNK_TOKENS // 16, 1, 8)
-    await ssd.raw_put("c/" + key, bytes(encode_chunk(ChunkMeta(TENANT, MODEL, 1, hs[:16]), wrong)))
+    await overwrite(ssd, "c/" + key, bytes(encode_chunk(ChunkMeta(TENANT, MODEL, 1, hs[:16]), wrong)))
     r = await lookup(path, hs)
     msgs = await load(path, pid, r, ids(0, 40, DST, STRIDE))
     assert [(m.layer, m.ok) for m in msgs] == [(0, True), (1, False)]
@@ -488,9 +489,9 @@ async def test_ssd_chunks_with_an_unexpected_head_are_parsed_and_checked(
     saved = await _ssd_only(path, pid, pool, hs, seed=15)
     ssd = path.store.tiers[1]
     k0 = "c/" + chunk_key(TENANT, MODEL, hs[15], 0)  # layer 0, chunk 0
-    await ssd.raw_put(k0, _repacked(await ssd.get(k0)))
+    await overwrite(ssd, k0, _repacked(await ssd.get(k0)))
     k1 = "c/" + chunk_key(TENANT, MODEL, hs[31], 1)  # layer 1, chunk 1: layer 2's header
-    await ssd.raw_put(k1, _repacked(await ssd.get(k1), layer=2))
+    await overwrite(ssd, k1, _repacked(await ssd.get(k1), layer=2))
     r = await lookup(path, hs)
     msgs = await load(path, pid, r, ids(0, 40, DST, STRIDE))
     assert [(m.layer, m.ok) for m in msgs] == [(0, True), (1, False)]

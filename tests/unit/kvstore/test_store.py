@@ -25,6 +25,7 @@ from tests.unit.kvstore.chunks import (
     session_manifest,
 )
 from tests.unit.kvstore.flaky import FlakyTier
+from tests.unit.kvstore.tier_faults import lose, overwrite
 
 
 def make_store(tiers: list, **kw) -> TieredStore:
@@ -93,7 +94,7 @@ async def test_corrupt_ssd_chunk_is_counted_deleted_and_a_miss(tmp_path: Path) -
         await s.dram.delete("c/" + r.key)
         good = bytearray(await ssd.get("c/" + r.key))
         good[-3] ^= 0xFF
-        await ssd.raw_put("c/" + r.key, bytes(good))
+        await overwrite(ssd, "c/" + r.key, bytes(good))
         assert await s.get(r.key) is None
         assert s.metrics.value("kvstore_checksum_failures_total", tier="ssd") == 1
         assert not await ssd.contains("c/" + r.key)
@@ -105,7 +106,7 @@ async def test_corrupt_copy_falls_through_to_a_good_one(tmp_path: Path) -> None:
         r = await s.put(meta("s", 0, 0), kv_tensor(3))
         await r.durable
         await s.dram.delete("c/" + r.key)
-        await ssd.raw_put("c/" + r.key, b"OVKC garbage")
+        await overwrite(ssd, "c/" + r.key, b"OVKC garbage")
         c = await s.get(r.key)
         assert c is not None and torch.equal(c.tensor, kv_tensor(3))
         assert s.metrics.value("kvstore_checksum_failures_total", tier="ssd") == 1
@@ -121,7 +122,7 @@ async def test_find_chunks_batches_each_tier_and_isolates_a_corrupt_chunk(tmp_pa
             await r.durable
         for r in rs[1:]:
             await s.dram.delete("c/" + r.key)
-        await ssd.raw_put("c/" + rs[2].key, b"OVKC garbage")
+        await overwrite(ssd, "c/" + rs[2].key, b"OVKC garbage")
         found = await s.find_chunks([r.key for r in rs] + ["t1/fp0/00/0"])
         assert [tier for _, tier in found] == ["dram", "ssd", remote.name, "ssd", ""]
         for i, (chunk, _) in enumerate(found[:4]):
@@ -274,8 +275,8 @@ async def test_ssd_file_lost_under_its_entry_is_corrupt_and_dropped(tmp_path: Pa
         blob = bytes(encode_chunk(meta("s", 0, 0), kv_tensor(5)))
         await ssd.put("a", blob)
         await ssd.put("b", blob)
-        await ssd.raw_drop("a")
-        await ssd.raw_drop("b")
+        await lose(ssd, "a")
+        await lose(ssd, "b")
         (hit,) = await ssd.get_many_checked(["a"], lambda h: decode_chunk(h.blob()))
         assert hit is not None and isinstance(hit[1], ChunkCorrupt)
         assert await ssd.get("b") is None and not await ssd.contains("b")
@@ -1056,7 +1057,7 @@ async def test_a_corrupt_copy_read_while_a_newer_one_lands_takes_only_itself(
         await s.delete(m.key, ["dram"])
         rotten = bytearray(await ssd.get("c/" + m.key))
         rotten[-1] ^= 0xFF
-        await ssd.raw_put("c/" + m.key, bytes(rotten))  # the old copy rots on disk
+        await overwrite(ssd, "c/" + m.key, bytes(rotten))  # the old copy rots on disk
         ssd._nowait = False
         reading = asyncio.create_task(s.get(m.key))
         await asyncio.sleep(0.05)

@@ -1,0 +1,97 @@
+"""The SSD tier's blob files: a stored blob read on demand with ``preadv``, straight into
+the caller's buffers (a pool load reads a chunk into its pool blocks), inline on the event
+loop when the page cache holds it (``RWF_NOWAIT``) and on the tier's threads otherwise.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+from services.kvstore.errors import ChunkCorrupt
+from services.kvstore.tiers.base import Blob, Stored
+
+
+class WouldBlock(Exception):
+    """An inline read needs the device (``RWF_NOWAIT`` refused): retry it on a thread."""
+
+
+class NoWaitUnsupported(Exception):
+    """The file system does not take ``RWF_NOWAIT``: read on threads from now on."""
+
+
+class Missing:
+    """An indexed blob whose file is gone (``file_no`` is the one that was looked for)."""
+
+    def __init__(self, file_no: int) -> None:
+        self.file_no = file_no
+
+
+class FileStored(Stored):
+    """A blob in one of the tier's files, read on demand (see ``Stored``).
+
+    ``nowait``: every read is ``RWF_NOWAIT`` and raises ``WouldBlock`` where the page
+    cache does not hold the bytes, so the event loop never waits for the device."""
+
+    def __init__(self, fd: int, nbytes: int, nowait: bool, file_no: int = -1) -> None:
+        self._blob = None
+        self.file_no = file_no  # which of the tier's files this is
+        self.nbytes = nbytes
+        self._fd = fd
+        self._flags = os.RWF_NOWAIT if nowait else 0
+
+    def blob(self) -> Blob:
+        if self._blob is None:
+            buf = bytearray(self.nbytes)
+            self.readinto(0, [memoryview(buf)])
+            self._blob = buf
+        return self._blob
+
+    def read(self, offset: int, n: int) -> Blob | memoryview:
+        if self._blob is not None:
+            return memoryview(self._blob)[offset : offset + n]
+        buf = bytearray(max(0, min(n, self.nbytes - offset)))
+        self.readinto(offset, [memoryview(buf)])
+        return buf
+
+    def readinto(self, offset: int, bufs: list[memoryview]) -> None:
+        if self._blob is not None:
+            return super().readinto(offset, bufs)
+        if self._fd < 0:  # the number may belong to another file by now
+            raise RuntimeError("FileStored read after its file was closed")
+        want = sum(len(b) for b in bufs)
+        if offset + want > self.nbytes:
+            raise ChunkCorrupt(f"ssd: blob of {self.nbytes} bytes ends before byte "
+                               f"{offset + want}")
+        while bufs:
+            try:
+                got = os.preadv(self._fd, bufs, offset, self._flags)
+            except BlockingIOError:
+                raise WouldBlock from None
+            except OSError as e:
+                if self._flags and e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise NoWaitUnsupported from None
+                raise
+            if got == want:
+                return
+            if self._flags:  # partly cached, or the file shrank: the blocking read tells
+                raise WouldBlock
+            if got == 0:
+                raise ChunkCorrupt(f"ssd: blob file ends at byte {offset} of {self.nbytes}")
+            offset, want, bufs = offset + got, want - got, skip(bufs, got)
+
+    def closed(self) -> None:
+        """The tier closed the file: any later read is a bug, not a read of another file."""
+        self._fd = -1
+
+
+def skip(bufs: list[memoryview], n: int) -> list[memoryview]:
+    """``bufs`` without their first ``n`` bytes (after a short read)."""
+    out = []
+    for b in bufs:
+        if n >= len(b):
+            n -= len(b)
+            continue
+        out.append(b[n:])
+        n = 0
+    return out
