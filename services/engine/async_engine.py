@@ -13,7 +13,7 @@ posts each step's outputs to the loop (call_soon_threadsafe), which routes them 
 requests' queues while the next step already runs. A run ends after the step during which
 another worker job (status, abort, shrink) was queued, so those wait at most one step.
 
-KV reuse (with ``kvstore_address``): ``generate`` asks the ReuseCoordinator what of the
+KV reuse (with ``kvstore_address``): ``generate`` asks the PrefixLookup what of the
 prompt to load from the node's kvstore before the request enters the core; the core's
 loads and saves come back to the loop through a LoopTransport, and a save's pinned blocks
 return to the worker as an inbox command.
@@ -38,9 +38,9 @@ from .api_types import EngineStatus, GenerateOutput, GenerateRequest, ModelInfo,
 from .config import EngineConfig
 from .engine_core import EngineCore, Event, Failure
 from .errors import INTERNAL, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE, EngineError
-from .kv_connector import KVConnector
-from .reuse_coordinator import ReuseCoordinator, connect_reuse
-from .reuse_planner import RECOMPUTE
+from .offload.kvstore_client import KVStoreClient
+from .offload.lookup import PrefixLookup, connect_offload
+from .offload.planner import RECOMPUTE
 from .validation import PreparedRequest, prepare
 
 log = logging.getLogger(__name__)
@@ -85,8 +85,8 @@ class AsyncEngine:
         # Worker jobs queued by the loop besides stepping runs; only the loop writes it.
         self._side_jobs = 0
         self._stopping = False
-        self._connector: KVConnector | None = None
-        self._coordinator: ReuseCoordinator | None = None
+        self._connector: KVStoreClient | None = None
+        self._coordinator: PrefixLookup | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -263,7 +263,7 @@ class AsyncEngine:
         )
 
     @property
-    def kv_connector(self) -> KVConnector | None:
+    def kv_connector(self) -> KVStoreClient | None:
         """The node's kvstore client (None without ``kvstore_address`` or in recompute)."""
         return self._connector
 
@@ -278,7 +278,7 @@ class AsyncEngine:
         """Connect the pool to the node's kvstore (attaching in the background). Runs
         before the step loop starts: the worker reads the transport only while stepping."""
         if self.config.kvstore_address and self.config.reuse_mode != RECOMPUTE:
-            self._connector, self._coordinator = await connect_reuse(
+            self._connector, self._coordinator = await connect_offload(
                 self.config, self._core, self._loaded.config,
                 lambda job, ok=True: self._submit(_UNPIN, (job, ok)),
             )

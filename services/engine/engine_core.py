@@ -16,16 +16,16 @@ import torch
 from shared.config import ConfigError
 
 from .api_types import EngineStatus, GenerateOutput, ModelInfo
-from .block_pool import BlockPool
 from .config import EngineConfig
 from .errors import RESOURCE_EXHAUSTED, EngineError
-from .kv_manager import KVCacheManager
-from .kv_pool import KVPool
-from .kv_reuse import KVReuse
+from .kvcache.block_allocator import BlockAllocator
+from .kvcache.block_tables import BlockTables
+from .kvcache.device_memory import DeviceMemory
 from .model import IncrementalDetokenizer, LoadedModel
 from .model_runner import ModelRunner
+from .offload.kvstore_offload import KVStoreOffload
+from .offload.planner import WHOLE_PREFIX, ReusePlan
 from .output_state import ABORT, OutputState
-from .reuse_planner import WHOLE_PREFIX, ReusePlan
 from .sampling import make_generator
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -67,7 +67,7 @@ class EngineCore:
         mc = loaded.config
         self.config = config
         self.loaded = loaded
-        self.pool = KVPool(
+        self.pool = DeviceMemory(
             block_size=config.block_size,
             num_kv_heads=mc.num_kv_heads,
             head_dim=mc.head_dim,
@@ -76,10 +76,10 @@ class EngineCore:
             page_bytes=config.page_bytes,
             device=config.device,
         )
-        self.blocks = BlockPool(self.pool)
-        self.kv = KVCacheManager(self.blocks, mc.num_layers, config.block_size)
+        self.blocks = BlockAllocator(self.pool)
+        self.kv = BlockTables(self.blocks, mc.num_layers, config.block_size)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.reuse = KVReuse(
+        self.reuse = KVStoreOffload(
             self.kv,
             self.scheduler,
             whole_prefix=config.reuse_mode == WHOLE_PREFIX,

@@ -20,8 +20,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .kv_manager import KVCacheManager
-from .reuse_planner import ReusePlan
+from .kvcache.block_tables import BlockTables
+from .offload.planner import ReusePlan
 from .sequence import Sequence, Status
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv: BlockTables, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens

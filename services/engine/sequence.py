@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from .api_types import SamplingParams
-from .layer_readiness import LayerReadiness
-from .reuse_planner import ReusePlan
+from .offload.layer_readiness import LayerReadiness
+from .offload.planner import ReusePlan
 
 
 class Status(Enum):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 
+from shared.kv_layout import KVSpan
 from shared.proto import common_pb2, engine_pb2, kvstore_pb2
 
 from .api_types import (
@@ -14,8 +15,7 @@ from .api_types import (
     SamplingParams,
 )
 from .errors import INTERNAL, INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE
-from .kv_transfer import LoadJob, SaveJob
-from .reuse_planner import LoadSpan
+from .offload.jobs import LoadJob, SaveJob
 
 STATUS_CODES = {
     INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
@@ -107,14 +107,14 @@ def pool_geometry_to_proto(
     )
 
 
-def spans_from_proto(reply: kvstore_pb2.LookupPrefixReply) -> list[LoadSpan]:
+def spans_from_proto(reply: kvstore_pb2.LookupPrefixReply) -> list[KVSpan]:
     return [
-        LoadSpan(bytes(s.chunk_hash), s.first_block, s.use_blocks, s.tier, s.bytes)
+        KVSpan(bytes(s.chunk_hash), s.first_block, s.use_blocks, s.tier, s.bytes)
         for s in reply.spans
     ]
 
 
-def span_to_proto(s: LoadSpan) -> kvstore_pb2.PrefixSpan:
+def span_to_proto(s: KVSpan) -> kvstore_pb2.PrefixSpan:
     return kvstore_pb2.PrefixSpan(
         chunk_hash=s.chunk_hash, first_block=s.first_block, use_blocks=s.use_blocks,
         tier=s.tier, bytes=s.nbytes,

@@ -1,6 +1,6 @@
 """Mapping the engine's KV pool into the kvstore process (the same-node data path).
 
-The engine owns ONE tensor for all layers (services/engine/kv_pool.py)::
+The engine owns ONE tensor for all layers (services/engine/kvcache/device_memory.py)::
 
     kv_cache: (num_blocks, 2, block_size, num_kv_heads, head_dim)   # [:,0]=K, [:,1]=V
 

@@ -7,15 +7,15 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from services.engine.block_pool import BlockPool
-from services.engine.kv_pool import KVPool
+from services.engine.kvcache.block_allocator import BlockAllocator
+from services.engine.kvcache.device_memory import DeviceMemory
 
 # block_bytes = 2 * 4 tokens * 1 head * 32 dims * 4 bytes = 1 KiB; 4 blocks per 4 KiB page.
 BLOCK_SIZE = 4
 
 
-def make_pool(num_pages: int, blocks_per_page: int = 4) -> KVPool:
-    return KVPool(
+def make_pool(num_pages: int, blocks_per_page: int = 4) -> DeviceMemory:
+    return DeviceMemory(
         block_size=BLOCK_SIZE,
         num_kv_heads=1,
         head_dim=32,
@@ -26,12 +26,12 @@ def make_pool(num_pages: int, blocks_per_page: int = 4) -> KVPool:
 
 
 @pytest.fixture
-def kv_pool() -> Iterator[KVPool]:
+def kv_pool() -> Iterator[DeviceMemory]:
     pool = make_pool(num_pages=2)
     yield pool
     pool.close()
 
 
 @pytest.fixture
-def blocks(kv_pool: KVPool) -> BlockPool:
-    return BlockPool(kv_pool)
+def blocks(kv_pool: DeviceMemory) -> BlockAllocator:
+    return BlockAllocator(kv_pool)

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 import pytest
 
 from services.engine.api_types import SamplingParams
-from services.engine.block_pool import BlockPool
-from services.engine.kv_manager import KVCacheManager
-from services.engine.kv_pool import KVPool
+from services.engine.kvcache.block_allocator import BlockAllocator
+from services.engine.kvcache.block_tables import BlockTables
+from services.engine.kvcache.device_memory import DeviceMemory
 from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.sequence import Sequence
 
@@ -20,9 +20,9 @@ LAYERS = 2
 
 
 class Harness:
-    def __init__(self, pool: KVPool, max_num_seqs: int = 8, budget: int = 16) -> None:
-        self.blocks = BlockPool(pool)
-        self.kv = KVCacheManager(self.blocks, LAYERS, BLOCK_SIZE)
+    def __init__(self, pool: DeviceMemory, max_num_seqs: int = 8, budget: int = 16) -> None:
+        self.blocks = BlockAllocator(pool)
+        self.kv = BlockTables(self.blocks, LAYERS, BLOCK_SIZE)
         self.sched = Scheduler(self.kv, max_num_seqs, budget)
         self.n = 0
 
@@ -63,13 +63,13 @@ class Harness:
 
 
 @pytest.fixture
-def pool() -> Iterator[KVPool]:
+def pool() -> Iterator[DeviceMemory]:
     p = make_pool(num_pages=8)  # 32 blocks = 16 per layer
     yield p
     p.close()
 
 
-def test_budget_and_chunked_prefill(pool: KVPool) -> None:
+def test_budget_and_chunked_prefill(pool: DeviceMemory) -> None:
     h = Harness(pool, budget=16)
     a, b, c = h.add(10), h.add(10), h.add(10)
     out = h.step()
@@ -82,7 +82,7 @@ def test_budget_and_chunked_prefill(pool: KVPool) -> None:
     assert c.num_output_tokens == 1
 
 
-def test_decodes_come_before_prefills_when_the_budget_is_short(pool: KVPool) -> None:
+def test_decodes_come_before_prefills_when_the_budget_is_short(pool: DeviceMemory) -> None:
     h = Harness(pool, budget=8)
     h.add(3), h.add(3)
     h.step()  # both prefill (6 tokens)
@@ -91,7 +91,7 @@ def test_decodes_come_before_prefills_when_the_budget_is_short(pool: KVPool) -> 
     assert list(out.num_scheduled_tokens.items()) == [("r0", 1), ("r1", 1), ("r2", 6)]
 
 
-def test_max_num_seqs(pool: KVPool) -> None:
+def test_max_num_seqs(pool: DeviceMemory) -> None:
     h = Harness(pool, max_num_seqs=2, budget=64)
     for _ in range(3):
         h.add(2)
@@ -140,7 +140,7 @@ def test_fcfs_head_of_line_is_not_overtaken() -> None:
         small.close()
 
 
-def test_prefix_hit_reuses_blocks_of_every_layer(pool: KVPool) -> None:
+def test_prefix_hit_reuses_blocks_of_every_layer(pool: DeviceMemory) -> None:
     h = Harness(pool, budget=64)
     a = h.add(10, first_token=1)
     h.step()
@@ -155,7 +155,7 @@ def test_prefix_hit_reuses_blocks_of_every_layer(pool: KVPool) -> None:
     assert [t[:2] for t in b.block_tables] == [t[:2] for t in a_tables]
 
 
-def test_prefix_hit_stops_where_a_layer_is_missing(pool: KVPool) -> None:
+def test_prefix_hit_stops_where_a_layer_is_missing(pool: DeviceMemory) -> None:
     h = Harness(pool, budget=64)
     a = h.add(10)
     h.step()
@@ -172,7 +172,7 @@ def test_prefix_hit_stops_where_a_layer_is_missing(pool: KVPool) -> None:
     assert out.num_scheduled_tokens == {"r1": 10} and b.num_cached_tokens == 0
 
 
-def test_abort_while_waiting_and_running(pool: KVPool) -> None:
+def test_abort_while_waiting_and_running(pool: DeviceMemory) -> None:
     h = Harness(pool, max_num_seqs=1, budget=64)
     run, wait = h.add(5), h.add(5)
     h.step()

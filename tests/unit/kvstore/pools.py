@@ -10,7 +10,7 @@ import hashlib
 
 import torch
 
-from services.engine.kv_pool import KVPool, block_bytes_for
+from services.engine.kvcache.device_memory import DeviceMemory, block_bytes_for
 from services.kvstore.pool.attach import PoolGeometry
 
 TENANT = "t1"
@@ -22,9 +22,9 @@ LAYERS = 3
 CHUNK_TOKENS = 256  # 16 blocks per chunk
 
 
-def make_pool(num_blocks: int = 512) -> KVPool:
+def make_pool(num_blocks: int = 512) -> DeviceMemory:
     bb = block_bytes_for(BLOCK, HEADS, DIM, torch.float32)
-    pool = KVPool(
+    pool = DeviceMemory(
         block_size=BLOCK, num_kv_heads=HEADS, head_dim=DIM, dtype=torch.float32,
         budget_bytes=num_blocks * bb, page_bytes=64 * bb,
     )
@@ -33,7 +33,7 @@ def make_pool(num_blocks: int = 512) -> KVPool:
     return pool
 
 
-def geometry(pool: KVPool, layers: int = LAYERS, model_fp: str = MODEL) -> PoolGeometry:
+def geometry(pool: DeviceMemory, layers: int = LAYERS, model_fp: str = MODEL) -> PoolGeometry:
     return PoolGeometry(
         pool_name=pool.name, device="cpu", num_blocks=pool.num_blocks, block_size=BLOCK,
         num_kv_heads=HEADS, head_dim=DIM, dtype="float32", num_layers=layers, model_fp=model_fp,
@@ -59,7 +59,7 @@ def ids(first: int, count: int, base: int, stride: int, layers: int = LAYERS) ->
     ]
 
 
-def fill(pool: KVPool, block_ids: list[int], seed: int) -> None:
+def fill(pool: DeviceMemory, block_ids: list[int], seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     shape = (len(block_ids), *pool.kv_cache.shape[1:])
     pool.kv_cache[block_ids] = torch.randn(shape, generator=g)

@@ -1,4 +1,4 @@
-"""The same-node data path against a real shm pool (engine KVPool) and real RocksDB."""
+"""The same-node data path against a real shm pool (engine DeviceMemory) and real RocksDB."""
 
 from __future__ import annotations
 

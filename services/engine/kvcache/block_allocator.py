@@ -26,7 +26,7 @@ BlockKey = tuple[bytes, int]  # (content hash, layer)
 
 
 class PageSource(Protocol):
-    """Committed capacity in pages of ``blocks_per_page`` blocks (``KVPool``)."""
+    """Committed capacity in pages of ``blocks_per_page`` blocks (``DeviceMemory``)."""
 
     blocks_per_page: int
     num_blocks: int
@@ -46,7 +46,7 @@ class PageSource(Protocol):
     def committed_pages(self) -> list[int]: ...
 
 
-class BlockPool:
+class BlockAllocator:
     def __init__(self, pages: PageSource) -> None:
         self._pages = pages
         n = pages.num_blocks

@@ -9,10 +9,11 @@ import asyncio
 import grpc
 
 from services.engine.config import EngineConfig
-from services.engine.kv_connector import KVConnector
-from services.engine.kv_transfer import LoadJob, SaveJob
-from services.engine.layer_readiness import LayerReadiness
-from services.engine.reuse_planner import LoadSpan, ReusePlan
+from services.engine.offload.jobs import LoadJob, SaveJob
+from services.engine.offload.kvstore_client import KVStoreClient
+from services.engine.offload.layer_readiness import LayerReadiness
+from services.engine.offload.planner import ReusePlan
+from shared.kv_layout import KVSpan
 from shared.proto import kvstore_pb2
 
 
@@ -56,8 +57,8 @@ class FakeStub:
         await asyncio.sleep(3600)  # the re-attach the error triggers never matters here
 
 
-def connector(stub: FakeStub) -> KVConnector:
-    c = KVConnector(EngineConfig(kvstore_attach_backoff_max_s=0.01),
+def connector(stub: FakeStub) -> KVStoreClient:
+    c = KVStoreClient(EngineConfig(kvstore_attach_backoff_max_s=0.01),
                     kvstore_pb2.PoolGeometry(model_fp="fp", num_layers=2))
     c._stub = stub  # type: ignore[assignment]
     c.pool_id = "pool-1"
@@ -69,7 +70,7 @@ async def test_a_failed_load_is_finished_only_after_its_fence() -> None:
     c = connector(stub)
     ready = LayerReadiness(2)
     ended = asyncio.Event()
-    plan = ReusePlan((LoadSpan(b"h", 0, 1, "ssd", 1),), "lease-1", 0, 1)
+    plan = ReusePlan((KVSpan(b"h", 0, 1, "ssd", 1),), "lease-1", 0, 1)
     c.start_load(LoadJob("r", "default", plan, (5, 6), ready), ended.set)
     await asyncio.sleep(0.2)
     assert ready.failed and not ready.finished and not ended.is_set()  # blocks stay parked
@@ -105,10 +106,10 @@ async def test_op_ids_are_unique_across_connectors() -> None:
 async def test_a_load_refused_for_want_of_a_kvstore_still_reports_its_end() -> None:
     """Not attached: the load fails at once, and ``ended`` runs as after any load (a worker
     waiting for parked blocks is woken)."""
-    c = KVConnector(EngineConfig(), kvstore_pb2.PoolGeometry(model_fp="fp", num_layers=2))
+    c = KVStoreClient(EngineConfig(), kvstore_pb2.PoolGeometry(model_fp="fp", num_layers=2))
     ready = LayerReadiness(2)
     ended: list[bool] = []
-    plan = ReusePlan((LoadSpan(b"h", 0, 1, "ssd", 1),), "", 0, 1)
+    plan = ReusePlan((KVSpan(b"h", 0, 1, "ssd", 1),), "", 0, 1)
     c.start_load(LoadJob("r", "default", plan, (5, 6), ready), lambda: ended.append(True))
     assert ready.failed and ready.finished and ended == [True]
     await c.close()

@@ -10,10 +10,11 @@ import torch
 from services.engine.api_types import GenerateRequest, SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.engine_core import EngineCore
-from services.engine.kv_transfer import LoadJob, SaveJob
 from services.engine.model import LoadedModel, load_model, write_demo_model
-from services.engine.reuse_planner import LoadSpan, ReusePlan
+from services.engine.offload.jobs import LoadJob, SaveJob
+from services.engine.offload.planner import ReusePlan
 from services.engine.validation import prepare
+from shared.kv_layout import KVSpan
 
 PROMPT = "Once upon a time, in a land far away, there lived a king who had three daughters. " * 2
 
@@ -55,7 +56,7 @@ def scripted_core(loaded: LoadedModel) -> tuple[EngineCore, ScriptedTransport]:
 
 def two_block_plan(lease_id: str) -> ReusePlan:
     """Load the prompt's first two blocks from DRAM under ``lease_id``."""
-    return ReusePlan((LoadSpan(b"h", 0, 2, "dram", 1),), lease_id, 0, 2)
+    return ReusePlan((KVSpan(b"h", 0, 2, "dram", 1),), lease_id, 0, 2)
 
 
 def add(core: EngineCore, loaded: LoadedModel, rid: str, plan: ReusePlan | None) -> None:

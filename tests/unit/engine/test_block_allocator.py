@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from services.engine.block_pool import BlockPool
-from services.engine.kv_pool import KVPool
+from services.engine.kvcache.block_allocator import BlockAllocator
+from services.engine.kvcache.device_memory import DeviceMemory
 
 H1, H2, H3 = b"h1" * 8, b"h2" * 8, b"h3" * 8
 
 
-def test_fifo_free_list_and_exhaustion(blocks: BlockPool) -> None:
+def test_fifo_free_list_and_exhaustion(blocks: BlockAllocator) -> None:
     assert blocks.allocate(3) == [0, 1, 2]
     assert blocks.num_committed == 4  # one page committed so far
     assert blocks.allocate(3) == [3, 4, 5]  # the second page is committed on demand
@@ -20,7 +20,7 @@ def test_fifo_free_list_and_exhaustion(blocks: BlockPool) -> None:
     blocks.check_integrity()
 
 
-def test_refcounts_and_double_free(blocks: BlockPool) -> None:
+def test_refcounts_and_double_free(blocks: BlockAllocator) -> None:
     (b,) = blocks.allocate(1)
     blocks.touch([b])
     blocks.free([b])
@@ -36,7 +36,7 @@ def test_refcounts_and_double_free(blocks: BlockPool) -> None:
         raise AssertionError("double free was accepted")
 
 
-def test_cached_blocks_become_evictable_and_can_be_hit(blocks: BlockPool) -> None:
+def test_cached_blocks_become_evictable_and_can_be_hit(blocks: BlockAllocator) -> None:
     b0, b1 = blocks.allocate(2)
     assert blocks.cache(b0, (H1, 0)) and blocks.cache(b1, (H1, 1))
     blocks.free([b1, b0])
@@ -48,7 +48,7 @@ def test_cached_blocks_become_evictable_and_can_be_hit(blocks: BlockPool) -> Non
     blocks.check_integrity()
 
 
-def test_a_second_block_with_the_same_key_stays_uncached(blocks: BlockPool) -> None:
+def test_a_second_block_with_the_same_key_stays_uncached(blocks: BlockAllocator) -> None:
     a, b = blocks.allocate(2)
     assert blocks.cache(a, (H1, 0))
     assert not blocks.cache(b, (H1, 0))
@@ -57,8 +57,8 @@ def test_a_second_block_with_the_same_key_stays_uncached(blocks: BlockPool) -> N
     blocks.check_integrity()
 
 
-def test_eviction_is_lru_then_later_layers_first(kv_pool: KVPool) -> None:
-    blocks = BlockPool(kv_pool)
+def test_eviction_is_lru_then_later_layers_first(kv_pool: DeviceMemory) -> None:
+    blocks = BlockAllocator(kv_pool)
     older = blocks.allocate(4)  # seq A: blocks of layers 0, 1 for hashes H1, H2
     newer = blocks.allocate(4)  # seq B
     for i, (h, layer) in enumerate([(H1, 0), (H2, 0), (H1, 1), (H2, 1)]):
@@ -74,7 +74,7 @@ def test_eviction_is_lru_then_later_layers_first(kv_pool: KVPool) -> None:
     blocks.check_integrity()
 
 
-def test_explicit_evict_returns_keys_in_order(blocks: BlockPool) -> None:
+def test_explicit_evict_returns_keys_in_order(blocks: BlockAllocator) -> None:
     a, b = blocks.allocate(2)
     blocks.cache(a, (H3, 0))
     blocks.cache(b, (H3, 1))
@@ -84,8 +84,8 @@ def test_explicit_evict_returns_keys_in_order(blocks: BlockPool) -> None:
     blocks.check_integrity()
 
 
-def test_shrink_prefers_free_pages_then_drops_cache(kv_pool: KVPool) -> None:
-    blocks = BlockPool(kv_pool)
+def test_shrink_prefers_free_pages_then_drops_cache(kv_pool: DeviceMemory) -> None:
+    blocks = BlockAllocator(kv_pool)
     got = blocks.allocate(8)
     for b in got[:4]:
         blocks.cache(b, (bytes([b]) * 16, 0))
@@ -98,7 +98,7 @@ def test_shrink_prefers_free_pages_then_drops_cache(kv_pool: KVPool) -> None:
     blocks.check_integrity()
 
 
-def test_shrink_never_releases_used_blocks(blocks: BlockPool) -> None:
+def test_shrink_never_releases_used_blocks(blocks: BlockAllocator) -> None:
     blocks.allocate(5)  # page 0 full, page 1 holds one used block
     assert blocks.shrink(2) == 0
     blocks.check_integrity()

@@ -24,15 +24,14 @@ from typing import Protocol
 
 import torch
 
+from services.engine.api_types import ReuseStats
+from services.engine.kvcache.block_tables import BlockTables
+from services.engine.offload.jobs import LoadJob, SaveJob
+from services.engine.offload.layer_readiness import LayerReadiness
+from services.engine.offload.planner import PrefillRate, ReusePlan
+from services.engine.scheduler import Scheduler, SchedulerOutput
+from services.engine.sequence import Sequence
 from shared.hashing import extend_block_hashes
-
-from .api_types import ReuseStats
-from .kv_manager import KVCacheManager
-from .kv_transfer import LoadJob, SaveJob
-from .layer_readiness import LayerReadiness
-from .reuse_planner import PrefillRate, ReusePlan
-from .scheduler import Scheduler, SchedulerOutput
-from .sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +46,10 @@ class KVTransport(Protocol):
     def release(self, lease_id: str) -> None: ...
 
 
-class KVReuse:
+class KVStoreOffload:
     def __init__(
         self,
-        kv: KVCacheManager,
+        kv: BlockTables,
         scheduler: Scheduler,
         *,
         whole_prefix: bool,

@@ -16,24 +16,24 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from services.engine.config import EngineConfig
+from services.engine.kvcache.block_tables import BlockTables
+from services.engine.offload.kvstore_client import KVStoreClient, LoopTransport
+from services.engine.offload.kvstore_offload import KVStoreOffload
+from services.engine.offload.planner import RECOMPUTE, ReusePlan, choose_spans
+from services.engine.validation import PreparedRequest
+from services.engine.wire import pool_geometry_to_proto
 from shared.hashing import block_hashes
-
-from .config import EngineConfig
-from .kv_connector import KVConnector, LoopTransport
-from .kv_manager import KVCacheManager
-from .kv_reuse import KVReuse
-from .reuse_planner import RECOMPUTE, LoadSpan, ReusePlan, choose_spans
-from .validation import PreparedRequest
-from .wire import pool_geometry_to_proto
+from shared.kv_layout import KVSpan
 
 if TYPE_CHECKING:
-    from .engine_core import EngineCore
-    from .model import ModelConfig
+    from services.engine.engine_core import EngineCore
+    from services.engine.model import ModelConfig
 
 log = logging.getLogger(__name__)
 
 
-def contiguous(spans: list[LoadSpan], first_block: int) -> list[LoadSpan]:
+def contiguous(spans: list[KVSpan], first_block: int) -> list[KVSpan]:
     """The leading spans that continue each other from ``first_block`` without a gap."""
     out = []
     at = first_block
@@ -45,13 +45,13 @@ def contiguous(spans: list[LoadSpan], first_block: int) -> list[LoadSpan]:
     return out
 
 
-class ReuseCoordinator:
+class PrefixLookup:
     def __init__(
         self,
         config: EngineConfig,
-        connector: KVConnector,
-        kv: KVCacheManager,
-        reuse: KVReuse,
+        connector: KVStoreClient,
+        kv: BlockTables,
+        reuse: KVStoreOffload,
         num_layers: int,
     ) -> None:
         self.config = config
@@ -85,7 +85,7 @@ class ReuseCoordinator:
         return ReusePlan(chosen, answer.lease_id, device, chosen[-1].end_block)
 
     def _choose(
-        self, spans: list[LoadSpan], prompt_tokens: int, device: int, bw: dict[str, float]
+        self, spans: list[KVSpan], prompt_tokens: int, device: int, bw: dict[str, float]
     ) -> int:
         if not spans or self.config.reuse_policy == "always":
             return len(spans)
@@ -106,12 +106,12 @@ class ReuseCoordinator:
         return est.spans
 
 
-async def connect_reuse(
+async def connect_offload(
     config: EngineConfig,
     core: EngineCore,
     model: ModelConfig,
     unpin: Callable[[int | None, bool], None],
-) -> tuple[KVConnector, ReuseCoordinator]:
+) -> tuple[KVStoreClient, PrefixLookup]:
     """Start a connector for ``core``'s pool (attaching in the background), give the core
     its transport, and return the connector with the coordinator that plans loads.
     ``unpin(job_id, ok)`` must route to the worker (None: just wake it; ``ok``: the save
@@ -122,10 +122,10 @@ async def connect_reuse(
         dtype=core.model_info.dtype, num_layers=model.num_layers,
         model_fp=core.model_info.fingerprint,
     )
-    connector = KVConnector(config, geometry)
+    connector = KVStoreClient(config, geometry)
     # An int written on the loop, read by the worker: where mid-generation saves may cut.
     connector.on_attached = lambda bpc: setattr(core.reuse, "blocks_per_chunk", bpc)
     await connector.start()
     core.reuse.transport = LoopTransport(asyncio.get_running_loop(), connector, unpin)
-    coordinator = ReuseCoordinator(config, connector, core.kv, core.reuse, model.num_layers)
+    coordinator = PrefixLookup(config, connector, core.kv, core.reuse, model.num_layers)
     return connector, coordinator

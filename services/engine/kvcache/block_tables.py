@@ -13,14 +13,13 @@ recomputed, and recomputing one layer means recomputing all of them).
 
 from __future__ import annotations
 
+from services.engine.kvcache.block_allocator import BlockAllocator
+from services.engine.sequence import Sequence
 from shared.hashing import extend_block_hashes
 
-from .block_pool import BlockPool
-from .sequence import Sequence
 
-
-class KVCacheManager:
-    def __init__(self, pool: BlockPool, num_layers: int, block_size: int) -> None:
+class BlockTables:
+    def __init__(self, pool: BlockAllocator, num_layers: int, block_size: int) -> None:
         self.pool = pool
         self.num_layers = num_layers
         self.block_size = block_size

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .layer_readiness import LayerReadiness
-from .reuse_planner import ReusePlan
+from services.engine.offload.layer_readiness import LayerReadiness
+from services.engine.offload.planner import ReusePlan
 
 
 @dataclass(frozen=True)

@@ -6,14 +6,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine.block_pool import BlockPool
-from services.engine.kv_pool import KVPool
+from services.engine.kvcache.block_allocator import BlockAllocator
+from services.engine.kvcache.device_memory import DeviceMemory
 from shared.config import ConfigError
 
 from .conftest import make_pool
 
 
-def test_reserved_not_committed_until_grown(kv_pool: KVPool) -> None:
+def test_reserved_not_committed_until_grown(kv_pool: DeviceMemory) -> None:
     assert kv_pool.kv_cache.shape == (8, 2, 4, 1, 32)  # (blocks, K/V, tokens, heads, dim)
     assert kv_pool.num_committed_blocks == 0
     assert kv_pool.resident_bytes() == 0  # sparse shm file
@@ -24,7 +24,7 @@ def test_reserved_not_committed_until_grown(kv_pool: KVPool) -> None:
     assert kv_pool.num_committed_blocks == 8
 
 
-def test_release_punches_the_page_out_of_the_shm_file(kv_pool: KVPool) -> None:
+def test_release_punches_the_page_out_of_the_shm_file(kv_pool: DeviceMemory) -> None:
     kv_pool.grow()
     kv_pool.grow()
     kv_pool.kv_cache[4:8].fill_(3.0)  # page 1
@@ -35,7 +35,7 @@ def test_release_punches_the_page_out_of_the_shm_file(kv_pool: KVPool) -> None:
     assert torch.count_nonzero(kv_pool.kv_cache[4:8]) == 0  # memory really went away
 
 
-def test_another_mapping_of_the_name_sees_the_same_bytes(kv_pool: KVPool) -> None:
+def test_another_mapping_of_the_name_sees_the_same_bytes(kv_pool: DeviceMemory) -> None:
     kv_pool.grow()
     nbytes = kv_pool.num_pages * kv_pool.page_span
     other = torch.empty(0, dtype=torch.uint8).set_(
@@ -56,7 +56,7 @@ def test_close_removes_the_shm_file() -> None:
 
 def test_budget_below_one_page_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="engine.device_memory_bytes"):
-        KVPool(
+        DeviceMemory(
             block_size=4,
             num_kv_heads=1,
             head_dim=32,
@@ -66,8 +66,8 @@ def test_budget_below_one_page_is_a_config_error() -> None:
         )
 
 
-def test_block_pool_grows_on_demand_and_shrink_releases_memory(kv_pool: KVPool) -> None:
-    pool = BlockPool(kv_pool)
+def test_block_pool_grows_on_demand_and_shrink_releases_memory(kv_pool: DeviceMemory) -> None:
+    pool = BlockAllocator(kv_pool)
     a = pool.allocate(6)
     assert a == [0, 1, 2, 3, 4, 5] and kv_pool.num_committed_pages == 2
     pool.check_integrity()

@@ -2,28 +2,28 @@
 
 from __future__ import annotations
 
-from services.engine.reuse_planner import (
+from services.engine.offload.planner import (
     LAYERWISE,
     RECOMPUTE,
     WHOLE_PREFIX,
-    LoadSpan,
     PrefillRate,
     ReusePlan,
     choose_spans,
 )
+from shared.kv_layout import KVSpan
 
 BS = 16
 MB = 1_000_000
 
 
-def spans(*tiers: str, blocks: int = 4, first: int = 0, nbytes: int = 4 * MB) -> list[LoadSpan]:
+def spans(*tiers: str, blocks: int = 4, first: int = 0, nbytes: int = 4 * MB) -> list[KVSpan]:
     out = []
     for i, t in enumerate(tiers):
-        out.append(LoadSpan(bytes([i + 1]), first + i * blocks, blocks, t, nbytes))
+        out.append(KVSpan(bytes([i + 1]), first + i * blocks, blocks, t, nbytes))
     return out
 
 
-def choose(ss: list[LoadSpan], bw: dict[str, float], spt: float, mode: str = LAYERWISE,
+def choose(ss: list[KVSpan], bw: dict[str, float], spt: float, mode: str = LAYERWISE,
            prompt: int = 200, device: int = 0) -> int:
     return choose_spans(ss, prompt_tokens=prompt, device_tokens=device, block_size=BS,
                         tier_bytes_per_s=bw, seconds_per_token=spt, num_layers=4,

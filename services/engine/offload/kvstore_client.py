@@ -31,13 +31,12 @@ from typing import Any
 
 import grpc
 
+from services.engine import wire
+from services.engine.config import EngineConfig
+from services.engine.offload.jobs import LoadJob, SaveJob
 from shared.grpc_server import CHANNEL_OPTIONS
+from shared.kv_layout import KVSpan
 from shared.proto import kvstore_pb2, kvstore_pb2_grpc
-
-from . import wire
-from .config import EngineConfig
-from .kv_transfer import LoadJob, SaveJob
-from .reuse_planner import LoadSpan
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +54,7 @@ RECONNECT_OPTIONS = [
 @dataclass
 class LookupAnswer:
     matched_blocks: int
-    spans: list[LoadSpan]
+    spans: list[KVSpan]
     lease_id: str
     tier_bytes_per_s: dict[str, float] = field(default_factory=dict)
 
@@ -71,7 +70,7 @@ class ConnectorStats:
     chunks_saved: int = 0
 
 
-class KVConnector:
+class KVStoreClient:
     def __init__(self, config: EngineConfig, geometry: kvstore_pb2.PoolGeometry) -> None:
         """Cheap; ``start()`` opens the channel and begins attaching."""
         self.config = config
@@ -315,7 +314,7 @@ class LoopTransport:
     def __init__(
         self,
         loop: asyncio.AbstractEventLoop,
-        connector: KVConnector,
+        connector: KVStoreClient,
         unpin: Callable[[int | None, bool], None],
     ) -> None:
         self._loop = loop

@@ -18,9 +18,8 @@ import logging
 
 import torch
 
+from services.engine.device import PoolMemory, allocate_pool_memory
 from shared.config import ConfigError
-
-from .device import PoolMemory, allocate_pool_memory
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +29,7 @@ def block_bytes_for(block_size: int, num_kv_heads: int, head_dim: int, dtype: to
     return 2 * block_size * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
 
 
-class KVPool:
+class DeviceMemory:
     """Owns the pool memory and which pages of it are committed."""
 
     def __init__(

@@ -20,24 +20,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.kv_layout import KVSpan
+
 LAYERWISE, WHOLE_PREFIX, RECOMPUTE = "layerwise", "whole_prefix", "recompute"
 REUSE_MODES = (LAYERWISE, WHOLE_PREFIX, RECOMPUTE)
-
-
-@dataclass(frozen=True)
-class LoadSpan:
-    """``use_blocks`` sequence blocks from ``first_block`` on, served by the stored chunk
-    named by ``chunk_hash`` (the kvstore's PrefixSpan)."""
-
-    chunk_hash: bytes
-    first_block: int
-    use_blocks: int
-    tier: str
-    nbytes: int
-
-    @property
-    def end_block(self) -> int:
-        return self.first_block + self.use_blocks
 
 
 @dataclass(frozen=True)
@@ -45,7 +31,7 @@ class ReusePlan:
     """What to load for one request: ``spans`` cover blocks ``[first_block, end_block)``
     contiguously; ``lease_id`` holds them in the kvstore until loaded or released."""
 
-    spans: tuple[LoadSpan, ...]
+    spans: tuple[KVSpan, ...]
     lease_id: str
     first_block: int
     end_block: int
@@ -63,7 +49,7 @@ class ReusePlan:
             if s.first_block < device_blocks:
                 cut = device_blocks - s.first_block
                 per_block = s.nbytes // s.use_blocks if s.use_blocks else 0
-                s = LoadSpan(s.chunk_hash, device_blocks, s.use_blocks - cut, s.tier,
+                s = KVSpan(s.chunk_hash, device_blocks, s.use_blocks - cut, s.tier,
                              s.nbytes - cut * per_block)
             spans.append(s)
         return ReusePlan(tuple(spans), self.lease_id, device_blocks, self.end_block)
@@ -77,7 +63,7 @@ class Estimate:
 
 
 def choose_spans(
-    spans: list[LoadSpan],
+    spans: list[KVSpan],
     *,
     prompt_tokens: int,
     device_tokens: int,
