@@ -1,6 +1,11 @@
 """The synchronous engine: scheduler + KV + model runner + outputs, driven by ``step()``.
 
-Not thread-safe by design: exactly one thread (the AsyncEngine's worker) calls it.
+    step:  offload.begin_step ─► scheduler.schedule ─► offload.forward( runner.execute )
+           ─► offload.after_forward ─► scheduler.advance ─► sample ─► offload.after_sample
+
+KV kept off the device is behind ``self.offload`` (offload/base.py): ``NullOffload`` until
+the AsyncEngine installs the node's kvstore. Not thread-safe by design: exactly one
+thread (the AsyncEngine's worker) calls it.
 """
 
 from __future__ import annotations
@@ -23,8 +28,8 @@ from .kvcache.block_tables import BlockTables
 from .kvcache.device_memory import DeviceMemory
 from .model import IncrementalDetokenizer, LoadedModel
 from .model_runner import ModelRunner
-from .offload.kvstore_offload import KVStoreOffload
-from .offload.planner import WHOLE_PREFIX, ReusePlan
+from .offload.base import NullOffload, Offload
+from .offload.planner import ReusePlan
 from .output_state import ABORT, OutputState
 from .sampling import make_generator
 from .scheduler import Scheduler
@@ -79,14 +84,7 @@ class EngineCore:
         self.blocks = BlockAllocator(self.pool)
         self.kv = BlockTables(self.blocks, mc.num_layers, config.block_size)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.reuse = KVStoreOffload(
-            self.kv,
-            self.scheduler,
-            whole_prefix=config.reuse_mode == WHOLE_PREFIX,
-            load_timeout_s=config.kvstore_load_timeout_s,
-            prefill_prior_s_per_token=config.reuse_prefill_s_per_token,
-            pool_on_cpu=torch.device(config.device).type == "cpu",
-        )
+        self.offload: Offload = NullOffload()
         self.runner = ModelRunner(
             loaded.model, self.pool.kv_cache, mc.num_layers, config.block_size
         )
@@ -136,8 +134,8 @@ class EngineCore:
             priority=req.priority,
             tenant=req.tenant,
             session_id=req.session_id,
-            reuse_plan=plan,
         )
+        seq.offload.plan = self.offload.accept(plan)
         detok = IncrementalDetokenizer(self.loaded.tokenizer, req.prompt_token_ids)
         out = OutputState(detok, req.sampling, mc.eos_token_ids, req.max_output_tokens)
         self._live[req.request_id] = _Live(seq, out, make_generator(seed))
@@ -148,7 +146,7 @@ class EngineCore:
         live = self._live.pop(request_id, None)
         if live is None:
             return None
-        self.reuse.drop_plan(live.seq)
+        self.offload.dropped(live.seq)
         self.scheduler.finish(live.seq)
         live.output.finish(ABORT)
         return self._output(live, [])
@@ -164,7 +162,7 @@ class EngineCore:
         ended: blocks may be free."""
         self._stalled = False
         if job_id is not None:
-            self.reuse.unpin(job_id, ok)
+            self.offload.unpin(job_id, ok)
 
     @property
     def num_waiting(self) -> int:
@@ -172,43 +170,36 @@ class EngineCore:
 
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> list[Event]:
-        self.reuse.unpark()
+        self.offload.begin_step()
         out = self.scheduler.schedule()
         if out.empty:
             return self._fail_unservable()
-        loading = self.reuse.start_loads(out)
-        row = {s.request_id: i for i, s in enumerate(out.sequences)}  # logits rows
+        rows = {s.request_id: i for i, s in enumerate(out.sequences)}  # logits rows
         started = time.perf_counter()
-        try:
-            logits = self.runner.execute(out, self.reuse.waiter(loading))  # (num_seqs, vocab)
-        except BaseException:
-            self.reuse.abandon(loading)  # before the failure frees the requests' blocks
-            raise
-        finally:
-            self.reuse.end_forward()
-        if not loading:  # waits for loads would distort the measured compute rate
-            self.reuse.prefill_rate.observe(out.total_tokens, time.perf_counter() - started)
-        self.reuse.settle(loading, out)
-        self.reuse.count_computed(out)
+        with self.offload.forward(out) as wait_for_layer:
+            logits = self.runner.execute(out, wait_for_layer)  # (num_seqs, vocab)
+        self.offload.after_forward(out, time.perf_counter() - started)
         due = self.scheduler.advance(out)
-        events: list[Event] = []
-        if due:
-            lives = [self._live[s.request_id] for s in due]
-            tokens = self.runner.sample(
-                logits, [row[s.request_id] for s in due], due, [lv.generator for lv in lives]
-            )
-            events = [self._append(lv, t) for lv, t in zip(lives, tokens, strict=True)]
-            self.reuse.save_filled_chunks([s for s in due if s.request_id in self._live])
+        events = self._sample(logits, [rows[s.request_id] for s in due], due)
+        self.offload.after_sample([s for s in due if s.request_id in self._live])
         if self.debug_checks:
             self.check_integrity()
         return events
+
+    def _sample(self, logits: torch.Tensor, rows: list[int], due: list[Sequence]
+                ) -> list[Event]:
+        if not due:
+            return []
+        lives = [self._live[s.request_id] for s in due]
+        tokens = self.runner.sample(logits, rows, due, [lv.generator for lv in lives])
+        return [self._append(lv, t) for lv, t in zip(lives, tokens, strict=True)]
 
     def _append(self, live: _Live, token: int) -> GenerateOutput:
         seq = live.seq
         seq.token_ids.append(token)
         live.output.add(token)
         if live.output.finish_reason is not None:
-            self.reuse.save(seq)  # pins its full blocks until the kvstore has them
+            self.offload.finished(seq)
             self.scheduler.finish(seq)
             del self._live[seq.request_id]
         return self._output(live, [token])
@@ -223,7 +214,7 @@ class EngineCore:
             token_ids=tuple(tokens),
             prompt_tokens=seq.num_prompt_tokens,
             completion_tokens=seq.num_output_tokens,
-            cached_tokens=max(seq.num_cached_tokens, 0),
+            cached_tokens=seq.num_cached_tokens or 0,
             finish_reason=live.output.finish_reason,
             prompt_token_ids=tuple(seq.prompt_token_ids) if first else (),
         )
@@ -233,12 +224,12 @@ class EngineCore:
         never get its blocks (the pool memory could not be committed); fail it."""
         if self.scheduler.running or not self.scheduler.waiting:
             return []
-        if self.reuse.pinned or self.reuse.parked:
+        if self.offload.holds_blocks:
             self._stalled = True
             return []  # blocks come back when the kvstore answers
         seq = self.scheduler.waiting[0]
         self._live.pop(seq.request_id, None)
-        self.reuse.drop_plan(seq)
+        self.offload.dropped(seq)
         self.scheduler.finish(seq)
         log.warning("request %s cannot get KV blocks with nothing running", seq.request_id)
         return [
@@ -273,7 +264,7 @@ class EngineCore:
             device=self.config.device,
             pool_name=self.pool.name,
             preemptions=self.scheduler.num_preemptions,
-            reuse=self.reuse.stats(),
+            reuse=self.offload.stats(),
         )
 
     def drop_cached(self) -> int:
@@ -288,7 +279,7 @@ class EngineCore:
             for table in live.seq.block_tables:
                 for blk in table:
                     held[blk] = held.get(blk, 0) + 1
-        for blk in self.reuse.held_blocks():
+        for blk in self.offload.held_blocks():
             held[blk] = held.get(blk, 0) + 1
         for blk, n in held.items():
             assert self.blocks.refcount[blk] == n, f"block {blk}: refcount != holders {n}"

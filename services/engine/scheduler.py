@@ -34,9 +34,10 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     sequences: list[Sequence] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
-    # Admitted sequences whose prefix is loaded from the kvstore during this step.
+    # Sequences admitted this step, with the prompt tokens found on device.
+    admitted: list[tuple[Sequence, int]] = field(default_factory=list)
+    # Of those, the ones whose stored prefix is loaded during this step (offload).
     loads: list[tuple[Sequence, ReusePlan]] = field(default_factory=list)
-    released_leases: list[str] = field(default_factory=list)  # plans dropped at admission
 
     @property
     def total_tokens(self) -> int:
@@ -55,7 +56,6 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # sorted by arrival
         self.num_preemptions = 0
-        self.device_hit_tokens = 0  # prompt tokens found in the device prefix cache
 
     # ---- queue ops ----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -139,7 +139,7 @@ class Scheduler:
                 break  # preempted this step: its blocks are what the others needed
             cached = self.kv.find_cached_prefix(seq)
             device_tokens = len(cached) * self.kv.block_size
-            plan = self._load_plan(seq, len(cached))
+            plan = seq.offload.load_after(len(cached))
             load_tokens = (plan.end_block - len(cached)) * self.kv.block_size if plan else 0
             hit_tokens = device_tokens + load_tokens
             n = min(seq.num_tokens - hit_tokens, budget)
@@ -149,14 +149,9 @@ class Scheduler:
                 # The loaded range counts as computed; the first step waits for it per layer.
                 seq.num_computed_tokens += load_tokens
                 out.loads.append((seq, plan))
-            if seq.reuse_plan is not None and seq.reuse_plan.lease_id and plan is None:
-                out.released_leases.append(seq.reuse_plan.lease_id)
-            seq.reuse_plan = None
-            if seq.num_cached_tokens < 0:
+            out.admitted.append((seq, device_tokens))
+            if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = min(hit_tokens, seq.num_prompt_tokens)
-            if not seq.reuse_counted:
-                seq.reuse_counted = True
-                self.device_hit_tokens += min(device_tokens, seq.num_prompt_tokens)
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -165,13 +160,6 @@ class Scheduler:
             out.sequences.append(seq)
         if admitted:
             self.running.sort(key=lambda s: s.arrival)
-
-    @staticmethod
-    def _load_plan(seq: Sequence, device_blocks: int) -> ReusePlan | None:
-        """The part of ``seq``'s reuse plan still worth loading, given its device hit."""
-        if seq.reuse_plan is None:
-            return None
-        return seq.reuse_plan.trimmed(device_blocks)
 
     # ---- after the step -----------------------------------------------------------------
     def advance(self, out: SchedulerOutput) -> list[Sequence]:

@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from .api_types import SamplingParams
-from .offload.layer_readiness import LayerReadiness
-from .offload.planner import ReusePlan
+from .offload.state import OffloadState
 
 
 class Status(Enum):
@@ -37,7 +36,7 @@ class Sequence:
     num_layers: int
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = -1  # prompt tokens reused at first admission; -1 = not yet
+    num_cached_tokens: int | None = None  # prompt tokens reused at first admission
     block_tables: list[list[int]] = field(default_factory=list)  # [layer][block index]
     block_hashes: list[bytes] = field(default_factory=list)  # of full blocks of token_ids
     num_registered_blocks: int = 0  # leading blocks already entered in the prefix cache
@@ -46,13 +45,7 @@ class Sequence:
     priority: int = 0
     tenant: str = ""
     session_id: str = ""
-    # KV reuse from the kvstore: the plan made before admission (consumed when admitted),
-    # and while its first step runs, the plan being loaded and its per-layer readiness.
-    reuse_plan: ReusePlan | None = None
-    load_plan: ReusePlan | None = None
-    loading: LayerReadiness | None = None
-    reuse_counted: bool = False  # device/loaded tokens of this request entered the stats
-    saved_blocks: int = 0  # leading blocks already handed to the kvstore (chunk multiple)
+    offload: OffloadState = field(default_factory=OffloadState)  # stored KV (offload/)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -1,14 +1,14 @@
-"""The worker-thread side of KV reuse with the node's kvstore (DESIGN §3, steps 5, 6, 8).
+"""The node's kvstore behind the core's offload boundary (DESIGN §3, steps 5, 6, 8).
 
-Called by the EngineCore around each step; never blocks on the network. RPCs run on the
-event loop behind a ``KVTransport`` whose methods only post work there.
+The worker-thread side: never blocks on the network. RPCs run on the event loop behind a
+``KVTransport`` whose methods only post work there.
 
     admission (scheduler)  blocks [device, end) allocated in every layer, counted computed
-    start_loads            LoadJob per loading sequence ──► transport (event loop)
+    forward: start loads   LoadJob per loading sequence ──► transport (event loop)
     forward pass           wait_for_layer(l): layer l of every loading sequence resident
-    settle                 all layers ok: index as usual | a layer failed: drop the step's
+    after_forward: settle  all layers ok: index as usual | a layer failed: drop the step's
                            output for it, free (never index) the loaded blocks, requeue it
-    request end (save)     pin full blocks, SaveJob ──► transport; unpin(job) when answered
+    finished (save)        pin full blocks, SaveJob ──► transport; unpin(job) when answered
 
 Blocks a failed load may still be writing into (its RPC has not ended) are *parked*: held
 by an extra reference until the readiness says the RPC finished, so no other sequence can
@@ -19,16 +19,19 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 import torch
 
 from services.engine.api_types import ReuseStats
+from services.engine.config import EngineConfig
 from services.engine.kvcache.block_tables import BlockTables
+from services.engine.offload.base import LayerWait, Offload
 from services.engine.offload.jobs import LoadJob, SaveJob
 from services.engine.offload.layer_readiness import LayerReadiness
-from services.engine.offload.planner import PrefillRate, ReusePlan
+from services.engine.offload.planner import WHOLE_PREFIX, PrefillRate, ReusePlan
 from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.sequence import Sequence
 from shared.hashing import extend_block_hashes
@@ -46,7 +49,7 @@ class KVTransport(Protocol):
     def release(self, lease_id: str) -> None: ...
 
 
-class KVStoreOffload:
+class KVStoreOffload(Offload):
     def __init__(
         self,
         kv: BlockTables,
@@ -57,6 +60,7 @@ class KVStoreOffload:
         prefill_prior_s_per_token: float,
         pool_on_cpu: bool = True,
     ) -> None:
+        super().__init__()
         self.kv = kv
         self.scheduler = scheduler
         self.whole_prefix = whole_prefix
@@ -68,7 +72,6 @@ class KVStoreOffload:
         self._saving: dict[int, tuple[Sequence, int]] = {}  # save job -> (seq, first block)
         self.parked: list[tuple[LayerReadiness, list[int]]] = []
         self.loaded_tokens: dict[str, int] = {}
-        self.recomputed_tokens = 0
         self.load_failures = 0
         self.last_load_s = 0.0  # admission to last layer resident, of the latest load
         # kvstore chunk size in blocks, once attached (written by the event loop); 0 = not
@@ -76,18 +79,67 @@ class KVStoreOffload:
         self.blocks_per_chunk = 0
         self._job_ids = itertools.count()
         self._restore_threads = 0  # intra-op threads to restore after an overlapped step
+        self._loading: list[Sequence] = []  # this step's loads, from forward to settle
+
+    # ---- the boundary -------------------------------------------------------------------
+    def accept(self, plan: ReusePlan | None) -> ReusePlan | None:
+        return plan
+
+    def begin_step(self) -> None:
+        self.unpark()
+
+    @contextmanager
+    def forward(self, out: SchedulerOutput) -> Iterator[LayerWait | None]:
+        self._count_admissions(out)
+        self._release_unused(out)
+        loading = self._loading = self.start_loads(out)
+        try:
+            yield self.waiter(loading)
+        except BaseException:
+            self._loading = []
+            self.abandon(loading)  # before the failure frees the requests' blocks
+            raise
+        finally:
+            self.end_forward()
+
+    def after_forward(self, out: SchedulerOutput, seconds: float) -> None:
+        loading, self._loading = self._loading, []
+        if not loading:  # waits for loads would distort the measured compute rate
+            self.prefill_rate.observe(out.total_tokens, seconds)
+        self.settle(loading, out)
+        self._count_computed(out)
+
+    def after_sample(self, seqs: list[Sequence]) -> None:
+        self.save_filled_chunks(seqs)
+
+    def finished(self, seq: Sequence) -> None:
+        self.save(seq)  # pins its full blocks until the kvstore has them
+
+    def dropped(self, seq: Sequence) -> None:
+        self.drop_plan(seq)
+
+    @property
+    def holds_blocks(self) -> bool:
+        return bool(self.pinned or self.parked)
+
+    def _release_unused(self, out: SchedulerOutput) -> None:
+        """Admitted requests whose plan is not loaded (the device had it all, or a gap
+        opened) give their lease back; every admitted plan is consumed."""
+        loading = {id(seq) for seq, _ in out.loads}
+        for seq, _ in out.admitted:
+            plan, seq.offload.plan = seq.offload.plan, None
+            if plan is not None and plan.lease_id and id(seq) not in loading:
+                if self.transport is not None:
+                    self.transport.release(plan.lease_id)
 
     # ---- loads --------------------------------------------------------------------------
     def start_loads(self, out: SchedulerOutput) -> list[Sequence]:
         """Hand this step's loads to the transport; the sequences now loading."""
-        if self.transport is not None:
-            for lease in out.released_leases:
-                self.transport.release(lease)
         loading = []
         layers = self.kv.num_layers
         for seq, plan in out.loads:
             ready = LayerReadiness(layers)
-            seq.loading, seq.load_plan = ready, plan
+            seq.offload.readiness, seq.offload.load = ready, plan
             loading.append(seq)
             if self.transport is None:
                 ready.fail(0, "no kvstore transport")
@@ -97,7 +149,7 @@ class KVStoreOffload:
             self.transport.start_load(LoadJob(seq.request_id, seq.tenant, plan, tuple(ids), ready))
         return loading
 
-    def waiter(self, loading: list[Sequence]) -> Callable[[int], None] | None:
+    def waiter(self, loading: list[Sequence]) -> LayerWait | None:
         """The forward pass's per-layer wait over the loading sequences (None: nothing to
         wait for). whole_prefix waits for every layer before the first one runs.
 
@@ -106,7 +158,7 @@ class KVStoreOffload:
         OpenMP team with as many threads as cores, one of them preempted by the copy,
         waits at every barrier for it (measured: a 2k-token DRAM load overlapped with the
         full team cost ~2x the load's own time; whole-prefix loading beat it)."""
-        readies = [s.loading for s in loading if s.loading is not None]
+        readies = [r for s in loading if (r := s.offload.readiness) is not None]
         if not readies:
             return None
         last, timeout = self.kv.num_layers - 1, self.load_timeout_s
@@ -144,8 +196,8 @@ class KVStoreOffload:
         (taken out of ``out`` so their output is neither indexed nor sampled)."""
         bs = self.kv.block_size
         for seq in loading:
-            ready, plan = seq.loading, seq.load_plan
-            seq.loading = seq.load_plan = None
+            ready, plan = seq.offload.readiness, seq.offload.load
+            seq.offload.readiness = seq.offload.load = None
             assert ready is not None and plan is not None
             if ready.complete:
                 self.last_load_s = ready.completed_at - ready.created
@@ -158,14 +210,14 @@ class KVStoreOffload:
                         seq.request_id, ready.error, plan.first_block, plan.end_block)
             self._park_unfinished(seq, ready, plan)
             self.scheduler.requeue(seq, out)  # frees its blocks; loaded ones were never indexed
-            seq.num_cached_tokens = -1
+            seq.num_cached_tokens = None
 
     def abandon(self, loading: list[Sequence]) -> None:
         """(the step failed before ``settle``) The failure is about to free these requests'
         blocks while their loads may still be writing: park the load targets first."""
         for seq in loading:
-            ready, plan = seq.loading, seq.load_plan
-            seq.loading = seq.load_plan = None
+            ready, plan = seq.offload.readiness, seq.offload.load
+            seq.offload.readiness = seq.offload.load = None
             if ready is not None and plan is not None:
                 self._park_unfinished(seq, ready, plan)
 
@@ -189,18 +241,11 @@ class KVStoreOffload:
                 keep.append((ready, ids))
         self.parked = keep
 
-    def count_computed(self, out: SchedulerOutput) -> None:
-        """(before advance) prompt tokens this step computes."""
-        for s in out.sequences:
-            start = s.num_computed_tokens
-            end = start + out.num_scheduled_tokens[s.request_id]
-            self.recomputed_tokens += max(0, min(end, s.num_prompt_tokens) - start)
-
     def drop_plan(self, seq: Sequence) -> None:
         """``seq`` leaves before admission: give its lease back."""
-        if seq.reuse_plan is not None and seq.reuse_plan.lease_id and self.transport is not None:
-            self.transport.release(seq.reuse_plan.lease_id)
-        seq.reuse_plan = None
+        plan, seq.offload.plan = seq.offload.plan, None
+        if plan is not None and plan.lease_id and self.transport is not None:
+            self.transport.release(plan.lease_id)
 
     # ---- saves --------------------------------------------------------------------------
     def save(self, seq: Sequence) -> None:
@@ -210,7 +255,7 @@ class KVStoreOffload:
         # From the first block not known saved: a mid-generation save still unanswered may
         # yet fail, and this is the sequence's last chance (its chunks already stored are
         # skipped by the kvstore without a copy).
-        first = min([seq.saved_blocks, *(f for s, f in self._saving.values() if s is seq)])
+        first = min([seq.offload.saved_blocks, *(f for s, f in self._saving.values() if s is seq)])
         if self.transport is not None and full > first:
             self._save_range(seq, first, full, seq.num_computed_tokens)
 
@@ -227,8 +272,8 @@ class KVStoreOffload:
             if seq.num_computed_tokens <= seq.num_prompt_tokens:
                 continue  # still prefilling: its chunks go out from its first decode on
             end = seq.num_computed_tokens // self.kv.block_size // bpc * bpc
-            if end - seq.saved_blocks >= bpc:
-                first, seq.saved_blocks = seq.saved_blocks, end  # (before: it may fail at once)
+            if end - seq.offload.saved_blocks >= bpc:
+                first, seq.offload.saved_blocks = seq.offload.saved_blocks, end  # (before: it may fail at once)
                 self._save_range(seq, first, end, end * self.kv.block_size)
 
     def _save_range(self, seq: Sequence, first: int, end: int, tokens: int) -> None:
@@ -252,7 +297,7 @@ class KVStoreOffload:
         saving = self._saving.pop(job_id, None)
         if not ok and saving is not None:
             seq, first = saving
-            seq.saved_blocks = min(seq.saved_blocks, first)
+            seq.offload.saved_blocks = min(seq.offload.saved_blocks, first)
         if ids:
             self.kv.pool.free(reversed(ids))  # later layers first: evicted first
 
@@ -265,9 +310,21 @@ class KVStoreOffload:
 
     def stats(self) -> ReuseStats:
         return ReuseStats(
-            device_tokens=self.scheduler.device_hit_tokens,
+            device_tokens=self.device_tokens,
             loaded_tokens=dict(self.loaded_tokens),
             recomputed_tokens=self.recomputed_tokens,
             load_failures=self.load_failures,
             last_load_seconds=self.last_load_s,
         )
+
+
+def offload_for(config: EngineConfig, kv: BlockTables, scheduler: Scheduler) -> KVStoreOffload:
+    """The node's kvstore as ``config`` asks for it, over a core's block tables."""
+    return KVStoreOffload(
+        kv,
+        scheduler,
+        whole_prefix=config.reuse_mode == WHOLE_PREFIX,
+        load_timeout_s=config.kvstore_load_timeout_s,
+        prefill_prior_s_per_token=config.reuse_prefill_s_per_token,
+        pool_on_cpu=torch.device(config.device).type == "cpu",
+    )

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from services.engine.config import EngineConfig
 from services.engine.kvcache.block_tables import BlockTables
 from services.engine.offload.kvstore_client import KVStoreClient, LoopTransport
-from services.engine.offload.kvstore_offload import KVStoreOffload
+from services.engine.offload.kvstore_offload import KVStoreOffload, offload_for
 from services.engine.offload.planner import RECOMPUTE, ReusePlan, choose_spans
 from services.engine.validation import PreparedRequest
 from services.engine.wire import pool_geometry_to_proto
@@ -124,8 +124,10 @@ async def connect_offload(
     )
     connector = KVStoreClient(config, geometry)
     # An int written on the loop, read by the worker: where mid-generation saves may cut.
-    connector.on_attached = lambda bpc: setattr(core.reuse, "blocks_per_chunk", bpc)
+    offload = offload_for(config, core.kv, core.scheduler)
+    connector.on_attached = lambda bpc: setattr(offload, "blocks_per_chunk", bpc)
     await connector.start()
-    core.reuse.transport = LoopTransport(asyncio.get_running_loop(), connector, unpin)
-    coordinator = PrefixLookup(config, connector, core.kv, core.reuse, model.num_layers)
+    offload.transport = LoopTransport(asyncio.get_running_loop(), connector, unpin)
+    core.offload = offload  # before the step loop starts: the worker is idle
+    coordinator = PrefixLookup(config, connector, core.kv, offload, model.num_layers)
     return connector, coordinator

@@ -12,6 +12,7 @@ from services.engine.config import EngineConfig
 from services.engine.engine_core import EngineCore
 from services.engine.model import LoadedModel, load_model, write_demo_model
 from services.engine.offload.jobs import LoadJob, SaveJob
+from services.engine.offload.kvstore_offload import offload_for
 from services.engine.offload.planner import ReusePlan
 from services.engine.validation import prepare
 from shared.kv_layout import KVSpan
@@ -44,13 +45,15 @@ def loaded(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
 def make_core(loaded: LoadedModel, **kw: object) -> EngineCore:
     cfg = EngineConfig(dtype="float32", device_memory_bytes=4 << 20, page_bytes=16 << 10,
                        debug_checks=True, kvstore_load_timeout_s=0.05, **kw)
-    return EngineCore(cfg, loaded)
+    core = EngineCore(cfg, loaded)
+    core.offload = offload_for(cfg, core.kv, core.scheduler)  # as connect_offload does
+    return core
 
 
 def scripted_core(loaded: LoadedModel) -> tuple[EngineCore, ScriptedTransport]:
     core = make_core(loaded)
     t = ScriptedTransport()
-    core.reuse.transport = t
+    core.offload.transport = t
     return core, t
 
 
@@ -80,9 +83,9 @@ def run(core: EngineCore) -> dict[str, list[int]]:
 def assert_all_let_go(core: EngineCore, t: ScriptedTransport) -> None:
     """Once the saves are answered (and loads ended), the next step frees every block."""
     for job in t.saves:
-        core.reuse.unpin(job.job_id)
+        core.offload.unpin(job.job_id)
     core.step()
-    assert core.reuse.held_blocks() == [] and core.blocks.num_used == 0
+    assert core.offload.held_blocks() == [] and core.blocks.num_used == 0
     core.check_integrity()
 
 
@@ -98,14 +101,14 @@ def test_load_that_never_answers_falls_back_and_parks_its_blocks(loaded: LoadedM
         plan = two_block_plan("lease-1")
         add(core, loaded, "a", plan)
         assert core.step() == []  # the wait timed out: no token sampled for garbage KV
-        assert len(t.loads) == 1 and core.reuse.load_failures == 1
-        parked = core.reuse.held_blocks()
+        assert len(t.loads) == 1 and core.offload.load_failures == 1
+        parked = core.offload.held_blocks()
         assert sorted(parked) == sorted(t.loads[0].block_ids)  # 2 blocks x 2 layers
         assert all(core.blocks.refcount[b] >= 1 for b in parked)
         core.check_integrity()
         got = run(core)["a"]
         assert got == want  # recomputed from scratch
-        assert core.reuse.held_blocks() and t.saves  # still parked; the save is pinned
+        assert core.offload.held_blocks() and t.saves  # still parked; the save is pinned
         t.loads[0].readiness.finish()  # the RPC ends at last
         assert_all_let_go(core, t)
     finally:
@@ -123,7 +126,7 @@ def test_save_pins_full_blocks_until_unpinned(loaded: LoadedModel) -> None:
         assert len(job.block_ids) == seq_blocks * loaded.config.num_layers
         assert core.blocks.num_used == len(job.block_ids)  # pinned after the request ended
         core.check_integrity()
-        core.reuse.unpin(job.job_id)
+        core.offload.unpin(job.job_id)
         assert core.blocks.num_used == 0 and core.blocks.num_evictable >= len(job.block_ids)
     finally:
         core.close()
@@ -135,7 +138,7 @@ def test_plan_dropped_at_admission_releases_its_lease(loaded: LoadedModel) -> No
         add(core, loaded, "warm", None)
         run(core)
         for job in t.saves:
-            core.reuse.unpin(job.job_id)
+            core.offload.unpin(job.job_id)
         # Everything the plan names is on device by admission: nothing to load.
         add(core, loaded, "b", two_block_plan("lease-2"))
         run(core)
@@ -164,8 +167,8 @@ def long_generation(loaded: LoadedModel, fail: set[int] = frozenset(), answer: b
     """A 90-token generation in 32-token chunks; saves answered at once (those in ``fail``
     storing nothing), or with ``answer=False`` never."""
     core = make_core(loaded)
-    t = core.reuse.transport = AnsweringTransport(core, fail) if answer else ScriptedTransport()
-    core.reuse.blocks_per_chunk = 2  # 32-token chunks
+    t = core.offload.transport = AnsweringTransport(core, fail) if answer else ScriptedTransport()
+    core.offload.blocks_per_chunk = 2  # 32-token chunks
     req = GenerateRequest(request_id="g", prompt=PROMPT, session_id="s",
                           sampling=SamplingParams(max_tokens=90, ignore_eos=True))
     core.add(prepare(req, tokenizer=loaded.tokenizer, model_name=loaded.name,
@@ -218,7 +221,7 @@ def test_the_last_save_covers_saves_not_answered_yet(loaded: LoadedModel) -> Non
     try:
         assert len(saves) >= 3 and saves[-1].first_block == 0
         for job in saves:
-            core.reuse.unpin(job.job_id)
+            core.offload.unpin(job.job_id)
         assert core.blocks.num_used == 0
         core.check_integrity()
     finally:
@@ -251,9 +254,9 @@ def test_layers_overlapping_a_cpu_pool_copy_leave_a_core_to_it(
     full = max(2, before)  # a team to take a thread from, even on a 1-core machine
     torch.set_num_threads(full)
     core = make_core(loaded)
-    core.reuse.transport = PrefilledTransport(all_layers=copy_done)
+    core.offload.transport = PrefilledTransport(all_layers=copy_done)
     seen: list[int] = []
-    make_waiter = core.reuse.waiter
+    make_waiter = core.offload.waiter
 
     def waiter(loading):
         wait = make_waiter(loading)
@@ -264,7 +267,7 @@ def test_layers_overlapping_a_cpu_pool_copy_leave_a_core_to_it(
 
         return wait_and_look
 
-    core.reuse.waiter = waiter
+    core.offload.waiter = waiter
     try:
         add(core, loaded, "a", two_block_plan("lease-1"))
         core.step()
@@ -298,7 +301,7 @@ def test_a_failed_step_parks_the_blocks_its_loads_may_still_write(
         (job,) = t.loads
         core.abort_all()  # what the engine does with a failed step
         targets = list(job.block_ids)
-        assert sorted(core.reuse.held_blocks()) == sorted(targets)
+        assert sorted(core.offload.held_blocks()) == sorted(targets)
         assert all(core.blocks.refcount[b] == 1 for b in targets)  # held, not free
         monkeypatch.undo()
         add(core, loaded, "b", None)

@@ -1,0 +1,30 @@
+"""What one sequence carries for offload: its plan, the load under way, what is saved.
+
+    before admission   plan       the stored prefix to load (from the lookup), or None
+    first step         load       the part of the plan being loaded (trimmed by the device
+                       readiness  hit), and per-layer progress of its RPC
+    while generating   saved_blocks  leading blocks already handed to the kvstore
+
+Touched only by the engine's worker thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.engine.offload.layer_readiness import LayerReadiness
+from services.engine.offload.planner import ReusePlan
+
+
+@dataclass(eq=False)
+class OffloadState:
+    plan: ReusePlan | None = None
+    load: ReusePlan | None = None
+    readiness: LayerReadiness | None = None
+    counted: bool = False  # this request's device/loaded tokens entered the stats
+    saved_blocks: int = 0  # a multiple of the kvstore's chunk, in blocks
+
+    def load_after(self, device_blocks: int) -> ReusePlan | None:
+        """The part of the plan still worth loading once ``device_blocks`` leading blocks
+        turned out to be on device."""
+        return self.plan.trimmed(device_blocks) if self.plan is not None else None
