@@ -7,7 +7,7 @@ The `small` demo model (written to a temp dir), a history of H random tokens alr
 saved to the node's kvstore (a real ``python -m services.kvstore`` process with RocksDB),
 then the history plus a 50-token new message; TTFT through an AsyncEngine for:
 
-- recompute      reuse_mode=recompute: the whole prompt is prefilled
+- recompute      offload.mode=recompute: the whole prompt is prefilled
 - device         the history's KV is still in the engine's device cache
 - dram           device cache dropped; KV loaded from the kvstore's DRAM, layer-wise
 - dram_whole     the same, but the whole prefix is loaded before the first layer runs
@@ -87,7 +87,7 @@ async def _serve_engine(conn: Connection, model: str, address: str, mode: str, d
                         threads: int) -> None:
     from services.engine.api_types import GenerateRequest, SamplingParams
     from services.engine.async_engine import AsyncEngine
-    from services.engine.config import EngineConfig
+    from services.engine.config import EngineConfig, OffloadConfig
     from shared.aio import freeze_startup_heap
 
     # Every reusing engine loads the whole stored prefix (policy "always"): the bench
@@ -96,8 +96,9 @@ async def _serve_engine(conn: Connection, model: str, address: str, mode: str, d
     # and then, which would make a tier's row measure a mixture.
     cfg = EngineConfig(model_path=model, dtype=dtype, device_memory_bytes=3 << 30,
                        max_num_batched_tokens=512, num_threads=threads,
-                       kvstore_address="" if mode == "recompute" else address,
-                       reuse_mode=mode, reuse_policy="always")
+                       offload=OffloadConfig(
+                           kvstore_address="" if mode == "recompute" else address,
+                           mode=mode, policy="always"))
     async with AsyncEngine(cfg) as eng:
         freeze_startup_heap()  # as services.engine.service does once it is up
         conn.send(("ready", None))

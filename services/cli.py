@@ -83,7 +83,8 @@ def cluster_specs(
         node_id = f"node{i}"
         kv, eng, nm = free_port(host), free_port(host), free_port(host)
         engine_flags: dict[str, object] = {
-            "host": host, "port": eng, "model_path": model_path, "kvstore_address": f"{host}:{kv}",
+            "host": host, "port": eng, "model_path": model_path,
+            "offload.kvstore_address": f"{host}:{kv}",
         }
         if dtype:
             engine_flags["dtype"] = dtype

@@ -8,12 +8,17 @@ Environment variables follow one rule: ``OVERTURE_<SECTION>__<KEY>`` where neste
 joined with ``__`` too, e.g. ``OVERTURE_KVSTORE__S3__BUCKET=kv``.
 
 Flags are the dotted key path below the section: ``--block-size 16``, ``--s3.bucket kv``.
+
+A key that moved keeps working for one release: a config class lists it in
+``DEPRECATED_KEYS`` (old key -> new dotted key); YAML, environment and flags may still use
+the old name, which is moved to the new one with a warning that names both.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import types
 import typing
@@ -24,6 +29,7 @@ from typing import Any, TypeVar
 import yaml
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 ENV_PREFIX = "OVERTURE_"
 
@@ -162,9 +168,33 @@ def _check_range(key: str, f: dataclasses.Field, value: Any) -> None:
             raise ConfigError(f"{key}: {value!r} is above the maximum {hi}")
 
 
+def _deprecated_keys(cls: type) -> Mapping[str, str]:
+    return getattr(cls, "DEPRECATED_KEYS", {})
+
+
+def _move_deprecated(values: dict[str, Any], renames: Mapping[str, str], prefix: str
+                     ) -> dict[str, Any]:
+    """``values`` with each deprecated key moved to its new place (a value given under the
+    new key wins), warning once per key found."""
+    for old, new in renames.items():
+        if old not in values:
+            continue
+        value = values.pop(old)
+        log.warning("config key %s%s is deprecated and will be removed in the next release; "
+                    "use %s%s instead", prefix, old, prefix, new)
+        *parents, leaf = new.split(".")
+        node = values
+        for part in parents:
+            child = node.get(part)
+            node[part] = dict(child) if isinstance(child, Mapping) else {}
+            node = node[part]
+        node.setdefault(leaf, value)
+    return values
+
+
 def build(cls: type[T], values: Mapping[str, Any], prefix: str = "") -> T:
     """Build a frozen config of ``cls`` from a nested mapping, validating every key."""
-    values = dict(values or {})
+    values = _move_deprecated(dict(values or {}), _deprecated_keys(cls), prefix)
     hints = _resolve_types(cls)
     known = {f.name for f in _fields(cls)}
     unknown = sorted(set(values) - known)
@@ -265,6 +295,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             metavar=key.split(".")[-1].upper(),
             help=f"{f.metadata.get('doc', '')}{extra} [default: {default!r}]",
         )
+    for old in _deprecated_keys(cls):  # still accepted, not advertised
+        group.add_argument("--" + old.replace("_", "-"), dest=f"cfg::{old}",
+                           default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 def flag_values(ns: argparse.Namespace) -> dict[str, Any]:

@@ -254,9 +254,9 @@ class AsyncEngine:
         c = self._connector
         if c is None:
             return dataclasses.replace(core_stats, mode=RECOMPUTE if
-                                       self.config.reuse_mode == RECOMPUTE else "device")
+                                       self.config.offload.mode == RECOMPUTE else "device")
         return dataclasses.replace(
-            core_stats, mode=self.config.reuse_mode, attached=c.attached,
+            core_stats, mode=self.config.offload.mode, attached=c.attached,
             lookups=c.stats.lookups, lookup_errors=c.stats.lookup_errors,
             saves=c.stats.saves, save_errors=c.stats.save_errors,
             chunks_saved=c.stats.chunks_saved,
@@ -277,7 +277,7 @@ class AsyncEngine:
     async def _start_reuse(self) -> None:
         """Connect the pool to the node's kvstore (attaching in the background). Runs
         before the step loop starts: the worker reads the transport only while stepping."""
-        if self.config.kvstore_address and self.config.reuse_mode != RECOMPUTE:
+        if self.config.offload.kvstore_address and self.config.offload.mode != RECOMPUTE:
             self._connector, self._coordinator = await connect_offload(
                 self.config, self._core, self._loaded.config,
                 lambda job, ok=True: self._submit(_UNPIN, (job, ok)),

@@ -3,8 +3,49 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from shared.config import ConfigError, opt
+from shared.config import ConfigError, opt, sub
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Section ``engine.offload``: the node's kvstore and the reuse of what it stores."""
+
+    kvstore_address: str = opt(
+        "", "the node's kvstore (host:port) for saving and reusing KV; empty = device cache only"
+    )
+    mode: str = opt(
+        "layerwise",
+        "how stored KV is reused: layerwise (load overlaps compute), whole_prefix (load, then "
+        "compute), recompute (never look up or save; baseline)",
+        choices=("layerwise", "whole_prefix", "recompute"),
+    )
+    policy: str = opt(
+        "cost",
+        "cost: load a span only when estimated faster than recomputing it; always: load "
+        "every stored span (tests, benchmarks)",
+        choices=("cost", "always"),
+    )
+    lookup_timeout_s: float = opt(
+        0.2, "LookupPrefix deadline; past it the request recomputes", min=0.001, max=60.0
+    )
+    load_timeout_s: float = opt(
+        10.0, "a layer not loaded this long after its wait began is recomputed", min=0.01
+    )
+    save_timeout_s: float = opt(
+        30.0, "SaveFromPool deadline (blocks stay pinned until it answers)", min=0.01
+    )
+    attach_backoff_max_s: float = opt(
+        5.0, "longest pause between AttachPool retries while the kvstore is down", min=0.01
+    )
+    prefill_s_per_token: float = opt(
+        1e-3, "prior prefill cost (s/token) until the engine has measured its own", min=0.0
+    )
+    load_overhead_s: float = opt(
+        0.002, "fixed cost of one load (RPC round trips) in the load-or-recompute estimate",
+        min=0.0,
+    )
 
 
 @dataclass(frozen=True)
@@ -31,40 +72,22 @@ class EngineConfig:
     num_threads: int = opt(0, "torch intra-op threads; 0 = torch default", min=0, max=1024)
     seed: int = opt(0, "global seed for requests that give none", min=0)
     debug_checks: bool = opt(False, "check KV allocator integrity after every step (slow)")
-    kvstore_address: str = opt(
-        "", "the node's kvstore (host:port) for saving and reusing KV; empty = device cache only"
+    offload: OffloadConfig = sub(
+        OffloadConfig, "KV kept off the device: the node's kvstore and how it is reused"
     )
-    reuse_mode: str = opt(
-        "layerwise",
-        "how stored KV is reused: layerwise (load overlaps compute), whole_prefix (load, then "
-        "compute), recompute (never look up or save; baseline)",
-        choices=("layerwise", "whole_prefix", "recompute"),
-    )
-    reuse_policy: str = opt(
-        "cost",
-        "cost: load a span only when estimated faster than recomputing it; always: load "
-        "every stored span (tests, benchmarks)",
-        choices=("cost", "always"),
-    )
-    kvstore_lookup_timeout_s: float = opt(
-        0.2, "LookupPrefix deadline; past it the request recomputes", min=0.001, max=60.0
-    )
-    kvstore_load_timeout_s: float = opt(
-        10.0, "a layer not loaded this long after its wait began is recomputed", min=0.01
-    )
-    kvstore_save_timeout_s: float = opt(
-        30.0, "SaveFromPool deadline (blocks stay pinned until it answers)", min=0.01
-    )
-    kvstore_attach_backoff_max_s: float = opt(
-        5.0, "longest pause between AttachPool retries while the kvstore is down", min=0.01
-    )
-    reuse_prefill_s_per_token: float = opt(
-        1e-3, "prior prefill cost (s/token) until the engine has measured its own", min=0.0
-    )
-    reuse_load_overhead_s: float = opt(
-        0.002, "fixed cost of one load (RPC round trips) in the load-or-recompute estimate",
-        min=0.0,
-    )
+
+    # One release of grace for the flat names these options had before ``offload``.
+    DEPRECATED_KEYS: ClassVar[dict[str, str]] = {
+        "kvstore_address": "offload.kvstore_address",
+        "reuse_mode": "offload.mode",
+        "reuse_policy": "offload.policy",
+        "kvstore_lookup_timeout_s": "offload.lookup_timeout_s",
+        "kvstore_load_timeout_s": "offload.load_timeout_s",
+        "kvstore_save_timeout_s": "offload.save_timeout_s",
+        "kvstore_attach_backoff_max_s": "offload.attach_backoff_max_s",
+        "reuse_prefill_s_per_token": "offload.prefill_s_per_token",
+        "reuse_load_overhead_s": "offload.load_overhead_s",
+    }
 
     def validate(self) -> None:
         if self.max_num_batched_tokens < self.block_size:

@@ -100,7 +100,7 @@ class KVStoreClient:
         # The kvstore is on this node: after it restarts, reconnect within ~0.1-1 s rather
         # than gRPC's default backoff (1 s growing to 120 s).
         self._channel = grpc.aio.insecure_channel(
-            self.config.kvstore_address, options=[*CHANNEL_OPTIONS, *RECONNECT_OPTIONS]
+            self.config.offload.kvstore_address, options=[*CHANNEL_OPTIONS, *RECONNECT_OPTIONS]
         )
         self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
         self._ensure_attaching()
@@ -134,7 +134,7 @@ class KVStoreClient:
         level = logging.DEBUG if what in self._warned else logging.WARNING
         self._warned.add(what)
         log.log(level, "kvstore %s at %s failed (KV reuse degrades to recompute): %s",
-                what, self.config.kvstore_address, _describe(err))
+                what, self.config.offload.kvstore_address, _describe(err))
 
     # ---- attach -------------------------------------------------------------------------
     def _ensure_attaching(self) -> None:
@@ -147,7 +147,7 @@ class KVStoreClient:
         # path takes seconds) answers late, and every attempt that times out is a warning.
         while not await self.attach(BACKGROUND_ATTACH_TIMEOUT_S):
             await asyncio.sleep(delay)
-            delay = min(delay * 2, self.config.kvstore_attach_backoff_max_s)
+            delay = min(delay * 2, self.config.offload.attach_backoff_max_s)
 
     async def attach(self, timeout: float = ATTACH_TIMEOUT_S) -> bool:
         """One AttachPool attempt (waits up to ``timeout`` for the kvstore to be up)."""
@@ -165,7 +165,7 @@ class KVStoreClient:
         if self.on_attached is not None:
             self.on_attached(self.blocks_per_chunk)
         log.info("KV pool attached to kvstore %s as %s (%d blocks per chunk)",
-                 self.config.kvstore_address, self.pool_id, self.blocks_per_chunk)
+                 self.config.offload.kvstore_address, self.pool_id, self.blocks_per_chunk)
         return True
 
     def _lost(self, err: grpc.aio.AioRpcError) -> None:
@@ -189,7 +189,7 @@ class KVStoreClient:
         )
         try:
             reply = await self._stub.LookupPrefix(
-                req, timeout=self.config.kvstore_lookup_timeout_s
+                req, timeout=self.config.offload.lookup_timeout_s
             )
         except grpc.aio.AioRpcError as e:
             self.stats.lookup_errors += 1
@@ -211,7 +211,7 @@ class KVStoreClient:
         try:
             await self._stub.ReleaseLease(
                 kvstore_pb2.ReleaseLeaseRequest(lease_id=lease_id),
-                timeout=self.config.kvstore_lookup_timeout_s,
+                timeout=self.config.offload.lookup_timeout_s,
             )
         except grpc.aio.AioRpcError as e:  # the lease expires on its own
             self._warn("ReleaseLease", e)
@@ -237,7 +237,7 @@ class KVStoreClient:
         op_id = self._new_op_id()
         req = wire.load_to_proto(job, self.pool_id, self.model_fp, self.num_layers, op_id)
         # The whole call's deadline: every layer may take up to the per-layer wait.
-        deadline = self.config.kvstore_load_timeout_s * 2
+        deadline = self.config.offload.load_timeout_s * 2
         try:
             async for msg in self._stub.LoadIntoPool(req, timeout=deadline):
                 if msg.ok:
@@ -269,7 +269,7 @@ class KVStoreClient:
             except grpc.aio.AioRpcError as e:
                 self._warn("FencePoolOp", e)
             await asyncio.sleep(delay)
-            delay = min(delay * 2, self.config.kvstore_attach_backoff_max_s)
+            delay = min(delay * 2, self.config.offload.attach_backoff_max_s)
 
     # ---- save ---------------------------------------------------------------------------
     def start_save(self, job: SaveJob, done: Callable[[SaveJob, bool], None]) -> None:
@@ -286,7 +286,7 @@ class KVStoreClient:
             op_id = self._new_op_id()
             req = wire.save_to_proto(job, self.pool_id, self.model_fp, self.num_layers, op_id)
             reply = await self._stub.SaveFromPool(
-                req, timeout=self.config.kvstore_save_timeout_s
+                req, timeout=self.config.offload.save_timeout_s
             )
             self.stats.saves += 1
             self.stats.chunks_saved += reply.chunks_written

@@ -323,8 +323,8 @@ def offload_for(config: EngineConfig, kv: BlockTables, scheduler: Scheduler) -> 
     return KVStoreOffload(
         kv,
         scheduler,
-        whole_prefix=config.reuse_mode == WHOLE_PREFIX,
-        load_timeout_s=config.kvstore_load_timeout_s,
-        prefill_prior_s_per_token=config.reuse_prefill_s_per_token,
+        whole_prefix=config.offload.mode == WHOLE_PREFIX,
+        load_timeout_s=config.offload.load_timeout_s,
+        prefill_prior_s_per_token=config.offload.prefill_s_per_token,
         pool_on_cpu=torch.device(config.device).type == "cpu",
     )

@@ -62,7 +62,7 @@ class PrefixLookup:
 
     async def plan(self, req: PreparedRequest) -> ReusePlan | None:
         """The prefix to load for ``req``, or None (device hit only / recompute)."""
-        if self.config.reuse_mode == RECOMPUTE or not self.connector.attached:
+        if self.config.offload.mode == RECOMPUTE or not self.connector.attached:
             return None
         bs = self.config.block_size
         ids = req.prompt_token_ids
@@ -87,7 +87,7 @@ class PrefixLookup:
     def _choose(
         self, spans: list[KVSpan], prompt_tokens: int, device: int, bw: dict[str, float]
     ) -> int:
-        if not spans or self.config.reuse_policy == "always":
+        if not spans or self.config.offload.policy == "always":
             return len(spans)
         est = choose_spans(
             spans,
@@ -97,8 +97,8 @@ class PrefixLookup:
             tier_bytes_per_s=bw,
             seconds_per_token=self.reuse.prefill_rate.value,
             num_layers=self.num_layers,
-            mode=self.config.reuse_mode,
-            overhead_s=self.config.reuse_load_overhead_s,
+            mode=self.config.offload.mode,
+            overhead_s=self.config.offload.load_overhead_s,
         )
         if est.spans < len(spans):
             log.debug("loading %d of %d stored spans (est. %.4f s vs recompute %.4f s)",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from services.engine.api_types import ChatMessage, GenerateRequest, SamplingParams
 from services.engine.async_engine import AsyncEngine
-from services.engine.config import EngineConfig
+from services.engine.config import EngineConfig, OffloadConfig
 from services.engine.model import LoadedModel
 from services.kvstore.config import KVStoreConfig
 from services.kvstore.metrics import KVStoreMetrics
@@ -64,27 +64,28 @@ async def kvstore(config: KVStoreConfig) -> AsyncIterator[KVStoreHandle]:
         yield KVStoreHandle(f"{config.host}:{server.port}", pool_path, config)
 
 
-def engine_config(**kw: object) -> EngineConfig:
+def engine_config(address: str = "", mode: str = "layerwise", **kw: object) -> EngineConfig:
     base: dict = {
         "dtype": "float32", "block_size": 16, "device_memory_bytes": 8 << 20,
-        "page_bytes": 16 << 10, "debug_checks": True, "reuse_policy": "always",
-        "max_num_batched_tokens": 256,
-        # The tests assert where reused KV came from; a loaded CI machine must not turn a
-        # slow S3 existence check into "no reuse" (the production default stays short).
-        "kvstore_lookup_timeout_s": 10.0,
+        "page_bytes": 16 << 10, "debug_checks": True, "max_num_batched_tokens": 256,
     }
     base.update(kw)
-    return EngineConfig(**base)
+    # The tests assert where reused KV came from; a loaded CI machine must not turn a
+    # slow S3 existence check into "no reuse" (the production default stays short).
+    offload = OffloadConfig(kvstore_address=address, mode=mode, policy="always",
+                            lookup_timeout_s=10.0)
+    return EngineConfig(offload=offload, **base)
 
 
 @contextlib.asynccontextmanager
 async def engine(
-    loaded: LoadedModel, address: str = "", attach: bool = True, **kw: object
+    loaded: LoadedModel, address: str = "", attach: bool = True, mode: str = "layerwise",
+    **kw: object,
 ) -> AsyncIterator[AsyncEngine]:
     """An engine; with ``address`` (and ``attach``) it is attached to that kvstore before
     it is handed out."""
-    async with AsyncEngine(engine_config(kvstore_address=address, **kw), loaded=loaded) as eng:
-        if address and attach and kw.get("reuse_mode") != "recompute":
+    async with AsyncEngine(engine_config(address, mode, **kw), loaded=loaded) as eng:
+        if address and attach and mode != "recompute":
             assert await eng.kv_connector.attach(timeout=10.0), "engine could not attach"
         yield eng
 
@@ -129,7 +130,7 @@ async def reference_transcript(
     """Each turn's (messages sent, output tokens, text) from a recompute-only engine."""
     out = []
     history = [ChatMessage("system", SYSTEM)]
-    async with engine(loaded, reuse_mode="recompute") as eng:
+    async with engine(loaded, mode="recompute") as eng:
         for user in turns:
             msgs = [*history, ChatMessage("user", user)]
             tokens, text, _ = await run_turn(eng, turn_request(msgs, session))

@@ -40,7 +40,7 @@ async def test_edited_history_reuses_up_to_the_first_differing_block(
     assert edited[3].role == "user"
     edited[3] = ChatMessage("user", edited[3].content.replace("sky", "sea"))
     # What recomputation gives for the edited history, and for regenerating turn 3.
-    async with engine(loaded, reuse_mode="recompute") as eng:
+    async with engine(loaded, mode="recompute") as eng:
         want_edit = (await run_turn(eng, turn_request(edited, "x")))[0]
     first_diff = next(
         i for i, (a, b) in enumerate(zip(prompt_ids(loaded, msgs3), prompt_ids(loaded, edited),
@@ -99,7 +99,7 @@ async def _burst(eng: AsyncEngine, req: GenerateRequest, n: int) -> list[list[in
 async def test_identical_prompts_under_concurrent_load(loaded: LoadedModel) -> None:
     msgs = [ChatMessage("system", SYSTEM * 2), ChatMessage("user", "Count to ten.")]
     req = turn_request(msgs, "burst", n=12)
-    async with engine(loaded, reuse_mode="recompute") as eng:
+    async with engine(loaded, mode="recompute") as eng:
         base = await _burst(eng, req, 6)
     assert all(o == base[0] for o in base)
     async with kvstore(kvstore_config(0, None)) as kv, engine(loaded, kv.address) as eng:

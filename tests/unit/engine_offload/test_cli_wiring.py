@@ -17,7 +17,7 @@ def test_each_engine_gets_its_nodes_kvstore_and_an_ssd_path() -> None:
     by_name = {s.name: s.argv for s in specs}
     for node in ("node0", "node1"):
         kv, eng = by_name[f"{node}.kvstore"], by_name[f"{node}.engine"]
-        assert flag(eng, "--kvstore-address").endswith(":" + flag(kv, "--port"))
+        assert flag(eng, "--offload.kvstore-address").endswith(":" + flag(kv, "--port"))
         assert flag(kv, "--ssd-path") == str(Path(".overture") / node / "kvstore-ssd")
 
 

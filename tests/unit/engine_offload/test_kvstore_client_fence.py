@@ -8,7 +8,7 @@ import asyncio
 
 import grpc
 
-from services.engine.config import EngineConfig
+from services.engine.config import EngineConfig, OffloadConfig
 from services.engine.offload.jobs import LoadJob, SaveJob
 from services.engine.offload.kvstore_client import KVStoreClient
 from services.engine.offload.layer_readiness import LayerReadiness
@@ -58,7 +58,7 @@ class FakeStub:
 
 
 def connector(stub: FakeStub) -> KVStoreClient:
-    c = KVStoreClient(EngineConfig(kvstore_attach_backoff_max_s=0.01),
+    c = KVStoreClient(EngineConfig(offload=OffloadConfig(attach_backoff_max_s=0.01)),
                     kvstore_pb2.PoolGeometry(model_fp="fp", num_layers=2))
     c._stub = stub  # type: ignore[assignment]
     c.pool_id = "pool-1"

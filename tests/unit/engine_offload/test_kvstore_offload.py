@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from services.engine.api_types import GenerateRequest, SamplingParams
-from services.engine.config import EngineConfig
+from services.engine.config import EngineConfig, OffloadConfig
 from services.engine.engine_core import EngineCore
-from services.engine.model import LoadedModel, load_model, write_demo_model
+from services.engine.model import LoadedModel
 from services.engine.offload.jobs import LoadJob, SaveJob
 from services.engine.offload.kvstore_offload import offload_for
 from services.engine.offload.planner import ReusePlan
@@ -36,15 +36,9 @@ class ScriptedTransport:
         self.released.append(lease_id)
 
 
-@pytest.fixture(scope="module")
-def loaded(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    path = write_demo_model(tmp_path_factory.mktemp("m") / "tiny", size="tiny", seed=0)
-    return load_model(path, dtype=torch.float32)
-
-
 def make_core(loaded: LoadedModel, **kw: object) -> EngineCore:
     cfg = EngineConfig(dtype="float32", device_memory_bytes=4 << 20, page_bytes=16 << 10,
-                       debug_checks=True, kvstore_load_timeout_s=0.05, **kw)
+                       debug_checks=True, offload=OffloadConfig(load_timeout_s=0.05), **kw)
     core = EngineCore(cfg, loaded)
     core.offload = offload_for(cfg, core.kv, core.scheduler)  # as connect_offload does
     return core
