@@ -15,7 +15,7 @@ from .api_types import (
     SamplingParams,
 )
 from .errors import INTERNAL, INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE
-from .offload.jobs import LoadJob, SaveJob
+from .offload.jobs import LoadJob, LookupAnswer, PoolGeometry, SaveJob
 
 STATUS_CODES = {
     INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
@@ -96,22 +96,54 @@ def kvstore_tenant(tenant: str) -> str:
     return tenant or DEFAULT_TENANT
 
 
-def pool_geometry_to_proto(
-    *, pool_name: str, device: str, num_blocks: int, block_size: int, num_kv_heads: int,
-    head_dim: int, dtype: str, num_layers: int, model_fp: str,
-) -> kvstore_pb2.PoolGeometry:
-    return kvstore_pb2.PoolGeometry(
-        pool_name=pool_name, device=device, num_blocks=num_blocks, block_size=block_size,
-        num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, num_layers=num_layers,
-        model_fp=model_fp,
+# ---- the engine's kvstore client (offload/kvstore_client.py) -------------------------
+
+
+def attach_request(g: PoolGeometry) -> kvstore_pb2.AttachPoolRequest:
+    return kvstore_pb2.AttachPoolRequest(pool=kvstore_pb2.PoolGeometry(
+        pool_name=g.pool_name, device=g.device, num_blocks=g.num_blocks,
+        block_size=g.block_size, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim,
+        dtype=g.dtype, num_layers=g.num_layers, model_fp=g.model_fp,
+    ))
+
+
+def attach_reply(reply: kvstore_pb2.AttachPoolReply) -> tuple[str, int]:
+    """(pool_id, blocks_per_chunk)."""
+    return reply.pool_id, reply.blocks_per_chunk or 1
+
+
+def lookup_request(
+    tenant: str, session_id: str, model_fp: str, hashes: list[bytes], first_block: int,
+    num_layers: int,
+) -> kvstore_pb2.LookupPrefixRequest:
+    return kvstore_pb2.LookupPrefixRequest(
+        tenant=kvstore_tenant(tenant), session_id=session_id, model_fp=model_fp,
+        block_hashes=hashes, first_block=first_block, num_layers=num_layers,
     )
 
 
-def spans_from_proto(reply: kvstore_pb2.LookupPrefixReply) -> list[KVSpan]:
-    return [
-        KVSpan(bytes(s.chunk_hash), s.first_block, s.use_blocks, s.tier, s.bytes)
-        for s in reply.spans
-    ]
+def lookup_answer(reply: kvstore_pb2.LookupPrefixReply) -> LookupAnswer:
+    spans = [KVSpan(bytes(s.chunk_hash), s.first_block, s.use_blocks, s.tier, s.bytes)
+             for s in reply.spans]
+    return LookupAnswer(reply.matched_blocks, spans, reply.lease_id,
+                        dict(reply.tier_bytes_per_s))
+
+
+def release_request(lease_id: str) -> kvstore_pb2.ReleaseLeaseRequest:
+    return kvstore_pb2.ReleaseLeaseRequest(lease_id=lease_id)
+
+
+def fence_request(op_id: str) -> kvstore_pb2.FencePoolOpRequest:
+    return kvstore_pb2.FencePoolOpRequest(op_id=op_id)
+
+
+def layer_loaded(msg: kvstore_pb2.LayerLoaded) -> tuple[int, bool, str]:
+    """(layer, ok, error) of one LoadIntoPool reply."""
+    return msg.layer, msg.ok, msg.error
+
+
+def chunks_written(reply: kvstore_pb2.SaveFromPoolReply) -> int:
+    return reply.chunks_written
 
 
 def span_to_proto(s: KVSpan) -> kvstore_pb2.PrefixSpan:

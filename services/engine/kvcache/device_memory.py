@@ -20,13 +20,14 @@ import torch
 
 from services.engine.device import PoolMemory, allocate_pool_memory
 from shared.config import ConfigError
+from shared.kv_layout import block_bytes
 
 log = logging.getLogger(__name__)
 
 
 def block_bytes_for(block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """Bytes of one pool block: K and V of one layer for ``block_size`` tokens."""
-    return 2 * block_size * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+    return block_bytes(block_size, num_kv_heads, head_dim, dtype.itemsize)
 
 
 class DeviceMemory:

@@ -26,17 +26,16 @@ import itertools
 import logging
 import uuid
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from services.engine import wire
 from services.engine.config import EngineConfig
-from services.engine.offload.jobs import LoadJob, SaveJob
-from shared.grpc_server import CHANNEL_OPTIONS
-from shared.kv_layout import KVSpan
-from shared.proto import kvstore_pb2, kvstore_pb2_grpc
+from services.engine.offload.jobs import LoadJob, LookupAnswer, PoolGeometry, SaveJob
+from shared.grpc_server import insecure_channel
+from shared.proto import kvstore_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -44,19 +43,7 @@ ATTACH_TIMEOUT_S = 2.0
 BACKGROUND_ATTACH_TIMEOUT_S = 30.0
 FENCE_TIMEOUT_S = 30.0
 SAVE_TASK = "kvstore-save-"
-RECONNECT_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
-
-
-@dataclass
-class LookupAnswer:
-    matched_blocks: int
-    spans: list[KVSpan]
-    lease_id: str
-    tier_bytes_per_s: dict[str, float] = field(default_factory=dict)
+MAX_RECONNECT_BACKOFF_MS = 1000
 
 
 @dataclass
@@ -71,7 +58,7 @@ class ConnectorStats:
 
 
 class KVStoreClient:
-    def __init__(self, config: EngineConfig, geometry: kvstore_pb2.PoolGeometry) -> None:
+    def __init__(self, config: EngineConfig, geometry: PoolGeometry) -> None:
         """Cheap; ``start()`` opens the channel and begins attaching."""
         self.config = config
         self.geometry = geometry
@@ -99,8 +86,8 @@ class KVStoreClient:
     async def start(self) -> None:
         # The kvstore is on this node: after it restarts, reconnect within ~0.1-1 s rather
         # than gRPC's default backoff (1 s growing to 120 s).
-        self._channel = grpc.aio.insecure_channel(
-            self.config.offload.kvstore_address, options=[*CHANNEL_OPTIONS, *RECONNECT_OPTIONS]
+        self._channel = insecure_channel(
+            self.config.offload.kvstore_address, MAX_RECONNECT_BACKOFF_MS
         )
         self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
         self._ensure_attaching()
@@ -153,14 +140,13 @@ class KVStoreClient:
         """One AttachPool attempt (waits up to ``timeout`` for the kvstore to be up)."""
         if self._stub is None:
             return False
-        req = kvstore_pb2.AttachPoolRequest(pool=self.geometry)
+        req = wire.attach_request(self.geometry)
         try:
             reply = await self._stub.AttachPool(req, timeout=timeout, wait_for_ready=True)
         except grpc.aio.AioRpcError as e:
             self._warn("AttachPool", e)
             return False
-        self.blocks_per_chunk = reply.blocks_per_chunk or 1
-        self.pool_id = reply.pool_id
+        self.pool_id, self.blocks_per_chunk = wire.attach_reply(reply)
         self._warned.clear()
         if self.on_attached is not None:
             self.on_attached(self.blocks_per_chunk)
@@ -183,10 +169,8 @@ class KVStoreClient:
         if not self.attached or self._stub is None:
             return None
         self.stats.lookups += 1
-        req = kvstore_pb2.LookupPrefixRequest(
-            tenant=wire.kvstore_tenant(tenant), session_id=session_id, model_fp=self.model_fp,
-            block_hashes=hashes, first_block=first_block, num_layers=self.num_layers,
-        )
+        req = wire.lookup_request(tenant, session_id, self.model_fp, hashes, first_block,
+                                  self.num_layers)
         try:
             reply = await self._stub.LookupPrefix(
                 req, timeout=self.config.offload.lookup_timeout_s
@@ -196,10 +180,7 @@ class KVStoreClient:
             self._warn("LookupPrefix", e)
             self._lost(e)
             return None
-        return LookupAnswer(
-            reply.matched_blocks, wire.spans_from_proto(reply), reply.lease_id,
-            dict(reply.tier_bytes_per_s),
-        )
+        return wire.lookup_answer(reply)
 
     def release(self, lease_id: str) -> None:
         if lease_id and self._stub is not None:
@@ -210,7 +191,7 @@ class KVStoreClient:
             return
         try:
             await self._stub.ReleaseLease(
-                kvstore_pb2.ReleaseLeaseRequest(lease_id=lease_id),
+                wire.release_request(lease_id),
                 timeout=self.config.offload.lookup_timeout_s,
             )
         except grpc.aio.AioRpcError as e:  # the lease expires on its own
@@ -240,12 +221,13 @@ class KVStoreClient:
         deadline = self.config.offload.load_timeout_s * 2
         try:
             async for msg in self._stub.LoadIntoPool(req, timeout=deadline):
-                if msg.ok:
-                    r.mark_loaded(msg.layer)
+                layer, ok, error = wire.layer_loaded(msg)
+                if ok:
+                    r.mark_loaded(layer)
                 else:
-                    r.fail(msg.layer, msg.error or "chunk missing or corrupt")
+                    r.fail(layer, error or "chunk missing or corrupt")
                     log.warning("load of %s failed at layer %d: %s", job.request_id,
-                                msg.layer, msg.error)
+                                layer, error)
         except grpc.aio.AioRpcError as e:
             r.fail(0, _describe(e))
             self._warn("LoadIntoPool", e)
@@ -263,7 +245,7 @@ class KVStoreClient:
         delay = 0.05
         while (stub := self._stub) is not None:
             try:
-                await stub.FencePoolOp(kvstore_pb2.FencePoolOpRequest(op_id=op_id),
+                await stub.FencePoolOp(wire.fence_request(op_id),
                                        timeout=FENCE_TIMEOUT_S, wait_for_ready=True)
                 return
             except grpc.aio.AioRpcError as e:
@@ -289,7 +271,7 @@ class KVStoreClient:
                 req, timeout=self.config.offload.save_timeout_s
             )
             self.stats.saves += 1
-            self.stats.chunks_saved += reply.chunks_written
+            self.stats.chunks_saved += wire.chunks_written(reply)
             ok = True
         except grpc.aio.AioRpcError as e:
             self.stats.save_errors += 1

@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING
 
 from services.engine.config import EngineConfig
 from services.engine.kvcache.block_tables import BlockTables
+from services.engine.offload.jobs import PoolGeometry
 from services.engine.offload.kvstore_client import KVStoreClient, LoopTransport
 from services.engine.offload.kvstore_offload import KVStoreOffload, offload_for
 from services.engine.offload.planner import RECOMPUTE, ReusePlan, choose_spans
 from services.engine.validation import PreparedRequest
-from services.engine.wire import pool_geometry_to_proto
 from shared.hashing import block_hashes
 from shared.kv_layout import KVSpan
 
@@ -116,7 +116,7 @@ async def connect_offload(
     its transport, and return the connector with the coordinator that plans loads.
     ``unpin(job_id, ok)`` must route to the worker (None: just wake it; ``ok``: the save
     stored its chunks)."""
-    geometry = pool_geometry_to_proto(
+    geometry = PoolGeometry(
         pool_name=core.pool.name, device=config.device, num_blocks=core.pool.num_blocks,
         block_size=config.block_size, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
         dtype=core.model_info.dtype, num_layers=model.num_layers,

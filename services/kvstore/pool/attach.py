@@ -28,6 +28,7 @@ from services.kvstore.manifests.manifest import MAX_MODEL_LAYERS
 from services.kvstore.pool.copies import lazy_torch
 from shared.chunk_codec import DTYPE_NAMES, ChunkFormatError, chunk_key
 from shared.config import ConfigError
+from shared.kv_layout import block_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -58,7 +59,8 @@ class PoolGeometry:
     @property
     def block_bytes(self) -> int:
         """K and V of one layer for ``block_size`` tokens."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.torch_dtype.itemsize
+        return block_bytes(self.block_size, self.num_kv_heads, self.head_dim,
+                           self.torch_dtype.itemsize)
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:

@@ -9,12 +9,14 @@ import asyncio
 import grpc
 
 from services.engine.config import EngineConfig, OffloadConfig
-from services.engine.offload.jobs import LoadJob, SaveJob
+from services.engine.offload.jobs import LoadJob, PoolGeometry, SaveJob
 from services.engine.offload.kvstore_client import KVStoreClient
 from services.engine.offload.layer_readiness import LayerReadiness
 from services.engine.offload.planner import ReusePlan
 from shared.kv_layout import KVSpan
 from shared.proto import kvstore_pb2
+
+GEOMETRY = PoolGeometry("pool", "cpu", 8, 16, 1, 8, "float32", 2, "fp")
 
 
 def rpc_error(code: grpc.StatusCode) -> grpc.aio.AioRpcError:
@@ -59,7 +61,7 @@ class FakeStub:
 
 def connector(stub: FakeStub) -> KVStoreClient:
     c = KVStoreClient(EngineConfig(offload=OffloadConfig(attach_backoff_max_s=0.01)),
-                    kvstore_pb2.PoolGeometry(model_fp="fp", num_layers=2))
+                    GEOMETRY)
     c._stub = stub  # type: ignore[assignment]
     c.pool_id = "pool-1"
     return c
@@ -106,7 +108,7 @@ async def test_op_ids_are_unique_across_connectors() -> None:
 async def test_a_load_refused_for_want_of_a_kvstore_still_reports_its_end() -> None:
     """Not attached: the load fails at once, and ``ended`` runs as after any load (a worker
     waiting for parked blocks is woken)."""
-    c = KVStoreClient(EngineConfig(), kvstore_pb2.PoolGeometry(model_fp="fp", num_layers=2))
+    c = KVStoreClient(EngineConfig(), GEOMETRY)
     ready = LayerReadiness(2)
     ended: list[bool] = []
     plan = ReusePlan((KVSpan(b"h", 0, 1, "ssd", 1),), "", 0, 1)
