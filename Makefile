@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard shared/proto/*.proto)
 GEN_STAMP := shared/proto/.generated
 
-.PHONY: setup run test test-unit test-integration proto bench clean
+.PHONY: setup run lint test test-unit test-integration proto bench clean
 
 setup: $(STAMP) $(GEN_STAMP)
 
@@ -29,11 +29,19 @@ proto: $(STAMP)
 run: setup
 	$(VENV)/bin/overture up $(ARGS)
 
-test: setup
+# ruff (pyflakes, pycodestyle, isort, bugbear, pyupgrade, ...) and mypy; rules in pyproject.
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+test: lint
 	$(PY) -m pytest -q tests/unit tests/integration
 
 test-unit: setup
 	$(PY) -m pytest -q tests/unit
+
+test-integration: setup
+	$(PY) -m pytest -q tests/integration
 
 bench: setup
 	$(PY) -m bench.engine_speed

@@ -25,7 +25,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -187,6 +187,7 @@ async def supervise(specs: list[ChildSpec], url: str, nodes: int, ready_timeout_
                 limit=1 << 24,  # long log lines (tracebacks of big tensors) must not stall us
             )
             procs.append(p)
+            assert p.stdout is not None  # (stdout=PIPE)
             pumps.append(asyncio.create_task(_pump(spec.name, p.stdout)))
         waits = {
             asyncio.create_task(p.wait()): spec.name for p, spec in zip(procs, specs, strict=True)
@@ -266,7 +267,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 2
     specs, url = cluster_specs(
         nodes=args.nodes,
-        http_port=int(port),
+        http_port=int(str(port)),
         model_path=str(Path(model).resolve()),
         dtype=dtype,
         config=args.config,
@@ -276,7 +277,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     return asyncio.run(supervise(specs, url, args.nodes, args.ready_timeout))
 
 
-def _interruptible(func):  # type: ignore[no-untyped-def]
+def _interruptible(
+    func: Callable[[argparse.Namespace], int],
+) -> Callable[[argparse.Namespace], int]:
     """Ctrl-C before the supervisor takes over (e.g. while writing the demo model) exits
     quietly instead of with a traceback."""
 

@@ -5,16 +5,19 @@ from __future__ import annotations
 import asyncio
 import gc
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
-def run_main(coro: Coroutine[Any, Any, Any]) -> Any:
+def run_main(coro: Coroutine[Any, Any, T]) -> T:
     """Run a service's top-level coroutine on uvloop (falls back to asyncio's loop)."""
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a pinned dependency
         return asyncio.run(coro)
-    return uvloop.run(coro)
+    result: T = uvloop.run(coro)
+    return result
 
 
 def freeze_startup_heap() -> None:

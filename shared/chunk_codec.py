@@ -90,7 +90,8 @@ def _torch() -> Any:
 
 
 def _dtype(name: str) -> torch.dtype:
-    return getattr(_torch(), name)
+    dtype: torch.dtype = getattr(_torch(), name)
+    return dtype
 
 
 class StorageError(Exception):
@@ -225,7 +226,8 @@ def _header_tail(meta: ChunkMeta) -> bytes:
     if packer is None:  # one per thread: encodes run on the loop and on worker threads
         packer = _local.packer = msgpack.Packer()
     try:
-        return packer.pack(("layer", meta.layer, "hashes", meta.block_hashes))[1:]
+        packed: bytes = packer.pack(("layer", meta.layer, "hashes", meta.block_hashes))
+        return packed[1:]
     except (TypeError, ValueError) as e:  # the packer resets itself on failure
         raise ChunkFormatError(f"unpackable chunk fields: {e}") from None
 
@@ -255,7 +257,7 @@ def encode_chunk(meta: ChunkMeta, tensor: torch.Tensor, *, seal: bool = True) ->
         raise ChunkFormatError("encode_chunk needs a CPU tensor (copy it to host first)")
     if not meta.block_hashes:
         raise ChunkFormatError("a chunk names at least one block hash")
-    meta.key  # validates the fields
+    _ = meta.key  # validates the fields
     fixed, nbytes = _layout(meta.tenant, meta.model_fp, tensor.dtype, tensor.shape)
     tail = _header_tail(meta)
     head, pad = _prefix(fixed, len(tail))
@@ -392,12 +394,12 @@ class ExpectedHead:
     forged or stale chunk) is not an error here: ``match`` says None and the reader parses.
     """
 
-    __slots__ = ("meta", "dtype", "shape", "nbytes", "payload_offset", "_lead", "_hashed")
+    __slots__ = ("_hashed", "_lead", "dtype", "meta", "nbytes", "payload_offset", "shape")
 
     def __init__(self, meta: ChunkMeta, dtype_name: str, shape: tuple[int, ...]) -> None:
         if dtype_name not in DTYPE_NAMES:
             raise ChunkFormatError(f"unsupported dtype {dtype_name!r}")
-        meta.key  # validates the fields
+        _ = meta.key  # validates the fields
         fixed, self.nbytes = _layout(meta.tenant, meta.model_fp, _dtype(dtype_name), shape)
         tail = _header_tail(meta)
         _head, pad = _prefix(fixed, len(tail))

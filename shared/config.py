@@ -78,7 +78,8 @@ def _strip_optional(tp: Any) -> tuple[Any, bool]:
 def _coerce(key: str, tp: Any, value: Any) -> Any:
     """Turn a YAML/env/flag value into the field's declared type or raise ConfigError."""
     base, optional = _strip_optional(tp)
-    if value is None or (optional and isinstance(value, str) and value.lower() in ("", "none", "null")):
+    empty = isinstance(value, str) and value.lower() in ("", "none", "null")
+    if value is None or (optional and empty):
         if optional:
             return None
         raise ConfigError(f"{key}: a value is required (got null)")
@@ -146,15 +147,15 @@ def _parse_size(text: str) -> int:
 # building
 
 
-def _fields(cls: type) -> list[dataclasses.Field]:
+def _fields(cls: type) -> list[dataclasses.Field[Any]]:
     return list(dataclasses.fields(cls))
 
 
-def _is_section(f: dataclasses.Field) -> bool:
+def _is_section(f: dataclasses.Field[Any]) -> bool:
     return bool(f.metadata.get("section"))
 
 
-def _check_range(key: str, f: dataclasses.Field, value: Any) -> None:
+def _check_range(key: str, f: dataclasses.Field[Any], value: Any) -> None:
     meta = f.metadata
     if value is None:
         return
@@ -267,7 +268,7 @@ def env_values(section: str, env: Mapping[str, str]) -> dict[str, Any]:
     return tree
 
 
-def _flag_specs(cls: type, prefix: str = "") -> list[tuple[str, dataclasses.Field, Any]]:
+def _flag_specs(cls: type, prefix: str = "") -> list[tuple[str, dataclasses.Field[Any], Any]]:
     """(dotted key, field, default) for every leaf field of ``cls``."""
     out = []
     default_obj = cls()

@@ -19,7 +19,9 @@ CHANNEL_OPTIONS = [
 class GrpcServer:
     """A running server: its bound port and its health servicer (to flip status)."""
 
-    def __init__(self, server: grpc.aio.Server, port: int, health_servicer: health.aio.HealthServicer):
+    def __init__(
+        self, server: grpc.aio.Server, port: int, health_servicer: health.aio.HealthServicer
+    ) -> None:
         self.server = server
         self.port = port
         self.health = health_servicer

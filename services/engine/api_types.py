@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.model_info import ModelInfo  # noqa: F401  (re-exported: part of the engine API)
+from shared.model_info import ModelInfo
 
 
 @dataclass(frozen=True)

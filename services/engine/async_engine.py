@@ -209,7 +209,8 @@ class AsyncEngine:
                     raise EngineError(UNAVAILABLE, "the engine is shutting down")
                 finished = True
                 n = len(prepared.prompt_token_ids)
-                yield GenerateOutput(rid, "", (), n, 0, 0, "abort", prepared.prompt_token_ids)
+                yield GenerateOutput(rid, "", (), n, 0, 0, "abort",
+                                     tuple(prepared.prompt_token_ids))
                 return
             self._submit(_ADD, (prepared, plan))
             submitted = True
@@ -278,10 +279,12 @@ class AsyncEngine:
         """Connect the pool to the node's kvstore (attaching in the background). Runs
         before the step loop starts: the worker reads the transport only while stepping."""
         if self.config.offload.kvstore_address and self.config.offload.mode != RECOMPUTE:
+
+            def unpin(job: int | None, ok: bool = True) -> None:
+                self._submit(_UNPIN, (job, ok))
+
             self._connector, self._coordinator = await connect_offload(
-                self.config, self._core, self._loaded.config,
-                lambda job, ok=True: self._submit(_UNPIN, (job, ok)),
-            )
+                self.config, self._worker_core(), self._loaded.config, unpin)
 
     async def shrink_kv(self, max_pages: int) -> int:
         """Give back up to ``max_pages`` pages of KV memory not holding running KV."""
@@ -293,9 +296,14 @@ class AsyncEngine:
         await self._in_worker(self._require_core().check_integrity)
 
     # ---- the worker side ----------------------------------------------------------------
+    def _worker_core(self) -> EngineCore:
+        """The core, which exists whenever the worker runs a job."""
+        assert self._core is not None
+        return self._core
+
     def _drain(self) -> tuple[list[Event], int]:
         """(worker thread) apply queued adds and aborts; the events and how many adds."""
-        core = self._core
+        core = self._worker_core()
         events: list[Event] = []
         adds = 0
         while self._inbox:
@@ -312,8 +320,9 @@ class AsyncEngine:
     def _work(self) -> tuple[list[Event], int, int, bool]:
         """(worker thread) one engine step after the inbox."""
         events, adds = self._drain()
-        events.extend(self._core.step())
-        return events, adds, self._core.num_waiting, self._core.has_work()
+        core = self._worker_core()
+        events.extend(core.step())
+        return events, adds, core.num_waiting, core.has_work()
 
     async def _run_inbox(self) -> None:
         events, adds = await self._in_worker(self._drain)
@@ -353,7 +362,7 @@ class AsyncEngine:
         """(worker thread) after a failed step: end every request with an internal error."""
         err = EngineError(INTERNAL, "the engine failed while running this request")
         _, adds = self._drain()
-        return [Failure(o.request_id, err) for o in self._core.abort_all()], adds
+        return [Failure(o.request_id, err) for o in self._worker_core().abort_all()], adds
 
     def _dispatch(self, events: list[Event], adds_applied: int) -> None:
         self._pending_adds = max(0, self._pending_adds - adds_applied)

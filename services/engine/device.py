@@ -43,7 +43,9 @@ class PoolMemory(Protocol):
     """
 
     tensor: torch.Tensor
-    name: str
+
+    @property
+    def name(self) -> str: ...
 
     def commit(self, offset: int, nbytes: int) -> bool: ...
 
@@ -93,7 +95,8 @@ class SharedMemoryFile:
             # A second, private-to-us mapping of the same file, used only for madvise.
             self._mm = mmap.mmap(self._fd, nbytes, flags=mmap.MAP_SHARED)
             storage = torch.UntypedStorage.from_file(self.name, shared=True, nbytes=nbytes)
-            self.tensor = torch.empty(0, dtype=torch.uint8).set_(storage)
+            # (torch's stubs type from_file's result as the base storage class)
+            self.tensor = torch.empty(0, dtype=torch.uint8).set_(storage)  # type: ignore[arg-type]
         except BaseException:
             os.close(self._fd)
             self.path.unlink(missing_ok=True)

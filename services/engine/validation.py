@@ -47,7 +47,7 @@ def tokenize(req: GenerateRequest, tokenizer) -> list[int]:
         raise
     # Templates (jinja2) and tokenizers raise assorted types for input they reject; all
     # of them mean "bad input" here.
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise _bad(f"cannot tokenize the input: {e}") from None
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 
 from shared.kv_layout import KVSpan
@@ -41,7 +43,7 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
 
 def request_from_proto(r: common_pb2.GenerateRequest) -> GenerateRequest:
     kind = r.input_kind
-    base = {
+    base: dict[str, Any] = {
         "request_id": r.request_id,
         "sampling": sampling_from_proto(r.sampling),
         "model": r.model,

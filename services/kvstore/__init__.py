@@ -24,10 +24,10 @@ from services.kvstore.store import PutReceipt, TieredStore, layer_priority
 
 __all__ = [
     "ChunkCorrupt",
+    "EnginePoolPath",
     "Manifest",
     "ManifestIncomplete",
     "ManifestStore",
-    "EnginePoolPath",
     "PoolError",
     "PoolGeometry",
     "PutReceipt",

@@ -40,7 +40,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         node_id: str,
         window: int,
         peer_address: str,
-        pool_path: EnginePoolPath | None,
+        pool_path: EnginePoolPath,
         peer_timeout_s: float = 10.0,
     ) -> None:
         self.manifests = manifests

@@ -16,7 +16,7 @@ from shared.proto import nodemgr_pb2_grpc
 log = logging.getLogger(__name__)
 
 
-async def start(config: NodeManagerConfig, stack: AsyncExitStack) -> asyncio.Task:
+async def start(config: NodeManagerConfig, stack: AsyncExitStack) -> asyncio.Task[None]:
     """Serve NodeManager, wait for the engine, then start registering and beating.
 
     Returns the registrar's task (owned by ``stack``). Raises ``EngineUnavailable`` when the

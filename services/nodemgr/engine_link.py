@@ -27,9 +27,10 @@ class EngineLink:
 
     async def raw_status(self) -> engine_pb2.EngineStatus:
         try:
-            return await self.stub.Status(
+            status: engine_pb2.EngineStatus = await self.stub.Status(
                 engine_pb2.EngineStatusRequest(), timeout=self.status_timeout_s
             )
+            return status
         except grpc.aio.AioRpcError as e:
             raise EngineUnavailable(
                 f"engine at {self.address} did not answer Status: {e.code().name} {e.details()}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import grpc
@@ -114,7 +114,7 @@ class Dispatcher:
 
     async def generate(
         self, request: common_pb2.GenerateRequest, route: RouteRequest
-    ) -> AsyncIterator[wire.Chunk]:
+    ) -> AsyncGenerator[wire.Chunk, None]:
         """Stream the chunks of one generation; re-route while nothing has been produced.
 
         Closing the iterator (or cancelling its consumer) cancels the gRPC call, which the

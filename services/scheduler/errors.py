@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 
 # HTTP status -> OpenAI error ``type``.
@@ -37,7 +39,7 @@ class ApiError(Exception):
         self.code = code
         self.type = type or _TYPES.get(status, "invalid_request_error")
 
-    def body(self) -> dict:
+    def body(self) -> dict[str, Any]:
         return {
             "error": {
                 "message": self.message,

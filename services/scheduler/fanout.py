@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 from services.scheduler import wire
@@ -28,7 +28,7 @@ def _request_id(base_id: str, choice: Choice, total: int) -> str:
 
 async def run_choices(
     dispatcher: Dispatcher, req: ApiRequest, model: str, base_id: str
-) -> AsyncIterator[tuple[int, wire.Chunk]]:
+) -> AsyncGenerator[tuple[int, wire.Chunk], None]:
     route = RouteRequest(model, req.session_id, req.tenant, req.priority)
     choices = req.choices()
     protos = [
@@ -43,7 +43,7 @@ async def run_choices(
 
     queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
 
-    async def pump(choice: Choice, proto: object) -> None:
+    async def pump(choice: Choice, proto: wire.GenerateProto) -> None:
         try:
             async with aclosing(dispatcher.generate(proto, route)) as chunks:
                 async for chunk in chunks:

@@ -8,8 +8,10 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from services.scheduler.dispatch import Dispatcher
 from services.scheduler.errors import ApiError
@@ -52,7 +54,7 @@ def error_response(e: ApiError) -> web.Response:
 
 
 @web.middleware
-async def _errors(request: web.Request, handler) -> web.StreamResponse:
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every failure leaves as an OpenAI error body; every request is counted."""
     state = request.app[STATE]
     resource = request.match_info.route.resource
@@ -156,7 +158,7 @@ async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
 
 def _chunk_events(
     req: ApiRequest, env: Envelope, st: ChoiceState, chunk: Chunk, first: bool
-) -> list[dict]:
+) -> list[dict[str, Any]]:
     """The OpenAI chunks one engine chunk becomes (a role header first, for chat)."""
     out = []
     ids = req.return_token_ids

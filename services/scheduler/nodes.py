@@ -166,7 +166,8 @@ class NodeRegistry:
 
     def sweep(self) -> tuple[list[str], list[str]]:
         """Node ids that (left, joined) rotation since the previous sweep."""
-        left, joined = [], []
+        left: list[str] = []
+        joined: list[str] = []
         for n in self.all():
             up = self.in_rotation(n)
             was = self._was_up.get(n.node_id)

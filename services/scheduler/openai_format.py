@@ -83,7 +83,7 @@ class Envelope:
     model: str
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def wrap(self, obj: str, choices: list[dict], **extra: Any) -> dict[str, Any]:
+    def wrap(self, obj: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {
             "id": self.id,
             "object": obj,

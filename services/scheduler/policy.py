@@ -43,7 +43,7 @@ class BalancedPolicy:
         return min(nodes, key=lambda n: (n.score(), n.routed, n.last_routed, n.node_id))
 
 
-POLICIES: dict[str, type] = {"balanced": BalancedPolicy}
+POLICIES: dict[str, type[Policy]] = {"balanced": BalancedPolicy}
 
 
 def make_policy(name: str) -> Policy:

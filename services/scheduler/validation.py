@@ -53,7 +53,7 @@ def _is_number(v: Any) -> bool:
     return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
 
 
-def _int(body: dict, key: str, default: int | None, lo: int, hi: int) -> int | None:
+def _int(body: dict[str, Any], key: str, default: int | None, lo: int, hi: int) -> int | None:
     v = body.get(key)
     if v is None:
         return default
@@ -66,7 +66,7 @@ def _int(body: dict, key: str, default: int | None, lo: int, hi: int) -> int | N
     return v
 
 
-def _number(body: dict, key: str, default: float) -> float:
+def _number(body: dict[str, Any], key: str, default: float) -> float:
     v = body.get(key)
     if v is None:
         return default
@@ -75,7 +75,7 @@ def _number(body: dict, key: str, default: float) -> float:
     return float(v)
 
 
-def _bool(body: dict, key: str, default: bool) -> bool:
+def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
     v = body.get(key)
     if v is None:
         return default
@@ -84,7 +84,7 @@ def _bool(body: dict, key: str, default: bool) -> bool:
     return v
 
 
-def _str(body: dict, key: str, default: str) -> str:
+def _str(body: dict[str, Any], key: str, default: str) -> str:
     v = body.get(key)
     if v is None:
         return default
@@ -93,7 +93,7 @@ def _str(body: dict, key: str, default: str) -> str:
     return v
 
 
-def _unsupported(body: dict, endpoint: Endpoint) -> None:
+def _unsupported(body: dict[str, Any], endpoint: Endpoint) -> None:
     checks = [
         ("logprobs", bool(body.get("logprobs"))),
         ("top_logprobs", bool(body.get("top_logprobs"))),
@@ -118,7 +118,7 @@ def _unsupported(body: dict, endpoint: Endpoint) -> None:
             raise invalid(f"'{key}' is not supported by this server", key, "unsupported_parameter")
 
 
-def _stop(body: dict) -> tuple[str, ...]:
+def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     v = body.get("stop")
     if v is None:
         return ()
@@ -141,7 +141,7 @@ def _token_list(v: Any, param: str) -> tuple[int, ...]:
     return tuple(v)
 
 
-def _sampling(body: dict, endpoint: Endpoint, limits: Limits) -> Sampling:
+def _sampling(body: dict[str, Any], endpoint: Endpoint, limits: Limits) -> Sampling:
     temperature = _number(body, "temperature", 1.0)
     if not 0.0 <= temperature <= 2.0:
         raise invalid(
@@ -194,7 +194,7 @@ def _content(v: Any, i: int, role: str) -> str:
     raise invalid(f"'{param}' must be a string or a list of text parts", param, "invalid_type")
 
 
-def _messages(body: dict) -> tuple[Message, ...]:
+def _messages(body: dict[str, Any]) -> tuple[Message, ...]:
     msgs = body.get("messages")
     if msgs is None:
         raise invalid("'messages' is required", "messages", "missing_required_parameter")
@@ -217,7 +217,7 @@ def _messages(body: dict) -> tuple[Message, ...]:
     return tuple(out)
 
 
-def _prompts(body: dict, limits: Limits) -> tuple[Prompt, ...]:
+def _prompts(body: dict[str, Any], limits: Limits) -> tuple[Prompt, ...]:
     p = body.get("prompt")
     if p is None:
         raise invalid("'prompt' is required", "prompt", "missing_required_parameter")

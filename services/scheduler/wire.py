@@ -9,6 +9,8 @@ from services.scheduler.nodes import Load, ModelSpec, NodeInfo
 from services.scheduler.request import ApiRequest, Choice
 from shared.proto import common_pb2, scheduler_pb2
 
+GenerateProto = common_pb2.GenerateRequest  # what run_choices hands the dispatcher
+
 
 @dataclass(frozen=True)
 class Chunk:

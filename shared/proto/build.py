@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from grpc_tools import protoc
 import grpc_tools
+from grpc_tools import protoc
 
 
 def main() -> int:

@@ -158,10 +158,12 @@ class BlockAllocator:
 
     def evict(self, n: int) -> list[BlockKey]:
         """Drop up to ``n`` evictable blocks (LRU first) into the free list; their keys."""
-        dropped = []
+        dropped: list[BlockKey] = []
         while self._evictable and len(dropped) < n:
             block, _ = self._evictable.popitem(last=False)
-            dropped.append(self.key[block])
+            key = self.key[block]
+            assert key is not None, "an evictable block is cached under a key"
+            dropped.append(key)
             self._uncache(block)
             self._free[block] = None
         return dropped
@@ -193,7 +195,7 @@ class BlockAllocator:
     # ---- invariants ---------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Raise AssertionError if the accounting is inconsistent."""
-        committed = set()
+        committed: set[int] = set()
         for page in self._pages.committed_pages():
             committed.update(self._pages.page_blocks(page))
         free, evictable = set(self._free), set(self._evictable)

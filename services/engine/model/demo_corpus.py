@@ -11,35 +11,13 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 
-NOUNS = (
-    "time year people way day man woman child world life hand part place case week company "
-    "system program question work government number night point home water room mother area "
-    "money story fact month lot right study book eye job word business issue side kind head "
-    "house service friend father power hour game line end member law car city community name "
-    "president team minute idea kid body information school face others level office door "
-    "health person art war history party result change morning reason research girl guy moment "
-    "air teacher force education model cache memory server request token layer engine node "
-    "session message answer garden river mountain forest window table chair kitchen coffee "
-    "computer network library market village ocean island bridge train letter music picture"
-).split()
-VERBS = (
-    "ask become begin bring build buy call carry change choose come consider continue create "
-    "decide describe develop explain fall feel find follow give grow happen hear help hold "
-    "include keep know learn leave let like listen live look lose make meet move need offer "
-    "open pay play provide put reach read remember report run say see seem send serve set "
-    "show sit speak stand start stay take talk teach tell think try turn understand use wait "
-    "walk want watch win write load store compute predict measure improve share"
-).split()
-ADJECTIVES = (
-    "good new first last long great little own other old right big high different small "
-    "large next early young important few public bad same able simple quiet bright dark warm "
-    "cold fast slow happy careful strange modern ancient green blue red golden silver gentle "
-    "heavy light clear busy empty full final local global rare common useful"
-).split()
-ADVERBS = "quickly slowly carefully often never always sometimes quietly really almost".split()
-PLACES = "Paris London Tokyo Berlin Madrid Lisbon Cairo Lima Oslo Dublin Seoul Nairobi".split()
-ONSETS = "b c d f g h j k l m n p r s t v w z br cr dr fl gr kl pl pr sh st th tr ch".split()
-VOWELS = "a e i o u ai ea ee io ou oa".split()
+NOUNS = ["time", "year", "people", "way", "day", "man", "woman", "child", "world", "life", "hand", "part", "place", "case", "week", "company", "system", "program", "question", "work", "government", "number", "night", "point", "home", "water", "room", "mother", "area", "money", "story", "fact", "month", "lot", "right", "study", "book", "eye", "job", "word", "business", "issue", "side", "kind", "head", "house", "service", "friend", "father", "power", "hour", "game", "line", "end", "member", "law", "car", "city", "community", "name", "president", "team", "minute", "idea", "kid", "body", "information", "school", "face", "others", "level", "office", "door", "health", "person", "art", "war", "history", "party", "result", "change", "morning", "reason", "research", "girl", "guy", "moment", "air", "teacher", "force", "education", "model", "cache", "memory", "server", "request", "token", "layer", "engine", "node", "session", "message", "answer", "garden", "river", "mountain", "forest", "window", "table", "chair", "kitchen", "coffee", "computer", "network", "library", "market", "village", "ocean", "island", "bridge", "train", "letter", "music", "picture"]
+VERBS = ["ask", "become", "begin", "bring", "build", "buy", "call", "carry", "change", "choose", "come", "consider", "continue", "create", "decide", "describe", "develop", "explain", "fall", "feel", "find", "follow", "give", "grow", "happen", "hear", "help", "hold", "include", "keep", "know", "learn", "leave", "let", "like", "listen", "live", "look", "lose", "make", "meet", "move", "need", "offer", "open", "pay", "play", "provide", "put", "reach", "read", "remember", "report", "run", "say", "see", "seem", "send", "serve", "set", "show", "sit", "speak", "stand", "start", "stay", "take", "talk", "teach", "tell", "think", "try", "turn", "understand", "use", "wait", "walk", "want", "watch", "win", "write", "load", "store", "compute", "predict", "measure", "improve", "share"]
+ADJECTIVES = ["good", "new", "first", "last", "long", "great", "little", "own", "other", "old", "right", "big", "high", "different", "small", "large", "next", "early", "young", "important", "few", "public", "bad", "same", "able", "simple", "quiet", "bright", "dark", "warm", "cold", "fast", "slow", "happy", "careful", "strange", "modern", "ancient", "green", "blue", "red", "golden", "silver", "gentle", "heavy", "light", "clear", "busy", "empty", "full", "final", "local", "global", "rare", "common", "useful"]
+ADVERBS = ["quickly", "slowly", "carefully", "often", "never", "always", "sometimes", "quietly", "really", "almost"]
+PLACES = ["Paris", "London", "Tokyo", "Berlin", "Madrid", "Lisbon", "Cairo", "Lima", "Oslo", "Dublin", "Seoul", "Nairobi"]
+ONSETS = ["b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "z", "br", "cr", "dr", "fl", "gr", "kl", "pl", "pr", "sh", "st", "th", "tr", "ch"]
+VOWELS = ["a", "e", "i", "o", "u", "ai", "ea", "ee", "io", "ou", "oa"]
 CODAS = ("", "", "n", "r", "s", "l", "m", "nd", "st", "rt", "ck", "ng", "x", "th")
 EXTRAS = (
     "Café au lait, s'il vous plaît. Naïve façade, déjà vu, Größe, señor, smörgåsbord.",

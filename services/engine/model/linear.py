@@ -97,7 +97,7 @@ class Linear:
     half-precision weight, a float32 copy made (and packed) on the first call with enough
     rows."""
 
-    __slots__ = ("w", "b", "_packed", "_w32", "_b32")
+    __slots__ = ("_b32", "_packed", "_w32", "b", "w")
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None) -> None:
         self.w: torch.Tensor | None = w

@@ -6,7 +6,9 @@ projection and gate/up one (2*intermediate, hidden); the arithmetic is unchanged
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import overload
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +27,19 @@ from .paged_attention import (
 from .rope import RotaryTables, apply_rotary
 
 
+@overload
+def _param(t: torch.Tensor) -> nn.Parameter: ...
+@overload
+def _param(t: None) -> None: ...
 def _param(t: torch.Tensor | None) -> nn.Parameter | None:
     return None if t is None else nn.Parameter(t, requires_grad=False)
+
+
+def _required(w: Mapping[str, torch.Tensor | None], key: str) -> nn.Parameter:
+    t = w[key]
+    if t is None:
+        raise ValueError(f"the checkpoint has no {key!r} weight")
+    return _param(t)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -54,15 +67,15 @@ class DecoderLayer(nn.Module):
         self.kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
-        self.input_norm = _param(w["input_norm"])
-        self.post_norm = _param(w["post_norm"])
-        self.qkv_w = _param(w["qkv_w"])
+        self.input_norm = _required(w, "input_norm")
+        self.post_norm = _required(w, "post_norm")
+        self.qkv_w = _required(w, "qkv_w")
         self.qkv_b = _param(w["qkv_b"])
-        self.o_w = _param(w["o_w"])
+        self.o_w = _required(w, "o_w")
         self.o_b = _param(w["o_b"])
-        self.gate_up_w = _param(w["gate_up_w"])
+        self.gate_up_w = _required(w, "gate_up_w")
         self.gate_up_b = _param(w["gate_up_b"])
-        self.down_w = _param(w["down_w"])
+        self.down_w = _required(w, "down_w")
         self.down_b = _param(w["down_b"])
         # Views over the parameters above that also keep their float32 copies.
         self.qkv = Linear(self.qkv_w, self.qkv_b)
@@ -129,15 +142,17 @@ class LlamaModel(nn.Module):
         assert embed is not None
         self.dtype = embed.dtype
         self.embed = _param(embed)
-        self.norm = _param(weights["norm"])
+        self.norm = _required(weights, "norm")
         lm_head = weights.get("lm_head")
         # Tied embeddings share the very same tensor, no copy.
-        self.lm_head = self.embed if lm_head is None else _param(lm_head)
-        self.head = Linear(self.lm_head, None)
+        self.lm_head: nn.Parameter | None = self.embed if lm_head is None else _param(lm_head)
+        self.head = Linear(self.embed if lm_head is None else self.lm_head, None)
         self.upcast_rows = default_upcast_rows(embed.dtype, embed.device)
         self.layers = nn.ModuleList(DecoderLayer(config, w, self.upcast_rows) for w in layers)
+        # The same modules, typed (nn.ModuleList yields plain Modules).
+        self.decoder_layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
         self.rope = RotaryTables(config, embed.dtype, embed.device)
-        for layer in self.layers:
+        for layer in self.decoder_layers:
             layer.pack_linears()
         if lm_head is not None and self.head.pack():
             self.lm_head = None  # a tied head stays plain: the embedding lookup reads it
@@ -146,14 +161,14 @@ class LlamaModel(nn.Module):
         """Override the float32-compute threshold of half-precision linears (0 = never,
         which also frees their float32 weight copies)."""
         self.upcast_rows = rows
-        for layer in self.layers:
+        for layer in self.decoder_layers:
             layer.upcast_rows = rows
         if not rows:
             for lin in self._linears():
                 lin.release_float32()
 
     def _linears(self) -> list[Linear]:
-        return [self.head, *(lin for layer in self.layers for lin in layer.linears())]
+        return [self.head, *(lin for layer in self.decoder_layers for lin in layer.linears())]
 
     @property
     def float32_copy_bytes(self) -> int:
@@ -180,7 +195,7 @@ class LlamaModel(nn.Module):
                 batch, batch.logits_indices.tolist(), plan.kv_rows, kv_cache.shape[2],
                 h.dtype))
         last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers):
             h = layer(h, i, batch, plan, kv_cache, cos, sin, out_rows if i == last else None)
         if out_rows is None:
             h = h[batch.logits_indices]  # only the rows whose logits are wanted

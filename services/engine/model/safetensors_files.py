@@ -70,7 +70,8 @@ class SafetensorsFile:
                 raw = bytearray(f.read(info.end - info.begin))
             return torch.frombuffer(raw, dtype=dtype).reshape(info.shape)
         if self._storage is None:
-            self._storage = torch.UntypedStorage.from_file(str(self.path), False, self.size)
+            self._storage = torch.UntypedStorage.from_file(  # type: ignore[assignment]
+                str(self.path), False, self.size)  # (stubs: the base storage class)
         out = torch.empty(0, dtype=dtype)
         out.set_(self._storage, info.begin // itemsize, info.shape)  # type: ignore[call-overload]
         return out

@@ -220,7 +220,11 @@ class KVStoreClient:
         # The whole call's deadline: every layer may take up to the per-layer wait.
         deadline = self.config.offload.load_timeout_s * 2
         try:
-            async for msg in self._stub.LoadIntoPool(req, timeout=deadline):
+            stub = self._stub
+            if stub is None:  # closed since the load was started
+                r.fail(0, "the kvstore client is closed")
+                return
+            async for msg in stub.LoadIntoPool(req, timeout=deadline):
                 layer, ok, error = wire.layer_loaded(msg)
                 if ok:
                     r.mark_loaded(layer)

@@ -128,9 +128,10 @@ class KVStoreOffload(Offload):
         loading = {id(seq) for seq, _ in out.loads}
         for seq, _ in out.admitted:
             plan, seq.offload.plan = seq.offload.plan, None
-            if plan is not None and plan.lease_id and id(seq) not in loading:
-                if self.transport is not None:
-                    self.transport.release(plan.lease_id)
+            if plan is None or not plan.lease_id or id(seq) in loading:
+                continue
+            if self.transport is not None:
+                self.transport.release(plan.lease_id)
 
     # ---- loads --------------------------------------------------------------------------
     def start_loads(self, out: SchedulerOutput) -> list[Sequence]:
@@ -273,7 +274,8 @@ class KVStoreOffload(Offload):
                 continue  # still prefilling: its chunks go out from its first decode on
             end = seq.num_computed_tokens // self.kv.block_size // bpc * bpc
             if end - seq.offload.saved_blocks >= bpc:
-                first, seq.offload.saved_blocks = seq.offload.saved_blocks, end  # (before: it may fail at once)
+                # (marked saved before the call: it may fail at once)
+                first, seq.offload.saved_blocks = seq.offload.saved_blocks, end
                 self._save_range(seq, first, end, end * self.kv.block_size)
 
     def _save_range(self, seq: Sequence, first: int, end: int, tokens: int) -> None:
@@ -287,6 +289,7 @@ class KVStoreOffload(Offload):
                       tuple(seq.block_hashes[:end]), tokens, first, tuple(ids))
         self.pinned[job.job_id] = ids
         self._saving[job.job_id] = (seq, first)
+        assert self.transport is not None  # (the callers checked)
         self.transport.start_save(job)
 
     def unpin(self, job_id: int, ok: bool = True) -> None:

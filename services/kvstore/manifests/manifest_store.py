@@ -11,6 +11,7 @@ does not know) or written down again from a local copy first.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 from collections import OrderedDict
@@ -128,13 +129,13 @@ class ManifestStore:
         """Chunks ``keys`` (none in flight) durable, or written down again from a local
         copy (in flight then); else ``ManifestIncomplete``."""
         durable = self.ledger.durable_for_a_ttl
-        known = dict(zip(keys, await asyncio.gather(*(durable(k) for k in keys))))
+        known = dict(zip(keys, await asyncio.gather(*(durable(k) for k in keys)), strict=False))
         unknown = [k for k, ok in known.items() if ok is None]
         if unknown and self.store.lowest.stats().healthy:
             # Refused by a tier that was degraded, and has answered since (its first check
             # was the probe that healed it): ask once more.
             known.update(zip(unknown, await asyncio.gather(
-                *(durable(k) for k in unknown))))
+                *(durable(k) for k in unknown)), strict=False))
             unknown = [k for k in unknown if known[k] is None]
         if unknown:  # not known absent: nothing to write again, but not known durable
             raise ManifestIncomplete(
@@ -236,7 +237,7 @@ class ManifestStore:
                                    name=f"manifest-{sid[1]}")
         self._manifests[sid] = task
         self._tasks.setdefault(sid, set()).add(task)
-        task.add_done_callback(lambda t, k=sid: self._manifest_done(k, t))
+        task.add_done_callback(functools.partial(self._manifest_done, sid))
 
     def _drop_latest(self, sid: SessionId) -> None:
         seq = self._latest.pop(sid, None)

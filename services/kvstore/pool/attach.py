@@ -101,7 +101,7 @@ class MappedPool:
         is host memory, for reads straight into blocks; None for a device pool."""
         if self._host_bytes is None and self.kv.device.type == "cpu" and self.kv.numel():
             flat = self.kv.view(-1).view(lazy_torch().uint8)
-            self._host_bytes = memoryview(flat.numpy()).cast("B")
+            self._host_bytes = flat.numpy().data.cast("B")
         return self._host_bytes
 
     def check_model(self, model_fp: str, num_layers: int) -> None:

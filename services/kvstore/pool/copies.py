@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -36,7 +37,7 @@ def lazy_torch() -> Any:
 
 
 def _is_run(ids: list[int]) -> bool:
-    return all(b == a + 1 for a, b in zip(ids, ids[1:]))
+    return all(b == a + 1 for a, b in itertools.pairwise(ids))
 
 
 def gather_blocks(kv: torch.Tensor, ids: list[int]) -> torch.Tensor:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from services.kvstore.bandwidth import TierBandwidth
 from services.kvstore.manifests import ManifestStore
@@ -154,7 +154,7 @@ class EnginePoolPath:
 
     # ---------------------------------------------------------------- load
 
-    async def load(self, req: LoadRequest) -> AsyncIterator[LayerLoaded]:
+    async def load(self, req: LoadRequest) -> AsyncGenerator[LayerLoaded, None]:
         """Yield one ``LayerLoaded`` per layer, lowest first; stops after a failed layer.
 
         Raises ``PoolError`` before the first yield for a malformed request. The lease

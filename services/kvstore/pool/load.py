@@ -35,7 +35,7 @@ import functools
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -324,7 +324,7 @@ async def _finish_copy(kv: torch.Tensor, parts: list[Part]) -> list[float]:
 async def load_layers(
     store: TieredStore, pool: MappedPool, req: LoadRequest, bpc: int, lease: Lease | None,
     bandwidth: TierBandwidth, readahead: int,
-) -> AsyncIterator[LayerLoaded]:
+) -> AsyncGenerator[LayerLoaded, None]:
     """See the module docstring. Raises ``PoolError`` (before any yield) on bad input."""
     n = check_request(pool, req, bpc)
     prefixes = key_prefixes(req)
@@ -360,7 +360,7 @@ async def load_layers(
                 m.load_failures.inc()
                 yield LayerLoaded(layer, False, f"layer {layer}: copy failed: {e}")
                 return
-            for p, s in zip(parts, seconds):
+            for p, s in zip(parts, seconds, strict=False):
                 bandwidth.observe(p.tier, p.nbytes, p.read_s + s)
                 m.pool_bytes_loaded.labels(p.tier).inc(p.nbytes)
             yield LayerLoaded(layer, True)

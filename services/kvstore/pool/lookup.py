@@ -99,12 +99,12 @@ async def probe_chunk(
     ask = [i for i, t in enumerate(tiers) if t is None]
     if ask:
         for i, t in zip(ask, await asyncio.gather(
-                *(store.first_tier_below_dram(below[i]) for i in ask))):
+                *(store.first_tier_below_dram(below[i]) for i in ask)), strict=False):
             if t is None:
                 return None
             tiers[i] = t
     # Pinned only now, with no await since the gather: a cancelled lookup leaks no pins.
-    for t, k in zip(tiers, below):
+    for t, k in zip(tiers, below, strict=False):
         assert t is not None
         store.pin(t, k)
         probe.pins.append((t, k))

@@ -67,7 +67,7 @@ async def save_from_pool(
             jobs.append((meta, list(req.block_ids[base + start : base + end])))
     # to the end even if the call is dropped: the op ends when the pool reads do
     blobs = await to_the_end(asyncio.to_thread(encode_from_pool, kv, jobs))
-    for (meta, ids), blob in zip(jobs, blobs):
+    for (meta, ids), blob in zip(jobs, blobs, strict=False):
         store.put_encoded(meta, blob)
         store.metrics.pool_bytes_saved.inc(len(ids) * pool.geometry.block_bytes)
     if manifest is not None:  # (a session deleted while this save ran stays deleted)

@@ -19,6 +19,7 @@ write): a delete or a newer put in the meantime voids it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import time
 from collections import OrderedDict
@@ -62,7 +63,7 @@ class DurabilityLedger:
         self._unsaved.pop(key, None)
         gen = self._write_gen[key] = next(self._gens)
         self._inflight[key] = fut
-        fut.add_done_callback(lambda f, k=key, g=gen: self._written(k, g, f))
+        fut.add_done_callback(functools.partial(self._written, key, gen))
 
     def _written(self, key: str, gen: int, fut: asyncio.Future[None]) -> None:
         """A chunk's write-behind ended: vouch for it only if nothing replaced or deleted

@@ -6,7 +6,7 @@ Counts hits/misses, bytes in/out, evictions and errors per tier, and times each 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from services.kvstore.errors import TierUnavailable
 from services.kvstore.metrics import KVStoreMetrics
@@ -74,7 +74,7 @@ class TierIO:
         return got
 
     @staticmethod
-    def _count_reads(c: _TierCounters, reads: list[Blob | int | None]) -> None:
+    def _count_reads(c: _TierCounters, reads: Sequence[Blob | int | None]) -> None:
         """Hits, misses and bytes of a batch: each read is the blob, its size, or None."""
         for r in reads:
             if r is None:

@@ -172,10 +172,11 @@ class SsdTier(IndexedTtl, Tier):
         got = await self._read_batch(keys, whole_blob)
         out: list[Blob | None] = []
         for k, hit in zip(keys, got, strict=True):
-            if hit is not None and isinstance(hit[1], ChunkCorrupt):
+            value = None if hit is None else hit[1]
+            if isinstance(value, ChunkCorrupt):
                 await self.delete(k)
-                hit = None
-            out.append(None if hit is None else hit[1])
+                value = None
+            out.append(value)
         return out
 
     async def get_many_checked(
@@ -367,7 +368,8 @@ class SsdTier(IndexedTtl, Tier):
             batch.delete(_M + key.encode())
             try:
                 cancelled = await self._run_settled(
-                    self._write_blocking, db, batch, None, b"", [] if file_no is None else [file_no])
+                    self._write_blocking, db, batch, None, b"",
+                    [] if file_no is None else [file_no])
             except asyncio.CancelledError:
                 raise
             except Exception as e:

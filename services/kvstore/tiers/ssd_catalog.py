@@ -74,12 +74,13 @@ def _load_catalog(
     db: Rdict, path: str, blob_dir: str, sync: bool
 ) -> tuple[Rdict, Entries, int, int]:
     wo = WriteOptions()
+    # (rocksdict's stubs declare these properties as methods)
     wo.sync = sync
-    wo.disable_wal = False
+    wo.disable_wal = False  # type: ignore[method-assign,assignment]
     db.set_write_options(wo)
     ro = ReadOptions()
     ro.set_verify_checksums(False)
-    ro.fill_cache(False)
+    ro.fill_cache(False)  # type: ignore[call-arg]
     db.set_read_options(ro)
     entries: Entries = {}
     unreadable: list[bytes] = []

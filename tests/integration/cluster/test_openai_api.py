@@ -149,7 +149,7 @@ def test_bad_inputs_through_the_stack(client: openai.OpenAI, model: str, cluster
 
 
 def test_disconnect_frees_the_engine_slot(cluster: Cluster, model: str) -> None:
-    status, body = cluster.get("/v1/models")
+    _status, body = cluster.get("/v1/models")
     body = {
         "model": model,
         "prompt": "The longest story ever told:",

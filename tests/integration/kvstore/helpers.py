@@ -25,18 +25,25 @@ class KVStoreProcess:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log_path = log_path
-        env = dict(os.environ, AWS_ACCESS_KEY_ID="test", AWS_SECRET_ACCESS_KEY="test", PYTHONPATH=str(REPO))
-        self.log = open(log_path, "ab")
+        env = dict(
+            os.environ, AWS_ACCESS_KEY_ID="test", AWS_SECRET_ACCESS_KEY="test", PYTHONPATH=str(REPO)
+        )
+        self.log = open(log_path, "ab")  # noqa: SIM115  (kept open for the process; closed in stop)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.kvstore", "--port", str(self.port), *args],
-            stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env=env,
         )
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"kvstore exited {self.proc.returncode}: {self.log_path.read_text()[-2000:]}")
+                raise RuntimeError(
+                    f"kvstore exited {self.proc.returncode}: {self.log_path.read_text()[-2000:]}"
+                )
             if "kvstore ready on" in self.log_path.read_text():
                 return
             time.sleep(0.05)
@@ -67,7 +74,9 @@ def channel(address: str) -> grpc.aio.Channel:
     return insecure_channel(address)
 
 
-async def put_chunks(st: pb_grpc.KVStoreStub, blobs: list[bytes], wait_durable: bool = True) -> pb.PutChunksReply:
+async def put_chunks(
+    st: pb_grpc.KVStoreStub, blobs: list[bytes], wait_durable: bool = True
+) -> pb.PutChunksReply:
     async def gen():
         for b in blobs:
             yield pb.ChunkData(blob=bytes(b), wait_durable=wait_durable)

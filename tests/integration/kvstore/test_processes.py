@@ -23,8 +23,16 @@ from tests.unit.kvstore.chunks import session_chunks, session_manifest
 
 
 def s3_args(endpoint: str, bucket: str) -> list[str]:
-    return ["--s3.endpoint-url", endpoint, "--s3.bucket", bucket, "--s3.access-key-id", "test",
-            "--s3.secret-access-key", "test"]
+    return [
+        "--s3.endpoint-url",
+        endpoint,
+        "--s3.bucket",
+        bucket,
+        "--s3.access-key-id",
+        "test",
+        "--s3.secret-access-key",
+        "test",
+    ]
 
 
 async def test_two_nodes_stream_a_session_layer_by_layer(tmp_path: Path) -> None:
@@ -45,13 +53,19 @@ async def test_two_nodes_stream_a_session_layer_by_layer(tmp_path: Path) -> None
             bad[-1] ^= 1
             assert (await put_chunks(sa, [bad])).rejected == 1
 
-            pulled = await sb.PullSession(pb.PullSessionRequest(
-                session=pb.ManifestRef(tenant="t1", session_id="chat1"), peer_address=a.address,
-                wait_durable=True))
+            pulled = await sb.PullSession(
+                pb.PullSessionRequest(
+                    session=pb.ManifestRef(tenant="t1", session_id="chat1"),
+                    peer_address=a.address,
+                    wait_durable=True,
+                )
+            )
             assert (pulled.found, pulled.chunks, pulled.missing) == (True, 12, 0)
 
             order = []
-            req = pb.GetChunksRequest(session=pb.ManifestRef(tenant="t1", session_id="chat1"), window=2)
+            req = pb.GetChunksRequest(
+                session=pb.ManifestRef(tenant="t1", session_id="chat1"), window=2
+            )
             async for msg in sb.GetChunks(req):
                 assert msg.found
                 c = decode_chunk(msg.blob)
@@ -63,17 +77,28 @@ async def test_two_nodes_stream_a_session_layer_by_layer(tmp_path: Path) -> None
             stat = await sb.Stat(pb.StatRequest(keys=[chunks[0][0].key, "t1/fp0/ff/0"]))
             assert list(stat.keys[0].tiers) == ["dram", "ssd"] and list(stat.keys[1].tiers) == []
             status = await sb.Status(pb.KVStoreStatusRequest())
-            assert status.healthy and status.node_id == "b" and [t.name for t in status.tiers] == ["dram", "ssd"]
+            assert (
+                status.healthy
+                and status.node_id == "b"
+                and [t.name for t in status.tiers] == ["dram", "ssd"]
+            )
 
             with pytest.raises(grpc.aio.AioRpcError) as dead:
-                await sb.PullSession(pb.PullSessionRequest(
-                    session=pb.ManifestRef(tenant="t1", session_id="chat1"),
-                    peer_address=f"127.0.0.1:{free_port()}"))
+                await sb.PullSession(
+                    pb.PullSessionRequest(
+                        session=pb.ManifestRef(tenant="t1", session_id="chat1"),
+                        peer_address=f"127.0.0.1:{free_port()}",
+                    )
+                )
             assert dead.value.code() == grpc.StatusCode.UNAVAILABLE
 
-            evicted = await sb.Delete(pb.DeleteRequest(
-                session=pb.ManifestRef(tenant="t1", session_id="chat1"), with_chunks=True,
-                tiers=["dram"]))
+            evicted = await sb.Delete(
+                pb.DeleteRequest(
+                    session=pb.ManifestRef(tenant="t1", session_id="chat1"),
+                    with_chunks=True,
+                    tiers=["dram"],
+                )
+            )
             assert evicted.deleted == 12  # every chunk's DRAM copy; the manifest is not there
             stat = await sb.Stat(pb.StatRequest(keys=[chunks[0][0].key]))
             assert list(stat.keys[0].tiers) == ["ssd"]
@@ -87,8 +112,11 @@ async def test_two_nodes_stream_a_session_layer_by_layer(tmp_path: Path) -> None
             assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "tape" in (bad.value.details() or "")
 
-            gone = await sb.Delete(pb.DeleteRequest(
-                session=pb.ManifestRef(tenant="t1", session_id="chat1"), with_chunks=True))
+            gone = await sb.Delete(
+                pb.DeleteRequest(
+                    session=pb.ManifestRef(tenant="t1", session_id="chat1"), with_chunks=True
+                )
+            )
             assert gone.deleted >= 12
             assert not (await sb.GetManifest(pb.ManifestRef(tenant="t1", session_id="chat1"))).found
             with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -100,7 +128,9 @@ async def test_two_nodes_stream_a_session_layer_by_layer(tmp_path: Path) -> None
         assert b.stop() == 0
 
 
-async def test_kill9_during_writes_leaves_only_complete_manifests(tmp_path: Path, moto_endpoint: str) -> None:
+async def test_kill9_during_writes_leaves_only_complete_manifests(
+    tmp_path: Path, moto_endpoint: str
+) -> None:
     bucket = f"crash-{uuid.uuid4().hex[:10]}"
     args = ["--ssd-path", str(tmp_path / "db"), *s3_args(moto_endpoint, bucket)]
     kv = KVStoreProcess(args, tmp_path / "kv1.log")
@@ -113,7 +143,9 @@ async def test_kill9_during_writes_leaves_only_complete_manifests(tmp_path: Path
         async with channel(kv.address) as ch:
             st = stub(ch)
             for m in ms:
-                await put_chunks(st, [encode_chunk(cm, t) for cm, t in session_chunks(m)], wait_durable=False)
+                await put_chunks(
+                    st, [encode_chunk(cm, t) for cm, t in session_chunks(m)], wait_durable=False
+                )
                 if (await st.PutManifest(manifest_to_pb(m))).written:
                     written.append(m.session_id)
 
@@ -123,7 +155,9 @@ async def test_kill9_during_writes_leaves_only_complete_manifests(tmp_path: Path
         await asyncio.sleep(0.005)
     kv.kill9()
     results = await asyncio.gather(*tasks, return_exceptions=True)
-    assert any(isinstance(r, grpc.aio.AioRpcError) for r in results), "the kill should cut the burst short"
+    assert any(isinstance(r, grpc.aio.AioRpcError) for r in results), (
+        "the kill should cut the burst short"
+    )
 
     kv2 = KVStoreProcess(args, tmp_path / "kv2.log")
     try:
@@ -137,10 +171,16 @@ async def test_kill9_during_writes_leaves_only_complete_manifests(tmp_path: Path
                     continue
                 found += 1
                 expected = session_chunks(m)
-                got = [msg async for msg in st.GetChunks(pb.GetChunksRequest(session=pb.ManifestRef(
-                    tenant="t1", session_id=m.session_id)))]
+                got = [
+                    msg
+                    async for msg in st.GetChunks(
+                        pb.GetChunksRequest(
+                            session=pb.ManifestRef(tenant="t1", session_id=m.session_id)
+                        )
+                    )
+                ]
                 assert len(got) == len(expected)
-                for msg, (cm, t) in zip(got, expected):
+                for msg, (_cm, t) in zip(got, expected, strict=False):
                     assert msg.found, f"manifest {m.session_id} names missing chunk {msg.key}"
                     c = decode_chunk(msg.blob)  # checksum verified
                     assert torch.equal(c.tensor, t)
@@ -154,8 +194,19 @@ def test_rocksdb_locked_is_a_clear_error_and_nonzero_exit(tmp_path: Path) -> Non
     try:
         first.wait_ready()
         second = subprocess.run(
-            [sys.executable, "-m", "services.kvstore", "--port", "0", "--ssd-path", str(tmp_path / "db")],
-            cwd=REPO, capture_output=True, text=True, timeout=60,
+            [
+                sys.executable,
+                "-m",
+                "services.kvstore",
+                "--port",
+                "0",
+                "--ssd-path",
+                str(tmp_path / "db"),
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert second.returncode == 2
         assert "kvstore cannot start: kvstore.ssd_path" in second.stderr
@@ -167,21 +218,28 @@ def test_rocksdb_locked_is_a_clear_error_and_nonzero_exit(tmp_path: Path) -> Non
 def test_bad_config_names_the_key(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "services.kvstore", "--tiers", "dram,nvme"],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode != 0 and "kvstore.tiers: unknown tier 'nvme'" in out.stderr
     assert "Traceback" not in out.stderr
     out = subprocess.run(
         [sys.executable, "-m", "services.kvstore", "--dram-bytes", "-5"],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode != 0 and "kvstore.dram_bytes" in out.stderr
 
 
 def test_metrics_endpoint_and_sigterm_clean_shutdown(tmp_path: Path) -> None:
     mport = free_port()
-    kv = KVStoreProcess(["--ssd-path", str(tmp_path / "db"), "--metrics-port", str(mport)],
-                        tmp_path / "kv.log")
+    kv = KVStoreProcess(
+        ["--ssd-path", str(tmp_path / "db"), "--metrics-port", str(mport)], tmp_path / "kv.log"
+    )
     kv.wait_ready()
     with urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10) as resp:
         text = resp.read().decode()

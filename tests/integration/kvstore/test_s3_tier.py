@@ -23,19 +23,37 @@ from tests.unit.kvstore.chunks import kv_tensor, meta, session_chunks, session_m
 
 
 def s3cfg(endpoint: str, bucket: str | None = None, **kw: object) -> S3Config:
-    return build(S3Config, {
-        "endpoint_url": endpoint, "bucket": bucket or f"kv-{uuid.uuid4().hex[:12]}",
-        "access_key_id": "test", "secret_access_key": "test", "backoff_s": 0.01,
-        "backoff_max_s": 0.05, "max_attempts": 2, "timeout_s": 1.0, **kw,
-    })
+    return build(
+        S3Config,
+        {
+            "endpoint_url": endpoint,
+            "bucket": bucket or f"kv-{uuid.uuid4().hex[:12]}",
+            "access_key_id": "test",
+            "secret_access_key": "test",
+            "backoff_s": 0.01,
+            "backoff_max_s": 0.05,
+            "max_attempts": 2,
+            "timeout_s": 1.0,
+            **kw,
+        },
+    )
 
 
 def store_cfg(tmp_path: Path, s3: S3Config, **kw: object) -> KVStoreConfig:
     import dataclasses
-    return build(KVStoreConfig, {
-        "ssd_path": str(tmp_path / "db"), "ssd_bytes": 1 << 24, "dram_bytes": 1 << 22,
-        "retry_backoff_max_s": 0.05, "drain_s": 0.5, "s3": dataclasses.asdict(s3), **kw,
-    })
+
+    return build(
+        KVStoreConfig,
+        {
+            "ssd_path": str(tmp_path / "db"),
+            "ssd_bytes": 1 << 24,
+            "dram_bytes": 1 << 22,
+            "retry_backoff_max_s": 0.05,
+            "drain_s": 0.5,
+            "s3": dataclasses.asdict(s3),
+            **kw,
+        },
+    )
 
 
 async def test_s3_tier_contract(moto_endpoint: str) -> None:
@@ -55,7 +73,9 @@ async def test_s3_tier_contract(moto_endpoint: str) -> None:
         await t.close()
 
 
-async def test_store_writes_through_to_s3_and_serves_after_local_loss(moto_endpoint: str, tmp_path: Path) -> None:
+async def test_store_writes_through_to_s3_and_serves_after_local_loss(
+    moto_endpoint: str, tmp_path: Path
+) -> None:
     cfg = store_cfg(tmp_path, s3cfg(moto_endpoint))
     async with build_store(cfg, KVStoreMetrics()) as s:
         m = session_manifest("sess", num_blocks=3, num_layers=2, bpc=2)
@@ -67,7 +87,7 @@ async def test_store_writes_through_to_s3_and_serves_after_local_loss(moto_endpo
         for key in m.chunk_keys():
             await s.dram.delete("c/" + key)
             await s.tiers[1].delete("c/" + key)
-        for (cm, t), key in zip(session_chunks(m), m.chunk_keys()):
+        for (_cm, t), key in zip(session_chunks(m), m.chunk_keys(), strict=False):
             c = await s.get(key)
             assert c is not None and torch.equal(c.tensor, t)
         assert s.metrics.value("kvstore_hits_total", tier="s3") == 4
@@ -84,8 +104,13 @@ async def test_corrupt_s3_object_is_a_counted_miss(moto_endpoint: str, tmp_path:
         r = await s.put(meta("s", 0, 0), kv_tensor(1))
         await r.durable
         await s.dram.delete("c/" + r.key)
-        raw = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1",
-                           aws_access_key_id="test", aws_secret_access_key="test")
+        raw = boto3.client(
+            "s3",
+            endpoint_url=moto_endpoint,
+            region_name="us-east-1",
+            aws_access_key_id="test",
+            aws_secret_access_key="test",
+        )
         obj_key = cfg.s3.prefix + "c/" + r.key
         data = bytearray(raw.get_object(Bucket=cfg.s3.bucket, Key=obj_key)["Body"].read())
         data[len(data) // 2] ^= 0x01
@@ -114,12 +139,14 @@ async def test_s3_unreachable_degrades_queues_drops_and_recovers(tmp_path: Path)
         receipts = [await s.put(meta("s", i, 0), kv_tensor(i), priority=i % 2) for i in range(8)]
         await asyncio.sleep(0.3)
         dropped = [i for i, r in enumerate(receipts) if r.durable.done()]
-        assert len(dropped) >= 3 and s.metrics.value("kvstore_write_behind_dropped_total") == len(dropped)
+        assert len(dropped) >= 3 and s.metrics.value("kvstore_write_behind_dropped_total") == len(
+            dropped
+        )
         assert all(i % 2 == 0 for i in dropped[:3])  # priority 0 goes first
         for i, r in enumerate(receipts):  # gets fall back to local tiers, never wrong data
             c = await s.get(r.key)
             assert c is not None and torch.equal(c.tensor, kv_tensor(i))
-        url, stop = start_moto_server(port=port)
+        _url, stop = start_moto_server(port=port)
         try:
             kept = [r for i, r in enumerate(receipts) if i not in dropped]
             await asyncio.wait_for(asyncio.gather(*(r.durable for r in kept)), 20)
@@ -132,8 +159,7 @@ async def test_a_degraded_s3_tier_probes_instead_of_hammering_the_endpoint() -> 
     """While degraded, one call at a time reaches the endpoint, at most once per pause;
     the rest fail at once. When S3 is back, the next probe heals the tier."""
     port = free_port()
-    t = S3Tier(s3cfg(f"http://127.0.0.1:{port}", backoff_s=0.05, backoff_max_s=0.2,
-                     max_attempts=3))
+    t = S3Tier(s3cfg(f"http://127.0.0.1:{port}", backoff_s=0.05, backoff_max_s=0.2, max_attempts=3))
     await t.open()  # unreachable: opens degraded
     sent: list[float] = []
     t._client.meta.events.register("before-send.s3.*", lambda **kw: sent.append(time.monotonic()))
@@ -142,13 +168,14 @@ async def test_a_degraded_s3_tier_probes_instead_of_hammering_the_endpoint() -> 
         t0 = time.monotonic()
         failed = 0
         while time.monotonic() - t0 < 1.0:  # a write-behind retrying flat out for a second
-            results = await asyncio.gather(*(t.put(f"c/k{i}", b"x") for i in range(8)),
-                                           return_exceptions=True)
+            results = await asyncio.gather(
+                *(t.put(f"c/k{i}", b"x") for i in range(8)), return_exceptions=True
+            )
             failed += sum(isinstance(r, TierUnavailable) for r in results)
             await asyncio.sleep(0.01)
         assert failed > 100
         assert len(sent) <= 12  # ~1 s / 0.2 s pauses, plus the first short ones
-        url, stop = start_moto_server(port=port)
+        _url, stop = start_moto_server(port=port)
         try:
             deadline = time.monotonic() + 10
             while True:

@@ -35,8 +35,13 @@ class KVStoreHandle:
 def kvstore_config(port: int, ssd_path: Path | None, s3: dict | None = None) -> KVStoreConfig:
     tiers = ["dram"] + (["ssd"] if ssd_path else []) + (["s3"] if s3 else [])
     raw: dict = {
-        "port": port, "tiers": tiers, "chunk_tokens": CHUNK_TOKENS, "dram_bytes": 1 << 26,
-        "ssd_bytes": 1 << 26, "retry_backoff_max_s": 0.05, "drain_s": 10.0,
+        "port": port,
+        "tiers": tiers,
+        "chunk_tokens": CHUNK_TOKENS,
+        "dram_bytes": 1 << 26,
+        "ssd_bytes": 1 << 26,
+        "retry_backoff_max_s": 0.05,
+        "drain_s": 10.0,
         "sweep_interval_s": 60.0,
     }
     if ssd_path:
@@ -52,34 +57,52 @@ async def kvstore(config: KVStoreConfig) -> AsyncIterator[KVStoreHandle]:
     async with contextlib.AsyncExitStack() as stack:
         store = await stack.enter_async_context(build_store(config, KVStoreMetrics()))
         pool_path = await stack.enter_async_context(
-            EnginePoolPath(store, config.chunk_tokens, lease_s=config.lease_s,
-                         readahead_layers=config.load_readahead_layers, drain_s=config.drain_s)
+            EnginePoolPath(
+                store,
+                config.chunk_tokens,
+                lease_s=config.lease_s,
+                readahead_layers=config.load_readahead_layers,
+                drain_s=config.drain_s,
+            )
         )
-        service = KVStoreService(pool_path.manifests, config.node_id, config.stream_window, "", pool_path)
-        server = await stack.enter_async_context(serve_grpc(
-            config.host, config.port,
-            register=[lambda s: kvstore_pb2_grpc.add_KVStoreServicer_to_server(service, s)],
-            service_names=[SERVICE_NAME],
-        ))
+        service = KVStoreService(
+            pool_path.manifests, config.node_id, config.stream_window, "", pool_path
+        )
+        server = await stack.enter_async_context(
+            serve_grpc(
+                config.host,
+                config.port,
+                register=[lambda s: kvstore_pb2_grpc.add_KVStoreServicer_to_server(service, s)],
+                service_names=[SERVICE_NAME],
+            )
+        )
         yield KVStoreHandle(f"{config.host}:{server.port}", pool_path, config)
 
 
 def engine_config(address: str = "", mode: str = "layerwise", **kw: object) -> EngineConfig:
     base: dict = {
-        "dtype": "float32", "block_size": 16, "device_memory_bytes": 8 << 20,
-        "page_bytes": 16 << 10, "debug_checks": True, "max_num_batched_tokens": 256,
+        "dtype": "float32",
+        "block_size": 16,
+        "device_memory_bytes": 8 << 20,
+        "page_bytes": 16 << 10,
+        "debug_checks": True,
+        "max_num_batched_tokens": 256,
     }
     base.update(kw)
     # The tests assert where reused KV came from; a loaded CI machine must not turn a
     # slow S3 existence check into "no reuse" (the production default stays short).
-    offload = OffloadConfig(kvstore_address=address, mode=mode, policy="always",
-                            lookup_timeout_s=10.0)
+    offload = OffloadConfig(
+        kvstore_address=address, mode=mode, policy="always", lookup_timeout_s=10.0
+    )
     return EngineConfig(offload=offload, **base)
 
 
 @contextlib.asynccontextmanager
 async def engine(
-    loaded: LoadedModel, address: str = "", attach: bool = True, mode: str = "layerwise",
+    loaded: LoadedModel,
+    address: str = "",
+    attach: bool = True,
+    mode: str = "layerwise",
     **kw: object,
 ) -> AsyncIterator[AsyncEngine]:
     """An engine; with ``address`` (and ``attach``) it is attached to that kvstore before
@@ -104,10 +127,13 @@ USER_TURNS = [
 ]
 
 
-def turn_request(messages: list[ChatMessage], session: str, n: int = 10,
-                 tenant: str = TENANT) -> GenerateRequest:
+def turn_request(
+    messages: list[ChatMessage], session: str, n: int = 10, tenant: str = TENANT
+) -> GenerateRequest:
     return GenerateRequest(
-        messages=tuple(messages), session_id=session, tenant=tenant,
+        messages=tuple(messages),
+        session_id=session,
+        tenant=tenant,
         sampling=SamplingParams(max_tokens=n, ignore_eos=True),
     )
 

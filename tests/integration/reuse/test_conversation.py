@@ -69,7 +69,7 @@ async def test_history_from_dram(loaded: LoadedModel, reference, tmp_path: Path)
 async def test_history_from_ssd(loaded: LoadedModel, reference, tmp_path: Path) -> None:
     """The kvstore restarts before every turn (same RocksDB): DRAM is empty, SSD holds all."""
     cfg = kvstore_config(free_port(), tmp_path / "ssd")
-    async with engine(loaded, "127.0.0.1:%d" % cfg.port, attach=False) as eng:
+    async with engine(loaded, f"127.0.0.1:{cfg.port}", attach=False) as eng:
         for i, (msgs, want, _) in enumerate(reference):
             async with kvstore(cfg):
                 assert await eng.kv_connector.attach(timeout=10.0)

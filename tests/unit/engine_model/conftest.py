@@ -20,10 +20,10 @@ def demo_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def base_config(**overrides: object) -> dict:
-    cfg = dict(vocab_size=1024, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-               rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
-               bos_token_id=0, eos_token_id=4)
+    cfg = {"vocab_size": 1024, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+               "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
+               "bos_token_id": 0, "eos_token_id": 4}
     cfg.update(overrides)
     return cfg
 

@@ -122,7 +122,7 @@ def _shard(folder: Path) -> None:
     weight_map = {}
     for file, part in shards.items():
         save_file({n: weights[n] for n in part}, folder / file)
-        weight_map.update({n: file for n in part})
+        weight_map.update(dict.fromkeys(part, file))
     index = {"metadata": {}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
 

@@ -13,17 +13,17 @@ TOL = 1e-4  # max abs logits difference, fp32 (different matmul order only)
 LENGTHS = (1, 7, 33, 100)
 
 CASES = {
-    "llama": dict(arch="llama"),
-    "llama-tied": dict(arch="llama", tie_word_embeddings=True),
-    "llama3-rope": dict(arch="llama", rope_theta=500000.0, max_position_embeddings=1024,
-                        rope_scaling={"rope_type": "llama3", "factor": 8.0,
+    "llama": {"arch": "llama"},
+    "llama-tied": {"arch": "llama", "tie_word_embeddings": True},
+    "llama3-rope": {"arch": "llama", "rope_theta": 500000.0, "max_position_embeddings": 1024,
+                        "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                      "original_max_position_embeddings": 64}),
-    "llama-linear-rope": dict(arch="llama",
-                              rope_scaling={"rope_type": "linear", "factor": 2.0}),
-    "mistral": dict(arch="mistral", sliding_window=None),
-    "qwen2": dict(arch="qwen2"),
-    "qwen2-mha-tied": dict(arch="qwen2", num_key_value_heads=4, tie_word_embeddings=True),
+                                      "original_max_position_embeddings": 64}},
+    "llama-linear-rope": {"arch": "llama",
+                              "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    "mistral": {"arch": "mistral", "sliding_window": None},
+    "qwen2": {"arch": "qwen2"},
+    "qwen2-mha-tied": {"arch": "qwen2", "num_key_value_heads": 4, "tie_word_embeddings": True},
 }
 
 

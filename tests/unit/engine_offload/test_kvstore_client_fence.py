@@ -34,7 +34,7 @@ class FakeStub:
         self.allow = asyncio.Event()
         self.flaky = flaky
 
-    def LoadIntoPool(self, req: kvstore_pb2.LoadIntoPoolRequest, timeout: float):  # noqa: N802
+    def LoadIntoPool(self, req: kvstore_pb2.LoadIntoPoolRequest, timeout: float):
         self.load_ops.append(req.op_id)
 
         async def stream():
@@ -43,11 +43,11 @@ class FakeStub:
 
         return stream()
 
-    async def SaveFromPool(self, req: kvstore_pb2.SaveFromPoolRequest, timeout: float):  # noqa: N802
+    async def SaveFromPool(self, req: kvstore_pb2.SaveFromPoolRequest, timeout: float):
         self.save_ops.append(req.op_id)
         raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED)
 
-    async def FencePoolOp(self, req, timeout: float, wait_for_ready: bool):  # noqa: N802
+    async def FencePoolOp(self, req, timeout: float, wait_for_ready: bool):
         if self.flaky:
             self.flaky -= 1
             raise rpc_error(grpc.StatusCode.UNAVAILABLE)
@@ -55,7 +55,7 @@ class FakeStub:
         self.fenced.append(req.op_id)
         return kvstore_pb2.FencePoolOpReply()
 
-    async def AttachPool(self, req, timeout: float, wait_for_ready: bool):  # noqa: N802
+    async def AttachPool(self, req, timeout: float, wait_for_ready: bool):
         await asyncio.sleep(3600)  # the re-attach the error triggers never matters here
 
 

@@ -42,4 +42,6 @@ class FlakyTier(DramTier):
 
     def stats(self) -> TierStats:
         s = super().stats()
-        return TierStats(self.name, s.entries, s.bytes_used, 0, not self.down, "down" if self.down else "")
+        return TierStats(
+            self.name, s.entries, s.bytes_used, 0, not self.down, "down" if self.down else ""
+        )

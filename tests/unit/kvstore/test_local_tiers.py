@@ -112,10 +112,16 @@ async def test_ssd_roundtrip_capacity_and_reopen(tmp_path: Path, inline_max: int
 async def test_ssd_locked_path_is_a_clear_open_error(tmp_path: Path) -> None:
     path = str(tmp_path / "db")
     holder = subprocess.Popen(
-        [sys.executable, "-c",
-         "import sys,time; from rocksdict import Rdict, Options; o=Options(raw_mode=True); "
-         "o.create_if_missing(True); d=Rdict(sys.argv[1], o); print('open', flush=True); time.sleep(60)", path],
-        stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-c",
+            "import sys,time; from rocksdict import Rdict, Options; o=Options(raw_mode=True); "
+            "o.create_if_missing(True); d=Rdict(sys.argv[1], o); print('open', flush=True); "
+            "time.sleep(60)",
+            path,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "open"

@@ -50,7 +50,9 @@ async def test_manifest_only_after_chunks_are_durable() -> None:
         got = await ManifestStore(s).get_manifest("t1", "sess")
         assert got == m
         layer1 = await ManifestStore(s).get_layer(m, 1)
-        assert [torch.equal(c.tensor, t) for c, (_cm, t) in zip(layer1, chunks[3:])] == [True] * 3
+        assert [
+            torch.equal(c.tensor, t) for c, (_cm, t) in zip(layer1, chunks[3:], strict=False)
+        ] == [True] * 3
 
 
 async def test_stream_session_is_lowest_layer_first_with_misses() -> None:
@@ -60,8 +62,18 @@ async def test_stream_session_is_lowest_layer_first_with_misses() -> None:
         for cm, t in chunks:
             await s.put(cm, t)
         await s.delete(chunks[3][0].key)  # layer 1, chunk 1
-        seen = [(layer, i, blob is not None) async for layer, i, _k, blob in stream_session(s, m, window=2)]
-        assert seen == [(0, 0, True), (0, 1, True), (1, 0, True), (1, 1, False), (2, 0, True), (2, 1, True)]
+        seen = [
+            (layer, i, blob is not None)
+            async for layer, i, _k, blob in stream_session(s, m, window=2)
+        ]
+        assert seen == [
+            (0, 0, True),
+            (0, 1, True),
+            (1, 0, True),
+            (1, 1, False),
+            (2, 0, True),
+            (2, 1, True),
+        ]
         first = [x async for x in stream_session(s, m, first_layer=2)]
         assert [(x[0], x[1]) for x in first] == [(2, 0), (2, 1)]
         decode_chunk(first[0][3])  # blobs handed out are sealed and verify
@@ -103,7 +115,7 @@ async def test_a_chunk_deleted_while_its_write_is_in_flight_blocks_its_manifest(
     remote = GatedRemote()
     async with make_store([DramTier(1 << 20), remote]) as s:
         m = session_manifest("s", 1, 1, 1)
-        (cm, t), = session_chunks(m)
+        ((cm, t),) = session_chunks(m)
         r = await s.put(cm, t)
         await remote.stored.wait()  # in the lowest tier, the put not answered yet
         manifest = asyncio.create_task(ManifestStore(s).put_manifest(m, wait_s=5))
@@ -124,14 +136,14 @@ async def test_chunks_held_locally_but_never_written_down_are_rewritten_for_a_ma
     remote = FlakyTier()
     remote.down = True
     m = session_manifest("s", 4, 2, 1)
-    async with make_store([DramTier(1 << 20), SsdTier(str(tmp_path / "db"), 1 << 20), remote],
-                          drain_s=0.2) as s:
+    async with make_store(
+        [DramTier(1 << 20), SsdTier(str(tmp_path / "db"), 1 << 20), remote], drain_s=0.2
+    ) as s:
         for cm, t in session_chunks(m):
             await s.put(cm, t)
         await asyncio.sleep(0.3)  # on SSD; the lowest tier refuses every write
     remote.down = False
-    async with make_store([DramTier(1 << 20), SsdTier(str(tmp_path / "db"), 1 << 20),
-                           remote]) as s:
+    async with make_store([DramTier(1 << 20), SsdTier(str(tmp_path / "db"), 1 << 20), remote]) as s:
         assert all(s.has_local_or_durable(cm.key) for cm, _ in session_chunks(m))
         keys = ["c/" + cm.key for cm, _ in session_chunks(m)]
         assert not any([await remote.contains(k) for k in keys])
@@ -144,8 +156,9 @@ async def test_chunks_held_locally_but_never_written_down_are_rewritten_for_a_ma
 async def test_no_rewrite_while_the_lowest_tier_is_down(tmp_path: Path) -> None:
     remote = FlakyTier()
     m = session_manifest("s", 2, 1, 1)
-    async with make_store([DramTier(1 << 20), SsdTier(str(tmp_path / "db"), 1 << 20), remote],
-                          write_queue=2) as s:
+    async with make_store(
+        [DramTier(1 << 20), SsdTier(str(tmp_path / "db"), 1 << 20), remote], write_queue=2
+    ) as s:
         remote.down = True
         for cm, t in session_chunks(m):
             await s.put(cm, t)
@@ -175,7 +188,7 @@ async def test_a_chunk_deleted_while_its_copy_is_read_for_a_rewrite_stays_delete
 
     remote = FlakyTier()
     m = session_manifest("s", 1, 1, 1)
-    (cm, t), = session_chunks(m)
+    ((cm, t),) = session_chunks(m)
     ssd = SlowSsd(str(tmp_path / "db"), 1 << 20)
     async with make_store([DramTier(1 << 20), ssd, remote]) as s:
         await (await s.put(cm, t)).durable

@@ -32,7 +32,9 @@ BLOBS = [(cm.key, bytes(encode_chunk(cm, t))) for cm, t in session_chunks(MANIFE
 class ScriptedPeer(pb_grpc.KVStoreServicer):
     """Serves MANIFEST; ``stop_at``: the chunk index where ``mode`` ("hang", "end") acts."""
 
-    def __init__(self, mode: str = "", stop_at: int = 2, manifest: pb.SessionManifest | None = None):
+    def __init__(
+        self, mode: str = "", stop_at: int = 2, manifest: pb.SessionManifest | None = None
+    ):
         self.mode, self.stop_at = mode, stop_at
         self.manifest = manifest_to_pb(MANIFEST) if manifest is None else manifest
 
@@ -69,9 +71,13 @@ async def test_a_whole_session_arrives_with_nothing_missing() -> None:
 
 async def test_a_stream_that_ends_early_counts_what_it_did_not_deliver() -> None:
     async with peer(ScriptedPeer("end", stop_at=3)) as addr, store() as st:
-        r = await pull_session(ManifestStore(st), addr, TENANT, "s", write_manifest=True, timeout_s=5)
+        r = await pull_session(
+            ManifestStore(st), addr, TENANT, "s", write_manifest=True, timeout_s=5
+        )
         assert (r.chunks, r.missing) == (3, len(BLOBS) - 3)
-        assert await ManifestStore(st).get_manifest(TENANT, "s") is None  # never written with chunks missing
+        assert (
+            await ManifestStore(st).get_manifest(TENANT, "s") is None
+        )  # never written with chunks missing
 
 
 async def test_a_peer_that_stalls_mid_stream_is_unavailable_not_a_hang() -> None:

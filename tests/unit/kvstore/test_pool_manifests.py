@@ -56,9 +56,9 @@ def pool():
 
 def request(pid: str, hs: tuple[bytes, ...], session: str = "s", **kw) -> SaveRequest:
     n = len(hs)
-    fields = dict(pool_id=pid, tenant=TENANT, session_id=session, model_fp=MODEL,
-                  block_hashes=hs, token_count=n * 16, first_block=0,
-                  block_ids=tuple(ids(0, n, 0, 64)), num_layers=LAYERS)
+    fields = {"pool_id": pid, "tenant": TENANT, "session_id": session, "model_fp": MODEL,
+                  "block_hashes": hs, "token_count": n * 16, "first_block": 0,
+                  "block_ids": tuple(ids(0, n, 0, 64)), "num_layers": LAYERS}
     fields.update(kw)
     return SaveRequest(**fields)
 
@@ -79,7 +79,7 @@ async def superseded_while_writing(pool) -> AsyncIterator[tuple[GatedManifests, 
 
 
 async def test_a_deleted_session_stays_deleted_with_an_older_manifest_still_writing(pool) -> None:
-    async with superseded_while_writing(pool) as (remote, store, dp):
+    async with superseded_while_writing(pool) as (remote, _store, dp):
         deleting = asyncio.create_task(dp.forget(TENANT, "s"))
         await asyncio.sleep(0.05)
         assert not deleting.done()  # it waits for the write under way ...
@@ -91,7 +91,7 @@ async def test_a_deleted_session_stays_deleted_with_an_older_manifest_still_writ
 
 
 async def test_the_newest_manifest_is_the_one_that_stays(pool) -> None:
-    async with superseded_while_writing(pool) as (remote, store, dp):
+    async with superseded_while_writing(pool) as (remote, _store, dp):
         await asyncio.sleep(0.1)  # the newer one is durable and waits for the older write
         remote.gate.set()
         await dp.wait_manifests()
@@ -131,8 +131,8 @@ async def test_a_refused_save_stores_and_remembers_nothing(pool) -> None:
     async with store, EnginePoolPath(store, CHUNK_TOKENS) as dp:
         pid, _ = await dp.attach(geometry(pool))
         hs = hashes(20)
-        for bad in (dict(session_id="a/b"), dict(tenant=""),
-                    dict(tenant="", first_block=16, block_ids=tuple(ids(16, 4, 0, 64)))):
+        for bad in ({"session_id": "a/b"}, {"tenant": ""},
+                    {"tenant": "", "first_block": 16, "block_ids": tuple(ids(16, 4, 0, 64))}):
             with pytest.raises(ChunkFormatError):
                 await dp.save(request(pid, hs, **bad))
         assert store.stats()[0].entries == 0 and not dp.manifests._latest

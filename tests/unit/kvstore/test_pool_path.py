@@ -60,18 +60,29 @@ async def path(tmp_path: Path, pool) -> AsyncIterator[EnginePoolPath]:
         store.check_integrity()
 
 
-async def save(dp: EnginePoolPath, pid: str, hs: tuple[bytes, ...], first: int = 0,
-               session: str = "sess") -> tuple[int, int]:
+async def save(
+    dp: EnginePoolPath, pid: str, hs: tuple[bytes, ...], first: int = 0, session: str = "sess"
+) -> tuple[int, int]:
     n = len(hs) - first
-    r = await dp.save(SaveRequest(
-        pid, TENANT, session, MODEL, hs, len(hs) * 16 + 3, first,
-        tuple(ids(first, n, SRC, STRIDE)), LAYERS,
-    ))
+    r = await dp.save(
+        SaveRequest(
+            pid,
+            TENANT,
+            session,
+            MODEL,
+            hs,
+            len(hs) * 16 + 3,
+            first,
+            tuple(ids(first, n, SRC, STRIDE)),
+            LAYERS,
+        )
+    )
     return r.chunks_written, r.chunks_skipped
 
 
-async def lookup(dp: EnginePoolPath, hs: tuple[bytes, ...], first: int = 0,
-                 session: str = "sess") -> LookupResult:
+async def lookup(
+    dp: EnginePoolPath, hs: tuple[bytes, ...], first: int = 0, session: str = "sess"
+) -> LookupResult:
     return await dp.lookup(LookupRequest(TENANT, session, MODEL, hs, first, LAYERS))
 
 
@@ -149,7 +160,9 @@ async def test_partial_chunk_growth_and_mid_chunk_first_block(path: EnginePoolPa
         await save(path, pid, h50, first=40)
 
 
-async def test_edited_history_stops_at_the_first_differing_block(path: EnginePoolPath, pool) -> None:
+async def test_edited_history_stops_at_the_first_differing_block(
+    path: EnginePoolPath, pool
+) -> None:
     pid, _ = await path.attach(geometry(pool))
     fill(pool, ids(0, 40, SRC, STRIDE), seed=3)
     await save(path, pid, hashes(40))
@@ -228,8 +241,10 @@ async def test_corrupt_layer_2_loads_layers_0_1_and_fails_layer_2(
 
 async def test_lease_keeps_dram_hits_through_eviction(tmp_path: Path, pool) -> None:
     # DRAM only, room for about one session: eviction would lose the data for good.
-    async with make_store(tmp_path, dram=330_000, ssd=False) as store, \
-            EnginePoolPath(store, CHUNK_TOKENS) as dp:
+    async with (
+        make_store(tmp_path, dram=330_000, ssd=False) as store,
+        EnginePoolPath(store, CHUNK_TOKENS) as dp,
+    ):
         pid, _ = await dp.attach(geometry(pool))
         hs = hashes(40)
         fill(pool, ids(0, 40, SRC, STRIDE), seed=6)
@@ -242,7 +257,8 @@ async def test_lease_keeps_dram_hits_through_eviction(tmp_path: Path, pool) -> N
         await store.put(filler, torch.zeros(320_000 // 4), priority=10)
         assert not any(
             store.dram.has_local("c/" + chunk_key(TENANT, MODEL, hs[e], layer))
-            for e in (15, 31, 39) for layer in range(LAYERS)
+            for e in (15, 31, 39)
+            for layer in range(LAYERS)
         )
         msgs = await load(dp, pid, r, ids(0, 40, DST, STRIDE))
         assert all(m.ok for m in msgs)
@@ -254,8 +270,10 @@ async def test_lease_keeps_dram_hits_through_eviction(tmp_path: Path, pool) -> N
 
 
 async def test_lease_pins_ssd_keys_and_expires(tmp_path: Path, pool) -> None:
-    async with make_store(tmp_path) as store, \
-            EnginePoolPath(store, CHUNK_TOKENS, lease_s=0.05) as dp:
+    async with (
+        make_store(tmp_path) as store,
+        EnginePoolPath(store, CHUNK_TOKENS, lease_s=0.05) as dp,
+    ):
         pid, _ = await dp.attach(geometry(pool))
         hs = hashes(40)
         fill(pool, ids(0, 40, SRC, STRIDE), seed=7)
@@ -289,8 +307,12 @@ async def test_attach_rejects_bad_geometry(tmp_path: Path, pool) -> None:
             await dp.attach(geometry(pool))
     async with make_store(tmp_path, ssd=False) as store, EnginePoolPath(store, 256) as dp:
         with pytest.raises(PoolError, match="needs"):
-            await dp.attach(geometry(pool).__class__(**{
-                **geometry(pool).__dict__, "num_blocks": pool.num_blocks * 2}))
+            await dp.attach(
+                geometry(pool).__class__(
+                    **{**geometry(pool).__dict__, "num_blocks": pool.num_blocks * 2}
+                )
+            )
+
         def named(name: str) -> PoolGeometry:
             return dataclasses.replace(geometry(pool), pool_name=name)
 
@@ -318,7 +340,7 @@ async def test_attach_rejects_bad_geometry(tmp_path: Path, pool) -> None:
             await save(dp, "pool-x", hashes(16))
         with pytest.raises(PoolError, match="no pool attached"):
             await lookup(dp, hashes(16))
-        for bad in (dict(model_fp=""), dict(model_fp="a/b"), dict(num_layers=2**32 - 1)):
+        for bad in ({"model_fp": ""}, {"model_fp": "a/b"}, {"num_layers": 2**32 - 1}):
             with pytest.raises(PoolError, match="model_fp|num_layers"):
                 await dp.attach(dataclasses.replace(geometry(pool), **bad))
         pid, _ = await dp.attach(geometry(pool))
@@ -327,8 +349,19 @@ async def test_attach_rejects_bad_geometry(tmp_path: Path, pool) -> None:
         # model's keys would be served to that model.
         for model, layers in ((MODEL + "x", LAYERS), (MODEL, LAYERS + 1), (MODEL, 0)):
             with pytest.raises(PoolError, match="model_fp|num_layers"):
-                await dp.save(SaveRequest(pid, TENANT, "s", model, hs, 256, 0,
-                                          tuple(ids(0, 16, SRC, STRIDE)) * layers, layers))
+                await dp.save(
+                    SaveRequest(
+                        pid,
+                        TENANT,
+                        "s",
+                        model,
+                        hs,
+                        256,
+                        0,
+                        tuple(ids(0, 16, SRC, STRIDE)) * layers,
+                        layers,
+                    )
+                )
             with pytest.raises(PoolError, match="model_fp|num_layers|no pool"):
                 await dp.lookup(LookupRequest(TENANT, "s", model, hs, 0, layers))
         assert path_store_empty(store)
@@ -342,8 +375,9 @@ async def test_abandoned_load_stops_writing_and_ends_its_lease(path: EnginePoolP
     await save(path, pid, hs)
     r = await lookup(path, hs)
     pool.kv_cache[DST:].zero_()
-    req = LoadRequest(pid, r.lease_id, TENANT, MODEL, tuple(r.spans),
-                      tuple(ids(0, 40, DST, STRIDE)), LAYERS)
+    req = LoadRequest(
+        pid, r.lease_id, TENANT, MODEL, tuple(r.spans), tuple(ids(0, 40, DST, STRIDE)), LAYERS
+    )
     stream = path.load(req)
     first = await anext(stream)
     assert (first.layer, first.ok) == (0, True)
@@ -356,17 +390,29 @@ async def test_abandoned_load_stops_writing_and_ends_its_lease(path: EnginePoolP
     got = pool.kv_cache[[DST + 2 * STRIDE + i for i in range(40)]]
     assert torch.equal(got, saved[[SRC + 2 * STRIDE + i for i in range(40)]])
     with pytest.raises(PoolError, match="block_ids"):
-        [m async for m in path.load(LoadRequest(
-            pid, "", TENANT, MODEL, tuple(r.spans), (1, 2, 3), LAYERS))]
+        [
+            m
+            async for m in path.load(
+                LoadRequest(pid, "", TENANT, MODEL, tuple(r.spans), (1, 2, 3), LAYERS)
+            )
+        ]
     with pytest.raises(PoolError, match="outside the pool"):
         bad = [pool.num_blocks + 5] * (40 * LAYERS)
-        [m async for m in path.load(LoadRequest(
-            pid, "", TENANT, MODEL, tuple(r.spans), tuple(bad), LAYERS))]
+        [
+            m
+            async for m in path.load(
+                LoadRequest(pid, "", TENANT, MODEL, tuple(r.spans), tuple(bad), LAYERS)
+            )
+        ]
     with pytest.raises(PoolError, match="repeat"):
         twice = ids(0, 40, DST, STRIDE)
         twice[1] = twice[0]
-        [m async for m in path.load(LoadRequest(
-            pid, "", TENANT, MODEL, tuple(r.spans), tuple(twice), LAYERS))]
+        [
+            m
+            async for m in path.load(
+                LoadRequest(pid, "", TENANT, MODEL, tuple(r.spans), tuple(twice), LAYERS)
+            )
+        ]
 
 
 def _into_the_pool(offset: int, bufs: list) -> bool:
@@ -449,7 +495,9 @@ async def test_a_sound_but_mismatching_ssd_chunk_fails_its_layer_and_is_kept(
     ssd = path.store.tiers[1]
     key = chunk_key(TENANT, MODEL, hs[15], 1)  # layer 1, chunk 0
     wrong = torch.ones(16, 2, CHUNK_TOKENS // 16, 1, 8)
-    await overwrite(ssd, "c/" + key, bytes(encode_chunk(ChunkMeta(TENANT, MODEL, 1, hs[:16]), wrong)))
+    await overwrite(
+        ssd, "c/" + key, bytes(encode_chunk(ChunkMeta(TENANT, MODEL, 1, hs[:16]), wrong))
+    )
     r = await lookup(path, hs)
     msgs = await load(path, pid, r, ids(0, 40, DST, STRIDE))
     assert [(m.layer, m.ok) for m in msgs] == [(0, True), (1, False)]
@@ -514,7 +562,7 @@ async def test_a_lease_naming_impossible_hashes_fails_the_layer_cleanly(
     await _ssd_only(path, pid, pool, hs, seed=16)
     ssd = path.store.tiers[1]
     ssd._nowait = nowait and ssd._nowait
-    odd = hs[:3] + (b"",) + hs[4:]
+    odd = (*hs[:3], b"", *hs[4:])
     r = await path.lookup(LookupRequest(TENANT, "", MODEL, odd, 0, LAYERS))
     assert r.lease_id and r.matched_blocks == 40
     msgs = await load(path, pid, r, ids(0, 40, DST, STRIDE))
@@ -528,8 +576,9 @@ async def test_abandoned_ssd_load_writes_nothing_after_it_ends(path: EnginePoolP
     hs = hashes(40)
     await _ssd_only(path, pid, pool, hs, seed=13)
     r = await lookup(path, hs)
-    req = LoadRequest(pid, r.lease_id, TENANT, MODEL, tuple(r.spans),
-                      tuple(ids(0, 40, DST, STRIDE)), LAYERS)
+    req = LoadRequest(
+        pid, r.lease_id, TENANT, MODEL, tuple(r.spans), tuple(ids(0, 40, DST, STRIDE)), LAYERS
+    )
     stream = path.load(req)
     first = await anext(stream)
     assert (first.layer, first.ok) == (0, True)
@@ -597,8 +646,11 @@ async def test_fence_waits_for_a_dropped_load_still_copying(
     monkeypatch.setattr(FileStored, "readinto", held)
     r = await lookup(path, hs)
     req = dataclasses.replace(
-        LoadRequest(pid, r.lease_id, TENANT, MODEL, tuple(r.spans),
-                    tuple(ids(0, 40, DST, STRIDE)), LAYERS), op_id="op-1")
+        LoadRequest(
+            pid, r.lease_id, TENANT, MODEL, tuple(r.spans), tuple(ids(0, 40, DST, STRIDE)), LAYERS
+        ),
+        op_id="op-1",
+    )
 
     async def consume() -> None:
         async for _ in path.load(req):
@@ -633,8 +685,11 @@ async def test_a_fenced_op_that_arrives_late_is_refused(path: EnginePoolPath, po
     await path.fence("late-1")  # returns at once
     r = await lookup(path, hs)
     req = dataclasses.replace(
-        LoadRequest(pid, r.lease_id, TENANT, MODEL, tuple(r.spans),
-                    tuple(ids(0, 40, DST, STRIDE)), LAYERS), op_id="late-1")
+        LoadRequest(
+            pid, r.lease_id, TENANT, MODEL, tuple(r.spans), tuple(ids(0, 40, DST, STRIDE)), LAYERS
+        ),
+        op_id="late-1",
+    )
     with pytest.raises(PoolError, match="fenced"):
         [m async for m in path.load(req)]
     assert not pool.kv_cache[DST:].any()
@@ -642,9 +697,22 @@ async def test_a_fenced_op_that_arrives_late_is_refused(path: EnginePoolPath, po
     assert len(path.leases) == 0
     assert not any(path.store.tiers[1]._index.is_pinned(k) for k in path.store.tiers[1].keys())
     with pytest.raises(PoolError, match="fenced"):
-        await path.save(dataclasses.replace(
-            SaveRequest(pid, TENANT, "s", MODEL, hs, len(hs) * 16, 0,
-                        tuple(ids(0, 40, SRC, STRIDE)), LAYERS), op_id="late-1"))
+        await path.save(
+            dataclasses.replace(
+                SaveRequest(
+                    pid,
+                    TENANT,
+                    "s",
+                    MODEL,
+                    hs,
+                    len(hs) * 16,
+                    0,
+                    tuple(ids(0, 40, SRC, STRIDE)),
+                    LAYERS,
+                ),
+                op_id="late-1",
+            )
+        )
 
 
 async def test_a_lease_does_not_expire_while_a_load_uses_it(tmp_path: Path, pool) -> None:
@@ -652,16 +720,20 @@ async def test_a_lease_does_not_expire_while_a_load_uses_it(tmp_path: Path, pool
     import dataclasses
 
     from services.kvstore.pool.leases import HELD_FACTOR
-    async with make_store(tmp_path) as store, \
-            EnginePoolPath(store, CHUNK_TOKENS, lease_s=0.1) as dp:
+
+    async with (
+        make_store(tmp_path) as store,
+        EnginePoolPath(store, CHUNK_TOKENS, lease_s=0.1) as dp,
+    ):
         pid, _ = await dp.attach(geometry(pool))
         hs = hashes(40)
         await _ssd_only(dp, pid, pool, hs, seed=17)
         r = await lookup(dp, hs)
         ssd = store.tiers[1]
         last = "c/" + chunk_key(TENANT, MODEL, hs[39], LAYERS - 1)
-        req = LoadRequest(pid, r.lease_id, TENANT, MODEL, tuple(r.spans),
-                          tuple(ids(0, 40, DST, STRIDE)), LAYERS)
+        req = LoadRequest(
+            pid, r.lease_id, TENANT, MODEL, tuple(r.spans), tuple(ids(0, 40, DST, STRIDE)), LAYERS
+        )
         stream = dp.load(req)
         first = await anext(stream)  # the load holds the lease from here
         assert first.ok
@@ -705,8 +777,11 @@ async def test_fence_waits_for_a_dropped_save_still_reading(
 
     monkeypatch.setattr(pool_path_mod, "encode_from_pool", held)
     req = dataclasses.replace(
-        SaveRequest(pid, TENANT, "s", MODEL, hs, len(hs) * 16, 0,
-                    tuple(ids(0, 20, SRC, STRIDE)), LAYERS), op_id="save-1")
+        SaveRequest(
+            pid, TENANT, "s", MODEL, hs, len(hs) * 16, 0, tuple(ids(0, 20, SRC, STRIDE)), LAYERS
+        ),
+        op_id="save-1",
+    )
     saver = asyncio.create_task(path.save(req))
     await asyncio.to_thread(entered.wait, 10)
     saver.cancel()
@@ -745,8 +820,9 @@ async def test_a_session_delete_leaves_no_manifest_behind(tmp_path: Path, pool, 
             return await super().put(key, blob, priority)
 
     remote = Gated()
-    store = TieredStore([DramTier(1 << 24), remote], KVStoreMetrics(),
-                        retry_backoff_max_s=0.02, drain_s=0.5)
+    store = TieredStore(
+        [DramTier(1 << 24), remote], KVStoreMetrics(), retry_backoff_max_s=0.02, drain_s=0.5
+    )
     async with store, EnginePoolPath(store, CHUNK_TOKENS) as dp:
         pid, _ = await dp.attach(geometry(pool))
         hs = hashes(20)
@@ -819,8 +895,14 @@ async def test_a_lease_whose_lookup_reply_never_reached_the_caller_ends(
     hs = hashes(40)
     await _ssd_only(path, pid, pool, hs, seed=21)
     svc = KVStoreService(path.manifests, "n", 4, "", path)
-    req = pb.LookupPrefixRequest(tenant=TENANT, session_id="sess", model_fp=MODEL,
-                                 block_hashes=list(hs), first_block=0, num_layers=LAYERS)
+    req = pb.LookupPrefixRequest(
+        tenant=TENANT,
+        session_id="sess",
+        model_fp=MODEL,
+        block_hashes=list(hs),
+        first_block=0,
+        num_layers=LAYERS,
+    )
     for cancelled in (True, False):
         ctx = Context(cancelled)
         reply = await svc.LookupPrefix(req, ctx)
@@ -859,10 +941,17 @@ async def test_a_lookup_past_its_deadline_ends_its_lease(
     path.lookup = slow
     svc = KVStoreService(path.manifests, "n", 4, "", path)
     register = [lambda s: pb_grpc.add_KVStoreServicer_to_server(svc, s)]
-    async with serve_grpc("127.0.0.1", 0, register=register, service_names=[]) as srv, \
-            insecure_channel(f"127.0.0.1:{srv.port}") as channel:
-        req = pb.LookupPrefixRequest(tenant=TENANT, session_id="sess", model_fp=MODEL,
-                                     block_hashes=list(hs), num_layers=LAYERS)
+    async with (
+        serve_grpc("127.0.0.1", 0, register=register, service_names=[]) as srv,
+        insecure_channel(f"127.0.0.1:{srv.port}") as channel,
+    ):
+        req = pb.LookupPrefixRequest(
+            tenant=TENANT,
+            session_id="sess",
+            model_fp=MODEL,
+            block_hashes=list(hs),
+            num_layers=LAYERS,
+        )
         try:
             reply = await pb_grpc.KVStoreStub(channel).LookupPrefix(req, timeout=deadline_s)
         except grpc.aio.AioRpcError as e:

@@ -1,4 +1,5 @@
-"""The chunk store: puts land in DRAM, reads search the tiers, verify and promote, corrupt copies are dropped."""
+"""The chunk store: puts land in DRAM, reads search the tiers, verify and promote, and
+corrupt copies are dropped."""
 
 from __future__ import annotations
 

@@ -85,8 +85,8 @@ def test_layers_in_keys_are_parsed_safely() -> None:
 
 def test_manifests_and_names_are_bounded() -> None:
     m = session_manifest("s", 4, 1, 1)
-    for bad in (dict(num_layers=65536), dict(session_id="x" * 300), dict(tenant="t" * 300),
-                dict(model_fp="a/b")):
+    for bad in ({"num_layers": 65536}, {"session_id": "x" * 300}, {"tenant": "t" * 300},
+                {"model_fp": "a/b"}):
         with pytest.raises(ChunkFormatError):
             dataclasses.replace(m, **bad)
 

@@ -26,7 +26,10 @@ async def test_remote_down_queues_retries_and_falls_back_to_local(tmp_path: Path
     remote.down = True
     async with make_store([DramTier(1 << 20), SsdTier(str(tmp_path / "db"), 1 << 20), remote]) as s:
         r = await s.put(meta("s", 0, 0), kv_tensor(1))
-        await asyncio.sleep(0.05)
+        for _ in range(500):  # the write-behind reaches the SSD (bounded wait)
+            if s.tiers[1].has_local("c/" + r.key):
+                break
+            await asyncio.sleep(0.01)
         assert not r.durable.done()
         assert s.health()[0] is False and "remote degraded" in s.health()[1]
         await s.dram.delete("c/" + r.key)
@@ -40,10 +43,16 @@ async def test_full_queue_drops_lowest_priority_oldest_and_keeps_local_copies() 
     remote = FlakyTier()
     remote.down = True
     async with make_store([DramTier(1 << 20), remote], write_queue=3, write_workers=1) as s:
-        receipts = [await s.put(meta("s", i, layer=0), kv_tensor(i), priority=p)
-                    for i, p in enumerate([5, 1, 5, 1, 5])]
+        receipts = [
+            await s.put(meta("s", i, layer=0), kv_tensor(i), priority=p)
+            for i, p in enumerate([5, 1, 5, 1, 5])
+        ]
         await asyncio.sleep(0.05)
-        dropped = [i for i, r in enumerate(receipts) if r.durable.done() and isinstance(r.durable.exception(), WriteDropped)]
+        dropped = [
+            i
+            for i, r in enumerate(receipts)
+            if r.durable.done() and isinstance(r.durable.exception(), WriteDropped)
+        ]
         assert dropped == [1, 3]
         assert s.writer.dropped == 2 and s.metrics.value("kvstore_write_behind_dropped_total") == 2
         for r in receipts:  # every chunk still readable locally
@@ -79,9 +88,17 @@ async def test_closing_with_s3_black_holed_neither_stalls_the_loop_nor_overruns(
     acceptor = threading.Thread(target=accept, daemon=True)
     acceptor.start()
     try:
-        s3 = S3Tier(S3Config(endpoint_url=f"http://127.0.0.1:{hole.getsockname()[1]}",
-                             bucket="kv", access_key_id="x", secret_access_key="x",
-                             timeout_s=0.5, max_attempts=2, backoff_s=0.2))
+        s3 = S3Tier(
+            S3Config(
+                endpoint_url=f"http://127.0.0.1:{hole.getsockname()[1]}",
+                bucket="kv",
+                access_key_id="x",
+                secret_access_key="x",
+                timeout_s=0.5,
+                max_attempts=2,
+                backoff_s=0.2,
+            )
+        )
         store = make_store([DramTier(1 << 24), s3], drain_s=0.5)
         await store.__aenter__()
         gaps: list[float] = []
@@ -126,8 +143,9 @@ async def test_lowest_tier_retries_are_served_under_a_steady_load_of_new_writes(
             return await super().put(key, blob, priority)
 
     remote = FlakyTier()
-    async with make_store([DramTier(1 << 28), SlowLocal(1 << 28), remote], write_queue=64,
-                          write_workers=1) as s:
+    async with make_store(
+        [DramTier(1 << 28), SlowLocal(1 << 28), remote], write_queue=64, write_workers=1
+    ) as s:
         remote.down = True
         early = [await s.put(meta("a", i, 0), kv_tensor(i)) for i in range(5)]
         await asyncio.sleep(0.1)  # on the SSD; their lowest-tier write waits for a retry
@@ -147,8 +165,7 @@ async def test_writes_of_one_key_land_in_the_order_they_were_made(tmp_path: Path
 
     remote = FlakyTier()
     remote.down = True
-    async with make_store([DramTier(1 << 20), SsdTier(str(tmp_path / "db"), 1 << 20),
-                           remote]) as s:
+    async with make_store([DramTier(1 << 20), SsdTier(str(tmp_path / "db"), 1 << 20), remote]) as s:
         m = meta("s", 0, 0)
         r1 = await s.put(m, kv_tensor(1))
         await asyncio.sleep(0.03)  # v1 failed on the remote, retrying
