@@ -60,6 +60,7 @@ from services.kvstore.tiers.ssd_files import (
     Missing,
     NoWaitUnsupported,
     WouldBlock,
+    read_blocking,
 )
 
 log = logging.getLogger(__name__)
@@ -210,7 +211,7 @@ class SsdTier(IndexedTtl, Tier):
             later.append((j, k, file_no))
         if later:
             try:
-                got = await self._run(_read_blocking, self, db, later, check)
+                got = await self._run(read_blocking, self._read_file, db, later, check)
             except TierUnavailable:
                 raise
             except Exception as e:
@@ -408,16 +409,3 @@ class SsdTier(IndexedTtl, Tier):
         self._index.check_integrity()
         assert self._index.bytes_used <= self._index.capacity_bytes, "over capacity"
         assert all(k in self._index for k in self._files), "a file outside the index"
-
-
-def _read_blocking(tier: SsdTier, db: Rdict, items: list[tuple[int, str, int | None]],
-                   check: Callable[[Stored], T]) -> list[Checked[T] | Missing]:
-    """The reads the loop left to a thread: catalog values by point gets (through rocksdict
-    multi_get measured ~8x slower for chunk-sized values), files with blocking reads."""
-    out: list[Checked[T] | Missing] = []
-    for _j, key, file_no in items:
-        if file_no is None:
-            out.append(apply_check(db.get(_V + key.encode()), check, key))
-        else:
-            out.append(tier._read_file(key, file_no, check, nowait=False))
-    return out

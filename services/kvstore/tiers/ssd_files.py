@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Callable
+
+from rocksdict import Rdict
 
 from services.kvstore.errors import ChunkCorrupt
-from services.kvstore.tiers.base import Blob, Stored
+from services.kvstore.tiers.base import Blob, Checked, Stored, T, apply_check
+from services.kvstore.tiers.ssd_catalog import VALUE_PREFIX
 
 
 class WouldBlock(Exception):
@@ -94,4 +98,21 @@ def skip(bufs: list[memoryview], n: int) -> list[memoryview]:
             continue
         out.append(b[n:])
         n = 0
+    return out
+
+
+ReadFile = Callable[[str, int, Callable[[Stored], T], bool], "Checked[T] | Missing"]
+
+
+def read_blocking(read_file: ReadFile[T], db: Rdict, items: list[tuple[int, str, int | None]],
+                  check: Callable[[Stored], T]) -> list[Checked[T] | Missing]:
+    """(on the tier's thread) The reads the loop left to a thread: catalog values by point
+    gets (rocksdict's multi_get is slower for chunk-sized values), files with blocking
+    reads (``read_file(key, file_no, check, nowait=False)``)."""
+    out: list[Checked[T] | Missing] = []
+    for _j, key, file_no in items:
+        if file_no is None:
+            out.append(apply_check(db.get(VALUE_PREFIX + key.encode()), check, key))
+        else:
+            out.append(read_file(key, file_no, check, False))
     return out
