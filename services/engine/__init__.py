@@ -8,14 +8,15 @@ Public surface (import from the modules; this package stays import-light so that
 - ``errors.EngineError``: typed errors with a code (invalid_argument, not_found, ...)
 - ``service.run(config)``: the process (gRPC ``overture.v1.Engine`` + health)
 
-Inside: ``kv_pool`` (shared-memory pool, elastic pages) over ``device`` (the device seam),
-``block_pool`` (allocator + prefix cache), ``kv_manager`` (per-layer block tables),
-``scheduler`` (continuous batching), ``model_runner`` (ForwardBatch + sampling),
-``engine_core`` (the synchronous step), ``model/`` (the network, loader, tokenizer).
+Inside: ``kvcache/`` (device memory in elastic pages over ``device``, the seam; the block
+allocator with its prefix cache; per-layer block tables), ``scheduler`` (continuous
+batching), ``model_runner`` (ForwardBatch + sampling), ``engine_core`` (the synchronous
+step), ``model/`` (the network, loader, tokenizer).
 
-KV reuse with the node's kvstore (issue 5, DESIGN §3): ``kv_connector`` (async gRPC client:
-AttachPool, LookupPrefix, LoadIntoPool, SaveFromPool, ReleaseLease), ``reuse_coordinator``
-(event loop: hash, peek the device cache, look up, plan), ``reuse_planner`` (load or
-recompute), ``kv_reuse`` (worker: start loads, settle or fall back, pin saves),
-``layer_readiness`` (per-layer waits of the forward pass), ``kv_transfer`` (the jobs).
+KV kept off the device (DESIGN §3) is behind one boundary, ``offload/``: ``base``
+(``Offload``, the points the core calls, and ``NullOffload``), ``kvstore_offload`` (the
+worker side: loads, settle or fall back, pinned saves), ``lookup`` (event loop: hash,
+peek the device cache, look up, plan), ``planner`` (load or recompute),
+``kvstore_client`` (async gRPC client of the node's kvstore), ``layer_readiness``
+(per-layer waits of the forward pass), ``jobs`` and ``state`` (the data).
 """

@@ -3,7 +3,7 @@
 The kvstore allocates and frees a buffer per chunk read (RocksDB values, S3 bodies, peer
 messages; 0.25-2 MiB each). By default glibc serves such sizes with a fresh ``mmap`` or
 trims the heap top once 2x that much is free, so the next read page-faults all of it back
-in: on the reference VM reading a 1 MiB value took ~1 ms instead of ~0.25 ms. A fixed mmap
+in (several times the cost of the read itself; the kvstore README). A fixed mmap
 threshold above chunk sizes and a trim threshold the size of a few layers keep that memory
 in the process for reuse; the DRAM tier's byte budget still bounds what is live.
 """

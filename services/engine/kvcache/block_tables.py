@@ -1,4 +1,4 @@
-"""Per-sequence, per-layer block tables over the block pool, with prefix reuse by hash.
+"""Per-sequence, per-layer block tables over the block allocator, with prefix reuse by hash.
 
 A sequence holds ``ceil(tokens / block_size)`` blocks in EVERY layer's table:
 

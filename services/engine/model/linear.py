@@ -11,20 +11,18 @@ callers never see the difference beyond rounding. The copy costs twice the half-
 weight bytes, in host memory, for as long as the model lives.
 
 Float32 GEMMs on CPU go through oneDNN (``torch.ops.mkldnn._linear_pointwise``, the op
-PyTorch's own CPU compiler emits for linears) rather than ``F.linear`` (MKL): with the
-few rows of a decode step or a short prompt suffix it was 1.3-1.8x faster here (12 layers
-of the demo "small" model, 50 rows: 85 vs 117 ms; 1 row: 17 vs 24 ms), and even at 512
-rows. Where the op is missing (a build without oneDNN) ``F.linear`` is used.
+PyTorch's own CPU compiler emits for linears) rather than ``F.linear`` (MKL): it is faster
+with the few rows of a decode step or a short prompt suffix, and no slower at 512 rows
+(README, "Engine speed"). Where the op is missing (a build without oneDNN) ``F.linear``
+is used.
 
 Float32 weights on CPU are also held in oneDNN's own blocked layout, packed once at load
 (``pack_float32``), as PyTorch's CPU compiler does when it freezes a model: given a plain
-weight, oneDNN reorders it on every call. For the 50-row step over a 2k history of the
-demo "small" model (float32, 12 layers, weights cold in cache as in a real step) that was
-6-9% of the step (median 169 vs 159 ms, interleaved runs); a 512-row prefill chunk is
-unchanged. The packed copy replaces the plain weight. Where the plain one was made at load
-(a bf16 checkpoint served in float32, fused q/k/v and gate/up) that adds no memory; a
-weight that was a zero-copy view of a float32 checkpoint's file mapping becomes anonymous
-memory instead (its file pages are then only reclaimable cache).
+weight, oneDNN reorders it on every call, a noticeable share of a short step with its
+weights cold in cache (README). The packed copy replaces the plain weight. Where the
+plain one was made at load (a bf16 checkpoint served in float32, fused q/k/v and gate/up)
+that adds no memory; a weight that was a zero-copy view of a float32 checkpoint's file
+mapping becomes anonymous memory instead (its file pages are then only reclaimable cache).
 """
 
 from __future__ import annotations
