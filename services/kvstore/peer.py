@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import grpc
 
+from services.kvstore import wire
 from services.kvstore.errors import ManifestIncomplete, TierUnavailable
 from services.kvstore.manifests import Manifest, ManifestStore, manifest_key
-from services.kvstore.wire import manifest_from_pb
 from shared.chunk_codec import ChunkCorrupt, ChunkFormatError
 from shared.grpc_server import insecure_channel
 from shared.proto import kvstore_pb2 as pb
@@ -56,27 +56,28 @@ async def pull_session(
     store = manifests.store
     async with insecure_channel(peer) as channel:
         stub = pb_grpc.KVStoreStub(channel)
-        ref = pb.ManifestRef(tenant=tenant, session_id=session_id)
         try:
-            reply = await stub.GetManifest(ref, timeout=timeout_s)
-            if not reply.found:
+            reply = await stub.GetManifest(wire.session_ref(tenant, session_id),
+                                           timeout=timeout_s)
+            found = wire.manifest_of_reply(reply)
+            if found is None:
                 return PullResult(False, detail="peer has no manifest for this session")
-            manifest = _peer_manifest(reply.manifest, tenant, session_id, peer)
+            manifest = _peer_manifest(found, tenant, session_id, peer)
             expected = {k for layer in range(first_layer, manifest.num_layers)
                         for k in manifest.layer_keys(layer)}
             result = PullResult(True)
             got: set[str] = set()
-            call = stub.GetChunks(
-                pb.GetChunksRequest(session=ref, first_layer=first_layer, window=window))
+            call = stub.GetChunks(wire.chunks_request(tenant, session_id, first_layer, window))
             try:
                 while True:
                     try:
-                        msg = await asyncio.wait_for(call.read(), timeout_s)
+                        raw = await asyncio.wait_for(call.read(), timeout_s)
                     except TimeoutError:
                         raise TierUnavailable(
                             f"peer {peer}: no chunk for {timeout_s:g} s mid-stream") from None
-                    if msg is grpc.aio.EOF:
+                    if raw is grpc.aio.EOF:
                         break
+                    msg = wire.chunk_from_pb(raw)
                     if not msg.found:
                         continue  # counted below, with anything else not delivered
                     try:
@@ -106,7 +107,7 @@ def _peer_manifest(p: pb.SessionManifest, tenant: str, session_id: str, peer: st
     """The peer's manifest, refused (``TierUnavailable``: the peer's fault, not the
     caller's) if malformed or not the session asked for."""
     try:
-        manifest = manifest_from_pb(p)
+        manifest = wire.manifest_from_pb(p)
     except ChunkFormatError as e:
         raise TierUnavailable(f"peer {peer} sent a malformed manifest: {e}") from None
     if (manifest.tenant, manifest.session_id) != (tenant, session_id):

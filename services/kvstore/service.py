@@ -1,4 +1,6 @@
-"""The KVStore gRPC servicer: a thin edge over ``TieredStore`` (protos stop here)."""
+"""The KVStore gRPC servicer: a thin edge over the chunk store, the manifest store and the
+engine-pool path. Requests and replies go through ``wire.py``; nothing here touches a
+protobuf field."""
 
 from __future__ import annotations
 
@@ -8,23 +10,13 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from services.kvstore import wire
 from services.kvstore.errors import ManifestIncomplete, StorageError, TierUnavailable
 from services.kvstore.manifests import ManifestStore, manifest_key
 from services.kvstore.peer import pull_session
 from services.kvstore.pool.attach import PoolError
 from services.kvstore.pool.data_path import EnginePoolPath
 from services.kvstore.streaming import stream_session
-from services.kvstore.wire import (
-    geometry_from_pb,
-    layer_to_pb,
-    load_from_pb,
-    lookup_from_pb,
-    lookup_to_pb,
-    manifest_from_pb,
-    manifest_to_pb,
-    save_from_pb,
-    tier_to_pb,
-)
 from shared.chunk_codec import MAX_LAYER, ChunkCorrupt, ChunkFormatError
 from shared.config import ConfigError
 from shared.proto import kvstore_pb2 as pb
@@ -60,49 +52,42 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             m.value("kvstore_checksum_failures_total", tier=t)
             for t in [*(x.name for x in self.store.tiers), "peer"]
         )
-        return pb.KVStoreStatus(
-            node_id=self.node_id,
-            healthy=healthy,
-            detail=detail,
-            tiers=[tier_to_pb(s) for s in self.store.stats()],
-            write_queue_depth=self.store.writer.depth,
-            dropped_writes=self.store.writer.dropped,
-            checksum_failures=int(failures),
-        )
+        return wire.status_reply(self.node_id, healthy, detail, self.store.stats(),
+                                 self.store.writer.depth, self.store.writer.dropped,
+                                 int(failures))
 
     async def GetChunks(
         self, request: pb.GetChunksRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ChunkData]:
         # The client may ask for less read-ahead than the configured bound, never more:
         # each chunk in flight is a blob held in memory.
-        window = min(request.window or self.window, self.window)
-        if request.keys:
-            await _check_key_count(context, len(request.keys))
-            for i, key in enumerate(request.keys):
+        q = wire.chunks_query(request)
+        window = min(q.window or self.window, self.window)
+        if q.keys:
+            await _check_key_count(context, len(q.keys))
+            for i, key in enumerate(q.keys):
                 blob = await self.store.get_blob(key)
-                yield _chunk_msg(key, blob, layer=_layer_of(key), index=i)
+                yield wire.chunk_to_pb(key, blob, layer=_layer_of(key), index=i)
             return
         try:
-            manifest = await self.manifests.get_manifest(
-                request.session.tenant, request.session.session_id
-            )
+            manifest = await self.manifests.get_manifest(q.tenant, q.session_id)
         except ChunkFormatError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             return
         if manifest is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, "no manifest for this session")
             return
-        last = request.last_layer if request.has_last_layer else None
-        if request.first_layer >= manifest.num_layers or (
-                last is not None and not request.first_layer <= last < manifest.num_layers):
+        first, last = q.first_layer, q.last_layer
+        if first >= manifest.num_layers or (
+                last is not None and not first <= last < manifest.num_layers):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"layers [{request.first_layer}, {last}] are not within the session's "
+                f"layers [{first}, {last}] are not within the session's "
                 f"{manifest.num_layers} layers (first <= last required)")
-        stream = stream_session(self.store, manifest, request.first_layer, last, window)
+        stream = stream_session(self.store, manifest, first, last, window)
         async for layer, index, key, blob in stream:
             # grpc's write awaits HTTP/2 flow control, so the read-ahead stays bounded.
-            yield _chunk_msg(key, blob, layer, index)
+            yield wire.chunk_to_pb(key, blob, layer, index)
 
     async def PutChunks(
         self, request_iterator: AsyncIterator[pb.ChunkData], context: grpc.aio.ServicerContext
@@ -111,12 +96,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         wait = False
         receipts = []
         detail = ""
-        async for msg in request_iterator:
+        async for raw in request_iterator:
+            msg = wire.chunk_from_pb(raw)
             wait = wait or msg.wait_durable
             try:
-                receipts.append(
-                    await self.store.put_blob(msg.blob, msg.priority if msg.has_priority else None)
-                )
+                receipts.append(await self.store.put_blob(msg.blob, msg.priority))
                 stored += 1
             except ChunkCorrupt as e:
                 rejected += 1
@@ -134,75 +118,73 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 except StorageError as e:
                     not_durable += 1
                     detail = str(e)
-        return pb.PutChunksReply(
-            stored=stored, rejected=rejected, not_durable=not_durable, detail=detail
-        )
+        return wire.put_chunks_reply(stored, rejected, not_durable, detail)
 
     async def GetManifest(
         self, request: pb.ManifestRef, context: grpc.aio.ServicerContext
     ) -> pb.ManifestReply:
         try:
-            m = await self.manifests.get_manifest(request.tenant, request.session_id)
+            m = await self.manifests.get_manifest(*wire.session_of(request))
         except ChunkFormatError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if m is None:
-            return pb.ManifestReply(found=False)
-        return pb.ManifestReply(found=True, manifest=manifest_to_pb(m))
+        return wire.manifest_reply(m)
 
     async def PutManifest(
         self, request: pb.SessionManifest, context: grpc.aio.ServicerContext
     ) -> pb.PutManifestReply:
         try:
-            await self.manifests.put_manifest(manifest_from_pb(request))
+            await self.manifests.put_manifest(wire.manifest_from_pb(request))
         except ChunkFormatError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except (ManifestIncomplete, TierUnavailable) as e:
-            return pb.PutManifestReply(written=False, detail=str(e))
-        return pb.PutManifestReply(written=True, detail="ok")
+            return wire.put_manifest_reply(False, str(e))
+        return wire.put_manifest_reply(True, "ok")
 
     async def Stat(
         self, request: pb.StatRequest, context: grpc.aio.ServicerContext
     ) -> pb.StatReply:
-        await _check_key_count(context, len(request.keys))
-        out = [pb.KeyLocation(key=k, tiers=await self.store.locate(k)) for k in request.keys]
-        return pb.StatReply(keys=out)
+        keys = wire.keys_of(request)
+        await _check_key_count(context, len(keys))
+        return wire.stat_reply([(k, await self.store.locate(k)) for k in keys])
 
     async def Delete(
         self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteReply:
-        tiers = list(request.tiers)
+        q = wire.delete_query(request)
+        tiers = list(q.tiers)
         try:
             self.store.check_tier_names(tiers)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        await _check_key_count(context, len(request.keys))
-        if request.session.session_id:
+        await _check_key_count(context, len(q.keys))
+        if q.session_id:
             try:  # before anything is done with the names
-                manifest_key(request.session.tenant, request.session.session_id)
+                manifest_key(q.tenant, q.session_id)
             except ChunkFormatError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         everywhere = not tiers or self.store.lowest.name in tiers
         n = 0
-        for k in request.keys:
+        for k in q.keys:
             n += await self.store.delete(k, tiers)
-        if request.session.session_id:
-            tenant, sid = request.session.tenant, request.session.session_id
+        if q.session_id:
+            tenant, sid = q.tenant, q.session_id
             if everywhere:  # the session is gone, not just evicted from faster tiers
                 await self.manifests.forget(tenant, sid)
             try:
                 m = await self.manifests.get_manifest(tenant, sid)
-                if m is not None and request.with_chunks:
+                if m is not None and q.with_chunks:
                     for k in m.chunk_keys():
                         n += await self.store.delete(k, tiers)
                 n += await self.manifests.delete_manifest(tenant, sid, tiers)
             except ChunkFormatError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return pb.DeleteReply(deleted=n)
+        return wire.delete_reply(n)
 
     async def PullSession(
         self, request: pb.PullSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.PullSessionReply:
-        peer = request.peer_address or self.peer_address
+        q = wire.pull_query(request)
+        peer = q.peer_address or self.peer_address
         if not peer:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -212,20 +194,18 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             r = await pull_session(
                 self.manifests,
                 peer,
-                request.session.tenant,
-                request.session.session_id,
-                request.first_layer,
+                q.tenant,
+                q.session_id,
+                q.first_layer,
                 self.window,
-                write_manifest=request.wait_durable,
+                write_manifest=q.wait_durable,
                 timeout_s=self.peer_timeout_s,
             )
         except TierUnavailable as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except ChunkFormatError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return pb.PullSessionReply(
-            found=r.found, chunks=r.chunks, missing=r.missing, bytes=r.bytes, detail=r.detail
-        )
+        return wire.pull_reply(r.found, r.chunks, r.missing, r.bytes, r.detail)
 
     # ------------------------------------------------ same-node data path (pool/)
 
@@ -233,18 +213,18 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self, request: pb.AttachPoolRequest, context: grpc.aio.ServicerContext
     ) -> pb.AttachPoolReply:
         try:
-            pool_id, bpc = await self.pool_path.attach(geometry_from_pb(request.pool))
+            pool_id, bpc = await self.pool_path.attach(wire.geometry_from_pb(request.pool))
         except ConfigError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except (PoolError, ImportError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return pb.AttachPoolReply(pool_id=pool_id, blocks_per_chunk=bpc)
+        return wire.attach_reply(pool_id, bpc)
 
     async def LookupPrefix(
         self, request: pb.LookupPrefixRequest, context: grpc.aio.ServicerContext
     ) -> pb.LookupPrefixReply:
         try:
-            result = await self.pool_path.lookup(lookup_from_pb(request))
+            result = await self.pool_path.lookup(wire.lookup_from_pb(request))
         except (PoolError, ChunkFormatError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if result.lease_id:
@@ -259,7 +239,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "lookup past its deadline")
             context.add_done_callback(
                 lambda ctx: self.pool_path.release(lease_id) if ctx.cancelled() else None)
-        return lookup_to_pb(result)
+        return wire.lookup_to_pb(result)
 
     async def LoadIntoPool(
         self, request: pb.LoadIntoPoolRequest, context: grpc.aio.ServicerContext
@@ -267,37 +247,36 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         try:
             # aclosing: a dropped call finishes the load's clean-up before it ends (see
             # EnginePoolPath.load): no pool write after the RPC.
-            async with contextlib.aclosing(self.pool_path.load(load_from_pb(request))) as layers:
+            load = self.pool_path.load(wire.load_from_pb(request))
+            async with contextlib.aclosing(load) as layers:
                 async for msg in layers:
-                    yield layer_to_pb(msg)
+                    yield wire.layer_to_pb(msg)
         except (PoolError, ChunkFormatError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     async def ReleaseLease(
         self, request: pb.ReleaseLeaseRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReleaseLeaseReply:
-        self.pool_path.release(request.lease_id)
-        return pb.ReleaseLeaseReply()
+        self.pool_path.release(wire.lease_id_of(request))
+        return wire.release_reply()
 
     async def FencePoolOp(
         self, request: pb.FencePoolOpRequest, context: grpc.aio.ServicerContext
     ) -> pb.FencePoolOpReply:
         try:
-            await self.pool_path.fence(request.op_id)
+            await self.pool_path.fence(wire.op_id_of(request))
         except PoolError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return pb.FencePoolOpReply()
+        return wire.fence_reply()
 
     async def SaveFromPool(
         self, request: pb.SaveFromPoolRequest, context: grpc.aio.ServicerContext
     ) -> pb.SaveFromPoolReply:
         try:
-            r = await self.pool_path.save(save_from_pb(request))
+            r = await self.pool_path.save(wire.save_from_pb(request))
         except (PoolError, ChunkFormatError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return pb.SaveFromPoolReply(
-            chunks_written=r.chunks_written, chunks_skipped=r.chunks_skipped
-        )
+        return wire.save_reply(r.chunks_written, r.chunks_skipped)
 
 
 def _layer_of(key: str) -> int:
@@ -320,9 +299,3 @@ async def _check_key_count(context: grpc.aio.ServicerContext, n: int) -> None:
     if n > MAX_KEYS_PER_CALL:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                             f"at most {MAX_KEYS_PER_CALL} keys per call, got {n}")
-
-
-def _chunk_msg(key: str, blob: bytes | bytearray | None, layer: int, index: int) -> pb.ChunkData:
-    if blob is None:
-        return pb.ChunkData(key=key, found=False, layer=layer, index=index)
-    return pb.ChunkData(key=key, blob=bytes(blob), found=True, layer=layer, index=index)

@@ -1,6 +1,9 @@
-"""Proto <-> dataclass conversions of the KVStore service (the only place that does it)."""
+"""Proto <-> dataclass conversions of the KVStore service and of its peer client: the only
+module of the kvstore that builds or reads protobuf messages."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from services.kvstore.manifests.manifest import Manifest
 from services.kvstore.pool.attach import PoolGeometry
@@ -132,3 +135,166 @@ def save_from_pb(p: pb.SaveFromPoolRequest) -> SaveRequest:
         num_layers=p.num_layers,
         op_id=p.op_id,
     )
+
+
+def save_reply(chunks_written: int, chunks_skipped: int) -> pb.SaveFromPoolReply:
+    return pb.SaveFromPoolReply(chunks_written=chunks_written, chunks_skipped=chunks_skipped)
+
+
+def attach_reply(pool_id: str, blocks_per_chunk: int) -> pb.AttachPoolReply:
+    return pb.AttachPoolReply(pool_id=pool_id, blocks_per_chunk=blocks_per_chunk)
+
+
+def release_reply() -> pb.ReleaseLeaseReply:
+    return pb.ReleaseLeaseReply()
+
+
+def fence_reply() -> pb.FencePoolOpReply:
+    return pb.FencePoolOpReply()
+
+
+# ---------------------------------------------------------------- chunks and sessions
+
+
+@dataclass(frozen=True)
+class ChunksQuery:
+    """GetChunks: the named ``keys``, or else the session's layers from ``first_layer``
+    to ``last_layer`` (None = the last)."""
+
+    keys: tuple[str, ...]
+    tenant: str
+    session_id: str
+    window: int
+    first_layer: int
+    last_layer: int | None
+
+
+def chunks_query(p: pb.GetChunksRequest) -> ChunksQuery:
+    return ChunksQuery(tuple(p.keys), p.session.tenant, p.session.session_id, p.window,
+                       p.first_layer, p.last_layer if p.has_last_layer else None)
+
+
+def chunks_request(tenant: str, session_id: str, first_layer: int, window: int
+                   ) -> pb.GetChunksRequest:
+    return pb.GetChunksRequest(session=session_ref(tenant, session_id),
+                               first_layer=first_layer, window=window)
+
+
+@dataclass(frozen=True)
+class ChunkMessage:
+    """One chunk of a GetChunks or PutChunks stream."""
+
+    key: str
+    blob: bytes
+    found: bool
+    layer: int = 0
+    index: int = 0
+    priority: int | None = None  # PutChunks: None = the store's default
+    wait_durable: bool = False  # PutChunks: answer once the chunks are durable
+
+
+def chunk_to_pb(key: str, blob: bytes | bytearray | None, layer: int, index: int
+                ) -> pb.ChunkData:
+    if blob is None:
+        return pb.ChunkData(key=key, found=False, layer=layer, index=index)
+    return pb.ChunkData(key=key, blob=bytes(blob), found=True, layer=layer, index=index)
+
+
+def chunk_from_pb(p: pb.ChunkData) -> ChunkMessage:
+    return ChunkMessage(p.key, p.blob, p.found, p.layer, p.index,
+                        p.priority if p.has_priority else None, p.wait_durable)
+
+
+def put_chunks_reply(stored: int, rejected: int, not_durable: int, detail: str
+                     ) -> pb.PutChunksReply:
+    return pb.PutChunksReply(stored=stored, rejected=rejected, not_durable=not_durable,
+                             detail=detail)
+
+
+def session_ref(tenant: str, session_id: str) -> pb.ManifestRef:
+    return pb.ManifestRef(tenant=tenant, session_id=session_id)
+
+
+def session_of(p: pb.ManifestRef) -> tuple[str, str]:
+    """(tenant, session_id)."""
+    return p.tenant, p.session_id
+
+
+def manifest_reply(m: Manifest | None) -> pb.ManifestReply:
+    if m is None:
+        return pb.ManifestReply(found=False)
+    return pb.ManifestReply(found=True, manifest=manifest_to_pb(m))
+
+
+def manifest_of_reply(p: pb.ManifestReply) -> pb.SessionManifest | None:
+    """The manifest message of a GetManifest reply (None: not found); ``manifest_from_pb``
+    checks it."""
+    return p.manifest if p.found else None
+
+
+def put_manifest_reply(written: bool, detail: str) -> pb.PutManifestReply:
+    return pb.PutManifestReply(written=written, detail=detail)
+
+
+def keys_of(p: pb.StatRequest) -> tuple[str, ...]:
+    return tuple(p.keys)
+
+
+def stat_reply(locations: list[tuple[str, list[str]]]) -> pb.StatReply:
+    return pb.StatReply(keys=[pb.KeyLocation(key=k, tiers=t) for k, t in locations])
+
+
+@dataclass(frozen=True)
+class DeleteQuery:
+    keys: tuple[str, ...]
+    tiers: tuple[str, ...]  # empty = every tier
+    tenant: str
+    session_id: str  # "" = no session
+    with_chunks: bool
+
+
+def delete_query(p: pb.DeleteRequest) -> DeleteQuery:
+    return DeleteQuery(tuple(p.keys), tuple(p.tiers), p.session.tenant, p.session.session_id,
+                       p.with_chunks)
+
+
+def delete_reply(deleted: int) -> pb.DeleteReply:
+    return pb.DeleteReply(deleted=deleted)
+
+
+@dataclass(frozen=True)
+class PullQuery:
+    peer_address: str  # "" = the configured peer
+    tenant: str
+    session_id: str
+    first_layer: int
+    wait_durable: bool
+
+
+def pull_query(p: pb.PullSessionRequest) -> PullQuery:
+    return PullQuery(p.peer_address, p.session.tenant, p.session.session_id, p.first_layer,
+                     p.wait_durable)
+
+
+def pull_reply(found: bool, chunks: int, missing: int, nbytes: int, detail: str
+               ) -> pb.PullSessionReply:
+    return pb.PullSessionReply(found=found, chunks=chunks, missing=missing, bytes=nbytes,
+                               detail=detail)
+
+
+def status_reply(node_id: str, healthy: bool, detail: str, tiers: list[TierStats],
+                 write_queue_depth: int, dropped_writes: int, checksum_failures: int
+                 ) -> pb.KVStoreStatus:
+    return pb.KVStoreStatus(
+        node_id=node_id, healthy=healthy, detail=detail, tiers=[tier_to_pb(t) for t in tiers],
+        write_queue_depth=write_queue_depth, dropped_writes=dropped_writes,
+        checksum_failures=checksum_failures,
+    )
+
+
+def lease_id_of(p: pb.ReleaseLeaseRequest) -> str:
+    return p.lease_id
+
+
+def op_id_of(p: pb.FencePoolOpRequest) -> str:
+    return p.op_id

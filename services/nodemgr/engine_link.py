@@ -28,7 +28,7 @@ class EngineLink:
     async def raw_status(self) -> engine_pb2.EngineStatus:
         try:
             status: engine_pb2.EngineStatus = await self.stub.Status(
-                engine_pb2.EngineStatusRequest(), timeout=self.status_timeout_s
+                wire.status_request(), timeout=self.status_timeout_s
             )
             return status
         except grpc.aio.AioRpcError as e:

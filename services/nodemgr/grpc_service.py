@@ -44,7 +44,8 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
                 yield chunk
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNAVAILABLE:
-                log.error("engine unreachable during %s: %s", request.request_id, e.details())
+                log.error("engine unreachable during %s: %s", wire.request_id_of(request),
+                          e.details())
                 self.on_engine_unavailable(e.details() or "UNAVAILABLE")
             await context.abort(e.code(), e.details() or e.code().name)
         finally:

@@ -80,7 +80,7 @@ class Registrar:
             self.node_id,
             ", ".join(m.name for m in self.models),
         )
-        return reply.heartbeat_interval_s or self.interval_s
+        return wire.heartbeat_interval(reply) or self.interval_s
 
     async def _snapshot(self) -> wire.EngineSnapshot | None:
         try:

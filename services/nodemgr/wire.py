@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.model_info import ModelInfo
-from shared.proto import engine_pb2, nodemgr_pb2, scheduler_pb2
+from shared.proto import common_pb2, engine_pb2, nodemgr_pb2, scheduler_pb2
 
 
 @dataclass(frozen=True)
@@ -63,3 +63,16 @@ def node_status(
         engine=engine_status,
         kvstore_address=kvstore_address,
     )
+
+
+def status_request() -> engine_pb2.EngineStatusRequest:
+    return engine_pb2.EngineStatusRequest()
+
+
+def request_id_of(msg: common_pb2.GenerateRequest) -> str:
+    return msg.request_id
+
+
+def heartbeat_interval(reply: scheduler_pb2.RegisterNodeReply) -> float:
+    """The interval the scheduler asks for (0: keep ours)."""
+    return reply.heartbeat_interval_s

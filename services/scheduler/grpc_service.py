@@ -40,7 +40,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             info.address,
             ", ".join(m.name for m in info.models) or "no models",
         )
-        return scheduler_pb2.RegisterNodeReply(accepted=True, heartbeat_interval_s=self.interval)
+        return wire.register_reply(self.interval)
 
     async def _next_beat(
         self, context: grpc.aio.ServicerContext
@@ -68,15 +68,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         generation: int | None = None
         try:
             while (beat := await self._next_beat(context)) is not None:
-                node_id = beat.node_id
-                known = self.registry.heartbeat(node_id, wire.load(beat))
+                node_id, load = wire.beat(beat)
+                known = self.registry.heartbeat(node_id, load)
                 node = self.registry.get(node_id)
                 if node is not None and generation is None:
                     generation = node.generation
                 in_rotation = node is not None and self.registry.in_rotation(node)
-                await context.write(
-                    scheduler_pb2.HeartbeatAck(known=known, in_rotation=in_rotation)
-                )
+                await context.write(wire.heartbeat_ack(known, in_rotation))
         finally:
             # The stream ends when the node manager stops or loses us: take it out of
             # rotation now instead of waiting for the timeout; it re-registers to return.

@@ -95,3 +95,17 @@ def generate_request(
         priority=req.priority,
         add_generation_prompt=req.add_generation_prompt,
     )
+
+
+def beat(msg: scheduler_pb2.HeartbeatMsg) -> tuple[str, Load]:
+    """(node_id, load) of one heartbeat."""
+    return msg.node_id, load(msg)
+
+
+def heartbeat_ack(known: bool, in_rotation: bool) -> scheduler_pb2.HeartbeatAck:
+    return scheduler_pb2.HeartbeatAck(known=known, in_rotation=in_rotation)
+
+
+def register_reply(heartbeat_interval_s: float) -> scheduler_pb2.RegisterNodeReply:
+    return scheduler_pb2.RegisterNodeReply(accepted=True,
+                                           heartbeat_interval_s=heartbeat_interval_s)
