@@ -5,12 +5,13 @@ One block holds K and V of one layer for ``block_size`` tokens:
     block: (2, block_size, num_kv_heads, head_dim)  ->  2 * bs * heads * head_dim * itemsize bytes
 
 A span is a run of a sequence's blocks served by one stored chunk: the kvstore's lookup
-answers with spans, and the engine's load plan is made of the same spans.
+answers with spans (a ``StoredPrefix``), and the engine's load plan is made of the same
+spans.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def block_bytes(block_size: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
@@ -38,3 +39,15 @@ class KVSpan:
     @property
     def end_block(self) -> int:
         return self.first_block + self.use_blocks
+
+
+@dataclass
+class StoredPrefix:
+    """What a prefix lookup found: the prompt's first ``matched_blocks`` blocks are stored
+    (beyond those the caller has), as ``spans`` held by lease ``lease_id`` until loaded or
+    released ("" = nothing held), with each tier's measured load bandwidth."""
+
+    matched_blocks: int
+    spans: list[KVSpan] = field(default_factory=list)
+    lease_id: str = ""
+    tier_bytes_per_s: dict[str, float] = field(default_factory=dict)

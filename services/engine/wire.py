@@ -6,7 +6,7 @@ from typing import Any
 
 import grpc
 
-from shared.kv_layout import KVSpan
+from shared.kv_layout import KVSpan, StoredPrefix
 from shared.proto import common_pb2, engine_pb2, kvstore_pb2
 
 from .api_types import (
@@ -17,7 +17,7 @@ from .api_types import (
     SamplingParams,
 )
 from .errors import INTERNAL, INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE
-from .offload.jobs import LoadJob, LookupAnswer, PoolGeometry, SaveJob
+from .offload.jobs import LoadJob, PoolGeometry, SaveJob
 
 STATUS_CODES = {
     INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
@@ -124,10 +124,10 @@ def lookup_request(
     )
 
 
-def lookup_answer(reply: kvstore_pb2.LookupPrefixReply) -> LookupAnswer:
+def lookup_answer(reply: kvstore_pb2.LookupPrefixReply) -> StoredPrefix:
     spans = [KVSpan(bytes(s.chunk_hash), s.first_block, s.use_blocks, s.tier, s.bytes)
              for s in reply.spans]
-    return LookupAnswer(reply.matched_blocks, spans, reply.lease_id,
+    return StoredPrefix(reply.matched_blocks, spans, reply.lease_id,
                         dict(reply.tier_bytes_per_s))
 
 

@@ -11,11 +11,10 @@ from services.kvstore.pool.types import (
     LayerLoaded,
     LoadRequest,
     LookupRequest,
-    LookupResult,
     SaveRequest,
 )
 from services.kvstore.tiers.base import TierStats
-from shared.kv_layout import KVSpan
+from shared.kv_layout import KVSpan, StoredPrefix
 from shared.proto import kvstore_pb2 as pb
 
 
@@ -96,7 +95,7 @@ def lookup_from_pb(p: pb.LookupPrefixRequest) -> LookupRequest:
     )
 
 
-def lookup_to_pb(r: LookupResult) -> pb.LookupPrefixReply:
+def lookup_to_pb(r: StoredPrefix) -> pb.LookupPrefixReply:
     return pb.LookupPrefixReply(
         matched_blocks=r.matched_blocks,
         spans=[span_to_pb(s) for s in r.spans],

@@ -11,11 +11,10 @@ Block ids are layer-major, as the kvstore's rpcs take them:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from services.engine.offload.layer_readiness import LayerReadiness
 from services.engine.offload.planner import ReusePlan
-from shared.kv_layout import KVSpan
 
 
 @dataclass(frozen=True)
@@ -31,16 +30,6 @@ class PoolGeometry:
     dtype: str
     num_layers: int
     model_fp: str
-
-
-@dataclass
-class LookupAnswer:
-    """LookupPrefix's reply: the stored spans past the device hit, leased."""
-
-    matched_blocks: int
-    spans: list[KVSpan]
-    lease_id: str
-    tier_bytes_per_s: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

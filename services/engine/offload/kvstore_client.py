@@ -33,8 +33,9 @@ import grpc
 
 from services.engine import wire
 from services.engine.config import EngineConfig
-from services.engine.offload.jobs import LoadJob, LookupAnswer, PoolGeometry, SaveJob
+from services.engine.offload.jobs import LoadJob, PoolGeometry, SaveJob
 from shared.grpc_server import insecure_channel
+from shared.kv_layout import StoredPrefix
 from shared.proto import kvstore_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -164,7 +165,7 @@ class KVStoreClient:
     # ---- lookup and leases --------------------------------------------------------------
     async def lookup(
         self, tenant: str, session_id: str, hashes: list[bytes], first_block: int
-    ) -> LookupAnswer | None:
+    ) -> StoredPrefix | None:
         """The stored prefix beyond ``first_block`` device blocks; None on any error."""
         if not self.attached or self._stub is None:
             return None

@@ -11,7 +11,6 @@ from services.kvstore.pool.types import (
     LayerLoaded,
     LoadRequest,
     LookupRequest,
-    LookupResult,
     SaveRequest,
     SaveResult,
 )
@@ -21,7 +20,6 @@ __all__ = [
     "LayerLoaded",
     "LoadRequest",
     "LookupRequest",
-    "LookupResult",
     "MappedPool",
     "PoolError",
     "PoolGeometry",

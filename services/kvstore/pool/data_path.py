@@ -30,12 +30,11 @@ from services.kvstore.pool.types import (
     LayerLoaded,
     LoadRequest,
     LookupRequest,
-    LookupResult,
     SaveRequest,
     SaveResult,
 )
 from services.kvstore.store import TieredStore
-from shared.kv_layout import KVSpan
+from shared.kv_layout import KVSpan, StoredPrefix
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +111,7 @@ class EnginePoolPath:
             return [m.block_hashes]
         return []
 
-    async def lookup(self, req: LookupRequest) -> LookupResult:
+    async def lookup(self, req: LookupRequest) -> StoredPrefix:
         pool = self._pool_for_model(req.model_fp)
         g = pool.geometry
         bpc = self.pools.blocks_per_chunk(g.block_size)
@@ -147,7 +146,7 @@ class EnginePoolPath:
         m = self.store.metrics
         m.lookup_blocks.labels("hit").inc(matched - req.first_block)
         m.lookup_blocks.labels("miss").inc(len(req.block_hashes) - matched)
-        return LookupResult(matched, spans, lease_id, self.bandwidth.snapshot())
+        return StoredPrefix(matched, spans, lease_id, self.bandwidth.snapshot())
 
     def release(self, lease_id: str) -> bool:
         return self.leases.release(lease_id)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from shared.kv_layout import KVSpan
 
@@ -15,14 +15,6 @@ class LookupRequest:
     block_hashes: tuple[bytes, ...]
     first_block: int
     num_layers: int
-
-
-@dataclass
-class LookupResult:
-    matched_blocks: int
-    spans: list[KVSpan] = field(default_factory=list)
-    lease_id: str = ""
-    tier_bytes_per_s: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,12 @@ import torch
 from services.kvstore.metrics import KVStoreMetrics
 from services.kvstore.pool.attach import PoolError
 from services.kvstore.pool.data_path import EnginePoolPath
-from services.kvstore.pool.types import LoadRequest, LookupRequest, LookupResult, SaveRequest
+from services.kvstore.pool.types import LoadRequest, LookupRequest, SaveRequest
 from services.kvstore.store import TieredStore
 from services.kvstore.tiers import DramTier, SsdTier
 from shared.chunk_codec import ChunkMeta, chunk_key
 from shared.config import ConfigError
+from shared.kv_layout import StoredPrefix
 from tests.unit.kvstore.pools import (
     CHUNK_TOKENS,
     LAYERS,
@@ -82,16 +83,16 @@ async def save(
 
 async def lookup(
     dp: EnginePoolPath, hs: tuple[bytes, ...], first: int = 0, session: str = "sess"
-) -> LookupResult:
+) -> StoredPrefix:
     return await dp.lookup(LookupRequest(TENANT, session, MODEL, hs, first, LAYERS))
 
 
-async def load(dp: EnginePoolPath, pid: str, r: LookupResult, dst_ids: list[int]) -> list:
+async def load(dp: EnginePoolPath, pid: str, r: StoredPrefix, dst_ids: list[int]) -> list:
     req = LoadRequest(pid, r.lease_id, TENANT, MODEL, tuple(r.spans), tuple(dst_ids), LAYERS)
     return [m async for m in dp.load(req)]
 
 
-def spans_of(r: LookupResult) -> list[tuple[int, int]]:
+def spans_of(r: StoredPrefix) -> list[tuple[int, int]]:
     return [(s.first_block, s.use_blocks) for s in r.spans]
 
 
