@@ -8,21 +8,12 @@ Layout (one atomic RocksDB WriteBatch per put)::
     <path>/blobs/<file number> every larger blob (chunks), written before its catalog entry
 
 Chunks live beside RocksDB, not in it (key-value separation, as WiscKey and BlobDB do):
-through rocksdict a value is copied twice on every read, into memory it chooses; a file is
-read with ``preadv`` straight to where it is going (``ssd_files``), the engine's pool
-blocks when a session is loaded. Reads the page cache can serve run inline on the event
-loop (``RWF_NOWAIT``); the refused ones go to the tier's threads. (Measurements: the
-kvstore README.)
-
-Crash safety: a blob's file is complete before the catalog entry naming it is written,
-and replaced or evicted files are unlinked only after the entry that drops them. With
-``sync=False`` both are in the OS page cache when ``put`` returns: they survive a
-``kill -9`` but not a power cut (the chunk checksum catches a torn file); ``sync=True``
-fsyncs the file, its directory and the WAL. Files no entry names (a crash between the
-two writes) are deleted at open.
-
-RocksDB reads skip block checksums (every chunk carries its own, verified on every SSD
-hit) and do not fill the block cache, which holds the index and filter blocks.
+a file is read with ``preadv`` straight to where it is going (``ssd_files``), the
+engine's pool blocks when a session is loaded, inline on the event loop when the page
+cache holds it (``RWF_NOWAIT``). Crash safety: a blob's file is complete before the entry
+naming it is written, and dropped files are unlinked only after the entry that drops
+them; with ``sync=True`` the file, its directory and the WAL are fsynced. Files no entry
+names are deleted at open (``ssd_catalog``).
 """
 
 from __future__ import annotations
@@ -68,8 +59,6 @@ log = logging.getLogger(__name__)
 # No access-time update on reads: with relatime the first read of a new file would write
 # its inode, a journalled write RWF_NOWAIT does not cover, on the event loop.
 _O_NOATIME = getattr(os, "O_NOATIME", 0)
-_V = VALUE_PREFIX
-_M = META_PREFIX
 _BLOBS = "blobs"
 
 
@@ -285,15 +274,15 @@ class SsdTier(IndexedTtl, Tier):
                 file_no, self._next_file = self._next_file, self._next_file + 1
             batch = WriteBatch(raw_mode=True)
             for k in victims:
-                batch.delete(_V + k.encode())
-                batch.delete(_M + k.encode())
+                batch.delete(VALUE_PREFIX + k.encode())
+                batch.delete(META_PREFIX + k.encode())
             kb = key.encode()
             if file_no is None:
-                batch.put(_V + kb, bytes(blob) if isinstance(blob, bytearray) else blob)
-                batch.put(_M + kb, msgpack.packb([len(blob), priority, now]))
+                batch.put(VALUE_PREFIX + kb, bytes(blob) if isinstance(blob, bytearray) else blob)
+                batch.put(META_PREFIX + kb, msgpack.packb([len(blob), priority, now]))
             else:
-                batch.delete(_V + kb)
-                batch.put(_M + kb, msgpack.packb([len(blob), priority, now, file_no]))
+                batch.delete(VALUE_PREFIX + kb)
+                batch.put(META_PREFIX + kb, msgpack.packb([len(blob), priority, now, file_no]))
             dropped = [self._files[k] for k in [*victims, key] if k in self._files]
             try:
                 cancelled = await self._run_settled(
@@ -365,8 +354,8 @@ class SsdTier(IndexedTtl, Tier):
                 return False
             file_no = self._files.pop(key, None)
             batch = WriteBatch(raw_mode=True)
-            batch.delete(_V + key.encode())
-            batch.delete(_M + key.encode())
+            batch.delete(VALUE_PREFIX + key.encode())
+            batch.delete(META_PREFIX + key.encode())
             try:
                 cancelled = await self._run_settled(
                     self._write_blocking, db, batch, None, b"",

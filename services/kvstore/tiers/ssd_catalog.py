@@ -2,7 +2,11 @@
 
 The catalog is rebuilt from RocksDB's ``m:`` entries at open; damaged entries are dropped
 (their chunks are misses), and blob files no entry names (written or dropped around a
-crash) are deleted.
+crash) are deleted. A put survives a ``kill -9`` without ``sync`` (both writes are in the
+page cache); a power cut may tear a file, which the chunk checksum catches.
+
+RocksDB reads skip block checksums (every chunk carries its own, verified on every SSD
+hit) and do not fill the block cache, which holds the index and filter blocks.
 """
 
 from __future__ import annotations
