@@ -43,6 +43,8 @@ class GenerateRequest:
     tenant: str = ""
     priority: int = 0
     add_generation_prompt: bool = True
+    kv_source: str = ""  # the kvstore holding the session's KV when not this node's
+    kv_source_tokens: int = 0  # the length of the turn saved there
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class GenerateOutput:
     cached_tokens: int
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     prompt_token_ids: tuple[int, ...] = ()
+    kv_from: str = ""  # the first piece: "device", "local", "peer", "s3" or "recompute"
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from .errors import INTERNAL, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE,
 from .offload.kvstore_client import KVStoreClient
 from .offload.lookup import PrefixLookup, connect_offload
 from .offload.planner import RECOMPUTE
+from .offload.save_log import SavedSession
 from .validation import PreparedRequest, prepare
 
 log = logging.getLogger(__name__)
@@ -262,6 +263,10 @@ class AsyncEngine:
             saves=c.stats.saves, save_errors=c.stats.save_errors,
             chunks_saved=c.stats.chunks_saved,
         )
+
+    def saved_after(self, seq: int) -> tuple[SavedSession, ...]:
+        """Session saves that landed, numbered above ``seq`` (see ``offload/save_log``)."""
+        return self._connector.saved.after(seq) if self._connector is not None else ()
 
     @property
     def kv_connector(self) -> KVStoreClient | None:

@@ -30,6 +30,11 @@ class OffloadConfig:
     lookup_timeout_s: float = opt(
         0.2, "LookupPrefix deadline; past it the request recomputes", min=0.001, max=60.0
     )
+    peer_lookup_timeout_s: float = opt(
+        4.0, "LookupPrefix deadline when the session's KV is on another node (the peer may "
+        "wait for its save of the previous turn: keep this above kvstore.peer_wait_s)",
+        min=0.001, max=120.0,
+    )
     load_timeout_s: float = opt(
         10.0, "a layer not loaded this long after its wait began is recomputed", min=0.01
     )

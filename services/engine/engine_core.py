@@ -217,6 +217,7 @@ class EngineCore:
             cached_tokens=seq.num_cached_tokens or 0,
             finish_reason=live.output.finish_reason,
             prompt_token_ids=tuple(seq.prompt_token_ids) if first else (),
+            kv_from=_kv_from(seq) if first else "",
         )
 
     def _fail_unservable(self) -> list[Event]:
@@ -287,3 +288,11 @@ class EngineCore:
 
     def close(self) -> None:
         self.pool.close()
+
+
+def _kv_from(seq: Sequence) -> str:
+    """Where the prompt's reused KV was: loaded ("local", "s3", "peer"), on device, or
+    nowhere ("recompute")."""
+    if seq.offload.loaded_from:
+        return seq.offload.loaded_from
+    return "device" if seq.num_cached_tokens else "recompute"

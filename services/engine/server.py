@@ -37,7 +37,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self, request: engine_pb2.EngineStatusRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.EngineStatus:
         try:
-            return wire.status_to_proto(await self.engine.status())
+            status = await self.engine.status()
+            saved = self.engine.saved_after(wire.saved_after(request))
+            return wire.status_to_proto(status, saved)
         except EngineError as e:
             await context.abort(wire.STATUS_CODES[e.code], e.message)
             raise  # unreachable: abort raises

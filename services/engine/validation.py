@@ -22,6 +22,8 @@ class PreparedRequest:
     priority: int
     tenant: str = ""
     session_id: str = ""
+    kv_source: str = ""  # see GenerateRequest
+    kv_source_tokens: int = 0
 
 
 def _bad(message: str) -> EngineError:
@@ -110,4 +112,6 @@ def prepare(
         priority=req.priority,
         tenant=req.tenant,
         session_id=req.session_id,
+        kv_source=req.kv_source,
+        kv_source_tokens=req.kv_source_tokens,
     )

@@ -18,6 +18,7 @@ from .api_types import (
 )
 from .errors import INTERNAL, INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE
 from .offload.jobs import LoadJob, PoolGeometry, SaveJob
+from .offload.save_log import SavedSession
 
 STATUS_CODES = {
     INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
@@ -51,6 +52,8 @@ def request_from_proto(r: common_pb2.GenerateRequest) -> GenerateRequest:
         "tenant": r.tenant,
         "priority": r.priority,
         "add_generation_prompt": r.add_generation_prompt,
+        "kv_source": r.kv_source,
+        "kv_source_tokens": r.kv_source_tokens,
     }
     if kind == common_pb2.GenerateRequest.CHAT:
         msgs = tuple(ChatMessage(m.role, m.content) for m in r.messages)
@@ -70,11 +73,20 @@ def chunk_to_proto(o: GenerateOutput) -> common_pb2.GenerateChunk:
         completion_tokens=o.completion_tokens,
         finish_reason=o.finish_reason or "",
         cached_tokens=o.cached_tokens,
+        kv_from=o.kv_from,
     )
 
 
-def status_to_proto(s: EngineStatus) -> engine_pb2.EngineStatus:
+def saved_after(r: engine_pb2.EngineStatusRequest) -> int:
+    return r.saved_after
+
+
+def status_to_proto(
+    s: EngineStatus, saved: tuple[SavedSession, ...] = ()
+) -> engine_pb2.EngineStatus:
     return engine_pb2.EngineStatus(
+        saved=[common_pb2.SessionSaved(tenant=e.tenant, session_id=e.session_id,
+                                       tokens=e.tokens, seq=e.seq) for e in saved],
         models=[m.to_proto() for m in s.models],
         blocks_total=s.blocks_total,
         blocks_free=s.blocks_free,
@@ -116,11 +128,12 @@ def attach_reply(reply: kvstore_pb2.AttachPoolReply) -> tuple[str, int]:
 
 def lookup_request(
     tenant: str, session_id: str, model_fp: str, hashes: list[bytes], first_block: int,
-    num_layers: int,
+    num_layers: int, peer: str = "", peer_tokens: int = 0,
 ) -> kvstore_pb2.LookupPrefixRequest:
     return kvstore_pb2.LookupPrefixRequest(
         tenant=kvstore_tenant(tenant), session_id=session_id, model_fp=model_fp,
         block_hashes=hashes, first_block=first_block, num_layers=num_layers,
+        peer_address=peer, peer_wait_tokens=peer_tokens,
     )
 
 

@@ -70,6 +70,14 @@ class KVStoreConfig:
         10.0, "PullSession: deadline of the peer's manifest, and the longest wait for its "
         "next chunk", min=0.01, max=600.0,
     )
+    peer_wait_s: float = opt(
+        2.0, "FindPrefix: longest wait for the asked session's save still in flight here "
+        "(a next turn on another node never sees half of the previous one)", min=0.0,
+        max=60.0,
+    )
+    peer_bytes_per_s: float = opt(
+        3e8, "assumed bandwidth of a peer link until a pull from it has been measured", min=1.0
+    )
     drain_s: float = opt(5.0, "on shutdown, wait this long for queued writes", min=0.0, max=600.0)
     metrics_port: int = opt(0, "aiohttp /metrics port (0 = off)", min=0, max=65535)
     lease_s: float = opt(

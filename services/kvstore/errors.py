@@ -36,3 +36,8 @@ class WriteRefused(StorageError):
 
 class ManifestIncomplete(StorageError):
     """A manifest names a chunk that is not durable in the lowest tier, so it is not written."""
+
+
+class PeerFetchFailed(Exception):
+    """A layer of a session could not be had from the peer that holds it (unreachable,
+    stalled, or a chunk that fails its checks): that layer and later ones recompute."""

@@ -124,6 +124,31 @@ class KVStoreMetrics:
         )
         self.active_leases = Gauge("kvstore_leases", "prefix leases held", registry=r)
 
+        # Across nodes (peers/): what this node pulled from the kvstore of the node that
+        # served a session's previous turn, and what it served to others.
+        self.peer_bytes = Counter(
+            "kvstore_peer_bytes_pulled", "chunk bytes pulled from a peer kvstore", ["peer"],
+            registry=r,
+        )
+        self.peer_lookups = Counter(
+            "kvstore_peer_lookups",
+            "FindPrefix calls to a peer: result=hit (it held more of the prompt), miss, error",
+            ["result"], registry=r,
+        )
+        self.peer_pull_seconds = Histogram(
+            "kvstore_peer_pull_seconds", "one pull from a peer, request to last chunk",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.peer_served = Counter(
+            "kvstore_peer_lookups_served", "FindPrefix calls answered for peers: result=hit|miss",
+            ["result"], registry=r,
+        )
+        self.peer_wait_seconds = Histogram(
+            "kvstore_peer_save_wait_seconds",
+            "FindPrefix: time a peer's question waited for this node's save in flight",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

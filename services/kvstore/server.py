@@ -70,6 +70,10 @@ async def run(config: KVStoreConfig, stop: asyncio.Event | None = None) -> None:
                 readahead_layers=config.load_readahead_layers,
                 drain_s=config.drain_s,
                 manifests=manifests,
+                peer_wait_s=config.peer_wait_s,
+                peer_timeout_s=config.peer_timeout_s,
+                peer_bytes_per_s=config.peer_bytes_per_s,
+                peer_window=config.stream_window,
             )
         )
         service = KVStoreService(

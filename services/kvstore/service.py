@@ -65,8 +65,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         window = min(q.window or self.window, self.window)
         if q.keys:
             await _check_key_count(context, len(q.keys))
+            held = self.pool_path.held_blobs(q.lease_id)  # a peer's FindPrefix lease
             for i, key in enumerate(q.keys):
-                blob = await self.store.get_blob(key)
+                blob = held.get(key) or await self.store.get_blob(key)
                 yield wire.chunk_to_pb(key, blob, layer=_layer_of(key), index=i)
             return
         try:
@@ -253,6 +254,19 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     yield wire.layer_to_pb(msg)
         except (PoolError, ChunkFormatError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    async def FindPrefix(
+        self, request: pb.FindPrefixRequest, context: grpc.aio.ServicerContext
+    ) -> pb.FindPrefixReply:
+        try:
+            found = await self.pool_path.answer_peer(wire.find_from_pb(request))
+        except (PoolError, ChunkFormatError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if found.lease_id:  # as for LookupPrefix: a caller gone never learns the lease
+            lease_id = found.lease_id
+            context.add_done_callback(
+                lambda ctx: self.pool_path.release(lease_id) if ctx.cancelled() else None)
+        return wire.find_reply(found)
 
     async def ReleaseLease(
         self, request: pb.ReleaseLeaseRequest, context: grpc.aio.ServicerContext

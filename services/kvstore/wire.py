@@ -8,9 +8,12 @@ from dataclasses import dataclass
 from services.kvstore.manifests.manifest import Manifest
 from services.kvstore.pool.attach import PoolGeometry
 from services.kvstore.pool.types import (
+    FindRequest,
+    FoundOnPeer,
     LayerLoaded,
     LoadRequest,
     LookupRequest,
+    PeerChunk,
     SaveRequest,
 )
 from services.kvstore.tiers.base import TierStats
@@ -92,6 +95,8 @@ def lookup_from_pb(p: pb.LookupPrefixRequest) -> LookupRequest:
         block_hashes=tuple(bytes(h) for h in p.block_hashes),
         first_block=p.first_block,
         num_layers=p.num_layers,
+        peer_address=p.peer_address,
+        peer_wait_tokens=p.peer_wait_tokens,
     )
 
 
@@ -166,17 +171,59 @@ class ChunksQuery:
     window: int
     first_layer: int
     last_layer: int | None
+    lease_id: str = ""  # with keys: a FindPrefix lease whose held copies go first
 
 
 def chunks_query(p: pb.GetChunksRequest) -> ChunksQuery:
     return ChunksQuery(tuple(p.keys), p.session.tenant, p.session.session_id, p.window,
-                       p.first_layer, p.last_layer if p.has_last_layer else None)
+                       p.first_layer, p.last_layer if p.has_last_layer else None,
+                       p.lease_id)
 
 
 def chunks_request(tenant: str, session_id: str, first_layer: int, window: int
                    ) -> pb.GetChunksRequest:
     return pb.GetChunksRequest(session=session_ref(tenant, session_id),
                                first_layer=first_layer, window=window)
+
+
+def keyed_chunks_request(keys: list[str], lease_id: str, window: int) -> pb.GetChunksRequest:
+    return pb.GetChunksRequest(keys=keys, lease_id=lease_id, window=window)
+
+
+# ---- FindPrefix (node to node)
+
+def find_request(r: FindRequest) -> pb.FindPrefixRequest:
+    return pb.FindPrefixRequest(
+        tenant=r.tenant, session_id=r.session_id, model_fp=r.model_fp,
+        block_hashes=list(r.block_hashes), first_block=r.first_block,
+        num_layers=r.num_layers, blocks_per_chunk=r.blocks_per_chunk,
+        wait_tokens=r.wait_tokens,
+    )
+
+
+def find_from_pb(p: pb.FindPrefixRequest) -> FindRequest:
+    return FindRequest(
+        tenant=p.tenant, session_id=p.session_id, model_fp=p.model_fp,
+        block_hashes=tuple(bytes(h) for h in p.block_hashes), first_block=p.first_block,
+        num_layers=p.num_layers, blocks_per_chunk=p.blocks_per_chunk,
+        wait_tokens=p.wait_tokens,
+    )
+
+
+def find_reply(r: FoundOnPeer) -> pb.FindPrefixReply:
+    return pb.FindPrefixReply(
+        matched_blocks=r.matched_blocks, lease_id=r.lease_id, waited_s=r.waited_s,
+        chunks=[pb.PeerChunk(chunk_hashes=list(c.chunk_hashes), first_block=c.first_block,
+                             use_blocks=c.use_blocks, tier=c.tier) for c in r.chunks],
+    )
+
+
+def found_from_pb(p: pb.FindPrefixReply) -> FoundOnPeer:
+    return FoundOnPeer(
+        matched_blocks=p.matched_blocks, lease_id=p.lease_id, waited_s=p.waited_s,
+        chunks=tuple(PeerChunk(tuple(bytes(h) for h in c.chunk_hashes), c.first_block,
+                               c.use_blocks, c.tier) for c in p.chunks),
+    )
 
 
 @dataclass(frozen=True)
@@ -289,6 +336,10 @@ def status_reply(node_id: str, healthy: bool, detail: str, tiers: list[TierStats
         write_queue_depth=write_queue_depth, dropped_writes=dropped_writes,
         checksum_failures=checksum_failures,
     )
+
+
+def release_request(lease_id: str) -> pb.ReleaseLeaseRequest:
+    return pb.ReleaseLeaseRequest(lease_id=lease_id)
 
 
 def lease_id_of(p: pb.ReleaseLeaseRequest) -> str:

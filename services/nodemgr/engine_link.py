@@ -25,10 +25,10 @@ class EngineLink:
         self.channel = fast_channel(address)
         self.stub = engine_pb2_grpc.EngineStub(self.channel)
 
-    async def raw_status(self) -> engine_pb2.EngineStatus:
+    async def raw_status(self, saved_after: int = 0) -> engine_pb2.EngineStatus:
         try:
             status: engine_pb2.EngineStatus = await self.stub.Status(
-                wire.status_request(), timeout=self.status_timeout_s
+                wire.status_request(saved_after), timeout=self.status_timeout_s
             )
             return status
         except grpc.aio.AioRpcError as e:
@@ -36,8 +36,9 @@ class EngineLink:
                 f"engine at {self.address} did not answer Status: {e.code().name} {e.details()}"
             ) from None
 
-    async def status(self) -> wire.EngineSnapshot:
-        return wire.snapshot(await self.raw_status())
+    async def status(self, saved_after: int = 0) -> wire.EngineSnapshot:
+        """The engine's load, with the session saves numbered above ``saved_after``."""
+        return wire.snapshot(await self.raw_status(saved_after))
 
     async def wait_ready(self, wait_s: float, poll_s: float = 0.2) -> wire.EngineSnapshot:
         """Poll Status until the engine serves a model; raise after ``wait_s``."""

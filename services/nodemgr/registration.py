@@ -46,6 +46,9 @@ class Registrar:
         self.in_flight = in_flight
         self.problem = ""
         self._poke = asyncio.Event()
+        # The newest engine save the scheduler acknowledged: each beat carries the ones
+        # after it, so a beat lost with a broken stream is sent again.
+        self.saved_acked = 0
 
     def engine_failed(self, detail: str) -> None:
         """A forwarded call found the engine unreachable: report it in a beat right now."""
@@ -84,7 +87,7 @@ class Registrar:
 
     async def _snapshot(self) -> wire.EngineSnapshot | None:
         try:
-            snap = await self.engine.status()
+            snap = await self.engine.status(self.saved_acked)
         except EngineUnavailable as e:
             if not self.problem:
                 log.error("%s; reporting the node as unable to serve", e)
@@ -113,6 +116,8 @@ class Registrar:
                 if not ack.known:
                     log.info("the scheduler does not know this node; registering again")
                     return
+                if snap is not None:
+                    self.saved_acked = max(self.saved_acked, snap.last_saved)
                 try:
                     await asyncio.wait_for(self._poke.wait(), interval)
                 except TimeoutError:

@@ -17,6 +17,12 @@ class EngineSnapshot:
     waiting: int = 0
     blocks_free: int = 0
     blocks_total: int = 0
+    saved: tuple[common_pb2.SessionSaved, ...] = ()  # session saves, passed on as they are
+
+    @property
+    def last_saved(self) -> int:
+        """The number of the newest save reported (0: none)."""
+        return max((s.seq for s in self.saved), default=0)
 
 
 def snapshot(msg: engine_pb2.EngineStatus) -> EngineSnapshot:
@@ -26,6 +32,7 @@ def snapshot(msg: engine_pb2.EngineStatus) -> EngineSnapshot:
         waiting=msg.waiting,
         blocks_free=msg.blocks_free,
         blocks_total=msg.blocks_total,
+        saved=tuple(msg.saved),
     )
 
 
@@ -49,6 +56,7 @@ def heartbeat(
         msg.waiting = snap.waiting
         msg.blocks_free = snap.blocks_free
         msg.blocks_total = snap.blocks_total
+        msg.saved.extend(snap.saved)
     return msg
 
 
@@ -65,8 +73,8 @@ def node_status(
     )
 
 
-def status_request() -> engine_pb2.EngineStatusRequest:
-    return engine_pb2.EngineStatusRequest()
+def status_request(saved_after: int = 0) -> engine_pb2.EngineStatusRequest:
+    return engine_pb2.EngineStatusRequest(saved_after=saved_after)
 
 
 def request_id_of(msg: common_pb2.GenerateRequest) -> str:

@@ -16,6 +16,7 @@ from services.scheduler.http_api import ApiState, build_app
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.nodes import NodeRegistry
 from services.scheduler.policy import make_policy
+from services.scheduler.sessions import SessionDirectory
 from services.scheduler.validation import Limits
 from shared.grpc_server import serve_grpc
 from shared.proto import scheduler_pb2_grpc
@@ -24,8 +25,14 @@ log = logging.getLogger(__name__)
 
 
 def build_state(
-    config: SchedulerConfig, registry: NodeRegistry, channels: NodeChannels
+    config: SchedulerConfig,
+    registry: NodeRegistry,
+    channels: NodeChannels,
+    sessions: SessionDirectory | None = None,
 ) -> ApiState:
+    metrics = SchedulerMetrics()
+    if sessions is None:
+        sessions = SessionDirectory(config.sessions_max, config.sessions_ttl_s)
     dispatcher = Dispatcher(
         registry,
         make_policy(config.policy),
@@ -36,13 +43,16 @@ def build_state(
             suspend_grace_s=config.heartbeat_interval_s,
             request_timeout_s=config.request_timeout_s,
         ),
+        sessions,
+        metrics,
     )
     return ApiState(
         registry=registry,
         dispatcher=dispatcher,
-        metrics=SchedulerMetrics(),
+        metrics=metrics,
         limits=Limits(config.max_n, config.max_prompts, config.default_max_tokens),
         api_keys={str(k): str(v) for k, v in config.api_keys.items()},
+        admin_keys=frozenset(str(k) for k in config.admin_keys),
         max_body_bytes=config.max_body_bytes,
     )
 
@@ -80,7 +90,8 @@ async def start(config: SchedulerConfig, stack: AsyncExitStack) -> Running:
     registry = NodeRegistry(config.heartbeat_timeout_s)
     channels = NodeChannels()
     stack.push_async_callback(channels.close)
-    servicer = SchedulerServicer(registry, config.heartbeat_interval_s)
+    sessions = SessionDirectory(config.sessions_max, config.sessions_ttl_s)
+    servicer = SchedulerServicer(registry, config.heartbeat_interval_s, sessions)
     grpc_server = await stack.enter_async_context(
         serve_grpc(
             config.grpc_host,
@@ -90,7 +101,7 @@ async def start(config: SchedulerConfig, stack: AsyncExitStack) -> Running:
         )
     )
     stack.push_async_callback(servicer.close)  # runs before the server stops
-    state = build_state(config, registry, channels)
+    state = build_state(config, registry, channels, sessions)
     # Cancel a handler when its client disconnects, so the generation is cancelled too.
     runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)
     await runner.setup()

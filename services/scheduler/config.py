@@ -21,6 +21,18 @@ class SchedulerConfig:
     max_body_bytes: int = opt(4 << 20, "largest accepted request body", min=1024)
     request_timeout_s: float = opt(600.0, "upper bound on one request's duration", min=1)
     api_keys: dict[str, str] = opt({}, "bearer key -> tenant; empty = no auth, tenant 'default'")
+    admin_keys: list[str] = opt(
+        [], "bearer keys for /admin routes; required (and only these work) once api_keys or "
+        "admin_keys is set; empty with no api_keys = admin routes open (local use)"
+    )
+    sessions_max: int = opt(
+        100_000, "sessions whose KV location is remembered (least recently used go first)",
+        min=1,
+    )
+    sessions_ttl_s: float = opt(
+        24 * 3600.0, "a session's KV location is forgotten this long after its last turn",
+        min=1.0,
+    )
     policy: str = opt("balanced", "placement policy", choices=("balanced",))
     max_n: int = opt(8, "largest `n`; each choice is a separate generation", min=1, max=64)
     max_prompts: int = opt(8, "most prompts in one /v1/completions request", min=1, max=64)

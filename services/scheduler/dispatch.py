@@ -1,9 +1,16 @@
 """Route one generation to a node and stream its chunks back, mapping node failures to
-``ApiError``s. Owns the gRPC channels to the nodes."""
+``ApiError``s. Owns the gRPC channels to the nodes.
+
+A session's KV follows it: when the policy picks another node than the one that served
+the session's last turn, the request names that node's kvstore (and the turn's length),
+and the serving node pulls the KV from there layer by layer (Symphony §3.2–3.3). A turn
+that ends records its node in the ``SessionDirectory``.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -12,8 +19,10 @@ import grpc
 
 from services.scheduler import wire
 from services.scheduler.errors import ApiError, from_grpc
+from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.nodes import Node, NodeRegistry
 from services.scheduler.policy import Policy, RouteRequest
+from services.scheduler.sessions import SessionDirectory, SessionPlace
 from shared.grpc_server import insecure_channel
 from shared.proto import common_pb2, nodemgr_pb2_grpc
 
@@ -55,11 +64,15 @@ class Dispatcher:
         policy: Policy,
         channels: NodeChannels,
         settings: DispatchSettings,
+        sessions: SessionDirectory | None = None,
+        metrics: SchedulerMetrics | None = None,
     ) -> None:
         self.registry = registry
         self.policy = policy
         self.channels = channels
         self.settings = settings
+        self.sessions = sessions if sessions is not None else SessionDirectory(100_000, 86400.0)
+        self.metrics = metrics
 
     def _loop_time(self) -> float:
         return asyncio.get_running_loop().time()
@@ -121,17 +134,27 @@ class Dispatcher:
         node forwards to its engine.
         """
         attempts = self.settings.unavailable_retries + 1
+        place = self.sessions.where(route.tenant, route.session_id) if route.session_id else None
+        if place is not None:
+            route = dataclasses.replace(route, holder=place.node_id)
         for attempt in range(attempts):
             node = await self.pick(route)
             self.registry.begin(node.node_id)
             call = self.channels.stub(node.info.address).Generate(
-                request, timeout=self.settings.request_timeout_s
+                self._for_node(request, node, place), timeout=self.settings.request_timeout_s
             )
             produced = False
+            last: wire.Chunk | None = None
             try:
                 async for msg in call:
+                    last = wire.chunk(msg, node.node_id)
+                    if not produced and self.metrics is not None:
+                        self.metrics.turns.labels(last.kv_from or "unknown").inc()
                     produced = True
-                    yield wire.chunk(msg)
+                    yield last
+                if last is not None and last.finish_reason and route.session_id:
+                    self.sessions.turn_served(route.tenant, route.session_id, node.node_id,
+                                              last.prompt_tokens + last.completion_tokens)
                 return
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.UNAVAILABLE:
@@ -147,6 +170,21 @@ class Dispatcher:
             finally:
                 call.cancel()
                 self.registry.end(node.node_id)
+
+
+    def _for_node(
+        self, request: common_pb2.GenerateRequest, node: Node, place: SessionPlace | None
+    ) -> common_pb2.GenerateRequest:
+        """``request`` as ``node`` gets it: naming the kvstore that holds the session's KV
+        when that is another node's, and that node is alive (drained counts: it still
+        serves pulls)."""
+        if place is None or place.node_id == node.node_id:
+            return request
+        holder = self.registry.get(place.node_id)
+        if holder is None or not holder.info.kvstore_address or not self.registry.alive(holder):
+            return request  # the serving node looks in its own tiers and S3
+        tokens = place.turn_tokens or place.saved_tokens
+        return wire.with_kv_source(request, holder.info.kvstore_address, tokens)
 
 
 def _model_not_found(model: str, registry: NodeRegistry) -> ApiError:

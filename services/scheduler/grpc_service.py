@@ -10,15 +10,22 @@ import grpc
 
 from services.scheduler import wire
 from services.scheduler.nodes import NodeRegistry
+from services.scheduler.sessions import SessionDirectory
 from shared.proto import scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
-    def __init__(self, registry: NodeRegistry, heartbeat_interval_s: float) -> None:
+    def __init__(
+        self,
+        registry: NodeRegistry,
+        heartbeat_interval_s: float,
+        sessions: SessionDirectory | None = None,
+    ) -> None:
         self.registry = registry
         self.interval = heartbeat_interval_s
+        self.sessions = sessions
         self._closing = asyncio.Event()
 
     async def close(self) -> None:
@@ -70,6 +77,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             while (beat := await self._next_beat(context)) is not None:
                 node_id, load = wire.beat(beat)
                 known = self.registry.heartbeat(node_id, load)
+                if known and self.sessions is not None:
+                    for s in wire.saved_sessions(beat):
+                        self.sessions.saved(s.tenant, s.session_id, node_id, s.tokens)
                 node = self.registry.get(node_id)
                 if node is not None and generation is None:
                     generation = node.generation

@@ -13,6 +13,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
+from services.scheduler.admin_api import add_admin_routes
 from services.scheduler.dispatch import Dispatcher
 from services.scheduler.errors import ApiError
 from services.scheduler.fanout import run_choices
@@ -43,10 +44,12 @@ class ApiState:
     limits: Limits
     api_keys: dict[str, str]
     max_body_bytes: int
+    admin_keys: frozenset[str] = frozenset()
 
 
 STATE = web.AppKey("state", ApiState)
 CLIENT_GONE = "overture.client_gone"  # request key: the client left mid-stream (counted as 499)
+NODE_HEADER = "X-Overture-Node"  # the node that served a generation
 
 
 def error_response(e: ApiError) -> web.Response:
@@ -146,11 +149,15 @@ async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
         async with aclosing(run_choices(state.dispatcher, req, model, env.id)) as events:
             if req.stream:
                 return await _stream(request, req, env, states, timing, events)
+            nodes: list[str] = []
             async for index, chunk in events:
                 states[index].add(chunk)
                 timing.tokens(index, len(chunk.token_ids))
+                if chunk.node and chunk.node not in nodes:
+                    nodes.append(chunk.node)
             return web.json_response(
-                full_response(env, list(states.values()), req.return_token_ids)
+                full_response(env, list(states.values()), req.return_token_ids),
+                headers={NODE_HEADER: ",".join(nodes)} if nodes else None,
             )
     finally:
         state.metrics.in_flight.dec()
@@ -200,9 +207,10 @@ async def _stream(
     # Wait for the first chunk before sending headers, so that failures before any output
     # (bad prompt, no node, unknown model) still get their proper HTTP status.
     first = await anext(events, None)
-    resp = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-    )
+    headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    if first is not None and first[1].node:
+        headers[NODE_HEADER] = first[1].node  # (other choices may run on other nodes)
+    resp = web.StreamResponse(headers=headers)
     await resp.prepare(request)
     seen: set[int] = set()
     try:
@@ -281,6 +289,7 @@ async def readyz(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
+    state.metrics.sessions.set(len(state.dispatcher.sessions))
     text = state.metrics.render(state.registry)
     return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE})
 
@@ -295,4 +304,5 @@ def build_app(state: ApiState) -> web.Application:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
+    add_admin_routes(app)
     return app

@@ -49,6 +49,17 @@ class SchedulerMetrics:
             "overture_node_in_rotation", "1 if the node receives requests", ["node"], registry=r
         )
         self.healthy_nodes = Gauge("overture_healthy_nodes", "nodes in rotation", registry=r)
+        self.turns = Counter(
+            "overture_turns",
+            "generations by where their prompt's KV was: device (the serving node's device "
+            "cache), local (its kvstore tiers), peer (another node's kvstore), s3, recompute",
+            ["kv_from"],
+            registry=r,
+        )
+        self.sessions = Gauge(
+            "overture_sessions_located", "sessions whose KV location the scheduler knows",
+            registry=r,
+        )
 
     def render(self, nodes: NodeRegistry) -> bytes:
         """Refresh the per-node gauges from the registry, then expose everything."""

@@ -56,6 +56,7 @@ class Node:
     suspended_until: float = 0.0  # after an UNAVAILABLE call: beats before this are stale
     suspended: bool = False
     last_routed: float = 0.0
+    drained: bool = False  # an operator stopped new requests to it (it still serves pulls)
     generation: int = 0  # bumps on every registration, so late news of an old one is ignored
 
     @property
@@ -93,6 +94,7 @@ class NodeRegistry:
             registered_at=now,
             last_beat=now,
             routed=old.routed if old else 0,
+            drained=old.drained if old else False,  # a restarted drained node stays drained
             generation=self._generation,
         )
         self._nodes[info.node_id] = node
@@ -125,6 +127,14 @@ class NodeRegistry:
             node.suspended_until = self.clock() + grace_s
             self._notify()
 
+    def drain(self, node_id: str, drained: bool = True) -> Node | None:
+        """Stop (or resume) routing new requests to a node; None if unknown."""
+        node = self._nodes.get(node_id)
+        if node is not None and node.drained != drained:
+            node.drained = drained
+            self._notify()
+        return node
+
     def remove(self, node_id: str) -> None:
         if self._nodes.pop(node_id, None) is not None:
             self._was_up.pop(node_id, None)
@@ -143,9 +153,12 @@ class NodeRegistry:
 
     # -- queries ------------------------------------------------------------------------
 
+    def alive(self, node: Node) -> bool:
+        """Beating and reachable: it can serve its peers' pulls (even when drained)."""
+        return self.clock() - node.last_beat <= self.timeout and not node.suspended
+
     def in_rotation(self, node: Node) -> bool:
-        fresh = self.clock() - node.last_beat <= self.timeout
-        return fresh and not node.suspended and not node.load.problem
+        return self.alive(node) and not node.load.problem and not node.drained
 
     def get(self, node_id: str) -> Node | None:
         return self._nodes.get(node_id)

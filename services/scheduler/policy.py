@@ -19,6 +19,7 @@ class RouteRequest:
     session_id: str = ""
     tenant: str = "default"
     priority: int = 0
+    holder: str = ""  # the node holding the session's KV (its last turn's), if known
 
 
 class Policy(Protocol):
@@ -33,14 +34,16 @@ class Policy(Protocol):
 
 
 class BalancedPolicy:
-    """Least loaded (running + waiting + routed); ties: fewest routed, then least recently used."""
+    """Least loaded (running + waiting + routed); ties: the node holding the session's KV,
+    then fewest routed, then least recently used."""
 
     name = "balanced"
 
     def choose(self, nodes: Sequence[Node], request: RouteRequest) -> Node | None:
         if not nodes:
             return None
-        return min(nodes, key=lambda n: (n.score(), n.routed, n.last_routed, n.node_id))
+        return min(nodes, key=lambda n: (n.score(), n.node_id != request.holder, n.routed,
+                                         n.last_routed, n.node_id))
 
 
 POLICIES: dict[str, type[Policy]] = {"balanced": BalancedPolicy}

@@ -23,6 +23,8 @@ class Chunk:
     completion_tokens: int = 0
     finish_reason: str = ""
     cached_tokens: int = 0
+    kv_from: str = ""  # the first chunk: where the prompt's KV came from
+    node: str = ""  # the node that produced it (set by the dispatcher)
 
 
 def node_info(msg: scheduler_pb2.RegisterNodeRequest) -> NodeInfo:
@@ -47,8 +49,10 @@ def load(msg: scheduler_pb2.HeartbeatMsg) -> Load:
     )
 
 
-def chunk(msg: common_pb2.GenerateChunk) -> Chunk:
+def chunk(msg: common_pb2.GenerateChunk, node: str = "") -> Chunk:
     return Chunk(
+        kv_from=msg.kv_from,
+        node=node,
         text=msg.text,
         token_ids=tuple(msg.token_ids),
         prompt_token_ids=tuple(msg.prompt_token_ids),
@@ -95,6 +99,29 @@ def generate_request(
         priority=req.priority,
         add_generation_prompt=req.add_generation_prompt,
     )
+
+
+@dataclass(frozen=True)
+class SavedSession:
+    tenant: str
+    session_id: str
+    tokens: int
+
+
+def saved_sessions(msg: scheduler_pb2.HeartbeatMsg) -> list[SavedSession]:
+    """The session saves a heartbeat reports."""
+    return [SavedSession(s.tenant, s.session_id, s.tokens) for s in msg.saved]
+
+
+def with_kv_source(
+    request: common_pb2.GenerateRequest, kvstore_address: str, tokens: int
+) -> common_pb2.GenerateRequest:
+    """``request`` for a node that must pull the session's KV from ``kvstore_address``."""
+    out = common_pb2.GenerateRequest()
+    out.CopyFrom(request)
+    out.kv_source = kvstore_address
+    out.kv_source_tokens = tokens
+    return out
 
 
 def beat(msg: scheduler_pb2.HeartbeatMsg) -> tuple[str, Load]:

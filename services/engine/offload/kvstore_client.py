@@ -34,6 +34,7 @@ import grpc
 from services.engine import wire
 from services.engine.config import EngineConfig
 from services.engine.offload.jobs import LoadJob, PoolGeometry, SaveJob
+from services.engine.offload.save_log import SaveLog
 from shared.grpc_server import insecure_channel
 from shared.kv_layout import StoredPrefix
 from shared.proto import kvstore_pb2_grpc
@@ -68,6 +69,7 @@ class KVStoreClient:
         self.pool_id = ""
         self.blocks_per_chunk = 0
         self.stats = ConnectorStats()
+        self.saved = SaveLog()  # session saves that landed, for the scheduler
         self._channel: grpc.aio.Channel | None = None
         self._stub: kvstore_pb2_grpc.KVStoreStub | None = None
         self._attach_task: asyncio.Task | None = None
@@ -164,17 +166,20 @@ class KVStoreClient:
 
     # ---- lookup and leases --------------------------------------------------------------
     async def lookup(
-        self, tenant: str, session_id: str, hashes: list[bytes], first_block: int
+        self, tenant: str, session_id: str, hashes: list[bytes], first_block: int,
+        peer: str = "", peer_tokens: int = 0,
     ) -> StoredPrefix | None:
-        """The stored prefix beyond ``first_block`` device blocks; None on any error."""
+        """The stored prefix beyond ``first_block`` device blocks; None on any error.
+        ``peer``: the kvstore that served the session's last turn (of ``peer_tokens``)."""
         if not self.attached or self._stub is None:
             return None
         self.stats.lookups += 1
         req = wire.lookup_request(tenant, session_id, self.model_fp, hashes, first_block,
-                                  self.num_layers)
+                                  self.num_layers, peer, peer_tokens)
+        o = self.config.offload
         try:
             reply = await self._stub.LookupPrefix(
-                req, timeout=self.config.offload.lookup_timeout_s
+                req, timeout=o.peer_lookup_timeout_s if peer else o.lookup_timeout_s
             )
         except grpc.aio.AioRpcError as e:
             self.stats.lookup_errors += 1
@@ -278,6 +283,8 @@ class KVStoreClient:
             self.stats.saves += 1
             self.stats.chunks_saved += wire.chunks_written(reply)
             ok = True
+            if job.session_id:
+                self.saved.record(job.tenant, job.session_id, job.token_count)
         except grpc.aio.AioRpcError as e:
             self.stats.save_errors += 1
             self._warn("SaveFromPool", e)

@@ -202,6 +202,7 @@ class KVStoreOffload(Offload):
             assert ready is not None and plan is not None
             if ready.complete:
                 self.last_load_s = ready.completed_at - ready.created
+                seq.offload.loaded_from = loaded_from(plan)
                 for s in plan.spans:
                     tokens = self.loaded_tokens.get(s.tier, 0) + s.use_blocks * bs
                     self.loaded_tokens[s.tier] = tokens
@@ -331,3 +332,10 @@ def offload_for(config: EngineConfig, kv: BlockTables, scheduler: Scheduler) -> 
         prefill_prior_s_per_token=config.offload.prefill_s_per_token,
         pool_on_cpu=torch.device(config.device).type == "cpu",
     )
+
+
+def loaded_from(plan: ReusePlan) -> str:
+    """Where a plan's KV came from, the farthest source counting: "peer" (another node's
+    kvstore), "s3" (the shared durable tier) or "local" (this node's DRAM or SSD)."""
+    tiers = {s.tier for s in plan.spans}
+    return "peer" if "peer" in tiers else "s3" if "s3" in tiers else "local"

@@ -4,6 +4,8 @@
                                                     (the last token is always computed)
     device prefix cache ──peek──► D blocks on device (a hint; admission re-checks)
     LookupPrefix(first_block=D) ──► spans over [D, matched), tier bandwidths, lease
+        (with the request's kv_source: the kvstore searches the peer that served the
+        session's last turn too, and the spans it holds there stream in from it)
     choose_spans ──► the longest prefix of spans worth loading (or none: release the lease)
 
 A lookup that fails or times out means "nothing stored": the request recomputes.
@@ -73,7 +75,8 @@ class PrefixLookup:
         device = self.kv.peek_cached_blocks(hashes)
         if device >= m:
             return None
-        answer = await self.connector.lookup(req.tenant, req.session_id, hashes, device)
+        answer = await self.connector.lookup(req.tenant, req.session_id, hashes, device,
+                                             req.kv_source, req.kv_source_tokens)
         if answer is None:
             return None
         spans = contiguous(answer.spans, device)

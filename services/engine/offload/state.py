@@ -3,6 +3,7 @@
     before admission   plan       the stored prefix to load (from the lookup), or None
     first step         load       the part of the plan being loaded (trimmed by the device
                        readiness  hit), and per-layer progress of its RPC
+    loaded             loaded_from   where the loaded KV was ("local", "s3", "peer")
     while generating   saved_blocks  leading blocks already handed to the kvstore
 
 Touched only by the engine's worker thread.
@@ -23,6 +24,7 @@ class OffloadState:
     readiness: LayerReadiness | None = None
     counted: bool = False  # this request's device/loaded tokens entered the stats
     saved_blocks: int = 0  # a multiple of the kvstore's chunk, in blocks
+    loaded_from: str = ""  # where a completed load came from: "local", "s3" or "peer"
 
     def load_after(self, device_blocks: int) -> ReusePlan | None:
         """The part of the plan still worth loading once ``device_blocks`` leading blocks

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from services.kvstore.errors import ManifestIncomplete, TierUnavailable
 from services.kvstore.manifests.manifest import Manifest, manifest_key
+from services.kvstore.manifests.save_waits import SaveWaits
 from services.kvstore.store import TieredStore
 from services.kvstore.store.keys import chunk_tier_key, manifest_tier_key
 from shared.chunk_codec import Chunk, ChunkFormatError
@@ -71,6 +72,7 @@ class ManifestStore:
         # started before the delete must not bring the session back.
         self._forgets = itertools.count(1)
         self._forgotten: OrderedDict[SessionId, int] = OrderedDict()
+        self.saves = SaveWaits()  # saves in flight, for peers asking for the next turn
 
     async def __aenter__(self) -> ManifestStore:
         return self
@@ -262,6 +264,7 @@ class ManifestStore:
         cancelled; one being written is waited for, so the caller's delete comes after)."""
         sid = (tenant, session_id)
         self._drop_latest(sid)
+        self.saves.forget(sid)
         self._forgotten[sid] = next(self._forgets)  # a save under way will not remember it
         self._forgotten.move_to_end(sid)
         while len(self._forgotten) > LATEST_SESSIONS:

@@ -4,6 +4,7 @@
     end of a turn ──SaveFromPool──► pool blocks ─gather─► chunk blobs ─► DRAM   save.py
                                      └► write-behind SSD/S3 ─► manifest (ManifestStore)
     next turn ──LookupPrefix──► longest stored prefix, leased                   lookup.py
+              (with a peer: local tiers, then the peer, then S3)            ../peers/
               ──LoadIntoPool──► chunks ─scatter─► pool blocks, layer by layer    load.py
     a dropped call ──FencePoolOp──► returns once it can no longer touch the pool fences.py
 
@@ -19,14 +20,19 @@ from collections.abc import AsyncGenerator
 
 from services.kvstore.bandwidth import TierBandwidth
 from services.kvstore.manifests import ManifestStore
+from services.kvstore.peers.fetch import PeerFetch
+from services.kvstore.peers.find import answer_peer, ask_peer
+from services.kvstore.peers.links import PeerLinks
 from services.kvstore.pool.attach import MappedPool, PoolError, PoolGeometry, PoolRegistry
 from services.kvstore.pool.copies import lazy_torch
 from services.kvstore.pool.fences import PoolOps
 from services.kvstore.pool.leases import Lease, LeaseTable
-from services.kvstore.pool.load import load_layers
-from services.kvstore.pool.lookup import find_prefix
+from services.kvstore.pool.load import PEER, load_layers
+from services.kvstore.pool.lookup import find_prefix, known_sequences
 from services.kvstore.pool.save import save_from_pool
 from services.kvstore.pool.types import (
+    FindRequest,
+    FoundOnPeer,
     LayerLoaded,
     LoadRequest,
     LookupRequest,
@@ -34,6 +40,8 @@ from services.kvstore.pool.types import (
     SaveResult,
 )
 from services.kvstore.store import TieredStore
+from services.kvstore.tiers.base import Blob
+from shared.chunk_codec import chunk_key
 from shared.kv_layout import KVSpan, StoredPrefix
 
 log = logging.getLogger(__name__)
@@ -50,9 +58,15 @@ class EnginePoolPath:
         readahead_layers: int = 1,
         drain_s: float = 5.0,
         manifests: ManifestStore | None = None,
+        peer_wait_s: float = 2.0,
+        peer_timeout_s: float = 10.0,
+        peer_bytes_per_s: float = 3e8,
+        peer_window: int = 4,
     ) -> None:
         """``manifests``: the node's manifest store (the gRPC service shares it); without
-        one the path makes and owns its own (tests, a pool path on its own)."""
+        one the path makes and owns its own (tests, a pool path on its own). ``peer_*``:
+        see ``kvstore.peer_wait_s``, ``peer_timeout_s``, ``peer_bytes_per_s`` and
+        ``stream_window``."""
         self.store = store
         self._own_manifests = manifests is None
         self.manifests = manifests if manifests is not None else ManifestStore(store, drain_s)
@@ -63,6 +77,10 @@ class EnginePoolPath:
         self.bandwidth = TierBandwidth([t.name for t in store.tiers])
         self.readahead_layers = readahead_layers
         self.drain_s = drain_s
+        self.links = PeerLinks(peer_bytes_per_s)
+        self.peer_wait_s = peer_wait_s
+        self.peer_timeout_s = peer_timeout_s
+        self.peer_window = peer_window
 
     async def __aenter__(self) -> EnginePoolPath:
         return self
@@ -73,6 +91,7 @@ class EnginePoolPath:
         if self._own_manifests:
             await self.manifests.__aexit__(*exc)
         self.leases.close()
+        await self.links.close()
         self.pools.close()
 
     # ---------------------------------------------------------------- attach
@@ -100,18 +119,10 @@ class EnginePoolPath:
 
     # ---------------------------------------------------------------- lookup
 
-    async def _known_sequences(self, req: LookupRequest, bpc: int) -> list[tuple[bytes, ...]]:
-        if not req.session_id:
-            return []
-        latest = self.manifests.latest(req.tenant, req.session_id)
-        if latest is not None and latest.model_fp == req.model_fp:
-            return [latest.block_hashes]
-        m = await self.manifests.get_manifest(req.tenant, req.session_id)
-        if m is not None and m.model_fp == req.model_fp and m.blocks_per_chunk == bpc:
-            return [m.block_hashes]
-        return []
-
     async def lookup(self, req: LookupRequest) -> StoredPrefix:
+        """The longest stored prefix of ``req``'s prompt, leased. With a peer (the node that
+        served the session's last turn), in order of speed: this node's DRAM and SSD, then
+        the peer (its chunks start streaming in at once), then the shared S3 tier."""
         pool = self._pool_for_model(req.model_fp)
         g = pool.geometry
         bpc = self.pools.blocks_per_chunk(g.block_size)
@@ -120,24 +131,12 @@ class EnginePoolPath:
             raise PoolError(
                 f"first_block {req.first_block} is past the {len(req.block_hashes)} block hashes"
             )
-        known = await self._known_sequences(req, bpc)
         lease = Lease("")
         try:
-            matched, found = await find_prefix(
-                self.store, req.tenant, req.model_fp, req.block_hashes, req.first_block,
-                req.num_layers, bpc, known, lease,
-            )
+            matched, spans = await self._find(req, bpc, g.block_size, g.block_bytes, lease)
         except BaseException:
             LeaseTable.abandon(lease, self.store.unpin)
             raise
-        spans = []
-        for cand, start, tier_index in found:
-            use = cand.use_end - start
-            if use > 0:
-                spans.append(KVSpan(
-                    cand.chunk_hashes[-1], start, use, self.store.tiers[tier_index].name,
-                    use * g.block_bytes * req.num_layers,
-                ))
         lease_id = ""
         if spans:
             lease_id = self.leases.grant(lease)
@@ -146,7 +145,86 @@ class EnginePoolPath:
         m = self.store.metrics
         m.lookup_blocks.labels("hit").inc(matched - req.first_block)
         m.lookup_blocks.labels("miss").inc(len(req.block_hashes) - matched)
-        return StoredPrefix(matched, spans, lease_id, self.bandwidth.snapshot())
+        bandwidth = self.bandwidth.snapshot()
+        if req.peer_address:
+            bandwidth[PEER] = self.links.bytes_per_s(req.peer_address)
+        return StoredPrefix(matched, spans, lease_id, bandwidth)
+
+    async def _find(
+        self, req: LookupRequest, bpc: int, block_size: int, block_bytes: int, lease: Lease
+    ) -> tuple[int, list[KVSpan]]:
+        store, total = self.store, len(req.block_hashes)
+        known = await known_sequences(self.manifests, req.tenant, req.session_id,
+                                      req.model_fp, bpc)
+
+        async def search(first: int, last_tier: int | None,
+                         seqs: list[tuple[bytes, ...]]) -> tuple[int, list[KVSpan]]:
+            matched, found = await find_prefix(
+                store, req.tenant, req.model_fp, req.block_hashes, first, req.num_layers,
+                bpc, seqs, lease, last_tier,
+            )
+            spans = [KVSpan(c.chunk_hashes[-1], start, c.use_end - start,
+                            store.tiers[t].name, (c.use_end - start) * block_bytes
+                            * req.num_layers)
+                     for c, start, t in found if c.use_end > start]
+            return matched, spans
+
+        if not req.peer_address:
+            return await search(req.first_block, None, known)
+        shared = store.lowest.name == "s3" and len(store.tiers) > 1
+        matched, spans = await search(req.first_block, len(store.tiers) - 2 if shared else None,
+                                      known)
+        if matched < total:
+            matched, pulled = await self._from_peer(req, matched, bpc, block_size,
+                                                    block_bytes, lease)
+            spans += pulled
+        if matched < total and shared:
+            durable = await known_sequences(self.manifests, req.tenant, req.session_id,
+                                            req.model_fp, bpc, durable=True)
+            matched, more = await search(matched, None, durable)
+            spans += more
+        return matched, spans
+
+    async def _from_peer(
+        self, req: LookupRequest, first: int, bpc: int, bs: int, block_bytes: int,
+        lease: Lease,
+    ) -> tuple[int, list[KVSpan]]:
+        """What the peer holds from block ``first`` on, its pull started into ``lease``."""
+        wait = (req.peer_wait_tokens - 1) // bs * bs if req.peer_wait_tokens else 0
+        ask = FindRequest(req.tenant, req.session_id, req.model_fp, req.block_hashes, first,
+                          req.num_layers, bpc, wait)
+        answer = await ask_peer(self.links, req.peer_address, ask,
+                                self.peer_wait_s + self.peer_timeout_s)
+        m = self.store.metrics.peer_lookups
+        if answer is None:
+            m.labels("error").inc()
+            return first, []
+        m.labels("hit" if answer.chunks else "miss").inc()
+        if not answer.chunks:
+            return first, []
+        keys: list[list[str]] = [[] for _ in range(req.num_layers)]
+        spans = []
+        for c in answer.chunks:
+            for layer in range(req.num_layers):
+                key = chunk_key(req.tenant, req.model_fp, c.chunk_hashes[-1], layer)
+                keys[layer].append(key)
+                lease.expected[key] = c.chunk_hashes
+            spans.append(KVSpan(c.chunk_hashes[-1], c.first_block, c.use_blocks, PEER,
+                                c.use_blocks * block_bytes * req.num_layers))
+        expected = {k: lease.expected[k] for layer_keys in keys for k in layer_keys}
+        lease.fetch = PeerFetch(self.store, self.links, req.peer_address, answer.lease_id,
+                                keys, expected, self.peer_timeout_s, self.peer_window)
+        lease.fetch.start()
+        return answer.matched_blocks, spans
+
+    async def answer_peer(self, req: FindRequest) -> FoundOnPeer:
+        """FindPrefix: what this node holds of a peer's prompt (see ``peers/find.py``)."""
+        return await answer_peer(self.store, self.manifests, self.leases, req, self.peer_wait_s)
+
+    def held_blobs(self, lease_id: str) -> dict[str, Blob]:
+        """The DRAM copies lease ``lease_id`` holds (empty for none or an ended lease)."""
+        lease = self.leases.get(lease_id) if lease_id else None
+        return dict(lease.blobs) if lease is not None else {}
 
     def release(self, lease_id: str) -> bool:
         return self.leases.release(lease_id)

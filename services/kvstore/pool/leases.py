@@ -7,6 +7,8 @@ lease holds, per chunk key and layer:
   honest), but the bytes live on in the lease until it ends.
 - an SSD hit: a pin on the key, so the SSD tier's eviction and sweeps skip it.
 - an S3 hit: nothing (the lowest tier keeps everything until its TTL).
+- a peer's chunks (``fetch``): the pull under way, with the peer's own lease on them;
+  ending this lease stops the pull and ends the peer's.
 
 A lease ends on ``release`` (LoadIntoPool's end or ReleaseLease) or ``lease_s`` after it
 was granted, whichever comes first; ending it twice is harmless. A load that takes the
@@ -23,8 +25,12 @@ import logging
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from services.kvstore.tiers.base import Blob, Tier
+
+if TYPE_CHECKING:
+    from services.kvstore.peers.fetch import PeerFetch
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +46,7 @@ class Lease:
     expected: dict[str, tuple[bytes, ...]] = field(default_factory=dict)
     timer: asyncio.TimerHandle | None = None
     held: bool = False  # a load is using it (and releases it when it ends)
+    fetch: PeerFetch | None = None  # chunks on their way from a peer (their keys: fetch.keys)
 
 
 class LeaseTable:
@@ -97,6 +104,8 @@ class LeaseTable:
             self._unpin(tier, key)
         lease.pins.clear()
         lease.blobs.clear()
+        if lease.fetch is not None:
+            lease.fetch.close()
         self._changed()
         return True
 
@@ -106,6 +115,8 @@ class LeaseTable:
         for tier, key in lease.pins:
             unpin(tier, key)
         lease.pins.clear()
+        if lease.fetch is not None:
+            lease.fetch.close()
 
     def close(self) -> None:
         for lease_id in list(self._leases):

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from services.kvstore.bandwidth import TierBandwidth
+from services.kvstore.errors import PeerFetchFailed
 from services.kvstore.pool.attach import MappedPool
 from services.kvstore.pool.copies import lazy_torch, scatter_blocks, to_the_end
 from services.kvstore.pool.leases import Lease
@@ -73,6 +74,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+PEER = "peer"  # the tier name of chunks pulled from another node's kvstore
 _HEAD_READ = 4096  # a chunk's preamble and header: ~50 bytes per block hash plus ~100
 
 
@@ -263,6 +265,7 @@ async def _read_layer(
         pos += span.use_blocks
     found: list[tuple[Chunk | None, str]] = []
     unleased: list[int] = []
+    pulled = await _pulled(lease, layer, keys)
     for j, key in enumerate(keys):
         held = lease.blobs.get(key) if lease is not None else None
         if held is None:
@@ -270,7 +273,8 @@ async def _read_layer(
             found.append((None, ""))
             continue
         try:
-            found.append((decode_chunk(held, verify=False), store.dram.name))
+            found.append((decode_chunk(held, verify=False),
+                          PEER if key in pulled else store.dram.name))
         except ChunkCorrupt as e:
             raise LoadFailed(f"layer {layer}: chunk {key} is corrupt: {e}") from None
     copier = _CopyOnRead(pool.kv, req, layer, pool, bpc, lease, targets,
@@ -298,6 +302,21 @@ async def _read_layer(
         parts.append(Part(chunk.tensor, span.first_block % bpc, targets[span.chunk_hash][1],
                           tier, nbytes, read_s, copied))
     return parts
+
+
+async def _pulled(lease: Lease | None, layer: int, keys: list[str]) -> set[str]:
+    """Wait for this layer's chunks that come from a peer (verified as they arrived) and
+    hold them in the lease like DRAM hits; their keys."""
+    fetch = lease.fetch if lease is not None else None
+    if fetch is None or layer >= len(fetch.keys) or not any(k in fetch.expected for k in keys):
+        return set()
+    assert lease is not None
+    try:
+        got = await fetch.layer(layer)
+    except PeerFetchFailed as e:
+        raise LoadFailed(f"layer {layer}: {e}") from None
+    lease.blobs.update(got)
+    return set(got)
 
 
 def _copy_parts(kv: torch.Tensor, parts: list[Part]) -> list[float]:
@@ -361,7 +380,8 @@ async def load_layers(
                 yield LayerLoaded(layer, False, f"layer {layer}: copy failed: {e}")
                 return
             for p, s in zip(parts, seconds, strict=False):
-                bandwidth.observe(p.tier, p.nbytes, p.read_s + s)
+                if p.tier != PEER:  # a peer link is measured by its pull (peers/links.py)
+                    bandwidth.observe(p.tier, p.nbytes, p.read_s + s)
                 m.pool_bytes_loaded.labels(p.tier).inc(p.nbytes)
             yield LayerLoaded(layer, True)
         m.load_seconds.observe(time.perf_counter() - t_start)

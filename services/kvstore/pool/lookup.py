@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from services.kvstore.manifests import ManifestStore
 from services.kvstore.pool.leases import Lease
 from services.kvstore.store import TieredStore
 from services.kvstore.tiers.base import Tier
@@ -72,9 +73,11 @@ class Probe:
 
 
 async def probe_chunk(
-    store: TieredStore, tenant: str, model_fp: str, cand: Candidate, num_layers: int
+    store: TieredStore, tenant: str, model_fp: str, cand: Candidate, num_layers: int,
+    last_tier: int | None = None,
 ) -> Probe | None:
-    """Whether ``cand`` is stored in every layer; pins/holds what it finds, or None.
+    """Whether ``cand`` is stored in every layer (in ``store.tiers[: last_tier + 1]``;
+    None: any tier); pins/holds what it finds, or None.
 
     DRAM copies are checked against the expected block hashes here (their header is one
     msgpack read away); copies below DRAM are checked when loaded.
@@ -95,11 +98,14 @@ async def probe_chunk(
         below.append(key)
     # Layers not in DRAM: the SSD index answers most without I/O; the rest are located
     # concurrently (S3 HEADs would add up otherwise).
+    if below and last_tier == 0:
+        return None
     tiers = [store.known_below_dram(k) for k in below]
     ask = [i for i, t in enumerate(tiers) if t is None]
     if ask:
         for i, t in zip(ask, await asyncio.gather(
-                *(store.first_tier_below_dram(below[i]) for i in ask)), strict=False):
+                *(store.first_tier_below_dram(below[i], last_tier) for i in ask)),
+                strict=False):
             if t is None:
                 return None
             tiers[i] = t
@@ -122,8 +128,10 @@ async def find_prefix(
     bpc: int,
     known: list[tuple[bytes, ...]],
     lease: Lease,
+    last_tier: int | None = None,
 ) -> tuple[int, list[tuple[Candidate, int, int]]]:
-    """(matched_blocks, [(candidate, span first block, slowest tier index)]).
+    """(matched_blocks, [(candidate, span first block, slowest tier index)]), searching
+    ``store.tiers[: last_tier + 1]`` (None: all).
 
     Fills ``lease`` with the held DRAM blobs, the SSD pins and the expected hashes.
     """
@@ -133,7 +141,7 @@ async def find_prefix(
     while c * bpc < len(prompt):
         hit: tuple[Candidate, Probe] | None = None
         for cand in chunk_candidates(prompt, c, bpc, known):
-            probe = await probe_chunk(store, tenant, model_fp, cand, num_layers)
+            probe = await probe_chunk(store, tenant, model_fp, cand, num_layers, last_tier)
             if probe is not None:
                 hit = (cand, probe)
                 break
@@ -151,3 +159,25 @@ async def find_prefix(
             break
         c += 1
     return max(matched, first_block), found
+
+
+async def known_sequences(
+    manifests: ManifestStore, tenant: str, session_id: str, model_fp: str, bpc: int,
+    durable: bool = False,
+) -> list[tuple[bytes, ...]]:
+    """The session's saved sequences a lookup can match partial chunks against: the latest
+    saved here, else its manifest (with ``durable``, the manifest as well: another node
+    may have saved a later turn)."""
+    if not session_id:
+        return []
+    out: list[tuple[bytes, ...]] = []
+    latest = manifests.latest(tenant, session_id)
+    if latest is not None and latest.model_fp == model_fp:
+        out.append(latest.block_hashes)
+        if not durable:
+            return out
+    m = await manifests.get_manifest(tenant, session_id)
+    if m is not None and m.model_fp == model_fp and m.blocks_per_chunk == bpc \
+            and m.block_hashes not in out:
+        out.append(m.block_hashes)
+    return out

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import asyncio
 
-from services.kvstore.manifests import Manifest, ManifestStore
+from services.kvstore.manifests import Manifest, ManifestStore, manifest_key
 from services.kvstore.manifests.manifest_store import SavedSequence
-from services.kvstore.pool.attach import PoolError, PoolRegistry
+from services.kvstore.pool.attach import MappedPool, PoolError, PoolRegistry
 from services.kvstore.pool.copies import encode_from_pool, to_the_end
 from services.kvstore.pool.types import SaveRequest, SaveResult
 from services.kvstore.store import TieredStore
@@ -30,7 +30,6 @@ async def save_from_pool(
     """Store ``req``'s new chunks in DRAM (written behind below) and remember the sequence
     for the session. Raises ``PoolError``/``ChunkFormatError`` before storing anything."""
     pool = pools.get(req.pool_id)
-    kv = pool.kv  # keep our view alive for the whole call
     bpc = pools.blocks_per_chunk(pool.geometry.block_size)
     nb, fb, layers = len(req.block_hashes), req.first_block, req.num_layers
     pool.check_model(req.model_fp, layers)
@@ -48,12 +47,27 @@ async def save_from_pool(
     pool.check_block_ids(list(req.block_ids))
     # Everything about the request is checked before anything is stored or remembered.
     chunk_key(req.tenant, req.model_fp, b"\0", layers - 1)  # the names (ChunkFormatError)
+    if req.session_id:
+        manifest_key(req.tenant, req.session_id)  # (ChunkFormatError)
     sid = (req.tenant, req.session_id)
-    manifest = Manifest(
-        req.tenant, req.session_id, req.model_fp, req.block_hashes, req.token_count,
-        layers, bpc,
-    ) if req.session_id and nb else None
-    deleted_before = manifests.deletions(*sid)
+    if not (req.session_id and nb):
+        return await _save_chunks(store, pool, req, bpc)
+    with manifests.saves.saving(sid):  # a peer asking for this session waits for us
+        result = await _save_chunks(store, pool, req, bpc, manifests)
+    manifests.saves.saved(sid, req.token_count)
+    return result
+
+
+async def _save_chunks(
+    store: TieredStore, pool: MappedPool, req: SaveRequest, bpc: int,
+    manifests: ManifestStore | None = None,
+) -> SaveResult:
+    """Encode and admit the new chunks; with ``manifests``, remember the sequence."""
+    kv = pool.kv  # keep our view alive for the whole call
+    nb, fb, layers = len(req.block_hashes), req.first_block, req.num_layers
+    n = nb - fb
+    sid = (req.tenant, req.session_id)
+    deleted_before = manifests.deletions(*sid) if manifests is not None else None
     jobs: list[tuple[ChunkMeta, list[int]]] = []
     skipped = 0
     for start in range(fb, nb, bpc):
@@ -70,7 +84,11 @@ async def save_from_pool(
     for (meta, ids), blob in zip(jobs, blobs, strict=False):
         store.put_encoded(meta, blob)
         store.metrics.pool_bytes_saved.inc(len(ids) * pool.geometry.block_bytes)
-    if manifest is not None:  # (a session deleted while this save ran stays deleted)
+    if manifests is not None:  # (a session deleted while this save ran stays deleted)
+        manifest = Manifest(
+            req.tenant, req.session_id, req.model_fp, req.block_hashes, req.token_count,
+            layers, bpc,
+        )
         seq = SavedSequence(req.model_fp, req.block_hashes, req.token_count, req.num_layers)
         manifests.remember(seq, manifest, deleted_before)
     return SaveResult(len(jobs), skipped)

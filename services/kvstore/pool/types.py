@@ -15,6 +15,41 @@ class LookupRequest:
     block_hashes: tuple[bytes, ...]
     first_block: int
     num_layers: int
+    peer_address: str = ""  # the kvstore that served the session's last turn ("" = none)
+    peer_wait_tokens: int = 0  # that turn's length: the peer waits for its save
+
+
+@dataclass(frozen=True)
+class FindRequest:
+    """FindPrefix: a peer asks what this node holds of a prompt (``LookupRequest`` plus
+    the asker's chunk grid and how long a save it expects)."""
+
+    tenant: str
+    session_id: str
+    model_fp: str
+    block_hashes: tuple[bytes, ...]
+    first_block: int
+    num_layers: int
+    blocks_per_chunk: int
+    wait_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class PeerChunk:
+    """A chunk a peer holds: all of its block hashes, and the blocks of it to use."""
+
+    chunk_hashes: tuple[bytes, ...]
+    first_block: int
+    use_blocks: int
+    tier: str
+
+
+@dataclass(frozen=True)
+class FoundOnPeer:
+    matched_blocks: int
+    chunks: tuple[PeerChunk, ...]
+    lease_id: str
+    waited_s: float = 0.0
 
 
 @dataclass(frozen=True)

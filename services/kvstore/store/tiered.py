@@ -277,9 +277,10 @@ class TieredStore:
             return self.tiers[1]
         return None
 
-    async def first_tier_below_dram(self, key: str) -> Tier | None:
-        """The fastest tier below DRAM holding chunk ``key`` (an unreachable tier is skipped)."""
-        for tier in self.tiers[1:]:
+    async def first_tier_below_dram(self, key: str, last: int | None = None) -> Tier | None:
+        """The fastest tier below DRAM holding chunk ``key`` (an unreachable tier is skipped),
+        among ``tiers[1 : last + 1]`` (None: all of them)."""
+        for tier in self.tiers[1 : None if last is None else last + 1]:
             try:
                 if await tier.contains(_C + key):
                     return tier

@@ -1,0 +1,74 @@
+"""Saves in flight per session, so a peer never serves half of a turn.
+
+The scheduler may send a session's next turn to another node while this node is still
+saving the previous one. That node then asks here (``FindPrefix`` with the previous
+turn's length) and waits, bounded, until a save of at least that many tokens has landed
+and none is running, instead of finding the history without its last turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+SessionId = tuple[str, str]  # (tenant, session_id)
+SAVED_SESSIONS = 10_000  # sessions whose last saved length is remembered
+
+
+class SaveWaits:
+    """Event-loop only. ``saving(sid)`` brackets a save; ``saved(sid, tokens)`` records one
+    that landed; ``wait(sid, tokens, timeout)`` returns once the session is settled."""
+
+    def __init__(self) -> None:
+        self._running: dict[SessionId, int] = {}
+        self._tokens: OrderedDict[SessionId, int] = OrderedDict()
+        self._changed: dict[SessionId, asyncio.Event] = {}
+
+    @contextmanager
+    def saving(self, sid: SessionId) -> Iterator[None]:
+        self._running[sid] = self._running.get(sid, 0) + 1
+        try:
+            yield
+        finally:
+            left = self._running[sid] - 1
+            if left:
+                self._running[sid] = left
+            else:
+                del self._running[sid]
+            self._wake(sid)
+
+    def saved(self, sid: SessionId, tokens: int) -> None:
+        self._tokens[sid] = max(tokens, self._tokens.pop(sid, 0))
+        while len(self._tokens) > SAVED_SESSIONS:
+            self._tokens.popitem(last=False)
+        self._wake(sid)
+
+    def forget(self, sid: SessionId) -> None:
+        self._tokens.pop(sid, None)
+
+    def settled(self, sid: SessionId, tokens: int) -> bool:
+        """No save of the session running, and one of ``tokens`` or more has landed."""
+        return sid not in self._running and self._tokens.get(sid, 0) >= tokens
+
+    async def wait(self, sid: SessionId, tokens: int, timeout_s: float) -> float:
+        """Wait until ``settled(sid, tokens)`` or ``timeout_s``; the seconds waited."""
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        while not self.settled(sid, tokens):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            event = self._changed.setdefault(sid, asyncio.Event())
+            try:
+                await asyncio.wait_for(event.wait(), left)
+            except TimeoutError:
+                break
+        return time.monotonic() - t0
+
+    def _wake(self, sid: SessionId) -> None:
+        event = self._changed.pop(sid, None)
+        if event is not None:
+            event.set()

@@ -1,0 +1,12 @@
+"""Across nodes: a session's KV follows it to whichever node serves its next turn.
+
+    node B (serving)                               node A (served the last turn)
+    LookupPrefix(peer=A) ─ local tiers ─┐
+                                        ├─FindPrefix──► waits for A's save in flight, leases
+                                        │◄── chunks + lease ─┘
+                                        ├─GetChunks(keys, lease)──► layer 0, then 1, ...
+    LoadIntoPool ◄── layer by layer ────┘   (each chunk verified, kept in B's DRAM)
+
+``links.py`` keeps one channel and a measured bandwidth per peer, ``find.py`` asks a peer
+(and answers one), ``fetch.py`` streams a leased prefix in, lowest layer first.
+"""
