@@ -1,13 +1,15 @@
 """The ``overture`` command.
 
-    overture up [--nodes N] [--port P] [--model PATH] [--dtype D] [--config FILE]
+    overture up [--nodes N] [--port P] [--model PATH] [--dtype D] [--config FILE] [--no-s3]
     overture demo-model PATH [--size tiny|small] [--seed S]
     overture scheduler|nodemgr|engine|kvstore [flags]    (one service, in this process)
 
-``up`` starts the scheduler and, per node, a kvstore, an engine and a node manager as child
-processes on free loopback ports, prefixes and streams their logs, prints the URL when the
-cluster serves, and stops everything (SIGTERM, then SIGKILL after a grace period) on Ctrl-C,
-SIGTERM, or as soon as any child exits.
+``up`` starts the cluster's S3 server (SeaweedFS, the shared durable tier every kvstore
+uses; not with ``--no-s3`` or when the config names an S3 bucket), then the scheduler and,
+per node, a kvstore, an engine and a node manager as child processes on free loopback
+ports, prefixes and streams their logs, prints the URL when the cluster serves, and stops
+everything (SIGTERM, then SIGKILL after a grace period; the S3 server last, once the
+kvstores have drained their writes) on Ctrl-C, SIGTERM, or as soon as any child exits.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import runpy
@@ -29,10 +32,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.s3_server import S3ServerError, S3ServerSpec, bucket_ready, s3_server_spec
+
 SERVICES = ("scheduler", "nodemgr", "engine", "kvstore")
 STATE_DIR = Path(".overture")
 DEMO_DIR = STATE_DIR / "models"
 STOP_GRACE_S = 10.0
+CHILD_READY_S = 60.0  # a child with a readiness check (the S3 server) must pass it by then
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -56,6 +62,8 @@ def service_command(name: str, flags: dict[str, object], config: str | None = No
 class ChildSpec:
     name: str  # log prefix, e.g. "node0.engine"
     argv: list[str]
+    ready: Callable[[], bool] | None = None  # the next children start once this is true
+    stop_last: bool = False  # stopped after every other child (the S3 server)
 
 
 def cluster_specs(
@@ -67,11 +75,17 @@ def cluster_specs(
     config: str | None,
     host: str = "127.0.0.1",
     state_dir: Path | None = None,
+    s3: S3ServerSpec | None = None,
 ) -> tuple[list[ChildSpec], str]:
     """Commands for a scheduler plus ``nodes`` nodes; returns them and the public URL.
-    With ``state_dir`` each node's kvstore keeps its SSD tier in ``state_dir/<node>/``."""
+    With ``state_dir`` each node's kvstore keeps its SSD tier in ``state_dir/<node>/``;
+    with ``s3`` that server is started first and every kvstore uses it."""
     grpc_port = free_port(host)
-    specs = [
+    specs = []
+    if s3 is not None:
+        specs.append(ChildSpec("s3", s3.argv(), functools.partial(bucket_ready, s3),
+                               stop_last=True))
+    specs += [
         ChildSpec(
             "scheduler",
             service_command(
@@ -89,6 +103,8 @@ def cluster_specs(
         if dtype:
             engine_flags["dtype"] = dtype
         kv_flags: dict[str, object] = {"host": host, "port": kv, "node_id": node_id}
+        if s3 is not None:
+            kv_flags.update(s3.kvstore_flags())
         if state_dir is not None:
             kv_flags["ssd_path"] = str(state_dir / node_id / "kvstore-ssd")
         specs += [
@@ -153,6 +169,30 @@ async def _pump(name: str, stream: asyncio.StreamReader) -> None:
         sys.stdout.buffer.flush()
 
 
+async def _stop_all(
+    procs: list[asyncio.subprocess.Process], specs: list[ChildSpec], grace_s: float
+) -> None:
+    """Stop the children, those marked ``stop_last`` once the others are gone."""
+    first = [p for p, s in zip(procs, specs, strict=False) if not s.stop_last]
+    last = [p for p, s in zip(procs, specs, strict=False) if s.stop_last]
+    await _stop(first, grace_s)
+    await _stop(last, grace_s)
+
+
+async def _started(p: asyncio.subprocess.Process, spec: ChildSpec, timeout_s: float) -> bool:
+    """Wait until ``spec.ready()`` (False: the child exited or took too long)."""
+    if spec.ready is None:
+        return True
+    deadline = time.monotonic() + timeout_s
+    while not await asyncio.to_thread(spec.ready):
+        if p.returncode is not None or time.monotonic() > deadline:
+            print(f"{spec.name} did not start (exit code {p.returncode})", file=sys.stderr,
+                  flush=True)
+            return False
+        await asyncio.sleep(0.1)
+    return True
+
+
 async def _stop(procs: list[asyncio.subprocess.Process], grace_s: float) -> None:
     """SIGTERM in reverse start order, wait up to ``grace_s``, then SIGKILL what is left."""
     for p in reversed(procs):
@@ -189,6 +229,8 @@ async def supervise(specs: list[ChildSpec], url: str, nodes: int, ready_timeout_
             procs.append(p)
             assert p.stdout is not None  # (stdout=PIPE)
             pumps.append(asyncio.create_task(_pump(spec.name, p.stdout)))
+            if not await _started(p, spec, CHILD_READY_S):
+                return 1
         waits = {
             asyncio.create_task(p.wait()): spec.name for p, spec in zip(procs, specs, strict=True)
         }
@@ -214,7 +256,7 @@ async def supervise(specs: list[ChildSpec], url: str, nodes: int, ready_timeout_
         await asyncio.gather(*pending, return_exceptions=True)
         return code
     finally:
-        await _stop(procs, STOP_GRACE_S)
+        await _stop_all(procs, specs, STOP_GRACE_S)
         await asyncio.gather(*pumps, return_exceptions=True)
 
 
@@ -265,7 +307,16 @@ def cmd_up(args: argparse.Namespace) -> int:
     if not (Path(model) / "config.json").exists():
         print(f"overture up: {model} is not a model folder (no config.json)", file=sys.stderr)
         return 2
+    s3 = None
+    if not args.no_s3 and not _yaml_section_value(args.config, "kvstore", "s3"):
+        try:
+            s3 = s3_server_spec((STATE_DIR / "s3").resolve())
+            s3.argv()  # the binary is there (S3ServerError otherwise)
+        except S3ServerError as e:
+            print(f"overture up: {e}", file=sys.stderr)
+            return 2
     specs, url = cluster_specs(
+        s3=s3,
         nodes=args.nodes,
         http_port=int(str(port)),
         model_path=str(Path(model).resolve()),
@@ -344,6 +395,13 @@ def _parser() -> argparse.ArgumentParser:
         help="engine dtype [default: engine.dtype from --config, else float32]",
     )
     up.add_argument("--config", default=None, help="YAML file with a section per service")
+    up.add_argument(
+        "--no-s3",
+        action="store_true",
+        help="start no S3 server: the kvstores keep KV in DRAM and SSD only (sessions then "
+        "move between nodes only by peer pulls); an S3 endpoint given in the config's "
+        "kvstore.s3 section is used instead of starting one",
+    )
     up.add_argument(
         "--ready-timeout",
         type=float,

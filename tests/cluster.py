@@ -19,6 +19,7 @@ from pathlib import Path
 import grpc
 
 from services.cli import free_port, service_command
+from services.s3_server import s3_server_spec, wait_ready
 from shared.proto import engine_pb2, engine_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,6 +54,8 @@ class Cluster:
     log_dir: Path
     procs: dict[str, Proc] = field(default_factory=dict)
     engine_addresses: dict[str, str] = field(default_factory=dict)
+    kvstore_addresses: dict[str, str] = field(default_factory=dict)
+    s3_endpoint: str = ""
 
     def logs(self, lines: int = 40) -> str:
         """The end of every process's log, for assertion messages."""
@@ -71,15 +74,23 @@ class Cluster:
 
     def post(self, path: str, body: object, timeout: float = 60.0) -> tuple[int, dict]:
         """POST ``body`` (JSON, or raw bytes) and return the status and decoded JSON answer."""
+        status, answer, _ = self.post_with_headers(path, body, timeout)
+        return status, answer
+
+    def post_with_headers(
+        self, path: str, body: object, timeout: float = 60.0, headers: dict | None = None
+    ) -> tuple[int, dict, dict[str, str]]:
+        """``post``, with the response's headers too (and extra request ``headers``)."""
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         req = urllib.request.Request(
-            self.url + path, data=data, headers={"Content-Type": "application/json"}
+            self.url + path, data=data,
+            headers={"Content-Type": "application/json", **(headers or {})},
         )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
-                return r.status, json.loads(r.read())
+                return r.status, json.loads(r.read()), dict(r.headers)
         except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read() or b"{}")
+            return e.code, json.loads(e.read() or b"{}"), dict(e.headers)
 
     def text(self, path: str, timeout: float = 10.0) -> str:
         with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
@@ -109,12 +120,29 @@ class Cluster:
             time.sleep(0.2)
         raise RuntimeError(f"cluster not ready within {timeout:g}s\n{self.logs()}")
 
+    def wait_attached(self, timeout: float) -> None:
+        """Wait until every engine has attached its KV pool to its node's kvstore (an
+        engine serves before that, without KV reuse)."""
+        deadline = time.monotonic() + timeout
+        engines = [p for p in self.procs.values() if p.name.endswith(".engine")]
+        while not all("KV pool attached" in p.tail(400) for p in engines):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"engines not attached within {timeout:g}s\n{self.logs()}")
+            time.sleep(0.1)
+
     def stop(self, grace_s: float = 10.0) -> None:
-        for p in reversed(list(self.procs.values())):
+        """Stop every process, the S3 server last."""
+        services = [p for p in self.procs.values() if p.name != "s3"]
+        self._stop(services, grace_s)
+        self._stop([p for p in self.procs.values() if p.name == "s3"], grace_s)
+
+    @staticmethod
+    def _stop(procs: list[Proc], grace_s: float) -> None:
+        for p in reversed(procs):
             if p.popen.poll() is None:
                 p.popen.terminate()
         deadline = time.monotonic() + grace_s
-        for p in self.procs.values():
+        for p in procs:
             try:
                 p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -141,14 +169,27 @@ def start_cluster(
     dtype: str = "float32",
     scheduler_flags: dict[str, object] | None = None,
     engine_flags: dict[str, object] | None = None,
+    kvstore_flags: dict[str, object] | None = None,
+    nodemgr_flags: dict[str, object] | None = None,
+    s3: bool = False,
     ready_timeout: float = 180.0,
 ) -> Iterator[Cluster]:
-    """Run scheduler + ``nodes`` × (kvstore, engine, nodemgr); stop them all on exit."""
+    """Run scheduler + ``nodes`` × (kvstore, engine, nodemgr); stop them all on exit.
+    With ``s3`` a SeaweedFS server (as ``overture up`` runs it) is every kvstore's S3 tier;
+    it is started first and stopped last."""
     log_dir = work_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     http_port, grpc_port = free_port(), free_port()
     cluster = Cluster(url=f"http://{HOST}:{http_port}", log_dir=log_dir)
+    s3_flags: dict[str, object] = {}
     try:
+        if s3:
+            spec = s3_server_spec(work_dir / "s3")
+            _spawn(cluster, "s3", spec.argv())
+            s3_proc = cluster.procs["s3"].popen
+            wait_ready(spec, 60.0, alive=lambda: s3_proc.poll() is None)
+            s3_flags = spec.kvstore_flags()
+            cluster.s3_endpoint = spec.endpoint_url
         _spawn(
             cluster,
             "scheduler",
@@ -167,10 +208,12 @@ def start_cluster(
             node = f"node{i}"
             kv, eng, nm = free_port(), free_port(), free_port()
             cluster.engine_addresses[node] = f"{HOST}:{eng}"
+            cluster.kvstore_addresses[node] = f"{HOST}:{kv}"
             _spawn(
                 cluster,
                 f"{node}.kvstore",
-                service_command("kvstore", {"host": HOST, "port": kv, "node_id": node}),
+                service_command("kvstore", {"host": HOST, "port": kv, "node_id": node,
+                                            **s3_flags, **(kvstore_flags or {})}),
             )
             _spawn(
                 cluster,
@@ -182,6 +225,7 @@ def start_cluster(
                         "port": eng,
                         "model_path": model_path,
                         "dtype": dtype,
+                        "offload.kvstore_address": f"{HOST}:{kv}",
                         **(engine_flags or {}),
                     },
                 ),
@@ -199,10 +243,12 @@ def start_cluster(
                         "engine_address": f"{HOST}:{eng}",
                         "kvstore_address": f"{HOST}:{kv}",
                         **NODEMGR_FLAGS,
+                        **(nodemgr_flags or {}),
                     },
                 ),
             )
         cluster.wait_ready(nodes, ready_timeout)
+        cluster.wait_attached(ready_timeout)
         yield cluster
     finally:
         cluster.stop()

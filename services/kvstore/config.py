@@ -78,6 +78,15 @@ class KVStoreConfig:
     peer_bytes_per_s: float = opt(
         3e8, "assumed bandwidth of a peer link until a pull from it has been measured", min=1.0
     )
+    debug_save_delay_s: float = opt(
+        0.0, "fault injection for tests: hold every SaveFromPool this long before it starts "
+        "(a save still in flight when the next turn arrives elsewhere); 0 = off", min=0.0,
+        max=60.0,
+    )
+    debug_chunk_delay_s: float = opt(
+        0.0, "fault injection for tests: pause this long before each chunk GetChunks sends "
+        "by key (a slow peer pull); 0 = off", min=0.0, max=60.0,
+    )
     drain_s: float = opt(5.0, "on shutdown, wait this long for queued writes", min=0.0, max=600.0)
     metrics_port: int = opt(0, "aiohttp /metrics port (0 = off)", min=0, max=65535)
     lease_s: float = opt(

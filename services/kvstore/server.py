@@ -74,11 +74,12 @@ async def run(config: KVStoreConfig, stop: asyncio.Event | None = None) -> None:
                 peer_timeout_s=config.peer_timeout_s,
                 peer_bytes_per_s=config.peer_bytes_per_s,
                 peer_window=config.stream_window,
+                debug_save_delay_s=config.debug_save_delay_s,
             )
         )
         service = KVStoreService(
             manifests, config.node_id, config.stream_window, config.peer_address, pool_path,
-            config.peer_timeout_s,
+            config.peer_timeout_s, config.debug_chunk_delay_s,
         )
         server = await stack.enter_async_context(
             serve_grpc(

@@ -93,6 +93,8 @@ class PeerFetch:
 
     async def _run(self) -> None:
         flat = [k for layer_keys in self.keys for k in layer_keys]
+        log.info("pulling from peer %s: %d chunks in %d layers", self.peer, len(flat),
+                 len(self.keys))
         t0 = time.perf_counter()
         nbytes = 0
         call = self.links.stub(self.peer).GetChunks(

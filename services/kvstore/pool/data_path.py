@@ -62,6 +62,7 @@ class EnginePoolPath:
         peer_timeout_s: float = 10.0,
         peer_bytes_per_s: float = 3e8,
         peer_window: int = 4,
+        debug_save_delay_s: float = 0.0,
     ) -> None:
         """``manifests``: the node's manifest store (the gRPC service shares it); without
         one the path makes and owns its own (tests, a pool path on its own). ``peer_*``:
@@ -81,6 +82,7 @@ class EnginePoolPath:
         self.peer_wait_s = peer_wait_s
         self.peer_timeout_s = peer_timeout_s
         self.peer_window = peer_window
+        self.debug_save_delay_s = debug_save_delay_s
 
     async def __aenter__(self) -> EnginePoolPath:
         return self
@@ -113,6 +115,8 @@ class EnginePoolPath:
     async def save(self, req: SaveRequest) -> SaveResult:
         self.ops.begin(req.op_id)
         try:
+            if self.debug_save_delay_s:
+                await asyncio.sleep(self.debug_save_delay_s)
             return await save_from_pool(self.store, self.manifests, self.pools, req)
         finally:
             self.ops.end(req.op_id)

@@ -253,6 +253,11 @@ class TieredStore:
     async def get_blob(self, key: str) -> Blob | None:
         """The sealed blob under ``key`` (for sending to a peer) or ``None``."""
         blob, _chunk, _tier = (await self.reader.find_many([key]))[0]
+        return await self.sealed(blob) if blob is not None else None
+
+    async def sealed(self, blob: Blob) -> Blob:
+        """``blob`` with its checksum: a chunk this process encoded is sealed lazily (by
+        its write-behind, or here before it leaves the process)."""
         if isinstance(blob, bytearray):
             await checksum_work(seal_chunk, blob)  # a put not yet written behind
         return blob
