@@ -172,10 +172,11 @@ def start_cluster(
     kvstore_flags: dict[str, object] | None = None,
     nodemgr_flags: dict[str, object] | None = None,
     s3: bool = False,
+    ssd: bool = False,
     ready_timeout: float = 180.0,
 ) -> Iterator[Cluster]:
     """Run scheduler + ``nodes`` × (kvstore, engine, nodemgr); stop them all on exit.
-    With ``s3`` a SeaweedFS server (as ``overture up`` runs it) is every kvstore's S3 tier;
+    With ``ssd`` each kvstore has an SSD tier under ``work_dir``. With ``s3`` a SeaweedFS server (as ``overture up`` runs it) is every kvstore's S3 tier;
     it is started first and stopped last."""
     log_dir = work_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -212,8 +213,11 @@ def start_cluster(
             _spawn(
                 cluster,
                 f"{node}.kvstore",
-                service_command("kvstore", {"host": HOST, "port": kv, "node_id": node,
-                                            **s3_flags, **(kvstore_flags or {})}),
+                service_command("kvstore", {
+                    "host": HOST, "port": kv, "node_id": node, **s3_flags,
+                    **({"ssd_path": work_dir / node / "ssd"} if ssd else {}),
+                    **(kvstore_flags or {}),
+                }),
             )
             _spawn(
                 cluster,

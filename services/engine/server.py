@@ -33,6 +33,15 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             log.info("Generate %s refused: %s %s", req.request_id, e.code, e.message)
             await context.abort(wire.STATUS_CODES[e.code], e.message)
 
+    async def DropDeviceCache(
+        self, request: engine_pb2.DropDeviceCacheRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.DropDeviceCacheReply:
+        try:
+            return wire.dropped_reply(await self.engine.drop_device_cache())
+        except EngineError as e:
+            await context.abort(wire.STATUS_CODES[e.code], e.message)
+            raise  # unreachable: abort raises
+
     async def Status(
         self, request: engine_pb2.EngineStatusRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.EngineStatus:

@@ -77,6 +77,10 @@ def chunk_to_proto(o: GenerateOutput) -> common_pb2.GenerateChunk:
     )
 
 
+def dropped_reply(blocks: int) -> engine_pb2.DropDeviceCacheReply:
+    return engine_pb2.DropDeviceCacheReply(blocks_dropped=blocks)
+
+
 def saved_after(r: engine_pb2.EngineStatusRequest) -> int:
     return r.saved_after
 

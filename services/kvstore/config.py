@@ -75,6 +75,9 @@ class KVStoreConfig:
         "(a next turn on another node never sees half of the previous one)", min=0.0,
         max=60.0,
     )
+    peer_data_port: int = opt(
+        0, "TCP port peers stream chunk bytes from (0 = a free port)", min=0, max=65535,
+    )
     peer_bytes_per_s: float = opt(
         3e8, "assumed bandwidth of a peer link until a pull from it has been measured", min=1.0
     )

@@ -16,6 +16,7 @@ from services.kvstore.config import KVStoreConfig
 from services.kvstore.manifests import ManifestStore
 from services.kvstore.metrics import KVStoreMetrics
 from services.kvstore.metrics_http import serve_metrics
+from services.kvstore.peers.data_plane import ChunkServer
 from services.kvstore.pool.copies import lazy_torch
 from services.kvstore.pool.data_path import EnginePoolPath
 from services.kvstore.service import KVStoreService
@@ -77,9 +78,13 @@ async def run(config: KVStoreConfig, stop: asyncio.Event | None = None) -> None:
                 debug_save_delay_s=config.debug_save_delay_s,
             )
         )
+        chunks = ChunkServer(store, pool_path.held_blobs, config.host,
+                             config.peer_data_port, config.debug_chunk_delay_s)
+        pool_path.data_port = await chunks.start()
+        stack.push_async_callback(chunks.close)
         service = KVStoreService(
             manifests, config.node_id, config.stream_window, config.peer_address, pool_path,
-            config.peer_timeout_s, config.debug_chunk_delay_s,
+            config.peer_timeout_s,
         )
         server = await stack.enter_async_context(
             serve_grpc(
@@ -96,7 +101,8 @@ async def run(config: KVStoreConfig, stop: asyncio.Event | None = None) -> None:
             log.info("metrics on http://%s:%d/metrics", config.host, mport)
         tiers = ", ".join(t.name for t in store.tiers)
         freeze_startup_heap()
-        log.info("kvstore ready on %s:%d (tiers: %s)", config.host, server.port, tiers)
+        log.info("kvstore ready on %s:%d (tiers: %s; chunk stream for peers on port %d)",
+                 config.host, server.port, tiers, pool_path.data_port)
         await stop.wait()
         log.info("kvstore shutting down")
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -4,7 +4,6 @@ protobuf field."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -35,12 +34,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         peer_address: str,
         pool_path: EnginePoolPath,
         peer_timeout_s: float = 10.0,
-        debug_chunk_delay_s: float = 0.0,
     ) -> None:
         self.manifests = manifests
         self.store = manifests.store
         self.peer_timeout_s = peer_timeout_s
-        self.debug_chunk_delay_s = debug_chunk_delay_s
         self.pool_path = pool_path
         self.node_id = node_id
         self.window = window
@@ -68,13 +65,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         window = min(q.window or self.window, self.window)
         if q.keys:
             await _check_key_count(context, len(q.keys))
-            held = self.pool_path.held_blobs(q.lease_id)  # a peer's FindPrefix lease
             for i, key in enumerate(q.keys):
-                if self.debug_chunk_delay_s:
-                    await asyncio.sleep(self.debug_chunk_delay_s)
-                kept = held.get(key)
-                blob = await (self.store.sealed(kept) if kept is not None
-                              else self.store.get_blob(key))
+                blob = await self.store.get_blob(key)
                 yield wire.chunk_to_pb(key, blob, layer=_layer_of(key), index=i)
             return
         try:

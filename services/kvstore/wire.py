@@ -171,23 +171,17 @@ class ChunksQuery:
     window: int
     first_layer: int
     last_layer: int | None
-    lease_id: str = ""  # with keys: a FindPrefix lease whose held copies go first
 
 
 def chunks_query(p: pb.GetChunksRequest) -> ChunksQuery:
     return ChunksQuery(tuple(p.keys), p.session.tenant, p.session.session_id, p.window,
-                       p.first_layer, p.last_layer if p.has_last_layer else None,
-                       p.lease_id)
+                       p.first_layer, p.last_layer if p.has_last_layer else None)
 
 
 def chunks_request(tenant: str, session_id: str, first_layer: int, window: int
                    ) -> pb.GetChunksRequest:
     return pb.GetChunksRequest(session=session_ref(tenant, session_id),
                                first_layer=first_layer, window=window)
-
-
-def keyed_chunks_request(keys: list[str], lease_id: str, window: int) -> pb.GetChunksRequest:
-    return pb.GetChunksRequest(keys=keys, lease_id=lease_id, window=window)
 
 
 # ---- FindPrefix (node to node)
@@ -213,6 +207,7 @@ def find_from_pb(p: pb.FindPrefixRequest) -> FindRequest:
 def find_reply(r: FoundOnPeer) -> pb.FindPrefixReply:
     return pb.FindPrefixReply(
         matched_blocks=r.matched_blocks, lease_id=r.lease_id, waited_s=r.waited_s,
+        data_port=r.data_port,
         chunks=[pb.PeerChunk(chunk_hashes=list(c.chunk_hashes), first_block=c.first_block,
                              use_blocks=c.use_blocks, tier=c.tier) for c in r.chunks],
     )
@@ -221,6 +216,7 @@ def find_reply(r: FoundOnPeer) -> pb.FindPrefixReply:
 def found_from_pb(p: pb.FindPrefixReply) -> FoundOnPeer:
     return FoundOnPeer(
         matched_blocks=p.matched_blocks, lease_id=p.lease_id, waited_s=p.waited_s,
+        data_port=p.data_port,
         chunks=tuple(PeerChunk(tuple(bytes(h) for h in c.chunk_hashes), c.first_block,
                                c.use_blocks, c.tier) for c in p.chunks),
     )

@@ -1,12 +1,12 @@
-"""Stream a prefix leased on a peer into this node, lowest layer first.
+"""A prefix leased on a peer, streamed in over its TCP data port, lowest layer first.
 
-Started as soon as the peer has answered the lookup, so the chunks are on the wire while
-the engine plans and admits the request. Every chunk is verified where it lands (its
-checksum, and its header against the block hashes the lookup matched) and put into this
-node's DRAM (written behind like any chunk): the session now lives here too, and the
-next turn on this node finds it locally. ``layer(l)`` hands the load the verified blobs
-of layer ``l`` once all have arrived; if the stream breaks, stalls or delivers a bad
-chunk, that layer and every later one fail (the engine recomputes them).
+The connection opens and the request goes out as soon as the peer has answered the
+lookup, so the first chunks are on the wire (the peer's socket buffers fill, then it
+waits) while the engine plans and admits the request. The load then reads each layer's
+chunks off the stream straight into their pool blocks (``pool/peer_load.py``): no
+buffer in between, whose fresh pages alone cost a 2k-token history ~0.1 s of page
+faults here. If the stream breaks, stalls or delivers a chunk that fails its checks,
+that layer and every later one fail (the engine recomputes them).
 """
 
 from __future__ import annotations
@@ -14,68 +14,148 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 
 import grpc
+import msgpack
 
 from services.kvstore import wire
 from services.kvstore.errors import PeerFetchFailed
 from services.kvstore.metrics import KVStoreMetrics
+from services.kvstore.peers.data_plane import LEN, MISSING, request_bytes
 from services.kvstore.peers.links import PeerLinks
-from services.kvstore.store import TieredStore
-from services.kvstore.tiers.base import Blob
-from shared.chunk_codec import ChunkCorrupt, ChunkFormatError, parse_head
 
 log = logging.getLogger(__name__)
 
 
 class PeerFetch:
     """Chunks ``keys[layer]`` (``expected[key]``: the block hashes each must carry) from
-    the kvstore at ``peer`` under its lease ``peer_lease``. Event-loop only."""
+    the kvstore at ``peer`` (its data port ``data_port``) under its lease ``peer_lease``.
+    Event-loop only; layers are read in order, each once."""
 
     def __init__(
         self,
-        store: TieredStore,
+        metrics: KVStoreMetrics,
         links: PeerLinks,
         peer: str,
         peer_lease: str,
         keys: list[list[str]],
         expected: dict[str, tuple[bytes, ...]],
         timeout_s: float,
-        window: int,
+        data_port: int,
     ) -> None:
-        self.store, self.links, self.peer = store, links, peer
+        self.metrics, self.links, self.peer = metrics, links, peer
         self.peer_lease = peer_lease
         self.keys = keys
         self.expected = expected
         self.timeout_s = timeout_s
-        self.window = window
-        self.blobs: dict[str, Blob] = {}
-        self.failed_at: int | None = None  # first layer that will not arrive
+        self.data_port = data_port
+        self.next_layer = 0
         self.error = ""
-        self.done_layers = 0
-        self._events = [asyncio.Event() for _ in keys]
-        self._task: asyncio.Task[None] | None = None
-
-    @property
-    def metrics(self) -> KVStoreMetrics:
-        return self.store.metrics
+        self.nbytes = 0
+        self._sock: socket.socket | None = None
+        self._opening: asyncio.Task[None] | None = None
+        self._t0 = 0.0
+        self._closed = False
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name=f"peer-fetch-{self.peer}")
+        log.info("pulling from peer %s: %d chunks in %d layers", self.peer,
+                 sum(len(k) for k in self.keys), len(self.keys))
+        self._t0 = time.perf_counter()
+        self._opening = asyncio.create_task(self._open(), name=f"peer-pull-{self.peer}")
 
-    async def layer(self, layer: int) -> dict[str, Blob]:
-        """The verified blobs of ``layer`` (waits for them); raises ``PeerFetchFailed``."""
-        await self._events[layer].wait()
-        if self.failed_at is not None and layer >= self.failed_at:
+    async def _open(self) -> None:
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        self._sock = sock
+        host = self.peer.rsplit(":", 1)[0].strip("[]")
+        flat = [k for layer_keys in self.keys for k in layer_keys]
+        await loop.sock_connect(sock, (host, self.data_port))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        await loop.sock_sendall(sock, request_bytes(self.peer_lease, flat))
+
+    async def begin_layer(self, layer: int) -> socket.socket:
+        """The socket, positioned at ``layer``'s first chunk; raises ``PeerFetchFailed``."""
+        if self.error:
             raise PeerFetchFailed(f"from peer {self.peer}: {self.error}")
-        return {k: self.blobs[k] for k in self.keys[layer]}
+        if layer != self.next_layer:
+            self.fail(f"layer {layer} asked for at layer {self.next_layer} of the stream")
+            raise PeerFetchFailed(f"from peer {self.peer}: {self.error}")
+        assert self._opening is not None
+        try:
+            await asyncio.wait_for(asyncio.shield(self._opening), self.timeout_s)
+        except (OSError, TimeoutError, msgpack.PackException) as e:
+            self.fail(f"could not open the stream: {e!r}")
+            raise PeerFetchFailed(f"from peer {self.peer}: {self.error}") from None
+        assert self._sock is not None
+        return self._sock
+
+    async def chunk_length(self, key: str) -> int:
+        """The next chunk's length; raises ``PeerFetchFailed`` if the peer no longer has it."""
+        buf = bytearray(LEN.size)
+        await self.recv_into([memoryview(buf)])
+        n = LEN.unpack(buf)[0]
+        if n == MISSING:
+            self.fail(f"chunk {key[:120]} is gone from the peer")
+            raise PeerFetchFailed(f"from peer {self.peer}: {self.error}")
+        return int(n)
+
+    async def recv_into(self, bufs: list[memoryview]) -> None:
+        """Fill ``bufs`` in order from the stream; a stall of ``timeout_s`` or a closed
+        stream raises ``PeerFetchFailed``."""
+        loop = asyncio.get_running_loop()
+        sock = self._sock
+        assert sock is not None
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                for buf in bufs:
+                    got = 0
+                    while got < len(buf):
+                        k = await loop.sock_recv_into(sock, buf[got:])
+                        if k == 0:
+                            raise EOFError("the peer closed the stream")
+                        got += k
+        except (OSError, EOFError, TimeoutError) as e:
+            why = f"no data for {self.timeout_s:g} s" if isinstance(e, TimeoutError) else e
+            self.fail(f"the stream broke: {why}")
+            raise PeerFetchFailed(f"from peer {self.peer}: {self.error}") from None
+        n = sum(len(b) for b in bufs)
+        self.nbytes += n
+        self.metrics.peer_bytes.labels(self.peer).inc(n)
+
+    def end_layer(self, layer: int) -> None:
+        self.next_layer = layer + 1
+        if self.next_layer == len(self.keys):
+            seconds = time.perf_counter() - self._t0
+            log.info("pulled %.1f MB from peer %s in %.3f s (%.0f MB/s)", self.nbytes / 1e6,
+                     self.peer, seconds, self.nbytes / 1e6 / max(seconds, 1e-9))
+            self.links.observe(self.peer, self.nbytes, seconds)
+            self.metrics.peer_pull_seconds.observe(seconds)
+            self._close_socket()
+
+    def fail(self, why: str) -> None:
+        if not self.error:
+            self.error = why
+            log.warning("pull from peer %s stopped at layer %d: %s", self.peer,
+                        self.next_layer, why)
+        self._close_socket()
+
+    def _close_socket(self) -> None:
+        if self._opening is not None and not self._opening.done():
+            self._opening.cancel()
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+            self._sock = None
 
     def close(self) -> None:
         """Stop pulling (the load is over or was never made) and end the peer's lease."""
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
-            self._fail(self.done_layers, "the pull was stopped")
+        if self._closed:
+            return
+        self._closed = True
+        self._close_socket()
         task = asyncio.get_running_loop().create_task(self._release())
         _RELEASES.add(task)
         task.add_done_callback(_RELEASES.discard)
@@ -84,71 +164,6 @@ class PeerFetch:
         with contextlib.suppress(grpc.aio.AioRpcError):  # it expires on its own otherwise
             await self.links.stub(self.peer).ReleaseLease(
                 wire.release_request(self.peer_lease), timeout=self.timeout_s)
-
-    def _fail(self, layer: int, why: str) -> None:
-        if self.failed_at is None or layer < self.failed_at:
-            self.failed_at, self.error = layer, why
-        for ev in self._events[layer:]:
-            ev.set()
-
-    async def _run(self) -> None:
-        flat = [k for layer_keys in self.keys for k in layer_keys]
-        log.info("pulling from peer %s: %d chunks in %d layers", self.peer, len(flat),
-                 len(self.keys))
-        t0 = time.perf_counter()
-        nbytes = 0
-        call = self.links.stub(self.peer).GetChunks(
-            wire.keyed_chunks_request(flat, self.peer_lease, self.window))
-        layer, left = 0, set(self.keys[0]) if self.keys else set()
-        try:
-            while layer < len(self.keys):
-                try:
-                    raw = await asyncio.wait_for(call.read(), self.timeout_s)
-                except TimeoutError:
-                    raise PeerFetchFailed(f"no chunk for {self.timeout_s:g} s") from None
-                if raw is grpc.aio.EOF:
-                    raise PeerFetchFailed("the stream ended early")
-                msg = wire.chunk_from_pb(raw)
-                if msg.key not in left:
-                    raise PeerFetchFailed(f"an unasked or repeated chunk {msg.key[:120]}")
-                if not msg.found:
-                    raise PeerFetchFailed(f"chunk {msg.key[:120]} is gone from the peer")
-                await self._keep(msg.key, msg.blob)
-                nbytes += len(msg.blob)
-                self.metrics.peer_bytes.labels(self.peer).inc(len(msg.blob))
-                left.discard(msg.key)
-                while not left and layer < len(self.keys):
-                    self._events[layer].set()
-                    self.done_layers = layer = layer + 1
-                    left = set(self.keys[layer]) if layer < len(self.keys) else set()
-            seconds = time.perf_counter() - t0
-            self.links.observe(self.peer, nbytes, seconds)
-            self.metrics.peer_pull_seconds.observe(seconds)
-        except PeerFetchFailed as e:
-            log.warning("pull from peer %s stopped at layer %d: %s", self.peer, layer, e)
-            self._fail(layer, str(e))
-        except grpc.aio.AioRpcError as e:
-            log.warning("pull from peer %s stopped at layer %d: %s %s", self.peer, layer,
-                        e.code().name, e.details())
-            self._fail(layer, f"{e.code().name}: {e.details()}")
-        except asyncio.CancelledError:
-            self._fail(layer, "the pull was stopped")
-            raise
-        finally:
-            call.cancel()
-
-    async def _keep(self, key: str, blob: bytes) -> None:
-        """Verify ``blob`` as chunk ``key`` with the expected hashes; keep it here."""
-        try:
-            receipt = await self.store.put_blob(blob)  # checksum first (ChunkCorrupt)
-            ok = receipt.key == key and parse_head(blob, len(blob)).meta.block_hashes == \
-                self.expected[key]
-        except (ChunkCorrupt, ChunkFormatError) as e:
-            self.metrics.checksum_failures.labels("peer").inc()
-            raise PeerFetchFailed(f"chunk {key[:120]} is corrupt: {e}") from None
-        if not ok:
-            raise PeerFetchFailed(f"chunk {key[:120]} is not the one the lookup matched")
-        self.blobs[key] = blob
 
 
 _RELEASES: set[asyncio.Task[None]] = set()  # lease releases in flight (kept referenced)

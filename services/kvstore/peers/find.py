@@ -37,6 +37,7 @@ class PeerAnswer:
     matched_blocks: int
     chunks: tuple[PeerChunk, ...]
     lease_id: str
+    data_port: int = 0
 
 
 async def ask_peer(
@@ -58,10 +59,10 @@ async def ask_peer(
                     "before them", peer, len(found.chunks) - len(chunks), len(chunks))
     if not chunks:
         if found.lease_id:
-            await _release_quietly(links, peer, found.lease_id, timeout_s)
+            await release_quietly(links, peer, found.lease_id, timeout_s)
         return PeerAnswer(req.first_block, (), "")
     end = chunks[-1].first_block + chunks[-1].use_blocks
-    return PeerAnswer(end, chunks, found.lease_id)
+    return PeerAnswer(end, chunks, found.lease_id, found.data_port)
 
 
 def _matching(chunks: tuple[PeerChunk, ...], req: FindRequest) -> tuple[PeerChunk, ...]:
@@ -85,7 +86,7 @@ def _matching(chunks: tuple[PeerChunk, ...], req: FindRequest) -> tuple[PeerChun
     return tuple(out)
 
 
-async def _release_quietly(links: PeerLinks, peer: str, lease_id: str, timeout_s: float) -> None:
+async def release_quietly(links: PeerLinks, peer: str, lease_id: str, timeout_s: float) -> None:
     try:
         await links.stub(peer).ReleaseLease(wire.release_request(lease_id), timeout=timeout_s)
     except grpc.aio.AioRpcError:
@@ -98,6 +99,7 @@ async def answer_peer(
     leases: LeaseTable,
     req: FindRequest,
     wait_s: float,
+    data_port: int = 0,
 ) -> FoundOnPeer:
     """What this node holds of ``req``'s prompt, leased. Raises ``PoolError`` or
     ``ChunkFormatError`` for a malformed request."""
@@ -121,9 +123,11 @@ async def answer_peer(
     known = await known_sequences(manifests, req.tenant, req.session_id, req.model_fp, bpc)
     lease = Lease("")
     try:
+        # Only this node's own tiers: a shared S3 tier the asker reads itself, directly.
         matched, found = await find_prefix(
             store, req.tenant, req.model_fp, req.block_hashes, req.first_block,
             req.num_layers, bpc, known, lease,
+            len(store.tiers) - 2 if store.lowest_shared else None,
         )
     except BaseException:
         LeaseTable.abandon(lease, store.unpin)
@@ -136,4 +140,4 @@ async def answer_peer(
     if not chunks:
         LeaseTable.abandon(lease, store.unpin)
         return FoundOnPeer(matched, (), "", waited)
-    return FoundOnPeer(matched, chunks, leases.grant(lease), waited)
+    return FoundOnPeer(matched, chunks, leases.grant(lease), waited, data_port)

@@ -7,12 +7,37 @@ request to the last chunk), seeded with ``kvstore.peer_bytes_per_s`` until measu
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Iterable
+
 import grpc
 
 from shared.grpc_server import insecure_channel
 from shared.proto import kvstore_pb2_grpc as pb_grpc
 
 _MIN_SAMPLE_BYTES = 64 << 10  # a tiny pull measures round trips, not the link
+PULLED_KEYS = 1 << 20  # chunk keys remembered as pulled (~100 bytes each)
+
+
+class PulledKeys:
+    """Chunk keys this node loaded from a peer, most recent last (bounded). The chunks
+    went straight into the engine's pool; the turn's save then stores them here (DRAM
+    and local tiers) but not in the shared S3 tier, which the peer writes itself."""
+
+    def __init__(self, capacity: int = PULLED_KEYS) -> None:
+        self.capacity = capacity
+        self._keys: OrderedDict[str, None] = OrderedDict()
+
+    def add(self, layers: Iterable[Iterable[str]]) -> None:
+        for keys in layers:
+            for k in keys:
+                self._keys[k] = None
+                self._keys.move_to_end(k)
+        while len(self._keys) > self.capacity:
+            self._keys.popitem(last=False)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
 
 
 class PeerLinks:

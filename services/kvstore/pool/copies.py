@@ -16,6 +16,7 @@ from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from shared.chunk_codec import ChunkMeta, encode_chunk
+from shared.kv_layout import KVSpan
 
 if TYPE_CHECKING:
     import torch
@@ -77,3 +78,29 @@ async def to_the_end(aw: Awaitable[T]) -> T:
     except asyncio.CancelledError:
         await asyncio.gather(task, return_exceptions=True)
         raise
+
+
+def block_runs(ids: list[int]) -> list[tuple[int, int]]:
+    """``ids`` as (first, count) runs of consecutive block ids."""
+    if ids and ids == list(range(ids[0], ids[0] + len(ids))):  # the common case, in C
+        return [(ids[0], len(ids))]
+    out: list[tuple[int, int]] = []
+    for b in ids:
+        if out and out[-1][0] + out[-1][1] == b:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((b, 1))
+    return out
+
+
+def payload_bufs(bb: int, span: KVSpan, bpc: int, chunk_blocks: int, ids: list[int],
+                 dest: memoryview) -> list[memoryview]:
+    """Where a chunk's payload is read to: the span's blocks (``bb`` bytes each, in the
+    host pool ``dest``), and scratch for the chunk's blocks outside the span (read too:
+    the checksum covers them)."""
+    off = span.first_block % bpc
+    bufs = [memoryview(bytearray(off * bb))] if off else []
+    bufs += [dest[first * bb : (first + n) * bb] for first, n in block_runs(ids)]
+    if chunk_blocks > off + len(ids):
+        bufs.append(memoryview(bytearray((chunk_blocks - off - len(ids)) * bb)))
+    return bufs

@@ -21,8 +21,8 @@ from collections.abc import AsyncGenerator
 from services.kvstore.bandwidth import TierBandwidth
 from services.kvstore.manifests import ManifestStore
 from services.kvstore.peers.fetch import PeerFetch
-from services.kvstore.peers.find import answer_peer, ask_peer
-from services.kvstore.peers.links import PeerLinks
+from services.kvstore.peers.find import answer_peer, ask_peer, release_quietly
+from services.kvstore.peers.links import PeerLinks, PulledKeys
 from services.kvstore.pool.attach import MappedPool, PoolError, PoolGeometry, PoolRegistry
 from services.kvstore.pool.copies import lazy_torch
 from services.kvstore.pool.fences import PoolOps
@@ -83,6 +83,9 @@ class EnginePoolPath:
         self.peer_timeout_s = peer_timeout_s
         self.peer_window = peer_window
         self.debug_save_delay_s = debug_save_delay_s
+        self.data_port = 0  # this node's ChunkServer's port, once started
+        # Chunks loaded from a peer: the turn's save keeps them here, not in S3 again.
+        self.pulled = PulledKeys()
 
     async def __aenter__(self) -> EnginePoolPath:
         return self
@@ -117,7 +120,8 @@ class EnginePoolPath:
         try:
             if self.debug_save_delay_s:
                 await asyncio.sleep(self.debug_save_delay_s)
-            return await save_from_pool(self.store, self.manifests, self.pools, req)
+            return await save_from_pool(self.store, self.manifests, self.pools, req,
+                                        self.pulled)
         finally:
             self.ops.end(req.op_id)
 
@@ -158,8 +162,6 @@ class EnginePoolPath:
         self, req: LookupRequest, bpc: int, block_size: int, block_bytes: int, lease: Lease
     ) -> tuple[int, list[KVSpan]]:
         store, total = self.store, len(req.block_hashes)
-        known = await known_sequences(self.manifests, req.tenant, req.session_id,
-                                      req.model_fp, bpc)
 
         async def search(first: int, last_tier: int | None,
                          seqs: list[tuple[bytes, ...]]) -> tuple[int, list[KVSpan]]:
@@ -174,15 +176,25 @@ class EnginePoolPath:
             return matched, spans
 
         if not req.peer_address:
+            known = await known_sequences(self.manifests, req.tenant, req.session_id,
+                                          req.model_fp, bpc)
             return await search(req.first_block, None, known)
-        shared = store.lowest.name == "s3" and len(store.tiers) > 1
+        # The peer served the last turn: this node's own copies (its memory of the session
+        # only: the peer knows better than a manifest), then the peer, then S3 only if the
+        # peer fell short of the turn's saved length (past it, nobody saved anything more).
+        shared = store.lowest_shared
+        latest = await known_sequences(self.manifests, req.tenant, req.session_id,
+                                       req.model_fp, bpc, manifest=False)
         matched, spans = await search(req.first_block, len(store.tiers) - 2 if shared else None,
-                                      known)
-        if matched < total:
-            matched, pulled = await self._from_peer(req, matched, bpc, block_size,
-                                                    block_bytes, lease)
+                                      latest)
+        saved = (req.peer_wait_tokens - 1) // block_size if req.peer_wait_tokens else total
+        enough = min(total, saved)
+        answered = False
+        if matched < enough:
+            matched, pulled, answered = await self._from_peer(req, matched, bpc, block_size,
+                                                              block_bytes, lease)
             spans += pulled
-        if matched < total and shared:
+        if shared and matched < total and not (answered and matched >= enough):
             durable = await known_sequences(self.manifests, req.tenant, req.session_id,
                                             req.model_fp, bpc, durable=True)
             matched, more = await search(matched, None, durable)
@@ -192,8 +204,9 @@ class EnginePoolPath:
     async def _from_peer(
         self, req: LookupRequest, first: int, bpc: int, bs: int, block_bytes: int,
         lease: Lease,
-    ) -> tuple[int, list[KVSpan]]:
-        """What the peer holds from block ``first`` on, its pull started into ``lease``."""
+    ) -> tuple[int, list[KVSpan], bool]:
+        """What the peer holds from block ``first`` on (its pull started into ``lease``),
+        and whether it answered."""
         wait = (req.peer_wait_tokens - 1) // bs * bs if req.peer_wait_tokens else 0
         ask = FindRequest(req.tenant, req.session_id, req.model_fp, req.block_hashes, first,
                           req.num_layers, bpc, wait)
@@ -202,10 +215,17 @@ class EnginePoolPath:
         m = self.store.metrics.peer_lookups
         if answer is None:
             m.labels("error").inc()
-            return first, []
+            return first, [], False
+        if answer.chunks and not answer.data_port:  # (a peer without a data port)
+            log.warning("peer %s holds the prefix but serves no chunk stream",
+                        req.peer_address)
+            await release_quietly(self.links, req.peer_address, answer.lease_id,
+                                  self.peer_timeout_s)
+            m.labels("error").inc()
+            return first, [], False
         m.labels("hit" if answer.chunks else "miss").inc()
         if not answer.chunks:
-            return first, []
+            return first, [], True
         keys: list[list[str]] = [[] for _ in range(req.num_layers)]
         spans = []
         for c in answer.chunks:
@@ -216,14 +236,16 @@ class EnginePoolPath:
             spans.append(KVSpan(c.chunk_hashes[-1], c.first_block, c.use_blocks, PEER,
                                 c.use_blocks * block_bytes * req.num_layers))
         expected = {k: lease.expected[k] for layer_keys in keys for k in layer_keys}
-        lease.fetch = PeerFetch(self.store, self.links, req.peer_address, answer.lease_id,
-                                keys, expected, self.peer_timeout_s, self.peer_window)
+        lease.fetch = PeerFetch(self.store.metrics, self.links, req.peer_address,
+                                answer.lease_id, keys, expected, self.peer_timeout_s,
+                                answer.data_port)
         lease.fetch.start()
-        return answer.matched_blocks, spans
+        return answer.matched_blocks, spans, True
 
     async def answer_peer(self, req: FindRequest) -> FoundOnPeer:
         """FindPrefix: what this node holds of a peer's prompt (see ``peers/find.py``)."""
-        return await answer_peer(self.store, self.manifests, self.leases, req, self.peer_wait_s)
+        return await answer_peer(self.store, self.manifests, self.leases, req, self.peer_wait_s,
+                                 self.data_port)
 
     def held_blobs(self, lease_id: str) -> dict[str, Blob]:
         """The DRAM copies lease ``lease_id`` holds (empty for none or an ended lease)."""
@@ -251,17 +273,20 @@ class EnginePoolPath:
         # for a read-and-copy under way) runs before we return, not whenever the event
         # loop gets round to finalizing an abandoned generator: no pool write may follow
         # the end of the call (nor the end of its op, which FencePoolOp waits for).
+        lease = None
         try:
             pool = self.pools.get(req.pool_id)
             bpc = self.pools.blocks_per_chunk(pool.geometry.block_size)
+            lease = self.leases.hold(req.lease_id)
             async with contextlib.aclosing(load_layers(
-                self.store, pool, req, bpc, self.leases.hold(req.lease_id),
-                self.bandwidth, self.readahead_layers,
+                self.store, pool, req, bpc, lease, self.bandwidth, self.readahead_layers,
             )) as layers:
                 async for msg in layers:
                     yield msg
         finally:
             self.ops.end(req.op_id)
+            if lease is not None and lease.fetch is not None:
+                self.pulled.add(lease.fetch.keys[: lease.fetch.next_layer])
             if req.lease_id:
                 self.leases.release(req.lease_id)
 

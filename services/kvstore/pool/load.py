@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 from services.kvstore.bandwidth import TierBandwidth
 from services.kvstore.errors import PeerFetchFailed
 from services.kvstore.pool.attach import MappedPool
-from services.kvstore.pool.copies import lazy_torch, scatter_blocks, to_the_end
+from services.kvstore.pool.copies import lazy_torch, payload_bufs, scatter_blocks, to_the_end
 from services.kvstore.pool.leases import Lease
 from services.kvstore.pool.load_checks import (
     LoadFailed,
@@ -51,6 +51,7 @@ from services.kvstore.pool.load_checks import (
     check_request,
     key_prefixes,
 )
+from services.kvstore.pool.peer_load import read_peer_layer
 from services.kvstore.pool.types import LayerLoaded, LoadRequest
 from services.kvstore.store import TieredStore, chunk_tier_key
 from services.kvstore.tiers.base import Stored
@@ -93,19 +94,6 @@ class Part:
 def _no_payload() -> torch.Tensor:
     """The tensor of a chunk read straight into pool blocks (never written: shared)."""
     return lazy_torch().empty(0)
-
-
-def _runs(ids: list[int]) -> list[tuple[int, int]]:
-    """``ids`` as (first, count) runs of consecutive block ids."""
-    if ids and ids == list(range(ids[0], ids[0] + len(ids))):  # the common case, in C
-        return [(ids[0], len(ids))]
-    out: list[tuple[int, int]] = []
-    for b in ids:
-        if out and out[-1][0] + out[-1][1] == b:
-            out[-1] = (out[-1][0], out[-1][1] + 1)
-        else:
-            out.append((b, 1))
-    return out
 
 
 class _CopyOnRead:
@@ -222,15 +210,8 @@ class _CopyOnRead:
 
     def _payload_bufs(self, span: KVSpan, chunk_blocks: int, ids: list[int],
                       dest: memoryview) -> list[memoryview]:
-        """Where a chunk's payload is read to: the span's blocks, and scratch for the
-        chunk's blocks outside the span (read too: the checksum covers them)."""
-        bb = self.pool.geometry.block_bytes
-        off = span.first_block % self.bpc
-        bufs = [memoryview(bytearray(off * bb))] if off else []
-        bufs += [dest[first * bb : (first + n) * bb] for first, n in _runs(ids)]
-        if chunk_blocks > off + len(ids):
-            bufs.append(memoryview(bytearray((chunk_blocks - off - len(ids)) * bb)))
-        return bufs
+        return payload_bufs(self.pool.geometry.block_bytes, span, self.bpc, chunk_blocks,
+                            ids, dest)
 
     def _verified(self, hit: Stored, head: ChunkHead, span: KVSpan,
                   bufs: list[memoryview], t0: float) -> Chunk:
@@ -265,20 +246,25 @@ async def _read_layer(
         pos += span.use_blocks
     found: list[tuple[Chunk | None, str]] = []
     unleased: list[int] = []
-    pulled = await _pulled(lease, layer, keys)
+    pulled = await _from_peer(lease, req, layer, pool, bpc, targets, keys)
     for j, key in enumerate(keys):
+        if key in pulled:  # read straight into its blocks off the peer's stream
+            found.append((Chunk(ChunkMeta(req.tenant, req.model_fp, layer,
+                                          (req.spans[j].chunk_hash,)), _no_payload()), PEER))
+            continue
         held = lease.blobs.get(key) if lease is not None else None
         if held is None:
             unleased.append(j)
             found.append((None, ""))
             continue
         try:
-            found.append((decode_chunk(held, verify=False),
-                          PEER if key in pulled else store.dram.name))
+            found.append((decode_chunk(held, verify=False), store.dram.name))
         except ChunkCorrupt as e:
             raise LoadFailed(f"layer {layer}: chunk {key} is corrupt: {e}") from None
     copier = _CopyOnRead(pool.kv, req, layer, pool, bpc, lease, targets,
                          {s.chunk_hash: k for s, k in zip(req.spans, keys, strict=True)})
+    copier.copied.update({req.spans[j].chunk_hash: s for j, k in enumerate(keys)
+                          if (s := pulled.get(k)) is not None})
     if unleased:
         try:
             fetched = await to_the_end(store.find_chunks([keys[j] for j in unleased], copier))
@@ -304,19 +290,21 @@ async def _read_layer(
     return parts
 
 
-async def _pulled(lease: Lease | None, layer: int, keys: list[str]) -> set[str]:
-    """Wait for this layer's chunks that come from a peer (verified as they arrived) and
-    hold them in the lease like DRAM hits; their keys."""
+async def _from_peer(
+    lease: Lease | None, req: LoadRequest, layer: int, pool: MappedPool, bpc: int,
+    targets: dict[bytes, tuple[KVSpan, list[int]]], keys: list[str],
+) -> dict[str, float]:
+    """This layer's chunks that come from a peer, read off its stream into their blocks
+    (key -> seconds); the stream is read for every layer that has any of them."""
     fetch = lease.fetch if lease is not None else None
     if fetch is None or layer >= len(fetch.keys) or not any(k in fetch.expected for k in keys):
-        return set()
-    assert lease is not None
+        return {}
     try:
-        got = await fetch.layer(layer)
+        by_hash = await read_peer_layer(fetch, req, layer, pool, bpc, targets)
     except PeerFetchFailed as e:
         raise LoadFailed(f"layer {layer}: {e}") from None
-    lease.blobs.update(got)
-    return set(got)
+    return {k: by_hash[s.chunk_hash] for s, k in zip(req.spans, keys, strict=True)
+            if s.chunk_hash in by_hash}
 
 
 def _copy_parts(kv: torch.Tensor, parts: list[Part]) -> list[float]:

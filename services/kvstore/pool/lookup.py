@@ -163,11 +163,11 @@ async def find_prefix(
 
 async def known_sequences(
     manifests: ManifestStore, tenant: str, session_id: str, model_fp: str, bpc: int,
-    durable: bool = False,
+    durable: bool = False, manifest: bool = True,
 ) -> list[tuple[bytes, ...]]:
     """The session's saved sequences a lookup can match partial chunks against: the latest
     saved here, else its manifest (with ``durable``, the manifest as well: another node
-    may have saved a later turn)."""
+    may have saved a later turn; without ``manifest``, never the manifest)."""
     if not session_id:
         return []
     out: list[tuple[bytes, ...]] = []
@@ -176,6 +176,8 @@ async def known_sequences(
         out.append(latest.block_hashes)
         if not durable:
             return out
+    if not manifest:
+        return out
     m = await manifests.get_manifest(tenant, session_id)
     if m is not None and m.model_fp == model_fp and m.blocks_per_chunk == bpc \
             and m.block_hashes not in out:

@@ -14,6 +14,7 @@ Chunks already held (locally, in flight, or vouched durable) are skipped without
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Container
 
 from services.kvstore.manifests import Manifest, ManifestStore, manifest_key
 from services.kvstore.manifests.manifest_store import SavedSequence
@@ -25,10 +26,13 @@ from shared.chunk_codec import ChunkMeta, chunk_key
 
 
 async def save_from_pool(
-    store: TieredStore, manifests: ManifestStore, pools: PoolRegistry, req: SaveRequest
+    store: TieredStore, manifests: ManifestStore, pools: PoolRegistry, req: SaveRequest,
+    pulled: Container[str] = (),
 ) -> SaveResult:
     """Store ``req``'s new chunks in DRAM (written behind below) and remember the sequence
-    for the session. Raises ``PoolError``/``ChunkFormatError`` before storing anything."""
+    for the session. Chunks in ``pulled`` (loaded from a peer, which writes them to the
+    shared tier) skip that tier. Raises ``PoolError``/``ChunkFormatError`` before storing
+    anything."""
     pool = pools.get(req.pool_id)
     bpc = pools.blocks_per_chunk(pool.geometry.block_size)
     nb, fb, layers = len(req.block_hashes), req.first_block, req.num_layers
@@ -51,15 +55,15 @@ async def save_from_pool(
         manifest_key(req.tenant, req.session_id)  # (ChunkFormatError)
     sid = (req.tenant, req.session_id)
     if not (req.session_id and nb):
-        return await _save_chunks(store, pool, req, bpc)
+        return await _save_chunks(store, pool, req, bpc, pulled)
     with manifests.saves.saving(sid):  # a peer asking for this session waits for us
-        result = await _save_chunks(store, pool, req, bpc, manifests)
+        result = await _save_chunks(store, pool, req, bpc, pulled, manifests)
     manifests.saves.saved(sid, req.token_count)
     return result
 
 
 async def _save_chunks(
-    store: TieredStore, pool: MappedPool, req: SaveRequest, bpc: int,
+    store: TieredStore, pool: MappedPool, req: SaveRequest, bpc: int, pulled: Container[str],
     manifests: ManifestStore | None = None,
 ) -> SaveResult:
     """Encode and admit the new chunks; with ``manifests``, remember the sequence."""
@@ -82,7 +86,7 @@ async def _save_chunks(
     # to the end even if the call is dropped: the op ends when the pool reads do
     blobs = await to_the_end(asyncio.to_thread(encode_from_pool, kv, jobs))
     for (meta, ids), blob in zip(jobs, blobs, strict=False):
-        store.put_encoded(meta, blob)
+        store.put_encoded(meta, blob, copy_of_shared=meta.key in pulled)
         store.metrics.pool_bytes_saved.inc(len(ids) * pool.geometry.block_bytes)
     if manifests is not None:  # (a session deleted while this save ran stays deleted)
         manifest = Manifest(

@@ -50,6 +50,7 @@ class FoundOnPeer:
     chunks: tuple[PeerChunk, ...]
     lease_id: str
     waited_s: float = 0.0
+    data_port: int = 0  # the answering node's ChunkServer port (0: pull over gRPC)
 
 
 @dataclass(frozen=True)

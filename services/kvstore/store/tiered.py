@@ -144,6 +144,11 @@ class TieredStore:
         self._opened = []
 
     @property
+    def lowest_shared(self) -> bool:
+        """Whether the lowest tier is one every node reaches (S3), not this node's own."""
+        return len(self.tiers) > 1 and self.lowest.name == "s3"
+
+    @property
     def local_tiers(self) -> list[Tier]:
         """Tiers below DRAM that the write-behind fills (SSD and the lowest, in order)."""
         return self._below_dram
@@ -168,23 +173,26 @@ class TieredStore:
         """
         await checksum_work(verify_chunk, blob)
         meta = parse_head(blob, len(blob)).meta
-        return self._admit(
-            meta.key, blob, layer_priority(meta.layer) if priority is None else priority
-        )
+        prio = layer_priority(meta.layer) if priority is None else priority
+        return self._admit(meta.key, blob, prio)
 
     def put_encoded(
-        self, meta: ChunkMeta, blob: bytearray, priority: int | None = None
+        self, meta: ChunkMeta, blob: bytearray, priority: int | None = None,
+        copy_of_shared: bool = False,
     ) -> PutReceipt:
         """Admit a blob this process just built with ``encode_chunk(meta, t, seal=False)``.
 
         Synchronous (in DRAM when it returns), so heavy encoding can run on a worker thread
         first (the pool save path). The blob is trusted like a ``put``'s: no checksum.
+        ``copy_of_shared``: a chunk another node writes to the shared lowest tier (this
+        one loaded it from that node): written behind to the local tiers only (a manifest
+        naming it asks the lowest tier, and writes it down from here if it is not there).
         """
-        return self._admit(
-            meta.key, blob, layer_priority(meta.layer) if priority is None else priority
-        )
+        prio = layer_priority(meta.layer) if priority is None else priority
+        return self._admit(meta.key, blob, prio, copy_of_shared)
 
-    def _admit(self, key: str, blob: Blob, priority: int) -> PutReceipt:
+    def _admit(self, key: str, blob: Blob, priority: int, copy_of_shared: bool = False
+               ) -> PutReceipt:
         tier_key = _C + key
         self.guard.changed(tier_key)
         self.io.dram_put(self.dram, tier_key, blob, priority)
@@ -192,6 +200,9 @@ class TieredStore:
         self.ledger.landed_in_dram(key, dram_only=not self._below_dram)
         if not self._below_dram:
             return PutReceipt(key, self._landed())
+        if copy_of_shared and self.lowest_shared:  # the ledger asks the lowest tier later
+            return PutReceipt(key, self.writer.submit(tier_key, blob, priority,
+                                                      self._below_dram[:-1], durable=False))
         return PutReceipt(key, self._write_behind(key, blob, priority, self._below_dram))
 
     def _write_behind(self, key: str, blob: Blob, priority: int, targets: list[Tier]
