@@ -126,7 +126,7 @@ async def answer_peer(
         # Only this node's own tiers: a shared S3 tier the asker reads itself, directly.
         matched, found = await find_prefix(
             store, req.tenant, req.model_fp, req.block_hashes, req.first_block,
-            req.num_layers, bpc, known, lease,
+            req.num_layers, bpc, known.seqs, lease,
             len(store.tiers) - 2 if store.lowest_shared else None,
         )
     except BaseException:

@@ -28,7 +28,7 @@ from services.kvstore.pool.copies import lazy_torch
 from services.kvstore.pool.fences import PoolOps
 from services.kvstore.pool.leases import Lease, LeaseTable
 from services.kvstore.pool.load import PEER, load_layers
-from services.kvstore.pool.lookup import find_prefix, known_sequences
+from services.kvstore.pool.lookup import Known, find_prefix, known_sequences
 from services.kvstore.pool.save import save_from_pool
 from services.kvstore.pool.types import (
     FindRequest,
@@ -163,11 +163,11 @@ class EnginePoolPath:
     ) -> tuple[int, list[KVSpan]]:
         store, total = self.store, len(req.block_hashes)
 
-        async def search(first: int, last_tier: int | None,
-                         seqs: list[tuple[bytes, ...]]) -> tuple[int, list[KVSpan]]:
+        async def search(first: int, last_tier: int | None, known: Known
+                         ) -> tuple[int, list[KVSpan]]:
             matched, found = await find_prefix(
                 store, req.tenant, req.model_fp, req.block_hashes, first, req.num_layers,
-                bpc, seqs, lease, last_tier,
+                bpc, known.seqs, lease, last_tier, known.durable,
             )
             spans = [KVSpan(c.chunk_hashes[-1], start, c.use_end - start,
                             store.tiers[t].name, (c.use_end - start) * block_bytes

@@ -22,6 +22,7 @@ blocks on device); ``matched_blocks`` still counts them.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from services.kvstore.manifests import ManifestStore
@@ -74,13 +75,14 @@ class Probe:
 
 async def probe_chunk(
     store: TieredStore, tenant: str, model_fp: str, cand: Candidate, num_layers: int,
-    last_tier: int | None = None,
+    last_tier: int | None = None, durable: Collection[str] = (),
 ) -> Probe | None:
     """Whether ``cand`` is stored in every layer (in ``store.tiers[: last_tier + 1]``;
     None: any tier); pins/holds what it finds, or None.
 
     DRAM copies are checked against the expected block hashes here (their header is one
-    msgpack read away); copies below DRAM are checked when loaded.
+    msgpack read away); copies below DRAM are checked when loaded. Keys in ``durable``
+    (named by a durable manifest: in the lowest tier) need no existence check there.
     """
     probe = Probe(0)
     below: list[str] = []
@@ -100,7 +102,8 @@ async def probe_chunk(
     # concurrently (S3 HEADs would add up otherwise).
     if below and last_tier == 0:
         return None
-    tiers = [store.known_below_dram(k) for k in below]
+    lowest = store.lowest if last_tier is None else None
+    tiers = [store.known_below_dram(k) or (lowest if k in durable else None) for k in below]
     ask = [i for i, t in enumerate(tiers) if t is None]
     if ask:
         for i, t in zip(ask, await asyncio.gather(
@@ -129,6 +132,7 @@ async def find_prefix(
     known: list[tuple[bytes, ...]],
     lease: Lease,
     last_tier: int | None = None,
+    durable: Collection[str] = (),
 ) -> tuple[int, list[tuple[Candidate, int, int]]]:
     """(matched_blocks, [(candidate, span first block, slowest tier index)]), searching
     ``store.tiers[: last_tier + 1]`` (None: all).
@@ -141,7 +145,8 @@ async def find_prefix(
     while c * bpc < len(prompt):
         hit: tuple[Candidate, Probe] | None = None
         for cand in chunk_candidates(prompt, c, bpc, known):
-            probe = await probe_chunk(store, tenant, model_fp, cand, num_layers, last_tier)
+            probe = await probe_chunk(store, tenant, model_fp, cand, num_layers, last_tier,
+                                      durable)
             if probe is not None:
                 hit = (cand, probe)
                 break
@@ -161,25 +166,35 @@ async def find_prefix(
     return max(matched, first_block), found
 
 
+@dataclass(frozen=True)
+class Known:
+    """What a lookup knows of a session: its saved sequences (to match partial chunks
+    against) and the chunk keys its durable manifest names (in the lowest tier)."""
+
+    seqs: list[tuple[bytes, ...]] = field(default_factory=list)
+    durable: frozenset[str] = frozenset()
+
+
 async def known_sequences(
     manifests: ManifestStore, tenant: str, session_id: str, model_fp: str, bpc: int,
     durable: bool = False, manifest: bool = True,
-) -> list[tuple[bytes, ...]]:
-    """The session's saved sequences a lookup can match partial chunks against: the latest
-    saved here, else its manifest (with ``durable``, the manifest as well: another node
-    may have saved a later turn; without ``manifest``, never the manifest)."""
+) -> Known:
+    """The session's latest sequence saved here, else its manifest (with ``durable``, the
+    manifest as well: another node may have saved a later turn; without ``manifest``,
+    never the manifest)."""
     if not session_id:
-        return []
+        return Known()
     out: list[tuple[bytes, ...]] = []
     latest = manifests.latest(tenant, session_id)
     if latest is not None and latest.model_fp == model_fp:
         out.append(latest.block_hashes)
         if not durable:
-            return out
+            return Known(out)
     if not manifest:
-        return out
+        return Known(out)
     m = await manifests.get_manifest(tenant, session_id)
-    if m is not None and m.model_fp == model_fp and m.blocks_per_chunk == bpc \
-            and m.block_hashes not in out:
+    if m is None or m.model_fp != model_fp or m.blocks_per_chunk != bpc:
+        return Known(out)
+    if m.block_hashes not in out:
         out.append(m.block_hashes)
-    return out
+    return Known(out, frozenset(m.chunk_keys()))
