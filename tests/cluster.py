@@ -176,7 +176,8 @@ def start_cluster(
     ready_timeout: float = 180.0,
 ) -> Iterator[Cluster]:
     """Run scheduler + ``nodes`` × (kvstore, engine, nodemgr); stop them all on exit.
-    With ``ssd`` each kvstore has an SSD tier under ``work_dir``. With ``s3`` a SeaweedFS server (as ``overture up`` runs it) is every kvstore's S3 tier;
+    With ``ssd`` each kvstore has an SSD tier under ``work_dir``. With ``s3`` a SeaweedFS
+    server (as ``overture up`` runs it) is every kvstore's S3 tier;
     it is started first and stopped last."""
     log_dir = work_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)

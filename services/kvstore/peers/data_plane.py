@@ -100,6 +100,8 @@ class ChunkServer:
             if n > MAX_REQUEST_BYTES:
                 raise ValueError(f"a {n}-byte request")
             req = msgpack.unpackb(await _recv_exactly(loop, conn, n))
+            if not isinstance(req, dict):
+                raise ValueError("a malformed request")
             keys, lease = req.get("keys"), req.get("lease", "")
             if (req.get("v") != 1 or not isinstance(keys, list) or len(keys) > MAX_KEYS
                     or not all(isinstance(k, str) for k in keys) or not isinstance(lease, str)):

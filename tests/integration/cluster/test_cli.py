@@ -56,6 +56,9 @@ def test_up_serves_and_stops_cleanly(tiny_model: Path, tmp_path: Path) -> None:
         api = Cluster(url=f"http://127.0.0.1:{port}", log_dir=tmp_path)
         assert any(line.startswith("[node0.engine] ") for line in seen)
         assert any(line.startswith("[scheduler] ") for line in seen)
+        # The cluster's S3 server is up, and every kvstore has it as its lowest tier.
+        assert any(line.startswith("[s3] ") for line in seen)
+        assert any("tiers: dram, ssd, s3" in line for line in seen), "".join(seen[-60:])
         models = api.get("/v1/models")[1]["data"]
         status, answer = api.post(
             "/v1/chat/completions",
@@ -73,6 +76,9 @@ def test_up_serves_and_stops_cleanly(tiny_model: Path, tmp_path: Path) -> None:
             raise AssertionError("the scheduler still answers after overture up stopped")
         except OSError:
             pass
+        s3_dir = str((tmp_path / ".overture" / "s3").resolve())
+        left = subprocess.run(["pgrep", "-f", s3_dir], capture_output=True)
+        assert left.returncode == 1, "the S3 server outlived overture up"
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -120,7 +120,7 @@ def test_a_turn_on_another_node_while_the_save_is_in_flight_gets_it_all(
         # Every whole block of turn 1's prompt came from node0's save (node1's device never
         # saw it, and node0 had stored nothing when it was asked): the peer waited for the
         # save instead of answering early. (The answer's text is tokenized anew in turn 2.)
-        status, answer = c.post("/v1/chat/completions", {**_body(m1), "max_tokens": 1})
+        _, answer = c.post("/v1/chat/completions", {**_body(m1), "max_tokens": 1})
         prompt1 = answer["usage"]["prompt_tokens"]
         assert cached >= prompt1 // 16 * 16 > 0, (cached, prompt1, c.logs())
         assert "pulling from peer" in c.procs["node1.kvstore"].tail(200)

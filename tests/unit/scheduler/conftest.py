@@ -85,6 +85,7 @@ async def make_cluster(
                 "engine_address": f"127.0.0.1:{server.port}",
                 "heartbeat_interval_s": 0.1,
                 "engine_wait_s": 5,
+                "kvstore_address": f"127.0.0.1:{7000 + i}",
             },
         )
         await start_nodemgr(nm, stack)

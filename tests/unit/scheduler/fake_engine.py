@@ -24,6 +24,15 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         self.cancelled = 0
         self.requests: list[common_pb2.GenerateRequest] = []
         self.fail_with: grpc.StatusCode | None = None
+        self.kv_from = "recompute"  # what the first chunk says of the prompt's KV
+        self.saved: list[common_pb2.SessionSaved] = []  # reported by Status(saved_after)
+        self.status_calls: list[int] = []  # the saved_after of each Status call
+
+    def save(self, tenant: str, session_id: str, tokens: int) -> None:
+        """Report a completed session save (as the engine does once the kvstore has it)."""
+        seq = len(self.saved) + 1
+        self.saved.append(common_pb2.SessionSaved(tenant=tenant, session_id=session_id,
+                                                  tokens=tokens, seq=seq))
 
     def _prompt_ids(self, req: common_pb2.GenerateRequest) -> list[int]:
         if req.input_kind == common_pb2.GenerateRequest.TOKEN_IDS:
@@ -54,6 +63,7 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
                 request_id=request.request_id,
                 prompt_token_ids=prompt,
                 prompt_tokens=len(prompt),
+                kv_from=self.kv_from,
             )
             for i in range(n):
                 if self.token_delay_s:
@@ -74,7 +84,9 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
             self.running -= 1
 
     async def Status(self, request, context):
+        self.status_calls.append(request.saved_after)
         return engine_pb2.EngineStatus(
+            saved=[s for s in self.saved if s.seq > request.saved_after],
             models=[
                 common_pb2.ModelInfo(
                     name=self.model, max_model_len=self.max_model_len, dtype="float32"

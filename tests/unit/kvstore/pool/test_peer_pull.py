@@ -1,0 +1,199 @@
+"""A session's KV pulled from a peer kvstore (real gRPC FindPrefix on loopback, the real
+TCP chunk stream, real shm pools): straight into the loading node's blocks, after the
+peer's save in flight has landed; a corrupt chunk, a trimmed plan, a dead peer."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from services.kvstore.manifests import ManifestStore
+from services.kvstore.peers.data_plane import ChunkServer
+from services.kvstore.pool.data_path import EnginePoolPath
+from services.kvstore.pool.types import LoadRequest, LookupRequest
+from services.kvstore.service import KVStoreService
+from shared.chunk_codec import chunk_key
+from shared.grpc_server import serve_grpc
+from shared.kv_layout import StoredPrefix
+from shared.proto import kvstore_pb2_grpc as pb_grpc
+from tests.unit.kvstore.pool.paths import DST, SRC, STRIDE, make_store, save
+from tests.unit.kvstore.pools import (
+    BLOCK,
+    CHUNK_TOKENS,
+    LAYERS,
+    MODEL,
+    TENANT,
+    fill,
+    geometry,
+    hashes,
+    ids,
+    make_pool,
+)
+
+
+@dataclass
+class Node:
+    path: EnginePoolPath
+    pool: object
+    pid: str
+    address: str = ""
+
+
+async def node(stack: AsyncExitStack, tmp: Path, serve: bool, save_delay_s: float = 0.0
+               ) -> Node:
+    pool = make_pool()
+    stack.callback(pool.close)
+    store = await stack.enter_async_context(make_store(tmp, ssd=False))
+    manifests = await stack.enter_async_context(ManifestStore(store, 1.0))
+    path = await stack.enter_async_context(EnginePoolPath(
+        store, CHUNK_TOKENS, manifests=manifests, peer_wait_s=5.0, peer_timeout_s=5.0,
+        debug_save_delay_s=save_delay_s))
+    pid, _ = await path.attach(geometry(pool))
+    n = Node(path, pool, pid)
+    if serve:
+        chunks = ChunkServer(store, path.held_blobs, "127.0.0.1", 0)
+        path.data_port = await chunks.start()
+        stack.push_async_callback(chunks.close)
+        service = KVStoreService(manifests, "a", 4, "", path)
+        server = await stack.enter_async_context(serve_grpc(
+            "127.0.0.1", 0, register=[lambda s: pb_grpc.add_KVStoreServicer_to_server(service, s)],
+            service_names=["overture.v1.KVStore"], grace_s=0.1))
+        n.address = f"127.0.0.1:{server.port}"
+    return n
+
+
+@pytest.fixture
+async def pair(tmp_path: Path) -> AsyncIterator[tuple[Node, Node]]:
+    async with AsyncExitStack() as stack:
+        a = await node(stack, tmp_path / "a", serve=True)
+        b = await node(stack, tmp_path / "b", serve=False)
+        yield a, b
+
+
+async def ask(b: Node, hs: tuple[bytes, ...], peer: str, wait_tokens: int = 0,
+              first: int = 0) -> StoredPrefix:
+    return await b.path.lookup(LookupRequest(TENANT, "sess", MODEL, hs, first, LAYERS, peer,
+                                             wait_tokens))
+
+
+async def pull(b: Node, r: StoredPrefix, spans: slice = slice(None)) -> list:
+    chosen = tuple(r.spans[spans])
+    first, n = chosen[0].first_block, sum(s.use_blocks for s in chosen)
+    req = LoadRequest(b.pid, r.lease_id, TENANT, MODEL, chosen,
+                      tuple(ids(first, n, DST, STRIDE)), LAYERS)
+    return [(m.layer, m.ok) async for m in b.path.load(req)]
+
+
+def same_blocks(a: Node, b: Node, first: int, n: int, layers: range = range(LAYERS)) -> bool:
+    for layer in layers:
+        src = [SRC + layer * STRIDE + i for i in range(first, first + n)]
+        dst = [DST + layer * STRIDE + i for i in range(first, first + n)]
+        if not bool((a.pool.kv_cache[src] == b.pool.kv_cache[dst]).all()):
+            return False
+    return True
+
+
+async def test_the_peer_s_prefix_lands_in_this_node_s_blocks(pair: tuple[Node, Node]) -> None:
+    a, b = pair
+    hs = hashes(40)
+    fill(a.pool, ids(0, 40, SRC, STRIDE), seed=3)
+    await save(a.path, a.pid, hs)
+    r = await ask(b, hs, a.address)
+    assert r.matched_blocks == 40 and [s.tier for s in r.spans] == ["peer"] * 3
+    assert r.tier_bytes_per_s["peer"] > 0  # the planner's rate for the link
+    assert await pull(b, r) == [(layer, True) for layer in range(LAYERS)]
+    assert same_blocks(a, b, 0, 40)
+    m = b.path.store.metrics
+    assert m.value("kvstore_peer_bytes_pulled_total", peer=a.address) > 0
+    assert m.value("kvstore_peer_lookups_total", result="hit") == 1
+    # The chunks are remembered as pulled: this node's save of the turn keeps them here.
+    key = chunk_key(TENANT, MODEL, hs[15], 0)
+    assert key in b.path.pulled
+    assert len(a.path.leases) == 0 or await _leases_end(a)
+
+
+async def _leases_end(a: Node) -> bool:
+    for _ in range(100):  # the pulling node releases the peer's lease in the background
+        if len(a.path.leases) == 0:
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+async def test_the_peer_waits_for_its_save_in_flight(tmp_path: Path) -> None:
+    async with AsyncExitStack() as stack:
+        a = await node(stack, tmp_path / "a", serve=True, save_delay_s=0.4)
+        b = await node(stack, tmp_path / "b", serve=False)
+        hs = hashes(40)
+        fill(a.pool, ids(0, 40, SRC, STRIDE), seed=4)
+        saving = asyncio.create_task(save(a.path, a.pid, hs))  # lands 0.4 s from now
+        await asyncio.sleep(0.05)
+        # The turn had 40 blocks and 3 tokens: the asker waits for that much to be saved.
+        r = await ask(b, hs, a.address, wait_tokens=40 * BLOCK + 3)
+        await saving
+        assert r.matched_blocks == 40, "the peer answered before its save landed"
+        assert await pull(b, r) == [(layer, True) for layer in range(LAYERS)]
+        assert same_blocks(a, b, 0, 40)
+        waited = a.path.store.metrics.value("kvstore_peer_save_wait_seconds_sum")
+        assert 0.2 < waited < 5.0
+
+
+async def test_a_corrupt_chunk_fails_its_layer_and_every_later_one(
+    pair: tuple[Node, Node],
+) -> None:
+    a, b = pair
+    hs = hashes(20)
+    fill(a.pool, ids(0, 20, SRC, STRIDE), seed=5)
+    await save(a.path, a.pid, hs)
+    key = chunk_key(TENANT, MODEL, hs[15], 1)  # layer 1 of the first chunk
+    blob = a.path.store.dram_blob(key)
+    assert isinstance(blob, bytearray)
+    await a.path.store.sealed(blob)  # (its checksum is computed once, before it leaves)
+    blob[-5] ^= 0xFF  # one payload byte, then: a bit flipped in memory or on the wire
+    r = await ask(b, hs, a.address)
+    assert await pull(b, r) == [(0, True), (1, False)]
+    assert b.path.store.metrics.value("kvstore_checksum_failures_total", tier="peer") == 1
+
+
+async def test_a_trimmed_plan_reads_past_the_chunks_it_no_longer_needs(
+    pair: tuple[Node, Node],
+) -> None:
+    a, b = pair
+    hs = hashes(40)
+    fill(a.pool, ids(0, 40, SRC, STRIDE), seed=6)
+    await save(a.path, a.pid, hs)
+    r = await ask(b, hs, a.address)
+    # The device held the first chunk after all: the load asks for the other two only.
+    assert await pull(b, r, slice(1, None)) == [(layer, True) for layer in range(LAYERS)]
+    assert same_blocks(a, b, 16, 24)
+
+
+async def test_an_unreachable_peer_means_nothing_found_here(pair: tuple[Node, Node]) -> None:
+    _, b = pair
+    b.path.peer_timeout_s = 1.0
+    r = await ask(b, hashes(20), "127.0.0.1:1")
+    assert r.matched_blocks == 0 and not r.spans and not r.lease_id
+    assert b.path.store.metrics.value("kvstore_peer_lookups_total", result="error") == 1
+
+
+async def test_the_local_copy_comes_first_and_the_peer_adds_the_rest(
+    pair: tuple[Node, Node],
+) -> None:
+    a, b = pair
+    hs = hashes(40)
+    fill(a.pool, ids(0, 40, SRC, STRIDE), seed=7)
+    await save(a.path, a.pid, hs)
+    # b holds the first 16 blocks itself (an earlier turn served here).
+    first = ids(0, 16, SRC, STRIDE)
+    b.pool.kv_cache[first] = a.pool.kv_cache[first]
+    await save(b.path, b.pid, hs[:16])
+    r = await ask(b, hs, a.address)
+    assert [(s.tier, s.first_block) for s in r.spans] == [("dram", 0), ("peer", 16),
+                                                           ("peer", 32)]
+    assert await pull(b, r) == [(layer, True) for layer in range(LAYERS)]
+    assert same_blocks(a, b, 0, 40)
