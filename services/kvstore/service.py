@@ -13,7 +13,7 @@ import grpc
 from services.kvstore import wire
 from services.kvstore.errors import ManifestIncomplete, StorageError, TierUnavailable
 from services.kvstore.manifests import ManifestStore, manifest_key
-from services.kvstore.peer import pull_session
+from services.kvstore.peers.pull import pull_session
 from services.kvstore.pool.attach import PoolError
 from services.kvstore.pool.data_path import EnginePoolPath
 from services.kvstore.streaming import stream_session

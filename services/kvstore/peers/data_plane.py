@@ -26,6 +26,7 @@ from collections.abc import Callable
 import msgpack
 
 from services.kvstore.store import TieredStore
+from services.kvstore.store.checksum_work import sealed
 from services.kvstore.tiers.base import Blob
 
 log = logging.getLogger(__name__)
@@ -111,8 +112,7 @@ class ChunkServer:
                 if self.chunk_delay_s:
                     await asyncio.sleep(self.chunk_delay_s)
                 kept = held.get(key)
-                blob = await (self.store.sealed(kept) if kept is not None
-                              else self.store.get_blob(key))
+                blob = await (sealed(kept) if kept is not None else self.store.get_blob(key))
                 if blob is None:
                     await loop.sock_sendall(conn, LEN.pack(MISSING))
                     continue

@@ -12,8 +12,17 @@ from collections.abc import Callable
 from typing import Any
 
 from services.kvstore.tiers.base import Blob
+from shared.chunk_codec import seal_chunk
 
 OFF_LOOP_BYTES = 4 << 20  # ~0.15 ms of hashing
+
+
+async def sealed(blob: Blob) -> Blob:
+    """``blob`` with its checksum: a chunk this process encoded is sealed lazily (by its
+    write-behind, or here before it leaves the process; sealing is idempotent)."""
+    if isinstance(blob, bytearray):
+        await checksum_work(seal_chunk, blob)
+    return blob
 
 
 async def checksum_work(fn: Callable[[Any], None], blob: Blob) -> None:

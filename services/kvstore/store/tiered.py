@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from services.kvstore.errors import TierUnavailable, WriteRefused
 from services.kvstore.metrics import KVStoreMetrics
-from services.kvstore.store.checksum_work import checksum_work
+from services.kvstore.store.checksum_work import checksum_work, sealed
 from services.kvstore.store.chunk_reads import (
     ChunkReader,
     decode_stored,
@@ -54,7 +54,6 @@ from shared.chunk_codec import (
     ChunkMeta,
     encode_chunk,
     parse_head,
-    seal_chunk,
     verify_chunk,
 )
 
@@ -173,8 +172,9 @@ class TieredStore:
         """
         await checksum_work(verify_chunk, blob)
         meta = parse_head(blob, len(blob)).meta
-        prio = layer_priority(meta.layer) if priority is None else priority
-        return self._admit(meta.key, blob, prio)
+        return self._admit(
+            meta.key, blob, layer_priority(meta.layer) if priority is None else priority
+        )
 
     def put_encoded(
         self, meta: ChunkMeta, blob: bytearray, priority: int | None = None,
@@ -264,14 +264,7 @@ class TieredStore:
     async def get_blob(self, key: str) -> Blob | None:
         """The sealed blob under ``key`` (for sending to a peer) or ``None``."""
         blob, _chunk, _tier = (await self.reader.find_many([key]))[0]
-        return await self.sealed(blob) if blob is not None else None
-
-    async def sealed(self, blob: Blob) -> Blob:
-        """``blob`` with its checksum: a chunk this process encoded is sealed lazily (by
-        its write-behind, or here before it leaves the process)."""
-        if isinstance(blob, bytearray):
-            await checksum_work(seal_chunk, blob)  # a put not yet written behind
-        return blob
+        return await sealed(blob) if blob is not None else None
 
     async def _undo_write(self, tier: Tier, tkey: str) -> None:
         """A write-behind put that landed after its chunk was deleted: delete it again."""

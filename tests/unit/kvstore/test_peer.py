@@ -15,7 +15,7 @@ import pytest
 from services.kvstore.errors import TierUnavailable
 from services.kvstore.manifests import ManifestStore
 from services.kvstore.metrics import KVStoreMetrics
-from services.kvstore.peer import pull_session
+from services.kvstore.peers.pull import pull_session
 from services.kvstore.store import TieredStore
 from services.kvstore.tiers import DramTier
 from services.kvstore.wire import manifest_to_pb

@@ -17,6 +17,7 @@ from services.kvstore.peers.data_plane import ChunkServer
 from services.kvstore.pool.data_path import EnginePoolPath
 from services.kvstore.pool.types import LoadRequest, LookupRequest
 from services.kvstore.service import KVStoreService
+from services.kvstore.store.checksum_work import sealed
 from shared.chunk_codec import chunk_key
 from shared.grpc_server import serve_grpc
 from shared.kv_layout import StoredPrefix
@@ -153,7 +154,7 @@ async def test_a_corrupt_chunk_fails_its_layer_and_every_later_one(
     key = chunk_key(TENANT, MODEL, hs[15], 1)  # layer 1 of the first chunk
     blob = a.path.store.dram_blob(key)
     assert isinstance(blob, bytearray)
-    await a.path.store.sealed(blob)  # (its checksum is computed once, before it leaves)
+    await sealed(blob)  # (its checksum is computed once, before it leaves)
     blob[-5] ^= 0xFF  # one payload byte, then: a bit flipped in memory or on the wire
     r = await ask(b, hs, a.address)
     assert await pull(b, r) == [(0, True), (1, False)]
