@@ -15,7 +15,8 @@ For chunks of 64 KiB and 1 MiB (fp16 KV, shape (2, tokens, 8, 64)), sequentially
   vs the same 8 files read back to back. (A pool load reads into the pool's blocks
   instead of a new blob; ``bench.resume_ttft`` measures that path end to end.)
 - S3: ``S3Tier.put`` / checked read vs raw boto3 put_object / get_object, against the
-  same local moto server (its own overhead dominates both; the ratio shows ours adds little).
+  same local S3 server (SeaweedFS, as `overture up` runs it; its own overhead dominates
+  both; the ratio shows ours adds little).
 
 Prints GB/s and the ratio tier / baseline (goal: >= 0.5 each).
 """
@@ -41,7 +42,7 @@ from services.kvstore.tiers import DramTier, S3Tier, SsdTier
 from services.kvstore.tiers.base import Blob, Stored, Tier
 from shared.chunk_codec import ChunkCorrupt, ChunkMeta, encode_chunk, verify_chunk
 from shared.config import build
-from tests.s3_server import start_moto_server
+from tests.s3_server import start_s3_server
 
 HEADS, HEAD_DIM = 8, 64
 
@@ -236,7 +237,7 @@ async def main_async(quick: bool) -> int:
     s3_counts = {64 << 10: 32 if quick else 128, 1 << 20: 8 if quick else 32}
     ratios: list[float] = []
     print("tier       chunk    put / get throughput (sequential, one chunk at a time)")
-    endpoint, stop = start_moto_server()
+    endpoint, stop = start_s3_server()
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for size in sizes:
@@ -250,7 +251,7 @@ async def main_async(quick: bool) -> int:
                       f"ratio {layer:5.2f}")
                 ratios.append(layer)
                 report("ssd(sync)", size, await bench_ssd(size, n // 4, root, sync=True))
-                ratios += report("s3(moto)", size, await bench_s3(size, s3_counts[size], endpoint))
+                ratios += report("s3", size, await bench_s3(size, s3_counts[size], endpoint))
     finally:
         stop()
     worst = min(ratios)

@@ -98,9 +98,14 @@ class S3ServerSpec:
         }
 
 
-def s3_server_spec(data_dir: Path, host: str = "127.0.0.1") -> S3ServerSpec:
+def s3_server_spec(data_dir: Path, host: str = "127.0.0.1", s3_port: int = 0) -> S3ServerSpec:
+    """A server keeping its data in ``data_dir``, on free ports (``s3_port``: the S3
+    gateway's, if given)."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    return S3ServerSpec(data_dir, host, dict(zip(_ROLES, pick_ports(host), strict=True)))
+    ports = dict(zip(_ROLES, pick_ports(host), strict=True))
+    if s3_port:
+        ports["s3"] = s3_port
+    return S3ServerSpec(data_dir, host, ports)
 
 
 def bucket_ready(spec: S3ServerSpec, timeout_s: float = 1.0) -> bool:

@@ -1,21 +1,24 @@
-"""A real S3 endpoint for tests: a moto server subprocess on a free loopback port.
+"""A real S3 endpoint for tests: the SeaweedFS gateway ``overture up`` runs, as a child
+process on free loopback ports, its data in a temporary folder.
 
-    endpoint_url, stop = start_moto_server()
+    endpoint_url, stop = start_s3_server()
     ...
     stop()
 
-Reusable by any test that needs S3 (the kvstore's tests, cluster tests).
+``port`` fixes the S3 port: a test that starts with S3 down brings it up there later.
+Tests make their own buckets (the S3 tier creates a missing one when it opens).
 """
 
 from __future__ import annotations
 
-import os
+import shutil
 import socket
 import subprocess
-import sys
-import time
-import urllib.request
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
+
+from services.s3_server import s3_server_spec, wait_ready
 
 
 def free_port() -> int:
@@ -24,38 +27,27 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_moto_server(timeout_s: float = 30.0, port: int = 0) -> tuple[str, Callable[[], None]]:
-    """Start ``python -m moto.server`` on 127.0.0.1; return (endpoint_url, stop).
-
-    ``port`` 0 picks a free one; a test restarts S3 on a known port to simulate recovery.
-    """
-    port = port or free_port()
-    env = dict(os.environ, AWS_ACCESS_KEY_ID="test", AWS_SECRET_ACCESS_KEY="test")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"moto server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/moto-api/", timeout=1):
-                break
-        except OSError:
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError("moto server did not start in time") from None
-            time.sleep(0.1)
+def start_s3_server(port: int = 0, timeout_s: float = 60.0) -> tuple[str, Callable[[], None]]:
+    """Start ``weed mini`` on 127.0.0.1; return (endpoint_url, stop)."""
+    data = Path(tempfile.mkdtemp(prefix="overture-s3-"))
+    spec = s3_server_spec(data, s3_port=port)
+    proc = subprocess.Popen(spec.argv(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_ready(spec, timeout_s, alive=lambda: proc.poll() is None)
+    except Exception:
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(data, ignore_errors=True)
+        raise
 
     def stop() -> None:
         if proc.poll() is None:
             proc.terminate()
             try:
-                proc.wait(5)
+                proc.wait(15)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        shutil.rmtree(data, ignore_errors=True)
 
-    return url, stop
+    return spec.endpoint_url, stop

@@ -9,7 +9,9 @@ from shared.config import opt, sub
 
 @dataclass(frozen=True)
 class S3Config:
-    endpoint_url: str = opt("", "S3 endpoint (empty = AWS default; MinIO or moto URL otherwise)")
+    endpoint_url: str = opt(
+        "", "S3 endpoint (empty = AWS default; else SeaweedFS, MinIO or any S3 URL)"
+    )
     bucket: str = opt("", "bucket for the durable tier; empty disables S3")
     prefix: str = opt("overture/", "key prefix inside the bucket")
     region: str = opt("us-east-1", "S3 region")

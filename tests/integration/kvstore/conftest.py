@@ -4,13 +4,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.s3_server import start_moto_server
+from tests.s3_server import start_s3_server
 
 
 @pytest.fixture(scope="package")
-def moto_endpoint() -> Iterator[str]:
-    """One real moto S3 server (subprocess on loopback) for the kvstore integration tests."""
-    url, stop = start_moto_server()
+def s3_endpoint() -> Iterator[str]:
+    """One real S3 server (SeaweedFS, a subprocess on loopback) for these integration tests."""
+    url, stop = start_s3_server()
     try:
         yield url
     finally:

@@ -1,4 +1,4 @@
-"""The pool data path with S3 (real moto server) and through a real kvstore process."""
+"""The pool data path with S3 (a real SeaweedFS server) and through a real kvstore process."""
 
 from __future__ import annotations
 
@@ -55,9 +55,9 @@ def layer_blocks(base: int, layer: int, first: int, count: int) -> list[int]:
 
 
 async def test_lookup_and_load_from_s3_then_via_manifest_after_restart(
-    tmp_path: Path, moto_endpoint: str, pool
+    tmp_path: Path, s3_endpoint: str, pool
 ) -> None:
-    s3 = s3cfg(moto_endpoint, f"kv-{uuid.uuid4().hex[:12]}")
+    s3 = s3cfg(s3_endpoint, f"kv-{uuid.uuid4().hex[:12]}")
     hs = hashes(50)
     fill(pool, ids(0, 40, SRC, STRIDE), seed=11)
     saved = pool.kv_cache.clone()

@@ -129,10 +129,10 @@ async def test_two_nodes_stream_a_session_layer_by_layer(tmp_path: Path) -> None
 
 
 async def test_kill9_during_writes_leaves_only_complete_manifests(
-    tmp_path: Path, moto_endpoint: str
+    tmp_path: Path, s3_endpoint: str
 ) -> None:
     bucket = f"crash-{uuid.uuid4().hex[:10]}"
-    args = ["--ssd-path", str(tmp_path / "db"), *s3_args(moto_endpoint, bucket)]
+    args = ["--ssd-path", str(tmp_path / "db"), *s3_args(s3_endpoint, bucket)]
     kv = KVStoreProcess(args, tmp_path / "kv1.log")
     kv.wait_ready()
     sessions = [session_manifest(f"s{i}", num_blocks=3, num_layers=3, bpc=2) for i in range(40)]

@@ -1,4 +1,4 @@
-"""The S3 tier and the store against a real moto S3 server on loopback."""
+"""The S3 tier and the store against a real S3 server (SeaweedFS) on loopback."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from services.kvstore.metrics import KVStoreMetrics
 from services.kvstore.server import build_store
 from services.kvstore.tiers import S3Tier
 from shared.config import build
-from tests.s3_server import free_port, start_moto_server
+from tests.s3_server import free_port, start_s3_server
 from tests.unit.kvstore.chunks import kv_tensor, meta, session_chunks, session_manifest
 
 
@@ -56,8 +56,8 @@ def store_cfg(tmp_path: Path, s3: S3Config, **kw: object) -> KVStoreConfig:
     )
 
 
-async def test_s3_tier_contract(moto_endpoint: str) -> None:
-    t = S3Tier(s3cfg(moto_endpoint))
+async def test_s3_tier_contract(s3_endpoint: str) -> None:
+    t = S3Tier(s3cfg(s3_endpoint))
     await t.open()
     try:
         assert await t.get("a/b") is None
@@ -74,9 +74,9 @@ async def test_s3_tier_contract(moto_endpoint: str) -> None:
 
 
 async def test_store_writes_through_to_s3_and_serves_after_local_loss(
-    moto_endpoint: str, tmp_path: Path
+    s3_endpoint: str, tmp_path: Path
 ) -> None:
-    cfg = store_cfg(tmp_path, s3cfg(moto_endpoint))
+    cfg = store_cfg(tmp_path, s3cfg(s3_endpoint))
     async with build_store(cfg, KVStoreMetrics()) as s:
         m = session_manifest("sess", num_blocks=3, num_layers=2, bpc=2)
         for cm, t in session_chunks(m):
@@ -98,15 +98,15 @@ async def test_store_writes_through_to_s3_and_serves_after_local_loss(
         assert await ManifestStore(s2).get_manifest("t1", "sess") == m
 
 
-async def test_corrupt_s3_object_is_a_counted_miss(moto_endpoint: str, tmp_path: Path) -> None:
-    cfg = store_cfg(tmp_path, s3cfg(moto_endpoint), tiers=["dram", "s3"])
+async def test_corrupt_s3_object_is_a_counted_miss(s3_endpoint: str, tmp_path: Path) -> None:
+    cfg = store_cfg(tmp_path, s3cfg(s3_endpoint), tiers=["dram", "s3"])
     async with build_store(cfg, KVStoreMetrics()) as s:
         r = await s.put(meta("s", 0, 0), kv_tensor(1))
         await r.durable
         await s.dram.delete("c/" + r.key)
         raw = boto3.client(
             "s3",
-            endpoint_url=moto_endpoint,
+            endpoint_url=s3_endpoint,
             region_name="us-east-1",
             aws_access_key_id="test",
             aws_secret_access_key="test",
@@ -120,8 +120,8 @@ async def test_corrupt_s3_object_is_a_counted_miss(moto_endpoint: str, tmp_path:
         assert not await s.lowest.contains("c/" + r.key)
 
 
-async def test_ttl_sweep_expires_lowest_tier(moto_endpoint: str, tmp_path: Path) -> None:
-    cfg = store_cfg(tmp_path, s3cfg(moto_endpoint), tiers=["dram", "s3"], ttl_s=60)
+async def test_ttl_sweep_expires_lowest_tier(s3_endpoint: str, tmp_path: Path) -> None:
+    cfg = store_cfg(tmp_path, s3cfg(s3_endpoint), tiers=["dram", "s3"], ttl_s=60)
     async with build_store(cfg, KVStoreMetrics()) as s:
         r = await s.put(meta("s", 0, 0), kv_tensor(1))
         await r.durable
@@ -146,7 +146,7 @@ async def test_s3_unreachable_degrades_queues_drops_and_recovers(tmp_path: Path)
         for i, r in enumerate(receipts):  # gets fall back to local tiers, never wrong data
             c = await s.get(r.key)
             assert c is not None and torch.equal(c.tensor, kv_tensor(i))
-        _url, stop = start_moto_server(port=port)
+        _url, stop = start_s3_server(port=port)
         try:
             kept = [r for i, r in enumerate(receipts) if i not in dropped]
             await asyncio.wait_for(asyncio.gather(*(r.durable for r in kept)), 20)
@@ -175,7 +175,7 @@ async def test_a_degraded_s3_tier_probes_instead_of_hammering_the_endpoint() -> 
             await asyncio.sleep(0.01)
         assert failed > 100
         assert len(sent) <= 12  # ~1 s / 0.2 s pauses, plus the first short ones
-        _url, stop = start_moto_server(port=port)
+        _url, stop = start_s3_server(port=port)
         try:
             deadline = time.monotonic() + 10
             while True:
@@ -192,10 +192,10 @@ async def test_a_degraded_s3_tier_probes_instead_of_hammering_the_endpoint() -> 
         await t.close()
 
 
-async def test_s3_refresh_restarts_an_objects_ttl_clock(moto_endpoint: str) -> None:
+async def test_s3_refresh_restarts_an_objects_ttl_clock(s3_endpoint: str) -> None:
     """``written_at`` is the object's LastModified; ``refresh`` (a copy onto itself)
     moves it to now without changing the bytes; both tell an absent key."""
-    t = S3Tier(s3cfg(moto_endpoint))
+    t = S3Tier(s3cfg(s3_endpoint))
     await t.open()
     try:
         await t.put("c/k", b"payload")
@@ -212,13 +212,13 @@ async def test_s3_refresh_restarts_an_objects_ttl_clock(moto_endpoint: str) -> N
         await t.close()
 
 
-async def test_s3_batch_reads_run_together_and_end_together(moto_endpoint: str) -> None:
+async def test_s3_batch_reads_run_together_and_end_together(s3_endpoint: str) -> None:
     """A layer's chunks are fetched concurrently, each checked on its S3 thread, results in
     key order; if one fails, the call returns only after the others' checks are done (a
     check may be writing into an engine's pool blocks)."""
     import threading
 
-    t = S3Tier(s3cfg(moto_endpoint))
+    t = S3Tier(s3cfg(s3_endpoint))
     await t.open()
     try:
         keys = [f"c/k{i}" for i in range(4)]

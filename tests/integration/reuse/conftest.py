@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from services.engine.model import LoadedModel, load_model, write_demo_model
-from tests.s3_server import start_moto_server
+from tests.s3_server import start_s3_server
 
 
 @pytest.fixture(scope="package")
@@ -16,8 +16,8 @@ def loaded(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
 
 
 @pytest.fixture(scope="package")
-def moto_endpoint() -> Iterator[str]:
-    url, stop = start_moto_server()
+def s3_endpoint() -> Iterator[str]:
+    url, stop = start_s3_server()
     try:
         yield url
     finally:

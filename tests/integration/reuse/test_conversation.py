@@ -87,11 +87,11 @@ async def test_history_from_ssd(loaded: LoadedModel, reference, tmp_path: Path) 
 
 
 async def test_history_from_s3(
-    loaded: LoadedModel, reference, tmp_path: Path, moto_endpoint: str
+    loaded: LoadedModel, reference, tmp_path: Path, s3_endpoint: str
 ) -> None:
     """Every turn gets a fresh kvstore (empty DRAM, a new RocksDB) on the same bucket: the
     history comes back from S3 through the session manifest."""
-    s3 = {"endpoint_url": moto_endpoint, "bucket": f"kv-{uuid.uuid4().hex[:12]}",
+    s3 = {"endpoint_url": s3_endpoint, "bucket": f"kv-{uuid.uuid4().hex[:12]}",
           "access_key_id": "test", "secret_access_key": "test", "backoff_s": 0.01,
           "backoff_max_s": 0.05, "max_attempts": 2, "timeout_s": 2.0}
     port = free_port()

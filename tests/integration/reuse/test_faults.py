@@ -84,10 +84,10 @@ async def test_bad_ssd_chunk_mid_load_falls_back(
 
 
 async def test_corrupt_s3_chunk_falls_back(
-    loaded: LoadedModel, reference, tmp_path: Path, moto_endpoint: str
+    loaded: LoadedModel, reference, tmp_path: Path, s3_endpoint: str
 ) -> None:
     bucket = f"kv-{uuid.uuid4().hex[:12]}"
-    s3 = {"endpoint_url": moto_endpoint, "bucket": bucket, "access_key_id": "test",
+    s3 = {"endpoint_url": s3_endpoint, "bucket": bucket, "access_key_id": "test",
           "secret_access_key": "test", "backoff_s": 0.01, "backoff_max_s": 0.05,
           "max_attempts": 2, "timeout_s": 2.0}
     port = free_port()
@@ -97,7 +97,7 @@ async def test_corrupt_s3_chunk_falls_back(
             assert await eng.kv_connector.attach(timeout=10.0)
             assert (await run_turn(eng, turn_request(msgs1, "s")))[0] == want1
             await saves_settled(eng)
-        client = boto3.client("s3", endpoint_url=moto_endpoint, aws_access_key_id="test",
+        client = boto3.client("s3", endpoint_url=s3_endpoint, aws_access_key_id="test",
                               aws_secret_access_key="test", region_name="us-east-1")
         objects = client.list_objects_v2(Bucket=bucket)["Contents"]
         layer0 = [o["Key"] for o in objects if o["Key"].endswith("/0")]
