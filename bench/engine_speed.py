@@ -189,7 +189,9 @@ def report(
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="small", choices=("tiny", "small"))
-    ap.add_argument("--model", default="", help="a model folder (default: write the demo model)")
+    ap.add_argument("--model", default="",
+                    help="a model folder, a .gguf file or a packaged model's name "
+                    "(smollm2-135m-instruct); default: write the demo model")
     ap.add_argument("--quick", action="store_true", help="short prompts and generations")
     ap.add_argument(
         "--dtype",
@@ -204,7 +206,11 @@ def main(argv: list[str] | None = None) -> None:
     gen = args.gen or (8 if args.quick else 32)
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
-        if not model:
+        if model:
+            from services.models.commands import model_folder
+
+            model = str(model_folder(model, args.dtype, Path(".overture/models")))
+        else:
             from services.engine.model import write_demo_model
 
             model = str(write_demo_model(Path(tmp) / f"demo-{args.size}", size=args.size))

@@ -266,11 +266,15 @@ def evict_dram(address: str, session: str) -> None:
 
 
 def run(sizes: list[int], reps: int, samples: int, dtype: str, threads: int,
-        ssd_after_restart: bool, raw: bool) -> None:
+        ssd_after_restart: bool, raw: bool, model_spec: str = "") -> None:
     from services.engine.model import write_demo_model
+    from services.models.commands import model_folder
 
     with tempfile.TemporaryDirectory(prefix="overture-bench-") as tmp:
-        model = write_demo_model(Path(tmp) / "small", size="small", seed=0)
+        if model_spec:
+            model = model_folder(model_spec, dtype, Path(".overture/models"))
+        else:
+            model = write_demo_model(Path(tmp) / "small", size="small", seed=0)
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
         port = free_port()
         address = f"127.0.0.1:{port}"
@@ -328,6 +332,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                     help="float32 is the faster CPU dtype here (see the README)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    ap.add_argument("--model", default="",
+                    help="a model folder, a .gguf file or a packaged model's name "
+                    "(smollm2-135m-instruct); default: the small demo model")
     ap.add_argument("--ssd-after-restart", action="store_true",
                     help="SSD rows: restart the kvstore instead of evicting its DRAM copy")
     args = ap.parse_args(argv)
@@ -336,13 +343,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         sizes, reps, args.samples = [s for s in sizes if s <= 2048] or [512], 1, 1
     threads = args.threads or torch.get_num_threads()
-    print(f"resume TTFT: small demo model, {args.dtype}, {threads} torch threads, "
-          f"pid {os.getpid()}")
+    print(f"resume TTFT: {args.model or 'small demo model'}, {args.dtype}, "
+          f"{threads} torch threads, pid {os.getpid()}")
     print("ssd rows: " + ("kvstore restarted (cold process)" if args.ssd_after_restart
                           else "history evicted from the kvstore's DRAM"))
     print(f"medians of {reps} recomputes and {reps * max(1, args.samples)} requests per reuse mode")
     run(sizes, reps, max(1, args.samples), args.dtype, args.threads, args.ssd_after_restart,
-        args.raw)
+        args.raw, args.model)
 
 
 if __name__ == "__main__":

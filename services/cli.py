@@ -1,6 +1,7 @@
 """The ``overture`` command.
 
     overture up [--nodes N] [--port P] [--model PATH] [--dtype D] [--config FILE] [--no-s3]
+    overture models list | prepare NAME|FILE.gguf [--dtype D] [--out DIR]
     overture demo-model PATH [--size tiny|small] [--seed S]
     overture scheduler|nodemgr|engine|kvstore [flags]    (one service, in this process)
 
@@ -25,6 +26,10 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from services.models.catalog import DEFAULT_MODEL, ModelNotFound
+from services.models.commands import add_models_parser, model_folder
+from services.models.commands import cmd_models as models_command
+from services.models.prepare import ModelPrepareError
 from services.s3_server import S3ServerError, S3ServerSpec, bucket_ready, s3_server_spec
 from services.supervisor import ChildSpec, supervise
 
@@ -154,9 +159,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"overture up: {e}", file=sys.stderr)
         return 2
-    model = args.model or str(ensure_demo_model(args.size))
-    if not (Path(model) / "config.json").exists():
-        print(f"overture up: {model} is not a model folder (no config.json)", file=sys.stderr)
+    try:
+        model = _model(args, dtype or str(_yaml_section_value(args.config, "engine", "dtype")))
+    except (ModelNotFound, ModelPrepareError) as e:
+        print(f"overture up: {e}", file=sys.stderr)
         return 2
     s3 = None
     if not args.no_s3 and not _yaml_section_value(args.config, "kvstore", "s3"):
@@ -177,6 +183,22 @@ def cmd_up(args: argparse.Namespace) -> int:
         state_dir=None if _yaml_section_value(args.config, "kvstore", "ssd_path") else STATE_DIR,
     )
     return asyncio.run(supervise(specs, url, args.nodes, args.ready_timeout))
+
+
+def _model(args: argparse.Namespace, dtype: str) -> str:
+    """The folder to serve: ``--model`` (a folder, a .gguf file or a packaged model,
+    prepared on first use), the demo model of ``--size``, or the packaged default."""
+    if args.model is None and args.size is not None:
+        return str(ensure_demo_model(args.size))
+    spec = args.model or DEFAULT_MODEL
+    if args.model is None:
+        print(f"serving {DEFAULT_MODEL} (pass --model or --size to choose another)",
+              flush=True)
+    return str(model_folder(spec, dtype, DEMO_DIR))
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    return models_command(args, DEMO_DIR)
 
 
 def _interruptible(
@@ -230,14 +252,14 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--model",
         default=None,
-        help="local Hugging Face model folder "
-        "[default: the demo model, written to .overture/models on first run]",
+        help="a packaged model's name, a .gguf file (converted once into .overture/models) "
+        f"or a local Hugging Face folder [default: {DEFAULT_MODEL}, prepared on first run]",
     )
     up.add_argument(
         "--size",
-        default="small",
+        default=None,
         choices=("tiny", "small"),
-        help="demo model size when --model is not given [default: small]",
+        help="serve a random-weight demo model of this size instead (tests, benchmarks)",
     )
     up.add_argument(
         "--dtype",
@@ -260,6 +282,7 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds to wait for the cluster to serve [default: 600]",
     )
     up.set_defaults(func=_interruptible(cmd_up))
+    add_models_parser(cmds).set_defaults(func=_interruptible(cmd_models))
     dm = cmds.add_parser("demo-model", help="write a random-weight demo model and tokenizer")
     dm.add_argument("path", help="folder to write")
     dm.add_argument("--size", default="tiny", choices=("tiny", "small"), help="[default: tiny]")
