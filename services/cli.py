@@ -26,10 +26,10 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from services.models.catalog import DEFAULT_MODEL, ModelNotFound
+from services.models.catalog import DEFAULT_MODEL, PACKAGED, ModelNotFound
 from services.models.commands import add_models_parser, model_folder
 from services.models.commands import cmd_models as models_command
-from services.models.prepare import ModelPrepareError
+from services.models.prepare import ModelPrepareError, slug
 from services.s3_server import S3ServerError, S3ServerSpec, bucket_ready, s3_server_spec
 from services.supervisor import ChildSpec, supervise
 
@@ -62,6 +62,7 @@ def cluster_specs(
     model_path: str,
     dtype: str | None,
     config: str | None,
+    served_name: str = "",
     host: str = "127.0.0.1",
     state_dir: Path | None = None,
     s3: S3ServerSpec | None = None,
@@ -91,6 +92,8 @@ def cluster_specs(
         }
         if dtype:
             engine_flags["dtype"] = dtype
+        if served_name:
+            engine_flags["served_model_name"] = served_name
         kv_flags: dict[str, object] = {"host": host, "port": kv, "node_id": node_id}
         if s3 is not None:
             kv_flags.update(s3.kvstore_flags())
@@ -160,7 +163,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"overture up: {e}", file=sys.stderr)
         return 2
     try:
-        model = _model(args, dtype or str(_yaml_section_value(args.config, "engine", "dtype")))
+        model, served = _model(
+            args, dtype or str(_yaml_section_value(args.config, "engine", "dtype")))
     except (ModelNotFound, ModelPrepareError) as e:
         print(f"overture up: {e}", file=sys.stderr)
         return 2
@@ -178,6 +182,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         http_port=int(str(port)),
         model_path=str(Path(model).resolve()),
         dtype=dtype,
+        served_name=served,
         config=args.config,
         # The SSD tier is on by default, under .overture/<node>/, unless the YAML places it.
         state_dir=None if _yaml_section_value(args.config, "kvstore", "ssd_path") else STATE_DIR,
@@ -185,16 +190,22 @@ def cmd_up(args: argparse.Namespace) -> int:
     return asyncio.run(supervise(specs, url, args.nodes, args.ready_timeout))
 
 
-def _model(args: argparse.Namespace, dtype: str) -> str:
-    """The folder to serve: ``--model`` (a folder, a .gguf file or a packaged model,
-    prepared on first use), the demo model of ``--size``, or the packaged default."""
+def _model(args: argparse.Namespace, dtype: str) -> tuple[str, str]:
+    """(folder, served name) to serve: ``--model`` (a folder, a .gguf file or a packaged
+    model, prepared on first use), the demo model of ``--size``, or the packaged default.
+    A prepared model is served under its own name, not its folder's (which says dtype)."""
     if args.model is None and args.size is not None:
-        return str(ensure_demo_model(args.size))
+        return str(ensure_demo_model(args.size)), ""
     spec = args.model or DEFAULT_MODEL
     if args.model is None:
         print(f"serving {DEFAULT_MODEL} (pass --model or --size to choose another)",
               flush=True)
-    return str(model_folder(spec, dtype, DEMO_DIR))
+    folder = model_folder(spec, dtype, DEMO_DIR)
+    if spec in PACKAGED:
+        return str(folder), spec
+    if spec.lower().endswith(".gguf"):
+        return str(folder), slug(Path(spec).name)
+    return str(folder), ""
 
 
 def cmd_models(args: argparse.Namespace) -> int:

@@ -131,6 +131,7 @@ def test_serving_a_gguf_path_directly(smollm2: Path, tmp_path: Path) -> None:
                 pass
             assert time.monotonic() < deadline
             time.sleep(0.3)
+        assert [m["id"] for m in api.get("/v1/models")[1]["data"]] == [slug(gguf.name)]
         answer = chat(api, [{"role": "user", "content": QUESTION}], 24)
         assert "Paris" in answer["choices"][0]["message"]["content"]
     finally:

@@ -32,7 +32,7 @@ def test_the_s3_server_starts_first_stops_last_and_every_kvstore_uses_it(tmp_pat
 
     s3 = s3_server_spec(tmp_path / "s3")
     specs, _ = cluster_specs(nodes=2, http_port=18000, model_path="m", dtype=None, config=None,
-                             s3=s3)
+                             s3=s3, served_name="smollm2-135m-instruct")
     first = specs[0]
     assert first.name == "s3" and first.stop_last and first.ready is not None
     assert first.argv[1] == "mini" and f"-s3.port={s3.ports['s3']}" in first.argv
@@ -41,4 +41,6 @@ def test_the_s3_server_starts_first_stops_last_and_every_kvstore_uses_it(tmp_pat
         kv = next(s.argv for s in specs if s.name == f"{node}.kvstore")
         assert flag(kv, "--s3.endpoint-url") == s3.endpoint_url
         assert flag(kv, "--s3.bucket") == "overture-kv"
+        eng = next(s.argv for s in specs if s.name == f"{node}.engine")
+        assert flag(eng, "--served-model-name") == "smollm2-135m-instruct"
     assert not any(s.stop_last for s in specs[1:])
