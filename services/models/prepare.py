@@ -79,6 +79,7 @@ def prepare_gguf(gguf: Path, out: Path, dtype: str = "float32",
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     steps = _Steps(say, 3)
+    say(f"preparing {gguf.name} for serving: once, about half a minute on a 2-core CPU")
     try:
         steps.next(f"dequantizing {gguf.name} ({family}, {gguf.stat().st_size >> 20} MiB) "
                    f"to {dtype} with transformers' GGUF loader")

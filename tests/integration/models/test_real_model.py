@@ -141,3 +141,24 @@ def test_serving_a_gguf_path_directly(smollm2: Path, tmp_path: Path) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def test_prefill_logits_match_transformers(smollm2: Path, reference) -> None:
+    from services.engine.model import load_model
+    from tests.unit.engine_model.paged import PagedCache
+
+    tok, ref = reference
+    ours = load_model(smollm2, dtype=torch.float32)
+    text = tok.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False,
+                                   add_generation_prompt=True)
+    for prompt in (tok(text)["input_ids"], list(range(200, 456))):
+        n = len(prompt)
+        with torch.no_grad():
+            want = ref(torch.tensor([prompt])).logits[0].float()
+            cache = PagedCache(ours.model, 1, n)
+            batch = cache.batch([prompt], [0])
+            batch.logits_indices = torch.arange(n)
+            got = ours.model(batch, cache.kv_cache)
+        diff = (got - want).abs().max().item()
+        assert diff < 2e-3 * want.abs().max().item(), f"n={n}: max abs diff {diff}"
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
