@@ -64,6 +64,9 @@ class PeerFetch:
                  sum(len(k) for k in self.keys), len(self.keys))
         self._t0 = time.perf_counter()
         self._opening = asyncio.create_task(self._open(), name=f"peer-pull-{self.peer}")
+        # A connect that fails before any load asks (or with none coming) is not an error
+        # to log from the task: the load that asks reports it, as a failed layer.
+        self._opening.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def _open(self) -> None:
         loop = asyncio.get_running_loop()
@@ -89,7 +92,8 @@ class PeerFetch:
         except (OSError, TimeoutError, msgpack.PackException) as e:
             self.fail(f"could not open the stream: {e!r}")
             raise PeerFetchFailed(f"from peer {self.peer}: {self.error}") from None
-        assert self._sock is not None
+        if self._sock is None:
+            raise PeerFetchFailed(f"from peer {self.peer}: the stream is closed")
         return self._sock
 
     async def chunk_length(self, key: str) -> int:
@@ -107,7 +111,9 @@ class PeerFetch:
         stream raises ``PeerFetchFailed``."""
         loop = asyncio.get_running_loop()
         sock = self._sock
-        assert sock is not None
+        if sock is None:
+            raise PeerFetchFailed(f"from peer {self.peer}: the stream is closed "
+                                  f"({self.error or 'the pull was stopped'})")
         try:
             async with asyncio.timeout(self.timeout_s):
                 for buf in bufs:
