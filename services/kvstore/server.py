@@ -79,7 +79,8 @@ async def run(config: KVStoreConfig, stop: asyncio.Event | None = None) -> None:
             )
         )
         chunks = ChunkServer(store, pool_path.held_blobs, config.host,
-                             config.peer_data_port, config.debug_chunk_delay_s)
+                             config.peer_data_port, config.debug_chunk_delay_s,
+                             config.peer_timeout_s)
         pool_path.data_port = await chunks.start()
         stack.push_async_callback(chunks.close)
         service = KVStoreService(

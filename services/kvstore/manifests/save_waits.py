@@ -26,6 +26,7 @@ class SaveWaits:
         self._running: dict[SessionId, int] = {}
         self._tokens: OrderedDict[SessionId, int] = OrderedDict()
         self._changed: dict[SessionId, asyncio.Event] = {}
+        self._waiters: dict[SessionId, int] = {}
 
     @contextmanager
     def saving(self, sid: SessionId) -> Iterator[None]:
@@ -57,15 +58,24 @@ class SaveWaits:
         """Wait until ``settled(sid, tokens)`` or ``timeout_s``; the seconds waited."""
         t0 = time.monotonic()
         deadline = t0 + timeout_s
-        while not self.settled(sid, tokens):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            event = self._changed.setdefault(sid, asyncio.Event())
-            try:
-                await asyncio.wait_for(event.wait(), left)
-            except TimeoutError:
-                break
+        self._waiters[sid] = self._waiters.get(sid, 0) + 1
+        try:
+            while not self.settled(sid, tokens):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                event = self._changed.setdefault(sid, asyncio.Event())
+                try:
+                    await asyncio.wait_for(event.wait(), left)
+                except TimeoutError:
+                    break
+        finally:
+            left_waiting = self._waiters[sid] - 1
+            if left_waiting:
+                self._waiters[sid] = left_waiting
+            else:  # the last one: no event kept for a session nobody waits on
+                del self._waiters[sid]
+                self._changed.pop(sid, None)
         return time.monotonic() - t0
 
     def _wake(self, sid: SessionId) -> None:

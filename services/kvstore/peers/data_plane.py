@@ -54,10 +54,12 @@ class ChunkServer:
         host: str,
         port: int,
         chunk_delay_s: float = 0.0,
+        timeout_s: float = 10.0,
     ) -> None:
         self.store, self.held = store, held
         self.host, self.port = host, port
         self.chunk_delay_s = chunk_delay_s
+        self.timeout_s = timeout_s  # a peer silent (or not reading) this long is dropped
         self._sock: socket.socket | None = None
         self._accept: asyncio.Task[None] | None = None
         self._conns: set[asyncio.Task[None]] = set()
@@ -87,20 +89,26 @@ class ChunkServer:
         loop = asyncio.get_running_loop()
         assert self._sock is not None
         while True:
-            conn, _ = await loop.sock_accept(self._sock)
+            try:
+                conn, _ = await loop.sock_accept(self._sock)
+            except OSError as e:  # out of descriptors, an aborted connection: keep serving
+                log.warning("accepting a peer's chunk stream failed: %s", e)
+                await asyncio.sleep(0.1)
+                continue
             task = asyncio.create_task(self._serve(conn))
             self._conns.add(task)
             task.add_done_callback(self._conns.discard)
 
     async def _serve(self, conn: socket.socket) -> None:
         loop = asyncio.get_running_loop()
-        conn.setblocking(False)
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            n = LEN.unpack(await _recv_exactly(loop, conn, LEN.size))[0]
-            if n > MAX_REQUEST_BYTES:
-                raise ValueError(f"a {n}-byte request")
-            req = msgpack.unpackb(await _recv_exactly(loop, conn, n))
+            conn.setblocking(False)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            async with asyncio.timeout(self.timeout_s):
+                n = LEN.unpack(await _recv_exactly(loop, conn, LEN.size))[0]
+                if n > MAX_REQUEST_BYTES:
+                    raise ValueError(f"a {n}-byte request")
+                req = msgpack.unpackb(await _recv_exactly(loop, conn, n))
             if not isinstance(req, dict):
                 raise ValueError("a malformed request")
             keys, lease = req.get("keys"), req.get("lease", "")
@@ -113,12 +121,13 @@ class ChunkServer:
                     await asyncio.sleep(self.chunk_delay_s)
                 kept = held.get(key)
                 blob = await (sealed(kept) if kept is not None else self.store.get_blob(key))
-                if blob is None:
-                    await loop.sock_sendall(conn, LEN.pack(MISSING))
-                    continue
-                await loop.sock_sendall(conn, LEN.pack(len(blob)))
-                await loop.sock_sendall(conn, memoryview(blob))
-        except (ConnectionError, ValueError, msgpack.UnpackException, EOFError) as e:
+                async with asyncio.timeout(self.timeout_s):  # a peer that stopped reading
+                    if blob is None:
+                        await loop.sock_sendall(conn, LEN.pack(MISSING))
+                        continue
+                    await loop.sock_sendall(conn, LEN.pack(len(blob)))
+                    await loop.sock_sendall(conn, memoryview(blob))
+        except (OSError, ValueError, msgpack.UnpackException, EOFError, TimeoutError) as e:
             log.info("a peer's chunk stream ended: %s", e)
         except Exception:
             log.exception("serving a peer's chunk stream failed")

@@ -18,7 +18,6 @@ import socket
 import time
 
 import grpc
-import msgpack
 
 from services.kvstore import wire
 from services.kvstore.errors import PeerFetchFailed
@@ -54,47 +53,66 @@ class PeerFetch:
         self.next_layer = 0
         self.error = ""
         self.nbytes = 0
+        self.read_s = 0.0  # time spent receiving (the link's rate; not the load's pace)
         self._sock: socket.socket | None = None
         self._opening: asyncio.Task[None] | None = None
-        self._t0 = 0.0
+        self._advanced = asyncio.Event()  # set (and renewed) when a layer is done or it fails
         self._closed = False
 
     def start(self) -> None:
         log.info("pulling from peer %s: %d chunks in %d layers", self.peer,
                  sum(len(k) for k in self.keys), len(self.keys))
-        self._t0 = time.perf_counter()
         self._opening = asyncio.create_task(self._open(), name=f"peer-pull-{self.peer}")
         # A connect that fails before any load asks (or with none coming) is not an error
         # to log from the task: the load that asks reports it, as a failed layer.
         self._opening.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def _open(self) -> None:
+        """Connect and send the request; the socket is ours only once that is done (a
+        cancelled open closes its own socket: nothing else may close one with an operation
+        pending on it)."""
         loop = asyncio.get_running_loop()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setblocking(False)
-        self._sock = sock
-        host = self.peer.rsplit(":", 1)[0].strip("[]")
-        flat = [k for layer_keys in self.keys for k in layer_keys]
-        await loop.sock_connect(sock, (host, self.data_port))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        await loop.sock_sendall(sock, request_bytes(self.peer_lease, flat))
+        try:
+            host = self.peer.rsplit(":", 1)[0].strip("[]")
+            flat = [k for layer_keys in self.keys for k in layer_keys]
+            await loop.sock_connect(sock, (host, self.data_port))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            await loop.sock_sendall(sock, request_bytes(self.peer_lease, flat))
+        except BaseException:
+            sock.close()
+            raise
+        if self._closed or self.error:
+            sock.close()
+        else:
+            self._sock = sock
 
-    async def begin_layer(self, layer: int) -> socket.socket:
-        """The socket, positioned at ``layer``'s first chunk; raises ``PeerFetchFailed``."""
+    async def begin_layer(self, layer: int) -> None:
+        """Wait until the stream is at ``layer``'s first chunk (the layers before it were
+        read); raises ``PeerFetchFailed``."""
+        while self.next_layer < layer and not self.error:
+            await self._advanced.wait()
         if self.error:
             raise PeerFetchFailed(f"from peer {self.peer}: {self.error}")
         if layer != self.next_layer:
-            self.fail(f"layer {layer} asked for at layer {self.next_layer} of the stream")
+            self.fail(f"layer {layer} asked for after layer {self.next_layer - 1}")
             raise PeerFetchFailed(f"from peer {self.peer}: {self.error}")
-        assert self._opening is not None
+        opening = self._opening
+        assert opening is not None
         try:
-            await asyncio.wait_for(asyncio.shield(self._opening), self.timeout_s)
-        except (OSError, TimeoutError, msgpack.PackException) as e:
+            await asyncio.wait_for(asyncio.shield(opening), self.timeout_s)
+        except asyncio.CancelledError:
+            if not opening.cancelled():
+                raise  # this load was cancelled
+            self.fail("the pull was stopped")
+            raise PeerFetchFailed(f"from peer {self.peer}: {self.error}") from None
+        except Exception as e:  # unreachable, refused, a port that is no port...
             self.fail(f"could not open the stream: {e!r}")
             raise PeerFetchFailed(f"from peer {self.peer}: {self.error}") from None
         if self._sock is None:
-            raise PeerFetchFailed(f"from peer {self.peer}: the stream is closed")
-        return self._sock
+            raise PeerFetchFailed(f"from peer {self.peer}: the stream is closed "
+                                  f"({self.error or 'the pull was stopped'})")
 
     async def chunk_length(self, key: str) -> int:
         """The next chunk's length; raises ``PeerFetchFailed`` if the peer no longer has it."""
@@ -107,38 +125,41 @@ class PeerFetch:
         return int(n)
 
     async def recv_into(self, bufs: list[memoryview]) -> None:
-        """Fill ``bufs`` in order from the stream; a stall of ``timeout_s`` or a closed
+        """Fill ``bufs`` in order from the stream; no data for ``timeout_s`` or a closed
         stream raises ``PeerFetchFailed``."""
         loop = asyncio.get_running_loop()
         sock = self._sock
         if sock is None:
             raise PeerFetchFailed(f"from peer {self.peer}: the stream is closed "
                                   f"({self.error or 'the pull was stopped'})")
+        t0 = time.perf_counter()
         try:
-            async with asyncio.timeout(self.timeout_s):
-                for buf in bufs:
-                    got = 0
-                    while got < len(buf):
+            for buf in bufs:
+                got = 0
+                while got < len(buf):
+                    async with asyncio.timeout(self.timeout_s):
                         k = await loop.sock_recv_into(sock, buf[got:])
-                        if k == 0:
-                            raise EOFError("the peer closed the stream")
-                        got += k
+                    if k == 0:
+                        raise EOFError("the peer closed the stream")
+                    got += k
         except (OSError, EOFError, TimeoutError) as e:
             why = f"no data for {self.timeout_s:g} s" if isinstance(e, TimeoutError) else e
             self.fail(f"the stream broke: {why}")
             raise PeerFetchFailed(f"from peer {self.peer}: {self.error}") from None
+        self.read_s += time.perf_counter() - t0
         n = sum(len(b) for b in bufs)
         self.nbytes += n
         self.metrics.peer_bytes.labels(self.peer).inc(n)
 
     def end_layer(self, layer: int) -> None:
         self.next_layer = layer + 1
+        self._wake()
         if self.next_layer == len(self.keys):
-            seconds = time.perf_counter() - self._t0
-            log.info("pulled %.1f MB from peer %s in %.3f s (%.0f MB/s)", self.nbytes / 1e6,
-                     self.peer, seconds, self.nbytes / 1e6 / max(seconds, 1e-9))
-            self.links.observe(self.peer, self.nbytes, seconds)
-            self.metrics.peer_pull_seconds.observe(seconds)
+            log.info("pulled %.1f MB from peer %s, %.3f s receiving (%.0f MB/s)",
+                     self.nbytes / 1e6, self.peer, self.read_s,
+                     self.nbytes / 1e6 / max(self.read_s, 1e-9))
+            self.links.observe(self.peer, self.nbytes, self.read_s)
+            self.metrics.peer_pull_seconds.observe(self.read_s)
             self._close_socket()
 
     def fail(self, why: str) -> None:
@@ -147,10 +168,15 @@ class PeerFetch:
             log.warning("pull from peer %s stopped at layer %d: %s", self.peer,
                         self.next_layer, why)
         self._close_socket()
+        self._wake()
+
+    def _wake(self) -> None:
+        self._advanced.set()
+        self._advanced = asyncio.Event()
 
     def _close_socket(self) -> None:
         if self._opening is not None and not self._opening.done():
-            self._opening.cancel()
+            self._opening.cancel()  # (it closes its own socket)
         if self._sock is not None:
             with contextlib.suppress(OSError):
                 self._sock.close()

@@ -33,6 +33,9 @@ from shared.chunk_codec import (
 )
 from shared.kv_layout import KVSpan
 
+_HEAD_LIMIT = 1 << 20  # a chunk's preamble and header: ~50 bytes per block hash plus ~100
+_SKIP_BUFFER = 1 << 20
+
 
 async def read_peer_layer(
     fetch: PeerFetch, req: LoadRequest, layer: int, pool: MappedPool, bpc: int,
@@ -44,14 +47,18 @@ async def read_peer_layer(
     await fetch.begin_layer(layer)
     g = pool.geometry
     dest = pool.host_bytes
+    most = bpc * g.block_bytes + _HEAD_LIMIT  # no chunk of this pool is bigger
     out: dict[bytes, float] = {}
     for key in fetch.keys[layer]:
         t0 = time.perf_counter()
         hashes = fetch.expected[key]
         n = await fetch.chunk_length(key)
+        if n > most:
+            _give_up(fetch, f"layer {layer}: the peer announced a {n}-byte chunk (at most "
+                     f"{most} fit this pool's chunks)")
         target = targets.get(hashes[-1])
         if target is None:  # not this load's (a device hit trimmed the plan)
-            await fetch.recv_into([memoryview(bytearray(n))])
+            await _skip(fetch, n)
             continue
         span, ids = target
         try:
@@ -90,6 +97,15 @@ def _give_up(fetch: PeerFetch, why: str) -> NoReturn:
     raise PeerFetchFailed(f"from peer {fetch.peer}: {why}")
 
 
+async def _skip(fetch: PeerFetch, n: int) -> None:
+    """Read ``n`` bytes off the stream and drop them (through a bounded scratch buffer)."""
+    scratch = memoryview(bytearray(min(n, _SKIP_BUFFER)))
+    while n > 0:
+        step = min(n, len(scratch))
+        await fetch.recv_into([scratch[:step]])
+        n -= step
+
+
 async def _whole(fetch: PeerFetch, n: int) -> bytearray:
     blob = bytearray(n)
     await fetch.recv_into([memoryview(blob)])
@@ -102,6 +118,6 @@ def _place_on_device(blob: bytearray, req: LoadRequest, span: KVSpan, ids: list[
     try:
         chunk = decode_chunk(blob)  # verifies the checksum
         check_decoded(chunk, req, span, layer, pool, bpc, hashes)
-    except (ChunkCorrupt, LoadFailed) as e:
+        scatter_blocks(pool.kv, chunk.tensor, span.first_block % bpc, ids)
+    except (ChunkCorrupt, LoadFailed, RuntimeError, ValueError) as e:
         _give_up(fetch, f"layer {layer}: {e}")
-    scatter_blocks(pool.kv, chunk.tensor, span.first_block % bpc, ids)

@@ -49,6 +49,7 @@ async def test_a_wait_is_bounded_and_a_running_save_is_waited_for() -> None:
     assert w.settled(SID, 50)
     w.forget(SID)
     assert not w.settled(SID, 50)
+    assert not w._changed and not w._waiters  # nothing kept for sessions nobody awaits
 
 
 def test_a_peer_s_chunks_are_used_only_while_they_match_the_prompt() -> None:

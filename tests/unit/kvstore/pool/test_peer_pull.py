@@ -198,3 +198,30 @@ async def test_the_local_copy_comes_first_and_the_peer_adds_the_rest(
                                                            ("peer", 32)]
     assert await pull(b, r) == [(layer, True) for layer in range(LAYERS)]
     assert same_blocks(a, b, 0, 40)
+
+
+async def test_layers_read_ahead_still_come_off_the_stream_in_order(
+    pair: tuple[Node, Node],
+) -> None:
+    a, b = pair
+    b.path.readahead_layers = 3  # several layer reads in flight: each waits for its turn
+    hs = hashes(40)
+    fill(a.pool, ids(0, 40, SRC, STRIDE), seed=8)
+    await save(a.path, a.pid, hs)
+    r = await ask(b, hs, a.address)
+    assert await pull(b, r) == [(layer, True) for layer in range(LAYERS)]
+    assert same_blocks(a, b, 0, 40)
+
+
+async def test_a_pull_stopped_before_its_load_fails_the_load_cleanly(
+    pair: tuple[Node, Node],
+) -> None:
+    a, b = pair
+    hs = hashes(20)
+    fill(a.pool, ids(0, 20, SRC, STRIDE), seed=9)
+    await save(a.path, a.pid, hs)
+    r = await ask(b, hs, a.address)
+    lease = b.path.leases.get(r.lease_id)
+    assert lease is not None and lease.fetch is not None
+    lease.fetch.close()  # as an expiring lease would
+    assert await pull(b, r) == [(0, False)]
