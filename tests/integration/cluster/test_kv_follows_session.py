@@ -87,16 +87,17 @@ def test_turns_alternating_between_nodes_reuse_their_history(
     served = []
     for i, (messages, expected, _text) in enumerate(reference):
         _serve_only(cluster, f"node{(i + 1) % 2}")  # node1, node0, node1, ...
+        before = _metric(cluster.text("/metrics"), 'overture_turns_total{kv_from="peer"}')
         tokens, cached, node = _turn(cluster, "alternating", messages)
         served.append(node)
         assert tokens == expected, f"turn {i + 1} differs from recomputation\n{cluster.logs()}"
         if i:
             assert cached > 0, f"turn {i + 1} reused nothing\n{cluster.logs()}"
+            after = _metric(cluster.text("/metrics"), 'overture_turns_total{kv_from="peer"}')
+            assert after == before + 1, f"turn {i + 1} pulled nothing\n{cluster.logs(80)}"
     assert served == ["node1", "node0"] * 3
     status, where = cluster.get("/admin/sessions/alternating")
     assert status == 200 and where["node"] == "node0", where
-    turns = cluster.text("/metrics")
-    assert _metric(turns, 'overture_turns_total{kv_from="peer"}') >= 5, turns
     # The last pulls left the history on both nodes, and in the shared S3 tier.
     assert cluster.s3_endpoint
 
