@@ -74,7 +74,6 @@ async def run(config: KVStoreConfig, stop: asyncio.Event | None = None) -> None:
                 peer_wait_s=config.peer_wait_s,
                 peer_timeout_s=config.peer_timeout_s,
                 peer_bytes_per_s=config.peer_bytes_per_s,
-                peer_window=config.stream_window,
                 debug_save_delay_s=config.debug_save_delay_s,
             )
         )

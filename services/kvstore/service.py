@@ -227,19 +227,22 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             result = await self.pool_path.lookup(wire.lookup_from_pb(request))
         except (PoolError, ChunkFormatError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if result.lease_id:
-            # A caller gone before the reply never learns the lease id: end the lease here
-            # rather than let it pin chunks until it expires. Past the caller's deadline
-            # (which the server sees as time run out, not as a cancellation) the reply
-            # cannot arrive; a disconnect shows as a cancelled call once it is over.
-            lease_id = result.lease_id
-            left = context.time_remaining()
-            if left is not None and left <= 0:
-                self.pool_path.release(lease_id)
-                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "lookup past its deadline")
-            context.add_done_callback(
-                lambda ctx: self.pool_path.release(lease_id) if ctx.cancelled() else None)
+        await self._hand_out(result.lease_id, context)
         return wire.lookup_to_pb(result)
+
+    async def _hand_out(self, lease_id: str, context: grpc.aio.ServicerContext) -> None:
+        """A caller gone before the reply never learns the lease id: end the lease here
+        rather than let it pin chunks until it expires. Past the caller's deadline (which
+        the server sees as time run out, not as a cancellation) the reply cannot arrive; a
+        disconnect shows as a cancelled call once it is over."""
+        if not lease_id:
+            return
+        left = context.time_remaining()
+        if left is not None and left <= 0:
+            self.pool_path.release(lease_id)
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "lookup past its deadline")
+        context.add_done_callback(
+            lambda ctx: self.pool_path.release(lease_id) if ctx.cancelled() else None)
 
     async def LoadIntoPool(
         self, request: pb.LoadIntoPoolRequest, context: grpc.aio.ServicerContext
@@ -261,10 +264,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             found = await self.pool_path.answer_peer(wire.find_from_pb(request))
         except (PoolError, ChunkFormatError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if found.lease_id:  # as for LookupPrefix: a caller gone never learns the lease
-            lease_id = found.lease_id
-            context.add_done_callback(
-                lambda ctx: self.pool_path.release(lease_id) if ctx.cancelled() else None)
+        await self._hand_out(found.lease_id, context)  # (it may have waited for a save)
         return wire.find_reply(found)
 
     async def ReleaseLease(

@@ -61,13 +61,11 @@ class EnginePoolPath:
         peer_wait_s: float = 2.0,
         peer_timeout_s: float = 10.0,
         peer_bytes_per_s: float = 3e8,
-        peer_window: int = 4,
         debug_save_delay_s: float = 0.0,
     ) -> None:
         """``manifests``: the node's manifest store (the gRPC service shares it); without
         one the path makes and owns its own (tests, a pool path on its own). ``peer_*``:
-        see ``kvstore.peer_wait_s``, ``peer_timeout_s``, ``peer_bytes_per_s`` and
-        ``stream_window``."""
+        see ``kvstore.peer_wait_s``, ``peer_timeout_s`` and ``peer_bytes_per_s``."""
         self.store = store
         self._own_manifests = manifests is None
         self.manifests = manifests if manifests is not None else ManifestStore(store, drain_s)
@@ -81,7 +79,6 @@ class EnginePoolPath:
         self.links = PeerLinks(peer_bytes_per_s)
         self.peer_wait_s = peer_wait_s
         self.peer_timeout_s = peer_timeout_s
-        self.peer_window = peer_window
         self.debug_save_delay_s = debug_save_delay_s
         self.data_port = 0  # this node's ChunkServer's port, once started
         # Chunks loaded from a peer: the turn's save keeps them here, not in S3 again.

@@ -76,6 +76,14 @@ async def pair(tmp_path: Path) -> AsyncIterator[tuple[Node, Node]]:
         yield a, b
 
 
+async def saved(a: Node, n: int, seed: int) -> tuple[bytes, ...]:
+    """``a`` saves a session of ``n`` blocks of random KV; its block hashes."""
+    hs = hashes(n)
+    fill(a.pool, ids(0, n, SRC, STRIDE), seed=seed)
+    await save(a.path, a.pid, hs)
+    return hs
+
+
 async def ask(b: Node, hs: tuple[bytes, ...], peer: str, wait_tokens: int = 0,
               first: int = 0) -> StoredPrefix:
     return await b.path.lookup(LookupRequest(TENANT, "sess", MODEL, hs, first, LAYERS, peer,
@@ -101,9 +109,7 @@ def same_blocks(a: Node, b: Node, first: int, n: int, layers: range = range(LAYE
 
 async def test_the_peer_s_prefix_lands_in_this_node_s_blocks(pair: tuple[Node, Node]) -> None:
     a, b = pair
-    hs = hashes(40)
-    fill(a.pool, ids(0, 40, SRC, STRIDE), seed=3)
-    await save(a.path, a.pid, hs)
+    hs = await saved(a, 40, seed=3)
     r = await ask(b, hs, a.address)
     assert r.matched_blocks == 40 and [s.tier for s in r.spans] == ["peer"] * 3
     assert r.tier_bytes_per_s["peer"] > 0  # the planner's rate for the link
@@ -148,9 +154,7 @@ async def test_a_corrupt_chunk_fails_its_layer_and_every_later_one(
     pair: tuple[Node, Node],
 ) -> None:
     a, b = pair
-    hs = hashes(20)
-    fill(a.pool, ids(0, 20, SRC, STRIDE), seed=5)
-    await save(a.path, a.pid, hs)
+    hs = await saved(a, 20, seed=5)
     key = chunk_key(TENANT, MODEL, hs[15], 1)  # layer 1 of the first chunk
     blob = a.path.store.dram_blob(key)
     assert isinstance(blob, bytearray)
@@ -165,9 +169,7 @@ async def test_a_trimmed_plan_reads_past_the_chunks_it_no_longer_needs(
     pair: tuple[Node, Node],
 ) -> None:
     a, b = pair
-    hs = hashes(40)
-    fill(a.pool, ids(0, 40, SRC, STRIDE), seed=6)
-    await save(a.path, a.pid, hs)
+    hs = await saved(a, 40, seed=6)
     r = await ask(b, hs, a.address)
     # The device held the first chunk after all: the load asks for the other two only.
     assert await pull(b, r, slice(1, None)) == [(layer, True) for layer in range(LAYERS)]
@@ -186,9 +188,7 @@ async def test_the_local_copy_comes_first_and_the_peer_adds_the_rest(
     pair: tuple[Node, Node],
 ) -> None:
     a, b = pair
-    hs = hashes(40)
-    fill(a.pool, ids(0, 40, SRC, STRIDE), seed=7)
-    await save(a.path, a.pid, hs)
+    hs = await saved(a, 40, seed=7)
     # b holds the first 16 blocks itself (an earlier turn served here).
     first = ids(0, 16, SRC, STRIDE)
     b.pool.kv_cache[first] = a.pool.kv_cache[first]
@@ -205,9 +205,7 @@ async def test_layers_read_ahead_still_come_off_the_stream_in_order(
 ) -> None:
     a, b = pair
     b.path.readahead_layers = 3  # several layer reads in flight: each waits for its turn
-    hs = hashes(40)
-    fill(a.pool, ids(0, 40, SRC, STRIDE), seed=8)
-    await save(a.path, a.pid, hs)
+    hs = await saved(a, 40, seed=8)
     r = await ask(b, hs, a.address)
     assert await pull(b, r) == [(layer, True) for layer in range(LAYERS)]
     assert same_blocks(a, b, 0, 40)
@@ -217,9 +215,7 @@ async def test_a_pull_stopped_before_its_load_fails_the_load_cleanly(
     pair: tuple[Node, Node],
 ) -> None:
     a, b = pair
-    hs = hashes(20)
-    fill(a.pool, ids(0, 20, SRC, STRIDE), seed=9)
-    await save(a.path, a.pid, hs)
+    hs = await saved(a, 20, seed=9)
     r = await ask(b, hs, a.address)
     lease = b.path.leases.get(r.lease_id)
     assert lease is not None and lease.fetch is not None
