@@ -1,6 +1,7 @@
 """The ``overture`` command.
 
     overture up [--nodes N] [--port P] [--model PATH] [--dtype D] [--config FILE] [--no-s3]
+                [--cores divided|shared]
     overture models list | prepare NAME|FILE.gguf [--dtype D] [--out DIR]
     overture demo-model PATH [--size tiny|small] [--seed S]
     overture scheduler|nodemgr|engine|kvstore [flags]    (one service, in this process)
@@ -8,9 +9,11 @@
 ``up`` starts the cluster's S3 server (SeaweedFS, the shared durable tier every kvstore
 uses; not with ``--no-s3`` or when the config has a ``kvstore.s3`` section), then the scheduler and,
 per node, a kvstore, an engine and a node manager as child processes on free loopback
-ports, prefixes and streams their logs, prints the URL when the cluster serves, and stops
-everything (SIGTERM, then SIGKILL after a grace period; the S3 server last, once the
-kvstores have drained their writes) on Ctrl-C, SIGTERM, or as soon as any child exits.
+ports, prefixes and streams their logs, and prints the URL when the cluster serves. A
+child that dies is restarted after a backoff; one that keeps crashing takes its node down
+(the other nodes keep serving), or the whole cluster if it is the scheduler or the S3
+server. Ctrl-C or SIGTERM stops everything (SIGTERM, then SIGKILL after a grace period;
+the S3 server last, once the kvstores have drained their writes).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from services.models.commands import cmd_models as models_command
 from services.models.prepare import ModelPrepareError, slug
 from services.s3_server import S3ServerError, S3ServerSpec, bucket_ready, s3_server_spec
 from services.supervisor import ChildSpec, supervise
+from shared.cpus import available_cpus, divide_cpus, format_cpus
 
 SERVICES = ("scheduler", "nodemgr", "engine", "kvstore")
 STATE_DIR = Path(".overture")
@@ -66,10 +70,12 @@ def cluster_specs(
     host: str = "127.0.0.1",
     state_dir: Path | None = None,
     s3: S3ServerSpec | None = None,
+    cores: list[tuple[int, ...]] | None = None,
 ) -> tuple[list[ChildSpec], str]:
     """Commands for a scheduler plus ``nodes`` nodes; returns them and the public URL.
     With ``state_dir`` each node's kvstore keeps its SSD tier in ``state_dir/<node>/``;
-    with ``s3`` that server is started first and every kvstore uses it."""
+    with ``s3`` that server is started first and every kvstore uses it; with ``cores``
+    node i's engine and kvstore run on ``cores[i]`` only."""
     grpc_port = free_port(host)
     specs = []
     if s3 is not None:
@@ -97,6 +103,8 @@ def cluster_specs(
         kv_flags: dict[str, object] = {"host": host, "port": kv, "node_id": node_id}
         if s3 is not None:
             kv_flags.update(s3.kvstore_flags())
+        if cores is not None and cores[i]:
+            engine_flags["cpus"] = kv_flags["cpus"] = format_cpus(cores[i])
         if state_dir is not None:
             kv_flags["ssd_path"] = str(state_dir / node_id / "kvstore-ssd")
         specs += [
@@ -186,8 +194,20 @@ def cmd_up(args: argparse.Namespace) -> int:
         config=args.config,
         # The SSD tier is on by default, under .overture/<node>/, unless the YAML places it.
         state_dir=None if _yaml_section_value(args.config, "kvstore", "ssd_path") else STATE_DIR,
+        cores=_node_cores(args),
     )
     return asyncio.run(supervise(specs, url, args.nodes, args.ready_timeout))
+
+
+def _node_cores(args: argparse.Namespace) -> list[tuple[int, ...]] | None:
+    """Each node's share of this host's cores (``--cores divided``), or None (shared: every
+    engine may use every core, as when the config pins them itself)."""
+    if args.cores == "shared" or _yaml_section_value(args.config, "engine", "cpus"):
+        return None
+    shares = divide_cpus(available_cpus(), args.nodes)
+    print("cores per node: " + "; ".join(
+        f"node{i} {format_cpus(c)}" for i, c in enumerate(shares)), flush=True)
+    return shares
 
 
 def _model(args: argparse.Namespace, dtype: str) -> tuple[str, str]:
@@ -277,6 +297,14 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         choices=("float32", "bfloat16", "float16"),
         help="engine dtype [default: engine.dtype from --config, else float32]",
+    )
+    up.add_argument(
+        "--cores",
+        default="divided",
+        choices=("divided", "shared"),
+        help="divided: each node's engine and kvstore run on their own share of this host's "
+        "cores (affinity and one torch thread per core); shared: every engine uses every "
+        "core (the baseline; slower as soon as two engines are busy) [default: divided]",
     )
     up.add_argument("--config", default=None, help="YAML file with a section per service")
     up.add_argument(

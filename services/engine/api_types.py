@@ -99,4 +99,6 @@ class EngineStatus:
     device: str
     pool_name: str
     preemptions: int = 0  # since start
+    oldest_waiting_since: float = 0.0  # time.monotonic() the oldest queued request queued
+    step_started: float = 0.0  # time.monotonic() the step under way began (0.0: idle)
     reuse: ReuseStats = field(default_factory=ReuseStats)

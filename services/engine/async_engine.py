@@ -11,7 +11,12 @@ before each step. A step-loop task sleeps on an asyncio.Event until work arrives
 hands the worker a stepping run: the worker steps back to back while there is work and
 posts each step's outputs to the loop (call_soon_threadsafe), which routes them to their
 requests' queues while the next step already runs. A run ends after the step during which
-another worker job (status, abort, shrink) was queued, so those wait at most one step.
+another worker job (abort, shrink) was queued, so those wait at most one step.
+
+Status never waits behind a forward pass: each step publishes a snapshot of the core's
+counters with its outputs, and ``status(max_wait_s)`` answers from it when the worker does
+not answer sooner (a busy engine is not a dead one). New requests are refused while the
+engine is behind (``admission``).
 
 KV reuse (with ``kvstore_address``): ``generate`` asks the PrefixLookup what of the
 prompt to load from the node's kvstore before the request enters the core; the core's
@@ -25,8 +30,9 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Self
 
@@ -34,10 +40,11 @@ import torch
 
 from shared.config import ConfigError
 
+from .admission import Admission
 from .api_types import EngineStatus, GenerateOutput, GenerateRequest, ModelInfo, ReuseStats
 from .config import EngineConfig
 from .engine_core import EngineCore, Event, Failure
-from .errors import INTERNAL, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE, EngineError
+from .errors import INTERNAL, INVALID_ARGUMENT, UNAVAILABLE, EngineError
 from .offload.kvstore_client import KVStoreClient
 from .offload.lookup import PrefixLookup, connect_offload
 from .offload.planner import RECOMPUTE
@@ -88,12 +95,15 @@ class AsyncEngine:
         self._stopping = False
         self._connector: KVStoreClient | None = None
         self._coordinator: PrefixLookup | None = None
+        self._snapshot: EngineStatus | None = None  # the core's counters after the last job
+        self._step_started = 0.0  # (worker) monotonic start of the step under way; 0: idle
+        self._admission = Admission(config.max_waiting, config.max_queue_delay_s)
 
     # ---- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
         self._stopping = False
-        if self.config.num_threads:
-            torch.set_num_threads(self.config.num_threads)
+        if self.config.threads:
+            torch.set_num_threads(self.config.threads)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         # OpenMP settings are per calling thread: give the worker the same intra-op team.
         await self._in_worker(torch.set_num_threads, torch.get_num_threads())
@@ -108,6 +118,7 @@ class AsyncEngine:
                 self._executor = None
                 raise
         self._core = await self._in_worker(EngineCore, self.config, self._loaded)
+        self._snapshot = await self._in_worker(self._core.status)
         await self._start_reuse()
         self._loop_task = asyncio.create_task(self._step_loop(), name="engine-step-loop")
         info = self._core.model_info
@@ -166,10 +177,11 @@ class AsyncEngine:
         return self._require_core().model_info
 
     # ---- requests -----------------------------------------------------------------------
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+    async def generate(self, req: GenerateRequest) -> AsyncGenerator[GenerateOutput, None]:
         """Stream a request's outputs. Raises EngineError (before the first output for bad
         input). Closing or cancelling the iterator early aborts the request."""
         core = self._require_core()
+        self._admit()
         loaded = self._loaded
         prepared: PreparedRequest = await asyncio.to_thread(
             prepare,
@@ -183,11 +195,7 @@ class AsyncEngine:
         rid = prepared.request_id
         if rid in self._queues:
             raise EngineError(INVALID_ARGUMENT, f"request id {rid!r} is already running")
-        if self._waiting_snapshot + self._pending_adds >= self.config.max_waiting:
-            raise EngineError(
-                RESOURCE_EXHAUSTED,
-                f"the engine queue is full ({self.config.max_waiting} waiting); retry later",
-            )
+        self._admit()  # again: others may have queued while this one was tokenized
         # The id is claimed before the lookup: a second call with it (a client retry) is
         # refused instead of reaching the core as a second sequence under one id.
         queue: asyncio.Queue[GenerateOutput | EngineError] = asyncio.Queue()
@@ -228,6 +236,15 @@ class AsyncEngine:
             if submitted and not finished:
                 self._submit(_ABORT, rid)
 
+    def _admit(self) -> None:
+        """Raise RESOURCE_EXHAUSTED when the queue is full or too far behind."""
+        snap = self._snapshot
+        self._admission.check(
+            self._waiting_snapshot + self._pending_adds,
+            snap.oldest_waiting_since if snap is not None else 0.0,
+            time.monotonic(),
+        )
+
     def _submit(self, kind: str, arg: Any) -> None:
         if kind == _ADD:
             self._pending_adds += 1
@@ -246,11 +263,27 @@ class AsyncEngine:
         await self._run_inbox()
         return active
 
-    async def status(self) -> EngineStatus:
+    async def status(self, max_wait_s: float | None = None) -> EngineStatus:
+        """The core's counters after the queued adds and aborts. With ``max_wait_s``, when
+        the worker is busy longer than that (a long forward pass), the snapshot of the last
+        step instead: liveness and load must not wait for the model."""
         core = self._require_core()
+        fresh = asyncio.ensure_future(self._fresh_status(core))
+        if max_wait_s is None:
+            status = await fresh
+        else:
+            try:
+                status = await asyncio.wait_for(asyncio.shield(fresh), max_wait_s)
+            except TimeoutError:
+                assert self._snapshot is not None  # (taken at start)
+                status = dataclasses.replace(self._snapshot, step_started=self._step_started)
+        return dataclasses.replace(status, reuse=self._reuse_stats(status.reuse))
+
+    async def _fresh_status(self, core: EngineCore) -> EngineStatus:
         await self._run_inbox()
         status = await self._in_worker(core.status)
-        return dataclasses.replace(status, reuse=self._reuse_stats(status.reuse))
+        self._snapshot = status
+        return status
 
     def _reuse_stats(self, core_stats: ReuseStats) -> ReuseStats:
         c = self._connector
@@ -322,12 +355,16 @@ class AsyncEngine:
                 events.append(out)
         return events, adds
 
-    def _work(self) -> tuple[list[Event], int, int, bool]:
-        """(worker thread) one engine step after the inbox."""
-        events, adds = self._drain()
-        core = self._worker_core()
-        events.extend(core.step())
-        return events, adds, core.num_waiting, core.has_work()
+    def _work(self) -> tuple[list[Event], int, EngineStatus, bool]:
+        """(worker thread) one engine step after the inbox; the status after it."""
+        self._step_started = time.monotonic()
+        try:
+            events, adds = self._drain()
+            core = self._worker_core()
+            events.extend(core.step())
+            return events, adds, core.status(), core.has_work()
+        finally:
+            self._step_started = 0.0
 
     async def _run_inbox(self) -> None:
         events, adds = await self._in_worker(self._drain)
@@ -348,19 +385,21 @@ class AsyncEngine:
         the engine is stopping)."""
         while True:
             try:
-                events, adds, waiting, busy = self._work()
+                events, adds, status, busy = self._work()
             except Exception:
                 log.exception("engine step failed; failing every active request")
-                (events, adds), waiting, busy = self._fail_all(), 0, False
+                (events, adds), busy = self._fail_all(), False
+                status = self._worker_core().status()
             try:
-                loop.call_soon_threadsafe(self._publish, events, adds, waiting)
+                loop.call_soon_threadsafe(self._publish, events, adds, status)
             except RuntimeError:  # the loop is closed: nobody is left to take outputs
                 return False
             if not busy or self._side_jobs or self._stopping:
                 return busy
 
-    def _publish(self, events: list[Event], adds_applied: int, waiting: int) -> None:
-        self._waiting_snapshot = waiting
+    def _publish(self, events: list[Event], adds_applied: int, status: EngineStatus) -> None:
+        self._waiting_snapshot = status.waiting
+        self._snapshot = status
         self._dispatch(events, adds_applied)
 
     def _fail_all(self) -> tuple[list[Event], int]:

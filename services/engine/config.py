@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from shared.config import ConfigError, opt, sub
+from shared.cpus import parse_cpus
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,22 @@ class EngineConfig:
     )
     max_model_len: int = opt(0, "context limit in tokens; 0 = the model's own", min=0)
     max_waiting: int = opt(1024, "queued requests before new ones are refused", min=1)
-    num_threads: int = opt(0, "torch intra-op threads; 0 = torch default", min=0, max=1024)
+    max_queue_delay_s: float = opt(
+        1.0, "refuse new requests (HTTP 429 upstream) while the oldest queued one has waited "
+        "longer than this; 0 = only max_waiting bounds the queue", min=0.0,
+    )
+    stream_keepalive_s: float = opt(
+        1.0, "a stream with nothing to send this long gets an empty keepalive message, so "
+        "that the scheduler can tell a busy engine from a stopped one", min=0.05, max=60.0,
+    )
+    num_threads: int = opt(
+        0, "torch intra-op threads; 0 = one per core of `cpus`, else torch's default",
+        min=0, max=1024,
+    )
+    cpus: str = opt(
+        "", "cores this engine runs on, e.g. '0-3' or '0,2' (CPU affinity of every thread); "
+        "empty = all; `overture up` gives each node its share"
+    )
     seed: int = opt(0, "global seed for requests that give none", min=0)
     debug_checks: bool = opt(False, "check KV allocator integrity after every step (slow)")
     offload: OffloadConfig = sub(
@@ -94,7 +110,14 @@ class EngineConfig:
         "reuse_load_overhead_s": "offload.load_overhead_s",
     }
 
+    @property
+    def threads(self) -> int:
+        """Intra-op threads to use: ``num_threads``, else one per pinned core (0: torch's
+        default)."""
+        return self.num_threads or len(parse_cpus(self.cpus))
+
     def validate(self) -> None:
+        parse_cpus(self.cpus)  # CpuListError (a ConfigError) when it does not parse
         if self.max_num_batched_tokens < self.block_size:
             raise ConfigError(
                 "engine.max_num_batched_tokens: must be at least engine.block_size "

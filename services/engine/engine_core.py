@@ -265,6 +265,7 @@ class EngineCore:
             device=self.config.device,
             pool_name=self.pool.name,
             preemptions=self.scheduler.num_preemptions,
+            oldest_waiting_since=self.scheduler.oldest_waiting_since(),
             reuse=self.offload.stats(),
         )
 

@@ -16,6 +16,7 @@ often from its own now-cached blocks). The result is data: ``{request_id: num_to
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -60,7 +61,12 @@ class Scheduler:
     # ---- queue ops ----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
+        seq.waiting_since = time.monotonic()
         self.waiting.append(seq)
+
+    def oldest_waiting_since(self) -> float:
+        """When the longest-waiting queued sequence entered the queue (0.0: none waits)."""
+        return min((s.waiting_since for s in self.waiting), default=0.0)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -126,6 +132,7 @@ class Scheduler:
         self.running.remove(seq)
         self.kv.free(seq)
         seq.status = Status.WAITING
+        seq.waiting_since = time.monotonic()
         self.waiting.appendleft(seq)
 
     def _admit_waiting(self, out: SchedulerOutput) -> None:

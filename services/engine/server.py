@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -15,10 +17,14 @@ from .errors import EngineError
 
 log = logging.getLogger(__name__)
 
+# Status waits this long for the worker's fresh counters, else answers from the last step's.
+STATUS_WAIT_S = 0.05
+
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
+        self.keepalive_s = engine.config.stream_keepalive_s
 
     async def Generate(
         self, request: common_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -26,12 +32,30 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         """Stream chunks. A cancelled call cancels this handler; the generator's clean-up
         then aborts the request and frees its blocks."""
         req = wire.request_from_proto(request)
+        keepalive = common_pb2.GenerateChunk(request_id=req.request_id, keepalive=True)
+        outputs = self.engine.generate(req)
+        nxt: asyncio.Future | None = None
         try:
-            async for out in self.engine.generate(req):
+            while True:
+                # Wait for the next output without cancelling it: a quiet stream (queued, a
+                # long prefill) sends keepalives, so that silence means a stopped engine.
+                nxt = asyncio.ensure_future(anext(outputs, None))
+                while not (await asyncio.wait({nxt}, timeout=self.keepalive_s))[0]:
+                    yield keepalive
+                out = nxt.result()
+                if out is None:
+                    break
                 yield wire.chunk_to_proto(out)
         except EngineError as e:
             log.info("Generate %s refused: %s %s", req.request_id, e.code, e.message)
             await context.abort(wire.STATUS_CODES[e.code], e.message)
+        finally:
+            # A cancelled call stops the generator where it waits; its clean-up aborts the
+            # request in the engine.
+            if nxt is not None and not nxt.done():
+                nxt.cancel()
+                await asyncio.gather(nxt, return_exceptions=True)
+            await outputs.aclose()
 
     async def DropDeviceCache(
         self, request: engine_pb2.DropDeviceCacheRequest, context: grpc.aio.ServicerContext
@@ -46,9 +70,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self, request: engine_pb2.EngineStatusRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.EngineStatus:
         try:
-            status = await self.engine.status()
+            status = await self.engine.status(max_wait_s=STATUS_WAIT_S)
             saved = self.engine.saved_after(wire.saved_after(request))
-            return wire.status_to_proto(status, saved)
+            return wire.status_to_proto(status, saved, time.monotonic())
         except EngineError as e:
             await context.abort(wire.STATUS_CODES[e.code], e.message)
             raise  # unreachable: abort raises

@@ -7,6 +7,7 @@ import logging
 from contextlib import AsyncExitStack
 
 from shared.aio import freeze_startup_heap
+from shared.cpus import pin_process
 from shared.grpc_server import serve_grpc
 from shared.proto import engine_pb2_grpc
 
@@ -22,6 +23,7 @@ SERVICE_NAME = "overture.v1.Engine"
 async def run(config: EngineConfig) -> None:
     """Load the model, serve until cancelled, then stop the server before the engine
     (in-flight streams end first) and free the KV pool's shared memory."""
+    pin_process(config.cpus)  # before the worker and its OpenMP team start: they inherit it
     async with AsyncExitStack() as stack:
         engine = await stack.enter_async_context(AsyncEngine(config))
         servicer = EngineServicer(engine)

@@ -86,9 +86,12 @@ def saved_after(r: engine_pb2.EngineStatusRequest) -> int:
 
 
 def status_to_proto(
-    s: EngineStatus, saved: tuple[SavedSession, ...] = ()
+    s: EngineStatus, saved: tuple[SavedSession, ...] = (), now: float = 0.0
 ) -> engine_pb2.EngineStatus:
+    """``now``: ``time.monotonic()`` when answering (the ages are counted to it)."""
     return engine_pb2.EngineStatus(
+        queue_delay_s=max(0.0, now - s.oldest_waiting_since) if s.oldest_waiting_since else 0.0,
+        step_running_s=max(0.0, now - s.step_started) if s.step_started else 0.0,
         saved=[common_pb2.SessionSaved(tenant=e.tenant, session_id=e.session_id,
                                        tokens=e.tokens, seq=e.seq) for e in saved],
         models=[m.to_proto() for m in s.models],

@@ -38,6 +38,10 @@ class KVStoreConfig:
     ssd_path: str = opt(
         "", "SSD tier directory (RocksDB catalog + one file per chunk); empty disables it"
     )
+    cpus: str = opt(
+        "", "cores this kvstore runs on, e.g. '0-3' (CPU affinity); empty = all; "
+        "`overture up` gives it its node's share"
+    )
     ssd_bytes: int = opt(20 << 30, "SSD tier capacity in bytes", min=0)
     chunk_tokens: int = opt(256, "tokens per chunk (multiple of the block size)", min=1)
     ttl_s: float = opt(

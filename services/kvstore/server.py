@@ -23,6 +23,7 @@ from services.kvstore.service import KVStoreService
 from services.kvstore.store import TieredStore
 from services.kvstore.tiers import build_tiers
 from shared.aio import freeze_startup_heap
+from shared.cpus import pin_process
 from shared.grpc_server import serve_grpc
 from shared.proto import kvstore_pb2_grpc as pb_grpc
 
@@ -51,6 +52,7 @@ async def run(config: KVStoreConfig, stop: asyncio.Event | None = None) -> None:
 
     Raises ``TierOpenError``/``ConfigError`` at start (the caller exits non-zero).
     """
+    pin_process(config.cpus)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

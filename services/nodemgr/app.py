@@ -9,6 +9,7 @@ from contextlib import AsyncExitStack
 from services.nodemgr.config import NodeManagerConfig
 from services.nodemgr.engine_link import EngineLink
 from services.nodemgr.grpc_service import NodeManagerServicer
+from services.nodemgr.kvstore_probe import KVStoreProbe
 from services.nodemgr.registration import Registrar
 from shared.grpc_server import serve_grpc
 from shared.proto import nodemgr_pb2_grpc
@@ -25,6 +26,8 @@ async def start(config: NodeManagerConfig, stack: AsyncExitStack) -> asyncio.Tas
     engine = EngineLink(config.engine_address, config.engine_status_timeout_s)
     stack.push_async_callback(engine.close)
     registrar: Registrar | None = None
+    kvstore = KVStoreProbe(config.kvstore_address, config.kvstore_probe_timeout_s)
+    stack.push_async_callback(kvstore.close)
 
     def engine_failed(detail: str) -> None:
         if registrar is not None:
@@ -52,6 +55,8 @@ async def start(config: NodeManagerConfig, stack: AsyncExitStack) -> asyncio.Tas
         interval_s=config.heartbeat_interval_s,
         backoff_max_s=config.register_backoff_max_s,
         in_flight=lambda: servicer.in_flight,
+        kvstore=kvstore,
+        engine_stall_s=config.engine_stall_s,
     )
     beats = asyncio.create_task(registrar.run(), name="registrar")
 

@@ -19,6 +19,14 @@ class NodeManagerConfig:
     heartbeat_interval_s: float = opt(1.0, "seconds between heartbeats", min=0.05, max=60)
     engine_wait_s: float = opt(300.0, "how long to wait for the engine at start-up", min=1)
     engine_status_timeout_s: float = opt(2.0, "deadline of one engine Status call", min=0.05)
+    engine_stall_s: float = opt(
+        120.0, "an engine whose forward step has run this long is reported unable to serve "
+        "(it answers Status, but makes no progress)", min=1.0,
+    )
+    kvstore_probe_timeout_s: float = opt(
+        1.0, "deadline of the per-beat kvstore health check; past it the node is degraded",
+        min=0.05,
+    )
     register_backoff_max_s: float = opt(
         2.0, "longest pause between registration attempts", min=0.05
     )

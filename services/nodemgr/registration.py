@@ -3,6 +3,11 @@
 Loop: register (retrying with backoff until the scheduler answers), open the Heartbeat
 stream, send a beat every interval with the engine's load and any problem, and start over
 when the scheduler forgets the node, the stream breaks, or the engine's models change.
+
+A *problem* takes the node out of rotation: the engine does not answer Status (down, or
+stopped), or its forward step has run longer than ``engine_stall_s``. The engine answers
+Status off its worker thread, so a busy engine is not mistaken for a dead one. A node
+whose kvstore is down is *degraded*, not out: it serves by recomputing.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import grpc
 from services.nodemgr import wire
 from services.nodemgr.channels import fast_channel
 from services.nodemgr.engine_link import EngineLink, EngineUnavailable
+from services.nodemgr.kvstore_probe import KVStoreProbe
 from shared.proto import scheduler_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -34,6 +40,8 @@ class Registrar:
         interval_s: float,
         backoff_max_s: float,
         in_flight: Callable[[], int],
+        kvstore: KVStoreProbe | None = None,
+        engine_stall_s: float = 120.0,
     ) -> None:
         self.node_id = node_id
         self.address = address
@@ -44,7 +52,10 @@ class Registrar:
         self.interval_s = interval_s
         self.backoff_max_s = backoff_max_s
         self.in_flight = in_flight
+        self.kvstore = kvstore
+        self.engine_stall_s = engine_stall_s
         self.problem = ""
+        self.degraded = ""
         self._poke = asyncio.Event()
         # The newest engine save the scheduler acknowledged: each beat carries the ones
         # after it, so a beat lost with a broken stream is sent again.
@@ -93,10 +104,26 @@ class Registrar:
                 log.error("%s; reporting the node as unable to serve", e)
             self.problem = str(e)
             return None
+        if snap.step_running_s > self.engine_stall_s:
+            problem = (f"the engine's forward step has run {snap.step_running_s:.0f}s "
+                       f"(over nodemgr.engine_stall_s={self.engine_stall_s:g}s)")
+            if not self.problem:
+                log.error("%s; reporting the node as unable to serve", problem)
+            self.problem = problem
+            return snap
         if self.problem:
             log.info("engine answers again; the node can serve")
         self.problem = ""
         return snap
+
+    async def _check_kvstore(self) -> None:
+        degraded = await self.kvstore.problem() if self.kvstore is not None else ""
+        if degraded != self.degraded:
+            if degraded:
+                log.error("%s; reporting the node as degraded", degraded)
+            else:
+                log.info("the kvstore answers again; the node is no longer degraded")
+        self.degraded = degraded
 
     async def _beat(self, stub: scheduler_pb2_grpc.SchedulerStub, interval: float) -> None:
         """Beat until the scheduler forgets us or the engine's models change (then return)."""
@@ -104,12 +131,13 @@ class Registrar:
         try:
             while True:
                 self._poke.clear()
-                snap = await self._snapshot()
+                snap, _ = await asyncio.gather(self._snapshot(), self._check_kvstore())
                 if snap is not None and snap.models and snap.models != self.models:
                     log.info("engine models changed; registering again")
                     self.models = snap.models
                     return
-                await call.write(wire.heartbeat(self.node_id, snap, self.in_flight(), self.problem))
+                await call.write(wire.heartbeat(self.node_id, snap, self.in_flight(), self.problem,
+                                                self.degraded))
                 ack = await call.read()
                 if ack is grpc.aio.EOF:
                     raise StreamEnded("the scheduler closed the heartbeat stream")

@@ -18,6 +18,8 @@ class EngineSnapshot:
     blocks_free: int = 0
     blocks_total: int = 0
     saved: tuple[common_pb2.SessionSaved, ...] = ()  # session saves, passed on as they are
+    queue_delay_s: float = 0.0  # how long the oldest queued request has waited
+    step_running_s: float = 0.0  # how long the forward step under way has run (0: idle)
 
     @property
     def last_saved(self) -> int:
@@ -33,6 +35,8 @@ def snapshot(msg: engine_pb2.EngineStatus) -> EngineSnapshot:
         blocks_free=msg.blocks_free,
         blocks_total=msg.blocks_total,
         saved=tuple(msg.saved),
+        queue_delay_s=msg.queue_delay_s,
+        step_running_s=msg.step_running_s,
     )
 
 
@@ -48,10 +52,13 @@ def register_request(
 
 
 def heartbeat(
-    node_id: str, snap: EngineSnapshot | None, in_flight: int, problem: str
+    node_id: str, snap: EngineSnapshot | None, in_flight: int, problem: str, degraded: str = ""
 ) -> scheduler_pb2.HeartbeatMsg:
-    msg = scheduler_pb2.HeartbeatMsg(node_id=node_id, in_flight=in_flight, problem=problem)
+    msg = scheduler_pb2.HeartbeatMsg(
+        node_id=node_id, in_flight=in_flight, problem=problem, degraded=degraded
+    )
     if snap is not None:
+        msg.queue_delay_s = snap.queue_delay_s
         msg.running = snap.running
         msg.waiting = snap.waiting
         msg.blocks_free = snap.blocks_free

@@ -42,6 +42,8 @@ def build_state(
             unavailable_retries=config.unavailable_retries,
             suspend_grace_s=config.heartbeat_interval_s,
             request_timeout_s=config.request_timeout_s,
+            stream_idle_timeout_s=config.stream_idle_timeout_s,
+            retry_after_s=config.retry_after_s,
         ),
         sessions,
         metrics,

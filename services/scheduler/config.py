@@ -39,6 +39,15 @@ class SchedulerConfig:
     default_max_tokens: int = opt(
         0, "max_tokens when a request gives none; 0 = up to the context", min=0
     )
+    stream_idle_timeout_s: float = opt(
+        10.0, "a generation whose node sends nothing this long (engines send keepalives "
+        "every second while busy) is cut with an error and the node taken out of rotation "
+        "until it beats again; before any output it is retried on another node", min=0.5,
+    )
+    retry_after_s: int = opt(
+        1, "Retry-After (seconds) of a 429 sent when every node serving the model is "
+        "behind", min=1, max=3600,
+    )
     unavailable_retries: int = opt(
         2, "re-routes of a request whose node is unreachable before any output", min=0, max=16
     )

@@ -5,6 +5,13 @@ A session's KV follows it: when the policy picks another node than the one that 
 the session's last turn, the request names that node's kvstore (and the turn's length),
 and the serving node pulls the KV from there layer by layer (Symphony §3.2–3.3). A turn
 that ends records its node in the ``SessionDirectory``.
+
+Faults and overload: a node that refuses a request because it is behind is skipped for
+that request; when every node serving the model is behind, the client gets 429 with
+``Retry-After`` (back-pressure, not collapse). A node that sends nothing, not even the
+engine's keepalives, for ``stream_idle_timeout_s`` is stopped (SIGSTOP, a hung host): its
+streams are cut with a clean error (retried elsewhere if nothing was sent yet) and it
+leaves rotation until it beats again.
 """
 
 from __future__ import annotations
@@ -55,6 +62,12 @@ class DispatchSettings:
     unavailable_retries: int = 2
     suspend_grace_s: float = 1.0
     request_timeout_s: float = 600.0
+    stream_idle_timeout_s: float = 10.0
+    retry_after_s: int = 1
+
+
+class NodeStalled(Exception):
+    """The node sent nothing within the inactivity bound."""
 
 
 class Dispatcher:
@@ -91,15 +104,19 @@ class Dispatcher:
                 raise self._unavailable(None)
             await self.registry.wait_changed(remaining)
 
-    async def pick(self, route: RouteRequest) -> Node:
+    async def pick(self, route: RouteRequest, behind: frozenset[str] = frozenset()) -> Node:
         """A healthy node for ``route.model``; waits up to ``no_node_wait_s`` for one.
 
         Raises 404 at once when healthy nodes exist and none of the registered nodes serve
-        the model; 503 when the wait ends without a healthy node for it.
+        the model; 429 when every healthy one is in ``behind`` (refused this request as
+        overloaded); 503 when the wait ends without a healthy node for it.
         """
         deadline = self._loop_time() + self.settings.no_node_wait_s
         while True:
-            node = self.policy.choose(self.registry.healthy(route.model), route)
+            healthy = self.registry.healthy(route.model)
+            if behind and healthy and all(n.node_id in behind for n in healthy):
+                raise self._overloaded(route.model)
+            node = self.policy.choose([n for n in healthy if n.node_id not in behind], route)
             if node is not None:
                 return node
             known = any(n.serves(route.model) for n in self.registry.all())
@@ -109,6 +126,17 @@ class Dispatcher:
             if remaining <= 0:
                 raise self._unavailable(route.model)
             await self.registry.wait_changed(remaining)
+
+    def _overloaded(self, model: str) -> ApiError:
+        if self.metrics is not None:
+            self.metrics.overloaded.inc()
+        wait = self.settings.retry_after_s
+        return ApiError(
+            429,
+            f"every node serving model '{model}' is at capacity; retry after {wait}s",
+            code="overloaded",
+            headers={"Retry-After": str(wait)},
+        )
 
     def _unavailable(self, model: str | None) -> ApiError:
         down = [
@@ -133,12 +161,13 @@ class Dispatcher:
         Closing the iterator (or cancelling its consumer) cancels the gRPC call, which the
         node forwards to its engine.
         """
-        attempts = self.settings.unavailable_retries + 1
+        retries = self.settings.unavailable_retries
         place = self.sessions.where(route.tenant, route.session_id) if route.session_id else None
         if place is not None:
             route = dataclasses.replace(route, holder=place.node_id)
-        for attempt in range(attempts):
-            node = await self.pick(route)
+        behind: set[str] = set()  # nodes that refused this request as overloaded
+        while True:
+            node = await self.pick(route, frozenset(behind))
             self.registry.begin(node.node_id)
             call = self.channels.stub(node.info.address).Generate(
                 self._for_node(request, node, place), timeout=self.settings.request_timeout_s
@@ -146,7 +175,7 @@ class Dispatcher:
             produced = False
             last: wire.Chunk | None = None
             try:
-                async for msg in call:
+                while (msg := await self._next(call)) is not None:
                     last = wire.chunk(msg, node.node_id)
                     if not produced and self.metrics is not None:
                         self.metrics.turns.labels(last.kv_from or "unknown").inc()
@@ -157,6 +186,9 @@ class Dispatcher:
                                               last.prompt_tokens + last.completion_tokens)
                 return
             except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not produced:
+                    behind.add(node.node_id)  # try the others; 429 once all are behind
+                    continue
                 if e.code() == grpc.StatusCode.UNAVAILABLE:
                     log.warning(
                         "node %s unreachable (%s); taking it out of rotation",
@@ -164,12 +196,41 @@ class Dispatcher:
                         e.details(),
                     )
                     self.registry.suspend(node.node_id, self.settings.suspend_grace_s)
-                    if not produced and attempt + 1 < attempts:
+                    if not produced and retries > 0:
+                        retries -= 1
                         continue
                 raise from_grpc(e.code(), e.details(), node.node_id) from None
+            except NodeStalled:
+                idle = self.settings.stream_idle_timeout_s
+                log.error("node %s sent nothing for %gs; cutting its stream and taking it out "
+                          "of rotation until it beats again", node.node_id, idle)
+                self.registry.suspend(node.node_id, self.settings.suspend_grace_s)
+                if self.metrics is not None:
+                    self.metrics.stalled.labels(node.node_id).inc()
+                if not produced and retries > 0:
+                    retries -= 1
+                    continue
+                raise ApiError(
+                    503, f"node {node.node_id} stopped answering (nothing for {idle:g}s)",
+                    code="node_stalled",
+                ) from None
             finally:
                 call.cancel()
                 self.registry.end(node.node_id)
+
+    async def _next(self, call: grpc.aio.UnaryStreamCall) -> common_pb2.GenerateChunk | None:
+        """The call's next chunk that is not a keepalive (None at its end). Raises
+        NodeStalled when nothing, keepalives included, comes within the inactivity bound."""
+        while True:
+            try:
+                msg = await asyncio.wait_for(call.read(), self.settings.stream_idle_timeout_s)
+            except TimeoutError:
+                raise NodeStalled() from None
+            if msg is grpc.aio.EOF:
+                return None
+            if not msg.keepalive:
+                chunk: common_pb2.GenerateChunk = msg
+                return chunk
 
 
     def _for_node(

@@ -31,6 +31,7 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         type: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -38,6 +39,7 @@ class ApiError(Exception):
         self.param = param
         self.code = code
         self.type = type or _TYPES.get(status, "invalid_request_error")
+        self.headers = headers or {}  # e.g. Retry-After on a 429
 
     def body(self) -> dict[str, Any]:
         return {

@@ -18,7 +18,7 @@ from services.scheduler.dispatch import Dispatcher
 from services.scheduler.errors import ApiError
 from services.scheduler.fanout import run_choices
 from services.scheduler.metrics import CONTENT_TYPE, SchedulerMetrics
-from services.scheduler.nodes import NodeRegistry
+from services.scheduler.nodes import Node, NodeRegistry
 from services.scheduler.openai_format import (
     SSE_DONE,
     ChoiceState,
@@ -53,7 +53,7 @@ NODE_HEADER = "X-Overture-Node"  # the node that served a generation
 
 
 def error_response(e: ApiError) -> web.Response:
-    return web.json_response(e.body(), status=e.status)
+    return web.json_response(e.body(), status=e.status, headers=e.headers or None)
 
 
 @web.middleware
@@ -272,10 +272,14 @@ async def readyz(request: web.Request) -> web.Response:
     body = {
         "ready": bool(healthy),
         "healthy_nodes": [n.node_id for n in healthy],
+        "degraded_nodes": [n.node_id for n in healthy if n.load.degraded],
         "nodes": {
             n.node_id: {
+                "state": _node_state(reg, n),
                 "in_rotation": reg.in_rotation(n),
                 "problem": n.load.problem,
+                "degraded": n.load.degraded,
+                "queue_delay_s": round(n.load.queue_delay_s, 3),
                 "running": n.load.running,
                 "waiting": n.load.waiting,
                 "routed": n.routed,
@@ -285,6 +289,16 @@ async def readyz(request: web.Request) -> web.Response:
         "models": [m.name for m in reg.models(healthy_only=True)],
     }
     return web.json_response(body, status=200 if healthy else 503)
+
+
+def _node_state(reg: NodeRegistry, n: Node) -> str:
+    """serving | degraded (serves, a part is down) | drained | down (problem, silent or
+    unreachable)."""
+    if reg.in_rotation(n):
+        return "degraded" if n.load.degraded else "serving"
+    if n.drained and reg.alive(n) and not n.load.problem:
+        return "drained"
+    return "down"
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -48,6 +48,25 @@ class SchedulerMetrics:
         self.node_up = Gauge(
             "overture_node_in_rotation", "1 if the node receives requests", ["node"], registry=r
         )
+        self.node_degraded = Gauge(
+            "overture_node_degraded",
+            "1 if the node serves with a part down (e.g. its kvstore: it recomputes)",
+            ["node"], registry=r,
+        )
+        self.node_queue_delay = Gauge(
+            "overture_node_queue_delay_seconds",
+            "how long the node's oldest queued request has waited", ["node"], registry=r,
+        )
+        self.overloaded = Counter(
+            "overture_overloaded",
+            "requests refused with 429 because every node serving their model was behind",
+            registry=r,
+        )
+        self.stalled = Counter(
+            "overture_streams_stalled",
+            "generations cut because their node sent nothing within the inactivity bound",
+            ["node"], registry=r,
+        )
         self.healthy_nodes = Gauge("overture_healthy_nodes", "nodes in rotation", registry=r)
         self.turns = Counter(
             "overture_turns",
@@ -65,10 +84,14 @@ class SchedulerMetrics:
         """Refresh the per-node gauges from the registry, then expose everything."""
         self.node_load.clear()
         self.node_up.clear()
+        self.node_degraded.clear()
+        self.node_queue_delay.clear()
         for n in nodes.all():
             self.node_load.labels(n.node_id, "running").set(n.load.running)
             self.node_load.labels(n.node_id, "waiting").set(n.load.waiting)
             self.node_load.labels(n.node_id, "routed").set(n.routed)
             self.node_up.labels(n.node_id).set(1 if nodes.in_rotation(n) else 0)
+            self.node_degraded.labels(n.node_id).set(1 if n.load.degraded else 0)
+            self.node_queue_delay.labels(n.node_id).set(n.load.queue_delay_s)
         self.healthy_nodes.set(len(nodes.healthy()))
         return generate_latest(self.registry)

@@ -44,6 +44,8 @@ class Load:
     blocks_free: int = 0
     blocks_total: int = 0
     problem: str = ""
+    degraded: str = ""  # a part of the node is down but it serves (e.g. by recompute)
+    queue_delay_s: float = 0.0
 
 
 @dataclass

@@ -46,6 +46,8 @@ def load(msg: scheduler_pb2.HeartbeatMsg) -> Load:
         blocks_free=msg.blocks_free,
         blocks_total=msg.blocks_total,
         problem=msg.problem,
+        degraded=msg.degraded,
+        queue_delay_s=msg.queue_delay_s,
     )
 
 

@@ -27,6 +27,9 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         self.kv_from = "recompute"  # what the first chunk says of the prompt's KV
         self.saved: list[common_pb2.SessionSaved] = []  # reported by Status(saved_after)
         self.status_calls: list[int] = []  # the saved_after of each Status call
+        self.keepalives = 0  # keepalive messages sent before the first chunk
+        self.stall_after: int | None = None  # after this many chunks, hang (a stopped engine)
+        self.queue_delay_s = 0.0  # reported by Status
 
     def save(self, tenant: str, session_id: str, tokens: int) -> None:
         """Report a completed session save (as the engine does once the kvstore has it)."""
@@ -58,7 +61,12 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         budget = self.max_model_len - len(prompt)
         n = min(request.sampling.max_tokens or budget, budget)
         self.running += 1
+        sent = 0
         try:
+            for _ in range(self.keepalives):
+                yield common_pb2.GenerateChunk(request_id=request.request_id, keepalive=True)
+            if self.stall_after == 0:
+                await asyncio.sleep(3600)
             yield common_pb2.GenerateChunk(
                 request_id=request.request_id,
                 prompt_token_ids=prompt,
@@ -66,6 +74,9 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
                 kv_from=self.kv_from,
             )
             for i in range(n):
+                sent += 1
+                if self.stall_after is not None and sent > self.stall_after:
+                    await asyncio.sleep(3600)
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
                 last = i == n - 1
@@ -96,4 +107,5 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
             waiting=0,
             blocks_total=100,
             blocks_free=100,
+            queue_delay_s=self.queue_delay_s,
         )

@@ -1,0 +1,636 @@
+"""Overload on a two-node cluster: goodput and rejections past capacity; decode throughput
+with each node's cores divided versus shared.
+
+    .venv/bin/python bench/overload.py [--phases overload,decode] [--duration 20]
+        [--ttft-slo 2.0] [--capacity-clients 32] [--capacity-duration 20] [--max-tokens 16]
+        [--decode-tokens 64] [--decode-streams 8,64] [--raw] [--keep-dir]
+
+A real cluster as a user starts it: ``overture up --nodes 2 --size small --no-s3`` (the
+random-weight `small` demo model, fp32) as a subprocess in a temporary directory, driven
+over HTTP with streamed ``/v1/chat/completions`` (a short prompt that differs per request,
+``ignore_eos``, temperature 0) from one aiohttp client in this process.
+
+overload (``--cores divided``)
+    Capacity: C clients in a closed loop for D seconds after a warm-up; completed
+    requests/s. Then Poisson arrivals at 0.5×, 1×, 2× and 10× that capacity for
+    ``--duration`` seconds each (requests still in flight at the end are awaited, bounded
+    by ``--request-timeout``; a pause between levels lets queues drain). Per level:
+    goodput = requests answered 200 whose time to first token is within ``--ttft-slo``,
+    per second of the level; the share of 200 / 429 / 503 / client timeouts / errors (an
+    SSE ``{"error": ...}`` event, a cut stream, a connection failure) / other statuses;
+    p50 / p99 TTFT of the 200s. A 429 is counted, not retried.
+decode
+    N streams (8 and 64) of ``--decode-tokens`` tokens started at once; aggregate decode
+    tokens/s = completion tokens (``usage``) / wall time until the last one finishes. On
+    the divided-cores cluster and then on a restarted ``--cores shared`` one (every engine
+    on every core: the baseline), ratio divided / shared.
+
+Goals (issue): no 503 and no timeout at any load while both nodes are alive; goodput at
+10× no lower than at 1×; divided cores ≥ 5× the aggregate decode of shared ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import re
+import resource
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import aiohttp
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a script (bench/overload.py), not only with -m
+    sys.path.insert(0, str(REPO))
+
+from services.cli import free_port  # noqa: E402
+
+PHASES = ("overload", "decode")
+OUTCOMES = ("200", "429", "503", "timeout", "error", "other")
+READY_LINE = re.compile(r"Overture is ready at (\S+)")
+STOP_WAIT_S = 30.0
+WORDS = (  # prompt words; a random draw of them per request
+    "river", "stone", "light", "garden", "window", "quiet", "morning", "paper", "city",
+    "music", "orange", "winter", "station", "letter", "market", "bridge", "forest", "silver",
+    "number", "doctor", "kitchen", "island", "teacher", "engine", "harbor", "cloud", "yellow",
+    "basket", "mountain", "story", "planet", "candle", "ladder", "village",
+)
+
+
+# ---------------------------------------------------------------------------------------
+# the cluster
+
+
+def _proc_start_time(pid: int) -> str | None:
+    """Field 22 of /proc/<pid>/stat (start time): a pid together with it names one process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rpartition(")")[2].split()[19]
+
+
+def _descendants(root: int) -> list[tuple[int, str]]:
+    """(pid, start time) of every live descendant of ``root`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    out: list[tuple[int, str]] = []
+    todo = list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        start = _proc_start_time(pid)
+        if start is not None:
+            out.append((pid, start))
+        todo.extend(children.get(pid, []))
+    return out
+
+
+class Cluster:
+    """``overture up --nodes 2 --size small`` in ``workdir``; stopped with SIGINT on exit
+    (SIGKILL after 30 s, and any child of it still alive then, by pid)."""
+
+    def __init__(self, workdir: Path, cores: str, extra_args: Sequence[str],
+                 ready_timeout: float) -> None:
+        self.workdir = workdir
+        self.cores = cores
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [sys.executable, "-m", "services.cli", "up", "--nodes", "2", "--size",
+                    "small", "--port", str(self.port), "--no-s3", "--cores", cores,
+                    *extra_args]
+        self.log_path = workdir / f"up-{cores}.log"
+        self.ready_timeout = ready_timeout
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.model = ""
+
+    def __enter__(self) -> Cluster:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(REPO),
+                                                          env.get("PYTHONPATH", ""))))
+        _log(f"starting {shlex.join(self.cmd[1:])} (log {self.log_path}) ...")
+        t0 = time.monotonic()
+        # Its output goes to a file, not a pipe: nothing must stall on a full pipe while
+        # the bench is busy, and the log stays there to read when something goes wrong.
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.cmd, cwd=self.workdir, env=env, stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+        try:
+            self._wait_ready(t0)
+            self.model = _get_json(self.url + "/v1/models")["data"][0]["id"]
+        except BaseException:
+            self.stop()
+            raise
+        _log(f"cluster ({self.cores} cores) ready at {self.url} in "
+             f"{time.monotonic() - t0:.0f} s, model {self.model}")
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    def _wait_ready(self, t0: float) -> None:
+        assert self.proc is not None
+        while True:
+            text = self.log_path.read_text(errors="replace")
+            m = READY_LINE.search(text)
+            if m:
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"overture up exited with {self.proc.returncode}:\n"
+                                   + self.log_tail())
+            if time.monotonic() - t0 > self.ready_timeout:
+                raise RuntimeError(f"overture up not ready in {self.ready_timeout:g} s:\n"
+                                   + self.log_tail())
+            time.sleep(0.25)
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        family = _descendants(proc.pid)  # its children run in sessions of their own
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                _log(f"overture up did not stop within {STOP_WAIT_S:g} s; killing it")
+                proc.kill()
+                proc.wait()
+        left = [pid for pid, start in family if _proc_start_time(pid) == start]
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if left:
+            _log(f"killed {len(left)} leftover process(es) of overture up: {left}")
+        _log(f"cluster ({self.cores} cores) stopped (exit {proc.returncode})")
+
+
+def _get_json(url: str) -> Any:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def _log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------
+# one request
+
+
+@dataclass
+class Result:
+    outcome: str  # one of OUTCOMES
+    start: float  # perf_counter at send
+    latency: float  # seconds until done / failed
+    ttft: float | None = None  # seconds to the first token (200s)
+    tokens: int = 0  # completion tokens (usage, else streamed content chunks)
+    detail: str = ""  # status, error code or exception type of a failure
+    retry_after: str | None = None  # Retry-After of a 429
+
+    @property
+    def end(self) -> float:
+        return self.start + self.latency
+
+
+class Client:
+    """One aiohttp session against the cluster; ``request`` never raises (but cancels)."""
+
+    def __init__(self, url: str, model: str, rng: random.Random) -> None:
+        self.url = url + "/v1/chat/completions"
+        self.model = model
+        self.rng = rng
+        self.sent = 0
+        self.session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> Client:
+        conn = aiohttp.TCPConnector(limit=0, force_close=False)
+        self.session = aiohttp.ClientSession(connector=conn)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    def prompt(self) -> str:
+        """A few dozen tokens, different per request (no prefix-cache shortcut)."""
+        self.sent += 1
+        words = " ".join(self.rng.choice(WORDS) for _ in range(24))
+        return f"Request {self.sent}-{self.rng.randrange(10**9)}: tell a story about {words}."
+
+    async def request(self, max_tokens: int, timeout: float) -> Result:
+        body = {"model": self.model, "stream": True, "max_tokens": max_tokens,
+                "temperature": 0, "ignore_eos": True,
+                "stream_options": {"include_usage": True},
+                "messages": [{"role": "user", "content": self.prompt()}]}
+        assert self.session is not None
+        t0 = time.perf_counter()
+        ttft: float | None = None
+        chunks = tokens = 0
+        try:
+            async with self.session.post(self.url, json=body,
+                                         timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                if resp.status != 200:
+                    await resp.read()
+                    status = str(resp.status)
+                    return Result(status if status in OUTCOMES else "other", t0,
+                                  time.perf_counter() - t0, detail=status,
+                                  retry_after=resp.headers.get("Retry-After"))
+                done = False
+                async for raw in resp.content:
+                    line = raw.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        done = True
+                        break
+                    obj = json.loads(data)
+                    if "error" in obj:
+                        err = obj["error"] or {}
+                        return Result("error", t0, time.perf_counter() - t0, ttft,
+                                      detail="sse:" + str(err.get("code") or err.get("type")))
+                    if obj.get("usage"):
+                        tokens = int(obj["usage"].get("completion_tokens", 0))
+                    for ch in obj.get("choices") or ():
+                        delta = ch.get("delta") or {}
+                        # The role header ({"role", "content": ""}) comes with the first
+                        # token's chunk; anything else is a token (or the finish).
+                        if ttft is None and (delta.get("content") or "role" not in delta
+                                             or ch.get("finish_reason")):
+                            ttft = time.perf_counter() - t0
+                        if delta.get("content"):
+                            chunks += 1
+                if not done:
+                    return Result("error", t0, time.perf_counter() - t0, ttft,
+                                  detail="stream cut")
+                return Result("200", t0, time.perf_counter() - t0, ttft, tokens or chunks)
+        except TimeoutError:
+            return Result("timeout", t0, time.perf_counter() - t0, ttft, detail="timeout")
+        except (aiohttp.ClientError, OSError, ValueError) as e:
+            return Result("error", t0, time.perf_counter() - t0, ttft,
+                          detail=type(e).__name__)
+
+
+# ---------------------------------------------------------------------------------------
+# statistics
+
+
+def _pct(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+@dataclass
+class Level:
+    name: str
+    rate: float  # offered requests/s (0: closed loop)
+    duration: float
+    results: list[Result] = field(default_factory=list)
+
+    def summary(self, slo: float) -> dict[str, Any]:
+        n = len(self.results)
+        counts = Counter(r.outcome for r in self.results)
+        ok = [r for r in self.results if r.outcome == "200"]
+        ttfts = [r.ttft for r in ok if r.ttft is not None]
+        good = sum(1 for t in ttfts if t <= slo)
+        details = Counter(r.detail for r in self.results if r.outcome != "200")
+        return {
+            "level": self.name, "offered_rps": self.rate, "duration_s": self.duration,
+            "sent": n, "goodput_rps": good / self.duration,
+            "counts": {o: counts.get(o, 0) for o in OUTCOMES},
+            "shares": {o: counts.get(o, 0) / n if n else 0.0 for o in OUTCOMES},
+            "retry_after_429": sum(1 for r in self.results
+                                   if r.outcome == "429" and r.retry_after is not None),
+            "ttft_p50_s": _pct(ttfts, 0.5), "ttft_p99_s": _pct(ttfts, 0.99),
+            "latency_p50_s": _pct([r.latency for r in ok], 0.5),
+            "failures": dict(details.most_common()),
+        }
+
+
+# ---------------------------------------------------------------------------------------
+# phases
+
+
+async def measure_capacity(client: Client, clients: int, warmup: float, duration: float,
+                           max_tokens: int, timeout: float) -> dict[str, Any]:
+    """Closed loop: ``clients`` workers, each sending its next request when one ends."""
+    t_measure = time.perf_counter() + warmup
+    t_end = t_measure + duration
+    results: list[Result] = []
+
+    async def worker() -> None:
+        while time.perf_counter() < t_end:
+            r = await client.request(max_tokens, timeout)
+            results.append(r)
+            if r.outcome != "200":
+                await asyncio.sleep(0.1)  # no busy loop on instant rejections
+
+    await asyncio.gather(*(worker() for _ in range(clients)))
+    window = [r for r in results if t_measure <= r.end <= t_end]
+    ok = [r for r in window if r.outcome == "200"]
+    level = Level("capacity", 0.0, duration, window)
+    out = level.summary(float("inf"))
+    out.update(clients=clients, capacity_rps=len(ok) / duration,
+               tokens_per_s=sum(r.tokens for r in ok) / duration)
+    return out
+
+
+async def open_loop(client: Client, name: str, rate: float, duration: float,
+                    max_tokens: int, timeout: float, rng: random.Random) -> Level:
+    """Poisson arrivals at ``rate`` for ``duration`` s; then await what is in flight."""
+    loop = asyncio.get_running_loop()
+    tasks: list[asyncio.Task[Result]] = []
+    t0 = loop.time()
+    at = t0 + rng.expovariate(rate)
+    while at < t0 + duration:
+        delay = at - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(client.request(max_tokens, timeout)))
+        at += rng.expovariate(rate)
+    try:
+        results = list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+    return Level(name, rate, duration, results)
+
+
+async def run_overload(url: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    async with Client(url, model, rng) as client:
+        _log(f"capacity: {args.capacity_clients} clients, {args.warmup:g} s warm-up + "
+             f"{args.capacity_duration:g} s ...")
+        cap = await measure_capacity(client, args.capacity_clients, args.warmup,
+                                     args.capacity_duration, args.max_tokens,
+                                     args.request_timeout)
+        _log(f"capacity {cap['capacity_rps']:.2f} req/s")
+        levels: list[dict[str, Any]] = []
+        if cap["capacity_rps"] <= 0:
+            _log("no request completed in the capacity run; skipping the load levels")
+            return {"capacity": cap, "levels": levels}
+        for mult in args.loads:
+            await asyncio.sleep(args.pause)
+            rate = mult * cap["capacity_rps"]
+            _log(f"load {mult:g}×: {rate:.2f} req/s for {args.duration:g} s ...")
+            level = await open_loop(client, f"{mult:g}×", rate, args.duration,
+                                    args.max_tokens, args.request_timeout, rng)
+            s = level.summary(args.ttft_slo)
+            s["multiple"] = mult
+            levels.append(s)
+            _log(f"  sent {s['sent']}, goodput {s['goodput_rps']:.2f} req/s, "
+                 + ", ".join(f"{o} {c}" for o, c in s["counts"].items() if c))
+    return {"capacity": cap, "levels": levels}
+
+
+async def run_decode(url: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(args.seed + 1)
+    out: dict[str, Any] = {}
+    async with Client(url, model, rng) as client:
+        # Warm every path (first-touch costs, both nodes) before timing anything.
+        await asyncio.gather(*(client.request(8, args.decode_timeout)
+                               for _ in range(min(args.decode_streams))))
+        for streams in args.decode_streams:
+            runs: list[dict[str, Any]] = []
+            for _ in range(args.decode_reps):
+                await asyncio.sleep(args.pause / 2)
+                t0 = time.perf_counter()
+                results = await asyncio.gather(*(
+                    client.request(args.decode_tokens, args.decode_timeout)
+                    for _ in range(streams)))
+                wall = time.perf_counter() - t0
+                ok = [r for r in results if r.outcome == "200"]
+                tokens = sum(r.tokens for r in ok)
+                runs.append({"wall_s": wall, "tokens": tokens, "tok_per_s": tokens / wall,
+                             "ok": len(ok), "ttft_p50_s": _pct([r.ttft for r in ok
+                                                               if r.ttft is not None], 0.5),
+                             "failures": dict(Counter(r.detail for r in results
+                                                      if r.outcome != "200"))})
+                _log(f"  {streams} streams: {tokens} tokens in {wall:.1f} s = "
+                     f"{tokens / wall:.1f} tok/s ({len(ok)}/{streams} ok)")
+            best = max(runs, key=lambda r: r["tok_per_s"])
+            out[str(streams)] = {**best, "runs": runs}
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# report
+
+
+def _ms(s: float | None) -> str:
+    return "-" if s is None else f"{s * 1000:.0f} ms"
+
+
+def report(res: dict[str, Any], args: argparse.Namespace) -> None:
+    over = res.get("overload")
+    if over:
+        cap = over["capacity"]
+        print(f"\ntwo nodes, small model (fp32), divided cores; chat streams of "
+              f"{args.max_tokens} tokens")
+        print(f"capacity {cap['capacity_rps']:.2f} req/s ({cap['clients']} clients, closed "
+              f"loop, {args.capacity_duration:g} s; {cap['tokens_per_s']:.0f} tok/s, p50 TTFT "
+              f"{_ms(cap['ttft_p50_s'])}, p50 latency {_ms(cap['latency_p50_s'])}; failed "
+              f"{sum(cap['counts'].values()) - cap['counts']['200']})")
+        base = next((lv["goodput_rps"] for lv in over["levels"] if lv["multiple"] == 1), None)
+        print(f"\nPoisson arrivals, {args.duration:g} s per level; goodput = 200s with TTFT ≤ "
+              f"{args.ttft_slo:g} s per second")
+        print("| load | offered req/s | sent | goodput req/s | vs 1× | 200 | 429 | 503 "
+              "| timeout | error | other | p50 TTFT | p99 TTFT |")
+        print("| --- " * 13 + "|")
+        for lv in over["levels"]:
+            sh = lv["shares"]
+            vs = f"{lv['goodput_rps'] / base:.2f}×" if base else "-"
+            print(f"| {lv['level']} | {lv['offered_rps']:.2f} | {lv['sent']} | "
+                  f"{lv['goodput_rps']:.2f} | {vs} | "
+                  + " | ".join(f"{sh[o] * 100:.0f}%" for o in OUTCOMES)
+                  + f" | {_ms(lv['ttft_p50_s'])} | {_ms(lv['ttft_p99_s'])} |")
+        for lv in over["levels"]:
+            if lv["failures"]:
+                extra = (f" (Retry-After on {lv['retry_after_429']})"
+                         if lv["counts"]["429"] else "")
+                print(f"  {lv['level']} failures: "
+                      + ", ".join(f"{k} ×{v}" for k, v in lv["failures"].items()) + extra)
+    dec = res.get("decode")
+    if dec:
+        print(f"\naggregate decode tokens/s, {args.decode_tokens}-token streams started at "
+              "once (completion tokens / wall time)")
+        print("| streams | divided | shared | divided / shared |")
+        print("| --- | --- | --- | --- |")
+        for n in args.decode_streams:
+            d, s = dec.get("divided", {}).get(str(n)), dec.get("shared", {}).get(str(n))
+            ratio = (f"{d['tok_per_s'] / s['tok_per_s']:.2f}×"
+                     if d and s and s["tok_per_s"] > 0 else "-")
+            print(f"| {n} | {d['tok_per_s'] if d else 0:.1f} | "
+                  f"{s['tok_per_s'] if s else 0:.1f} | {ratio} |")
+    print("\ngoals")
+    for name, ok in goals(res, args).items():
+        print(f"  {name}: {'n/a' if ok is None else 'met' if ok else 'NOT met'}")
+
+
+def goals(res: dict[str, Any], args: argparse.Namespace) -> dict[str, bool | None]:
+    out: dict[str, bool | None] = {}
+    levels = (res.get("overload") or {}).get("levels") or []
+    out["no 503 and no timeout at any load"] = (
+        all(lv["counts"]["503"] == 0 and lv["counts"]["timeout"] == 0 for lv in levels)
+        if levels else None)
+    by = {lv["multiple"]: lv["goodput_rps"] for lv in levels}
+    out["goodput at 10× ≥ at 1×"] = by[10] >= by[1] if 10 in by and 1 in by else None
+    dec = res.get("decode") or {}
+    for n in args.decode_streams:
+        d = dec.get("divided", {}).get(str(n))
+        s = dec.get("shared", {}).get(str(n))
+        out[f"divided ≥ 5× shared decode, {n} streams"] = (
+            d["tok_per_s"] >= 5 * s["tok_per_s"] if d and s else None)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# main
+
+
+@contextlib.contextmanager
+def _workdir(args: argparse.Namespace) -> Iterator[Path]:
+    if args.workdir:
+        path = Path(args.workdir).resolve()
+        path.mkdir(parents=True, exist_ok=True)
+        yield path
+        return
+    path = Path(tempfile.mkdtemp(prefix="overture-overload-"))
+    try:
+        yield path
+    finally:
+        if args.keep_dir:
+            _log(f"kept {path}")
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    res: dict[str, Any] = {"args": dict(vars(args))}
+    extra = shlex.split(args.extra_up_args)
+    with _workdir(args) as wd:
+        with Cluster(wd, "divided", extra, args.ready_timeout) as c:
+            if "overload" in args.phases:
+                res["overload"] = asyncio.run(run_overload(c.url, c.model, args))
+            if "decode" in args.phases:
+                if "overload" in args.phases:
+                    time.sleep(args.pause)
+                _log("decode, divided cores ...")
+                res["decode"] = {"divided": asyncio.run(run_decode(c.url, c.model, args))}
+        if "decode" in args.phases:
+            with Cluster(wd, "shared", extra, args.ready_timeout) as c:
+                _log("decode, shared cores ...")
+                res["decode"]["shared"] = asyncio.run(run_decode(c.url, c.model, args))
+    res["goals"] = goals(res, args)
+    return res
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    p.add_argument("--phases", default=",".join(PHASES),
+                   help="comma-separated subset of: " + ", ".join(PHASES))
+    p.add_argument("--ttft-slo", type=float, default=2.0,
+                   help="seconds to first token for a request to count as goodput [2.0]")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds per load level [20]")
+    p.add_argument("--loads", type=_floats, default=[0.5, 1.0, 2.0, 10.0],
+                   help="load levels as multiples of the capacity [0.5,1,2,10]")
+    p.add_argument("--capacity-clients", type=int, default=32,
+                   help="closed-loop clients measuring the capacity [32]")
+    p.add_argument("--capacity-duration", type=float, default=20.0,
+                   help="seconds the capacity is measured over [20]")
+    p.add_argument("--warmup", type=float, default=5.0,
+                   help="closed-loop seconds before the capacity window [5]")
+    p.add_argument("--max-tokens", type=int, default=16,
+                   help="tokens per request in the overload phase [16]")
+    p.add_argument("--request-timeout", type=float, default=30.0,
+                   help="client timeout per overload request, seconds [30]")
+    p.add_argument("--pause", type=float, default=5.0,
+                   help="seconds between levels, for queues to drain [5]")
+    p.add_argument("--decode-tokens", type=int, default=64, help="tokens per stream [64]")
+    p.add_argument("--decode-streams", type=_ints, default=[8, 64],
+                   help="concurrent streams, comma-separated [8,64]")
+    p.add_argument("--decode-reps", type=int, default=1,
+                   help="runs per stream count (the best is reported) [1]")
+    p.add_argument("--decode-timeout", type=float, default=300.0,
+                   help="client timeout per decode stream, seconds [300]")
+    p.add_argument("--ready-timeout", type=float, default=600.0,
+                   help="seconds for overture up to serve (the first run writes the model)")
+    p.add_argument("--extra-up-args", default="", help="more flags for overture up")
+    p.add_argument("--workdir", default=None,
+                   help="run overture up here (kept; reuses its demo model) instead of a "
+                   "temporary directory")
+    p.add_argument("--keep-dir", action="store_true",
+                   help="keep the temporary directory (logs, .overture)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--raw", action="store_true", help="also print everything as JSON")
+    args = p.parse_args(argv)
+    args.phases = [x for x in args.phases.split(",") if x.strip()]
+    unknown = set(args.phases) - set(PHASES)
+    if unknown or not args.phases:
+        p.error(f"unknown phases {sorted(unknown)}; known: {', '.join(PHASES)}")
+    if not args.loads or min(args.loads) <= 0 or not args.decode_streams:
+        p.error("--loads and --decode-streams need positive values")
+    # Thousands of open streams at 10× when the cluster queues instead of rejecting.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    # SIGTERM unwinds like Ctrl-C, so the cluster is stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    res = run(args)
+    report(res, args)
+    if args.raw:
+        print(json.dumps(res, indent=1, default=_json_default))
+
+
+def _json_default(o: object) -> Any:
+    if isinstance(o, Result):
+        return asdict(o)
+    return str(o)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Busy is not dead: Status answers while the worker is busy, quiet streams send
+keepalives, and an engine that is behind refuses new requests instead of queueing them."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from services.engine.admission import Admission
+from services.engine.errors import EngineError
+from services.engine.model import LoadedModel
+from services.engine.server import EngineServicer
+from shared.proto import common_pb2
+from tests.unit.engine.test_engine import PROMPTS, engine, greedy, idle, loaded  # noqa: F401
+
+
+def test_admission_refuses_a_full_or_late_queue() -> None:
+    a = Admission(max_waiting=3, max_queue_delay_s=1.0)
+    a.check(2, 0.0, 100.0)  # room, nothing waits
+    a.check(2, 99.5, 100.0)  # the oldest has waited 0.5 s
+    with pytest.raises(EngineError, match="queue is full") as e:
+        a.check(3, 0.0, 100.0)
+    assert e.value.code == "resource_exhausted"
+    with pytest.raises(EngineError, match="behind"):
+        a.check(1, 98.0, 100.0)
+    Admission(max_waiting=3, max_queue_delay_s=0.0).check(1, 1.0, 100.0)  # delay bound off
+
+
+class BlockedWorker:
+    """Hold the engine's worker thread (as a long forward pass would) until released."""
+
+    def __init__(self, eng) -> None:
+        self.release = threading.Event()
+        self.started = threading.Event()
+        self.job = eng._in_worker(self._hold)
+
+    def _hold(self) -> None:
+        self.started.set()
+        self.release.wait(30)
+
+    async def __aenter__(self) -> BlockedWorker:
+        await asyncio.to_thread(self.started.wait, 10)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release.set()
+        await self.job
+
+
+async def test_status_answers_while_the_worker_is_busy(loaded: LoadedModel) -> None:  # noqa: F811
+    async with engine(loaded) as eng:
+        async with BlockedWorker(eng):
+            started = time.monotonic()
+            st = await eng.status(max_wait_s=0.05)
+            assert time.monotonic() - started < 2.0
+            assert st.models[0].name == loaded.name and st.running == 0
+        await idle(eng)
+
+
+async def test_a_queue_that_falls_behind_refuses_newcomers(loaded: LoadedModel) -> None:  # noqa: F811
+    async with engine(loaded, max_num_seqs=1, max_queue_delay_s=0.05) as eng:
+        first = eng.generate(greedy(PROMPTS[0], 400))
+        await first.__anext__()  # running: the one seat is taken
+        second = eng.generate(greedy(PROMPTS[1], 4))
+        head = asyncio.ensure_future(second.__anext__())
+        while (await eng.status()).waiting < 1:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.2)  # the waiting one is now older than the bound
+        await eng.status()  # (a fresh snapshot: the queue's age is read from it)
+        with pytest.raises(EngineError, match="behind") as e:
+            await eng.generate(greedy(PROMPTS[2], 4)).__anext__()
+        assert e.value.code == "resource_exhausted"
+        await first.aclose()
+        await head
+        await second.aclose()
+        # Caught up: new requests are taken again.
+        outs = [o async for o in eng.generate(greedy(PROMPTS[3], 2))]
+        assert outs[-1].finish_reason == "length"
+        await idle(eng)
+
+
+class _Context:
+    async def abort(self, code, details):  # the real one raises; nothing aborts here
+        raise AssertionError(f"aborted: {code} {details}")
+
+
+async def test_a_quiet_stream_sends_keepalives(loaded: LoadedModel) -> None:  # noqa: F811
+    async with engine(loaded, stream_keepalive_s=0.05) as eng:
+        servicer = EngineServicer(eng)
+        req = common_pb2.GenerateRequest(
+            request_id="k1", prompt="hello", input_kind=common_pb2.GenerateRequest.PROMPT,
+            sampling=common_pb2.SamplingParams(max_tokens=2, ignore_eos=True),
+        )
+        chunks = []
+        async with BlockedWorker(eng) as blocked:
+            stream = servicer.Generate(req, _Context())
+            for _ in range(3):  # the worker is held: only keepalives can come
+                chunks.append(await anext(stream))
+            assert all(c.keepalive and not c.token_ids for c in chunks)
+            blocked.release.set()
+            rest = [c async for c in stream]
+        real = [c for c in rest if not c.keepalive]
+        assert sum(len(c.token_ids) for c in real) == 2 and real[-1].finish_reason == "length"
+        await idle(eng)
+
+
+async def test_closing_a_stream_mid_wait_aborts_the_request(loaded: LoadedModel) -> None:  # noqa: F811
+    async with engine(loaded, stream_keepalive_s=0.05) as eng:
+        servicer = EngineServicer(eng)
+        req = common_pb2.GenerateRequest(
+            request_id="k2", prompt="hello", input_kind=common_pb2.GenerateRequest.PROMPT,
+            sampling=common_pb2.SamplingParams(max_tokens=400, ignore_eos=True),
+        )
+        stream = servicer.Generate(req, _Context())
+        first = await anext(stream)
+        while first.keepalive:
+            first = await anext(stream)
+        await stream.aclose()  # as a cancelled call does
+        await idle(eng)

@@ -1,0 +1,118 @@
+"""The scheduler under overload and faults, on an in-process two-node cluster (real
+scheduler and node managers, fake engines): keepalives are not output, a silent node's
+streams are cut (or retried elsewhere before any output) and it leaves rotation, a node
+that is behind is skipped and 429 + Retry-After comes only once every node is, and a node
+whose kvstore does not answer is degraded but serves."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+
+import grpc
+import pytest
+
+from shared.grpc_server import serve_grpc
+from tests.unit.scheduler.conftest import MiniCluster, make_cluster
+
+CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 3}
+
+
+@pytest.fixture
+async def two() -> AsyncIterator[MiniCluster]:
+    async with AsyncExitStack() as stack:
+        yield await make_cluster(stack, nodes=2, stream_idle_timeout_s=0.5,
+                                 heartbeat_timeout_s=5.0)
+
+
+async def post(c: MiniCluster, body: dict) -> tuple[int, str, dict]:
+    async with c.http.post(c.url + "/v1/chat/completions", json=body) as r:
+        return r.status, await r.text(), dict(r.headers)
+
+
+async def test_keepalives_are_not_output(two: MiniCluster) -> None:
+    for e in two.engines:
+        e.keepalives = 3
+    status, text, _ = await post(two, CHAT)
+    assert status == 200, text
+    assert json.loads(text)["choices"][0]["message"]["content"] == "t0 t1 t2 "
+
+
+async def test_a_silent_node_before_any_output_is_retried_elsewhere(two: MiniCluster) -> None:
+    two.engines[0].stall_after = 0
+    two.engines[1].stall_after = 0
+    two.engines[1].keepalives = 0
+    # Whichever node is picked first hangs; the other one is healed once that call is made.
+    async def heal() -> None:
+        while not any(e.requests for e in two.engines):
+            await asyncio.sleep(0.01)
+        hung = next(e for e in two.engines if e.requests)
+        other = next(e for e in two.engines if e is not hung)
+        other.stall_after = None
+
+    healer = asyncio.create_task(heal())
+    status, text, headers = await post(two, CHAT)
+    await healer
+    assert status == 200, text
+    served = headers["X-Overture-Node"]
+    hung = "node0" if two.engines[0].stall_after == 0 else "node1"
+    assert served != hung
+    text_metrics = await (await two.http.get(two.url + "/metrics")).text()
+    assert f'overture_streams_stalled_total{{node="{hung}"}} 1.0' in text_metrics
+    node = two.scheduler.state.registry.get(hung)
+    assert node is not None and node.suspended
+
+
+async def test_a_node_that_stops_mid_stream_ends_it_with_a_clean_error(
+    two: MiniCluster,
+) -> None:
+    for e in two.engines:
+        e.stall_after = 1
+    body = dict(CHAT, stream=True)
+    status, text, _ = await post(two, body)
+    assert status == 200  # the stream had started
+    events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "node_stalled" and "stopped answering" in error["message"]
+
+
+async def test_behind_nodes_are_skipped_then_429_with_retry_after(two: MiniCluster) -> None:
+    two.engines[0].fail_with = grpc.StatusCode.RESOURCE_EXHAUSTED
+    for _ in range(4):  # whichever node comes first, node1 serves
+        status, text, headers = await post(two, CHAT)
+        assert status == 200 and headers["X-Overture-Node"] == "node1", text
+    two.engines[1].fail_with = grpc.StatusCode.RESOURCE_EXHAUSTED
+    status, text, headers = await post(two, CHAT)
+    assert status == 429 and headers["Retry-After"] == "1"
+    error = json.loads(text)["error"]
+    assert error["code"] == "overloaded" and error["type"] == "rate_limit_error"
+    # Both nodes stay in rotation: behind is not down.
+    assert len(two.scheduler.state.registry.healthy()) == 2
+    text_metrics = await (await two.http.get(two.url + "/metrics")).text()
+    assert "overture_overloaded_total 1.0" in text_metrics
+
+
+async def test_a_node_without_its_kvstore_is_degraded_but_serves(two: MiniCluster) -> None:
+    # node1's kvstore answers health checks; node0's address has nothing behind it.
+    port = 7001
+    async with serve_grpc("127.0.0.1", port, register=[],
+                          service_names=["overture.v1.KVStore"], grace_s=0.1):
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5
+        while True:
+            async with two.http.get(two.url + "/readyz") as r:
+                ready = await r.json()
+            states = {n: v["state"] for n, v in ready["nodes"].items()}
+            if states == {"node0": "degraded", "node1": "serving"}:
+                break
+            assert loop.time() < deadline, ready
+            await asyncio.sleep(0.05)
+        assert ready["degraded_nodes"] == ["node0"]
+        assert "kvstore" in ready["nodes"]["node0"]["degraded"]
+        assert sorted(ready["healthy_nodes"]) == ["node0", "node1"]
+        text_metrics = await (await two.http.get(two.url + "/metrics")).text()
+        assert 'overture_node_degraded{node="node0"} 1.0' in text_metrics
+        assert 'overture_node_degraded{node="node1"} 0.0' in text_metrics
