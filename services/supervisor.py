@@ -26,6 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 STOP_GRACE_S = 10.0
+# Services exit with 2 on a start-up failure the operator must fix (shared/service_main):
+# restarting cannot help, so such a child is given up on at once.
+CANNOT_START = 2
 CHILD_READY_S = 60.0  # a child with a readiness check (the S3 server) must pass it by then
 
 
@@ -161,7 +164,8 @@ class _Cluster:
             return
         pol = self.policy
         why = (f"{c.spec.name} keeps crashing ({len(c.exits)} exits in "
-               f"{pol.crash_loop_window_s:g} s)")
+               f"{pol.crash_loop_window_s:g} s)" if len(c.exits) >= pol.crash_loop_exits
+               else f"{c.spec.name} cannot start (see its log above)")
         if c.node is None:
             _log(f"{why}; stopping the cluster, which cannot serve without it")
             self.failed.set()
@@ -189,7 +193,7 @@ class _Cluster:
             c.exits.append(now)
             while c.exits[0] < now - pol.crash_loop_window_s:
                 c.exits.popleft()
-            if len(c.exits) >= pol.crash_loop_exits:
+            if len(c.exits) >= pol.crash_loop_exits or rc == CANNOT_START:
                 return
             c.restarts += 1
             _log(f"restarting {name} in {c.backoff_s:g} s (restart {c.restarts})")

@@ -101,4 +101,5 @@ class EngineStatus:
     preemptions: int = 0  # since start
     oldest_waiting_since: float = 0.0  # time.monotonic() the oldest queued request queued
     step_started: float = 0.0  # time.monotonic() the step under way began (0.0: idle)
+    admitted: int = 0  # sequences that left the waiting queue for a seat, since start
     reuse: ReuseStats = field(default_factory=ReuseStats)

@@ -38,13 +38,12 @@ from typing import Any, Self
 
 import torch
 
-from shared.config import ConfigError
-
-from .admission import Admission
+from .admission import Admission, Entering
 from .api_types import EngineStatus, GenerateOutput, GenerateRequest, ModelInfo, ReuseStats
 from .config import EngineConfig
 from .engine_core import EngineCore, Event, Failure
 from .errors import INTERNAL, INVALID_ARGUMENT, UNAVAILABLE, EngineError
+from .loading import load_for
 from .offload.kvstore_client import KVStoreClient
 from .offload.lookup import PrefixLookup, connect_offload
 from .offload.planner import RECOMPUTE
@@ -53,25 +52,7 @@ from .validation import PreparedRequest, prepare
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _ADD, _ABORT, _UNPIN = "add", "abort", "unpin"
-
-
-def load_for(config: EngineConfig) -> Any:
-    """Load the configured model (blocking); a clear ConfigError when none is configured."""
-    from .model import load_model
-
-    if not config.model_path:
-        raise ConfigError(
-            "engine.model_path: no model given; pass --model-path DIR with a Hugging Face model "
-            "folder, or make a demo one with `overture demo-model PATH` and pass that PATH"
-        )
-    return load_model(
-        config.model_path,
-        dtype=DTYPES[config.dtype],
-        device=config.device,
-        served_name=config.served_model_name,
-    )
 
 
 class AsyncEngine:
@@ -182,20 +163,29 @@ class AsyncEngine:
         input). Closing or cancelling the iterator early aborts the request."""
         core = self._require_core()
         self._admit()
-        loaded = self._loaded
+        entry = self._admission.enter()  # counted as queued until it reaches the inbox
+        try:
+            async with contextlib.aclosing(self._generate(core, req, entry)) as outputs:
+                async for out in outputs:
+                    yield out
+        finally:
+            entry.leave()
+
+    async def _generate(
+        self, core: EngineCore, req: GenerateRequest, entry: Entering
+    ) -> AsyncGenerator[GenerateOutput, None]:
         prepared: PreparedRequest = await asyncio.to_thread(
             prepare,
             req,
-            tokenizer=loaded.tokenizer,
-            model_name=loaded.name,
-            vocab_size=loaded.config.vocab_size,
+            tokenizer=self._loaded.tokenizer,
+            model_name=self._loaded.name,
+            vocab_size=self._loaded.config.vocab_size,
             max_model_len=core.max_model_len,
-            fingerprint=loaded.fingerprint,
+            fingerprint=self._loaded.fingerprint,
         )
         rid = prepared.request_id
         if rid in self._queues:
             raise EngineError(INVALID_ARGUMENT, f"request id {rid!r} is already running")
-        self._admit()  # again: others may have queued while this one was tokenized
         # The id is claimed before the lookup: a second call with it (a client retry) is
         # refused instead of reaching the core as a second sequence under one id.
         queue: asyncio.Queue[GenerateOutput | EngineError] = asyncio.Queue()
@@ -221,6 +211,7 @@ class AsyncEngine:
                 yield GenerateOutput(rid, "", (), n, 0, 0, "abort",
                                      tuple(prepared.prompt_token_ids))
                 return
+            entry.leave()
             self._submit(_ADD, (prepared, plan))
             submitted = True
             while not finished:
@@ -240,7 +231,7 @@ class AsyncEngine:
         """Raise RESOURCE_EXHAUSTED when the queue is full or too far behind."""
         snap = self._snapshot
         self._admission.check(
-            self._waiting_snapshot + self._pending_adds,
+            self._waiting_snapshot + self._pending_adds + self._admission.entering,
             snap.oldest_waiting_since if snap is not None else 0.0,
             time.monotonic(),
         )
@@ -400,6 +391,7 @@ class AsyncEngine:
     def _publish(self, events: list[Event], adds_applied: int, status: EngineStatus) -> None:
         self._waiting_snapshot = status.waiting
         self._snapshot = status
+        self._admission.observe(time.monotonic(), status.admitted, status.waiting)
         self._dispatch(events, adds_applied)
 
     def _fail_all(self) -> tuple[list[Event], int]:

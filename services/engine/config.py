@@ -76,8 +76,9 @@ class EngineConfig:
     max_model_len: int = opt(0, "context limit in tokens; 0 = the model's own", min=0)
     max_waiting: int = opt(1024, "queued requests before new ones are refused", min=1)
     max_queue_delay_s: float = opt(
-        1.0, "refuse new requests (HTTP 429 upstream) while the oldest queued one has waited "
-        "longer than this; 0 = only max_waiting bounds the queue", min=0.0,
+        0.5, "refuse a new request (HTTP 429 upstream) that would wait longer than this for "
+        "a seat, judged by the queue ahead of it and the rate the queue drains at; "
+        "0 = only max_waiting bounds the queue", min=0.0,
     )
     stream_keepalive_s: float = opt(
         1.0, "a stream with nothing to send this long gets an empty keepalive message, so "

@@ -266,6 +266,7 @@ class EngineCore:
             pool_name=self.pool.name,
             preemptions=self.scheduler.num_preemptions,
             oldest_waiting_since=self.scheduler.oldest_waiting_since(),
+            admitted=self.scheduler.num_admitted,
             reuse=self.offload.stats(),
         )
 

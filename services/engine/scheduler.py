@@ -57,6 +57,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # sorted by arrival
         self.num_preemptions = 0
+        self.num_admitted = 0  # sequences that left the waiting queue for a seat, ever
 
     # ---- queue ops ----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -160,6 +161,7 @@ class Scheduler:
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = min(hit_tokens, seq.num_prompt_tokens)
             self.waiting.popleft()
+            self.num_admitted += 1
             seq.status = Status.RUNNING
             self.running.append(seq)
             admitted = True

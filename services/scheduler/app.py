@@ -44,6 +44,7 @@ def build_state(
             request_timeout_s=config.request_timeout_s,
             stream_idle_timeout_s=config.stream_idle_timeout_s,
             retry_after_s=config.retry_after_s,
+            behind_hold_s=config.behind_hold_s,
         ),
         sessions,
         metrics,

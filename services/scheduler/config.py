@@ -48,6 +48,10 @@ class SchedulerConfig:
         1, "Retry-After (seconds) of a 429 sent when every node serving the model is "
         "behind", min=1, max=3600,
     )
+    behind_hold_s: float = opt(
+        0.25, "a node that refused a request as overloaded gets no new ones for this long "
+        "(or until it reports an empty queue)", min=0.0, max=60.0,
+    )
     unavailable_retries: int = opt(
         2, "re-routes of a request whose node is unreachable before any output", min=0, max=16
     )

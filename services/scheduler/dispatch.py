@@ -7,8 +7,9 @@ and the serving node pulls the KV from there layer by layer (Symphony §3.2–3.
 that ends records its node in the ``SessionDirectory``.
 
 Faults and overload: a node that refuses a request because it is behind is skipped for
-that request; when every node serving the model is behind, the client gets 429 with
-``Retry-After`` (back-pressure, not collapse). A node that sends nothing, not even the
+that request, and by later ones for ``behind_hold_s`` (overload must not cost a round trip
+per refused request); when every node serving the model is behind, the client gets 429
+with ``Retry-After`` at once (back-pressure, not collapse). A node that sends nothing, not even the
 engine's keepalives, for ``stream_idle_timeout_s`` is stopped (SIGSTOP, a hung host): its
 streams are cut with a clean error (retried elsewhere if nothing was sent yet) and it
 leaves rotation until it beats again.
@@ -64,6 +65,7 @@ class DispatchSettings:
     request_timeout_s: float = 600.0
     stream_idle_timeout_s: float = 10.0
     retry_after_s: int = 1
+    behind_hold_s: float = 0.25
 
 
 class NodeStalled(Exception):
@@ -114,9 +116,11 @@ class Dispatcher:
         deadline = self._loop_time() + self.settings.no_node_wait_s
         while True:
             healthy = self.registry.healthy(route.model)
-            if behind and healthy and all(n.node_id in behind for n in healthy):
+            free = [n for n in healthy
+                    if n.node_id not in behind and not self.registry.behind(n)]
+            if healthy and not free:
                 raise self._overloaded(route.model)
-            node = self.policy.choose([n for n in healthy if n.node_id not in behind], route)
+            node = self.policy.choose(free, route)
             if node is not None:
                 return node
             known = any(n.serves(route.model) for n in self.registry.all())
@@ -188,6 +192,7 @@ class Dispatcher:
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not produced:
                     behind.add(node.node_id)  # try the others; 429 once all are behind
+                    self.registry.mark_behind(node.node_id, self.settings.behind_hold_s)
                     continue
                 if e.code() == grpc.StatusCode.UNAVAILABLE:
                     log.warning(

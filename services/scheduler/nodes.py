@@ -59,6 +59,7 @@ class Node:
     suspended: bool = False
     last_routed: float = 0.0
     drained: bool = False  # an operator stopped new requests to it (it still serves pulls)
+    behind_until: float = 0.0  # it refused a request as overloaded: skipped until then
     generation: int = 0  # bumps on every registration, so late news of an old one is ignored
 
     @property
@@ -111,6 +112,8 @@ class NodeRegistry:
         now = self.clock()
         node.last_beat = now
         node.load = load
+        if load.waiting == 0:
+            node.behind_until = 0.0  # its queue is empty: it has caught up
         if node.suspended and now >= node.suspended_until and not load.problem:
             node.suspended = False
         self._notify()
@@ -128,6 +131,16 @@ class NodeRegistry:
             node.suspended = True
             node.suspended_until = self.clock() + grace_s
             self._notify()
+
+    def mark_behind(self, node_id: str, hold_s: float) -> None:
+        """The node refused a request as overloaded: route around it for ``hold_s`` (or
+        until a beat says its queue is empty), so that overload costs no round trips."""
+        node = self._nodes.get(node_id)
+        if node is not None:
+            node.behind_until = self.clock() + hold_s
+
+    def behind(self, node: Node) -> bool:
+        return self.clock() < node.behind_until
 
     def drain(self, node_id: str, drained: bool = True) -> Node | None:
         """Stop (or resume) routing new requests to a node; None if unknown."""

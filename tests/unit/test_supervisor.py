@@ -202,3 +202,21 @@ async def test_a_cluster_not_ready_in_time_stops(capsys: pytest.CaptureFixture[s
     assert await run.ended() == 1
     assert "the cluster was not ready within 0.3s" in run.output()
     assert len(run.all_pids()) == 2
+
+
+async def test_a_child_that_cannot_start_is_not_restarted(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Exit status 2 is a service's "fix the configuration" exit: restarting cannot help.
+    specs = [
+        ChildSpec("scheduler", SLEEP),
+        ChildSpec("node0.engine", py("import sys; sys.exit(2)")),
+        ChildSpec("node0.nodemgr", SLEEP),
+        ChildSpec("node1.engine", SLEEP),
+    ]
+    run = Run(capsys, specs)
+    await run.until(lambda: "giving up on node0" in run.output())
+    assert "node0.engine cannot start" in run.output()
+    assert "restarting node0.engine" not in run.output()
+    assert len(run.pids("node0.engine")) == 1
+    assert await run.stopped() == 0

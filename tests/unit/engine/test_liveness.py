@@ -14,7 +14,12 @@ from services.engine.errors import EngineError
 from services.engine.model import LoadedModel
 from services.engine.server import EngineServicer
 from shared.proto import common_pb2
-from tests.unit.engine.test_engine import PROMPTS, engine, greedy, idle, loaded  # noqa: F401
+from tests.unit.engine.engine_helpers import (
+    PROMPTS,
+    engine,
+    greedy,
+    idle,
+)
 
 
 def test_admission_refuses_a_full_or_late_queue() -> None:
@@ -27,6 +32,25 @@ def test_admission_refuses_a_full_or_late_queue() -> None:
     with pytest.raises(EngineError, match="behind"):
         a.check(1, 98.0, 100.0)
     Admission(max_waiting=3, max_queue_delay_s=0.0).check(1, 1.0, 100.0)  # delay bound off
+
+
+def test_admission_predicts_the_wait_from_the_drain_rate() -> None:
+    a = Admission(max_waiting=100, max_queue_delay_s=1.0)
+    a.observe(0.0, 0, 0)
+    a.observe(10.0, 20, 0)  # light load: nobody waited, so 2/s is demand, not capacity
+    assert a.drain_rate() == 0.0
+    a.check(5, 9.9, 10.0)  # unknown rate: only the oldest's wait is checked
+    a.observe(11.0, 21, 6)
+    a.observe(13.0, 31, 4)  # 10 taken in the 2 s that requests waited: 5/s
+    assert a.drain_rate() == 5.0
+    a.check(3, 12.9, 13.0)  # the 4th in line waits about 0.8 s
+    with pytest.raises(EngineError, match="5 queued, taken at 5.0/s"):
+        a.check(5, 12.9, 13.0)  # the 6th would wait 1.2 s
+    for t in range(14, 24):  # the rate covers only the last few backlogged seconds
+        a.observe(float(t), 31 + 20 * (t - 13), 3)
+    assert a.drain_rate() == 20.0
+    a.observe(24.0, 0, 0)  # a restarted core counts from zero: the rate is unknown again
+    assert a.drain_rate() == 0.0
 
 
 class BlockedWorker:
@@ -50,7 +74,7 @@ class BlockedWorker:
         await self.job
 
 
-async def test_status_answers_while_the_worker_is_busy(loaded: LoadedModel) -> None:  # noqa: F811
+async def test_status_answers_while_the_worker_is_busy(loaded: LoadedModel) -> None:
     async with engine(loaded) as eng:
         async with BlockedWorker(eng):
             started = time.monotonic()
@@ -60,7 +84,7 @@ async def test_status_answers_while_the_worker_is_busy(loaded: LoadedModel) -> N
         await idle(eng)
 
 
-async def test_a_queue_that_falls_behind_refuses_newcomers(loaded: LoadedModel) -> None:  # noqa: F811
+async def test_a_queue_that_falls_behind_refuses_newcomers(loaded: LoadedModel) -> None:
     async with engine(loaded, max_num_seqs=1, max_queue_delay_s=0.05) as eng:
         first = eng.generate(greedy(PROMPTS[0], 400))
         await first.__anext__()  # running: the one seat is taken
@@ -87,7 +111,7 @@ class _Context:
         raise AssertionError(f"aborted: {code} {details}")
 
 
-async def test_a_quiet_stream_sends_keepalives(loaded: LoadedModel) -> None:  # noqa: F811
+async def test_a_quiet_stream_sends_keepalives(loaded: LoadedModel) -> None:
     async with engine(loaded, stream_keepalive_s=0.05) as eng:
         servicer = EngineServicer(eng)
         req = common_pb2.GenerateRequest(
@@ -107,7 +131,7 @@ async def test_a_quiet_stream_sends_keepalives(loaded: LoadedModel) -> None:  # 
         await idle(eng)
 
 
-async def test_closing_a_stream_mid_wait_aborts_the_request(loaded: LoadedModel) -> None:  # noqa: F811
+async def test_closing_a_stream_mid_wait_aborts_the_request(loaded: LoadedModel) -> None:
     async with engine(loaded, stream_keepalive_s=0.05) as eng:
         servicer = EngineServicer(eng)
         req = common_pb2.GenerateRequest(

@@ -30,6 +30,7 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         self.keepalives = 0  # keepalive messages sent before the first chunk
         self.stall_after: int | None = None  # after this many chunks, hang (a stopped engine)
         self.queue_delay_s = 0.0  # reported by Status
+        self.waiting = 0  # reported by Status
 
     def save(self, tenant: str, session_id: str, tokens: int) -> None:
         """Report a completed session save (as the engine does once the kvstore has it)."""
@@ -104,7 +105,7 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
                 )
             ],
             running=self.running,
-            waiting=0,
+            waiting=self.waiting,
             blocks_total=100,
             blocks_free=100,
             queue_delay_s=self.queue_delay_s,

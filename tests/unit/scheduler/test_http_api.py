@@ -122,6 +122,9 @@ async def test_errors_from_the_engine_and_the_scheduler(cluster: MiniCluster) ->
     cluster.engine.fail_with = grpc.StatusCode.RESOURCE_EXHAUSTED
     status, body = await post(cluster, "/v1/chat/completions", CHAT)
     assert status == 429 and body["error"]["type"] == "rate_limit_error"
+    registry = cluster.scheduler.state.registry
+    while any(registry.behind(n) for n in registry.all()):  # until a beat says it caught up
+        await asyncio.sleep(0.02)
     cluster.engine.fail_with = grpc.StatusCode.INTERNAL
     status, body = await post(cluster, "/v1/chat/completions", CHAT)
     assert status == 500 and set(body["error"]) == {"message", "type", "param", "code"}

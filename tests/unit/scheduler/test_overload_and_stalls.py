@@ -81,9 +81,13 @@ async def test_a_node_that_stops_mid_stream_ends_it_with_a_clean_error(
 
 async def test_behind_nodes_are_skipped_then_429_with_retry_after(two: MiniCluster) -> None:
     two.engines[0].fail_with = grpc.StatusCode.RESOURCE_EXHAUSTED
+    for e in two.engines:
+        e.waiting = 5  # (reported in beats: a queue that is not empty)
     for _ in range(4):  # whichever node comes first, node1 serves
         status, text, headers = await post(two, CHAT)
         assert status == 200 and headers["X-Overture-Node"] == "node1", text
+    # node0 refused once and is routed around since: no round trip per request.
+    assert len(two.engines[0].requests) == 1
     two.engines[1].fail_with = grpc.StatusCode.RESOURCE_EXHAUSTED
     status, text, headers = await post(two, CHAT)
     assert status == 429 and headers["Retry-After"] == "1"
@@ -93,6 +97,17 @@ async def test_behind_nodes_are_skipped_then_429_with_retry_after(two: MiniClust
     assert len(two.scheduler.state.registry.healthy()) == 2
     text_metrics = await (await two.http.get(two.url + "/metrics")).text()
     assert "overture_overloaded_total 1.0" in text_metrics
+    # Until a beat reports an empty queue, both are skipped without a call: 429 at once.
+    calls = [len(e.requests) for e in two.engines]
+    status, _, _ = await post(two, CHAT)
+    assert status == 429 and [len(e.requests) for e in two.engines] == calls
+    for e in two.engines:
+        e.fail_with, e.waiting = None, 0
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5
+    while (status := (await post(two, CHAT))[0]) != 200:
+        assert status == 429 and loop.time() < deadline
+        await asyncio.sleep(0.05)
 
 
 async def test_a_node_without_its_kvstore_is_degraded_but_serves(two: MiniCluster) -> None:

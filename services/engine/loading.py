@@ -1,0 +1,30 @@
+"""Load the model an engine config names (blocking: run it in the worker thread)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from shared.config import ConfigError
+
+from .config import EngineConfig
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def load_for(config: EngineConfig) -> Any:
+    """Load the configured model (blocking); a clear ConfigError when none is configured."""
+    from .model import load_model
+
+    if not config.model_path:
+        raise ConfigError(
+            "engine.model_path: no model given; pass --model-path DIR with a Hugging Face model "
+            "folder, or make a demo one with `overture demo-model PATH` and pass that PATH"
+        )
+    return load_model(
+        config.model_path,
+        dtype=DTYPES[config.dtype],
+        device=config.device,
+        served_name=config.served_model_name,
+    )
