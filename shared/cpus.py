@@ -74,10 +74,13 @@ def pin_process(text: str) -> tuple[int, ...]:
             f"cores {format_cpus(missing)} of {text!r} are not available to this process "
             f"(it may use {format_cpus(sorted(allowed))})"
         )
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), cores)
-        except ProcessLookupError:  # the thread ended meanwhile
-            continue
+    pinned: set[str] = set()
+    while todo := set(os.listdir("/proc/self/task")) - pinned:  # (until no thread is new)
+        for tid in todo:
+            try:
+                os.sched_setaffinity(int(tid), cores)
+            except ProcessLookupError:  # the thread ended meanwhile
+                pass
+        pinned |= todo
     log.info("pinned to cores %s", format_cpus(cores))
     return cores

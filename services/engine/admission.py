@@ -26,6 +26,7 @@ from collections import deque
 from .errors import RESOURCE_EXHAUSTED, EngineError
 
 RATE_WINDOW_S = 5.0  # the drain rate covers about this much backlogged time
+RATE_MEMORY_S = 10.0  # ... within this much wall time: an engine idle since forgets it
 
 
 class Admission:
@@ -33,7 +34,8 @@ class Admission:
         self.max_waiting = max_waiting
         self.max_queue_delay_s = max_queue_delay_s  # 0: only the count bounds the queue
         self._last: tuple[float, int, int] | None = None  # (time, admitted, waiting)
-        self._busy: deque[tuple[float, int]] = deque()  # backlogged intervals: (s, admitted)
+        # Backlogged intervals: (when it ended, its length, admissions in it).
+        self._busy: deque[tuple[float, float, int]] = deque()
         self._busy_s = 0.0
         self.entering = 0  # requests past the check that have not reached the queue yet
 
@@ -53,16 +55,21 @@ class Admission:
             return
         t0, admitted0, waiting0 = last
         if waiting0 > 0 and now > t0:  # requests waited throughout: the queue drained at
-            self._busy.append((now - t0, admitted - admitted0))  # the engine's own pace
+            self._busy.append((now, now - t0, admitted - admitted0))  # the engine's pace
             self._busy_s += now - t0
-            while len(self._busy) > 1 and self._busy_s - self._busy[0][0] >= RATE_WINDOW_S:
-                self._busy_s -= self._busy.popleft()[0]
+            while len(self._busy) > 1 and self._busy_s - self._busy[0][1] >= RATE_WINDOW_S:
+                self._busy_s -= self._busy.popleft()[1]
 
-    def drain_rate(self) -> float:
-        """Sequences admitted per second while requests waited (0.0: not measured yet)."""
-        if self._busy_s <= 0:
+    def drain_rate(self, now: float | None = None) -> float:
+        """Sequences admitted per second while requests waited lately (0.0: not measured,
+        or not within ``RATE_MEMORY_S`` of ``now``: an idle engine takes a burst faster
+        than a saturated one did)."""
+        while self._busy and now is not None and now - self._busy[0][0] > RATE_MEMORY_S:
+            self._busy_s -= self._busy.popleft()[1]
+        if not self._busy or self._busy_s <= 0:
+            self._busy_s = 0.0
             return 0.0
-        return sum(n for _, n in self._busy) / self._busy_s
+        return sum(n for _, _, n in self._busy) / self._busy_s
 
     def check(self, queued: int, oldest_waiting_since: float, now: float) -> None:
         """Raise EngineError(RESOURCE_EXHAUSTED) when a new request must be refused.
@@ -81,7 +88,7 @@ class Admission:
         bound = self.max_queue_delay_s
         if not bound or not queued:
             return
-        rate = self.drain_rate()
+        rate = self.drain_rate(now)
         if rate > 0 and (queued + 1) / rate > bound:
             raise EngineError(
                 RESOURCE_EXHAUSTED,

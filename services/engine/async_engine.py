@@ -76,7 +76,8 @@ class AsyncEngine:
         self._stopping = False
         self._connector: KVStoreClient | None = None
         self._coordinator: PrefixLookup | None = None
-        self._snapshot: EngineStatus | None = None  # the core's counters after the last job
+        self._snapshot: EngineStatus | None = None  # the core's counters after the last step
+        self._fresh: asyncio.Future[EngineStatus] | None = None  # a Status's worker question
         self._step_started = 0.0  # (worker) monotonic start of the step under way; 0: idle
         self._admission = Admission(config.max_waiting, config.max_queue_delay_s)
 
@@ -259,7 +260,14 @@ class AsyncEngine:
         the worker is busy longer than that (a long forward pass), the snapshot of the last
         step instead: liveness and load must not wait for the model."""
         core = self._require_core()
-        fresh = asyncio.ensure_future(self._fresh_status(core))
+        if max_wait_s is None:
+            fresh: asyncio.Future[EngineStatus] = asyncio.ensure_future(self._fresh_status(core))
+        else:
+            # One fresh question in flight at most: a wedged worker must not pile them up.
+            if self._fresh is None or self._fresh.done():
+                self._fresh = asyncio.ensure_future(self._fresh_status(core))
+                self._fresh.add_done_callback(_retrieve)
+            fresh = self._fresh
         if max_wait_s is None:
             status = await fresh
         else:
@@ -272,8 +280,7 @@ class AsyncEngine:
 
     async def _fresh_status(self, core: EngineCore) -> EngineStatus:
         await self._run_inbox()
-        status = await self._in_worker(core.status)
-        self._snapshot = status
+        status: EngineStatus = await self._in_worker(core.status)
         return status
 
     def _reuse_stats(self, core_stats: ReuseStats) -> ReuseStats:
@@ -287,6 +294,11 @@ class AsyncEngine:
             saves=c.stats.saves, save_errors=c.stats.save_errors,
             chunks_saved=c.stats.chunks_saved,
         )
+
+    def step_running_s(self) -> float:
+        """How long the forward step under way has run (0.0: the worker is not stepping)."""
+        started = self._step_started
+        return time.monotonic() - started if started else 0.0
 
     def saved_after(self, seq: int) -> tuple[SavedSession, ...]:
         """Session saves that landed, numbered above ``seq`` (see ``offload/save_log``)."""
@@ -380,7 +392,12 @@ class AsyncEngine:
             except Exception:
                 log.exception("engine step failed; failing every active request")
                 (events, adds), busy = self._fail_all(), False
-                status = self._worker_core().status()
+                try:
+                    status = self._worker_core().status()
+                except Exception:  # keep the step loop alive whatever the core's state
+                    log.exception("engine status failed after a failed step")
+                    assert self._snapshot is not None  # (taken at start)
+                    status = self._snapshot
             try:
                 loop.call_soon_threadsafe(self._publish, events, adds, status)
             except RuntimeError:  # the loop is closed: nobody is left to take outputs
@@ -410,3 +427,9 @@ class AsyncEngine:
                 queue.put_nowait(ev.error)
             else:
                 queue.put_nowait(ev)
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    """Take a background future's exception (one nobody awaited: a stopped engine)."""
+    if not fut.cancelled():
+        fut.exception()

@@ -82,7 +82,12 @@ class EngineConfig:
     )
     stream_keepalive_s: float = opt(
         1.0, "a stream with nothing to send this long gets an empty keepalive message, so "
-        "that the scheduler can tell a busy engine from a stopped one", min=0.05, max=60.0,
+        "that the scheduler can tell a busy engine from a stopped one (keep it well below "
+        "scheduler.stream_idle_timeout_s)", min=0.05, max=60.0,
+    )
+    max_step_s: float = opt(
+        60.0, "a forward step running longer than this is taken as stuck: streams stop "
+        "sending keepalives, so the scheduler cuts them", min=1.0,
     )
     num_threads: int = opt(
         0, "torch intra-op threads; 0 = one per core of `cpus`, else torch's default",

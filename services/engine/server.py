@@ -25,6 +25,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
         self.keepalive_s = engine.config.stream_keepalive_s
+        self.max_step_s = engine.config.max_step_s
 
     async def Generate(
         self, request: common_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -38,10 +39,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         try:
             while True:
                 # Wait for the next output without cancelling it: a quiet stream (queued, a
-                # long prefill) sends keepalives, so that silence means a stopped engine.
+                # long prefill) sends keepalives, so that silence means a stopped engine,
+                # or a stuck one (a step running past max_step_s).
                 nxt = asyncio.ensure_future(anext(outputs, None))
                 while not (await asyncio.wait({nxt}, timeout=self.keepalive_s))[0]:
-                    yield keepalive
+                    if self.engine.step_running_s() <= self.max_step_s:
+                        yield keepalive
                 out = nxt.result()
                 if out is None:
                     break
@@ -52,9 +55,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         finally:
             # A cancelled call stops the generator where it waits; its clean-up aborts the
             # request in the engine.
-            if nxt is not None and not nxt.done():
-                nxt.cancel()
-                await asyncio.gather(nxt, return_exceptions=True)
+            if nxt is not None:
+                if not nxt.done():
+                    nxt.cancel()
+                await asyncio.gather(nxt, return_exceptions=True)  # (its error, if any, taken)
             await outputs.aclose()
 
     async def DropDeviceCache(

@@ -41,8 +41,9 @@ class SchedulerConfig:
     )
     stream_idle_timeout_s: float = opt(
         10.0, "a generation whose node sends nothing this long (engines send keepalives "
-        "every second while busy) is cut with an error and the node taken out of rotation "
-        "until it beats again; before any output it is retried on another node", min=0.5,
+        "every engine.stream_keepalive_s while busy, not while a step is stuck) is cut with "
+        "an error and the node taken out of rotation until it beats again; before any "
+        "output it is retried on another node", min=0.5,
     )
     retry_after_s: int = opt(
         1, "Retry-After (seconds) of a 429 sent when every node serving the model is "

@@ -228,7 +228,8 @@ class Dispatcher:
         NodeStalled when nothing, keepalives included, comes within the inactivity bound."""
         while True:
             try:
-                msg = await asyncio.wait_for(call.read(), self.settings.stream_idle_timeout_s)
+                async with asyncio.timeout(self.settings.stream_idle_timeout_s):
+                    msg = await call.read()  # (a timeout cancels the whole call: fine here)
             except TimeoutError:
                 raise NodeStalled() from None
             if msg is grpc.aio.EOF:

@@ -208,6 +208,8 @@ def _background_streams(up: Up, count: int) -> tuple[list[threading.Thread], lis
             ended.append(("error", json.loads(error[0][6:])) if error else ("done", events[-1]))
         except urllib.error.HTTPError as e:
             ended.append(("http", e.code, json.loads(e.read())))
+        except Exception as e:  # (a cut connection: recorded, and fails the check below)
+            ended.append(("broken", repr(e)))
 
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(count)]
     for t in threads:
@@ -245,6 +247,7 @@ def _kill_and_continue(up: Up, part: str, reference: Transcript, s3: bool) -> st
     for t in threads:
         t.join(timeout=30)
         assert not t.is_alive(), "a stream hung after " + name + " died\n" + up.tail()
+    assert len(ended) == len(threads), ended
     for outcome in ended:
         assert outcome[0] in ("done", "error", "http"), outcome
         if outcome[0] == "http":

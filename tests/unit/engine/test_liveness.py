@@ -49,7 +49,13 @@ def test_admission_predicts_the_wait_from_the_drain_rate() -> None:
     for t in range(14, 24):  # the rate covers only the last few backlogged seconds
         a.observe(float(t), 31 + 20 * (t - 13), 3)
     assert a.drain_rate() == 20.0
-    a.observe(24.0, 0, 0)  # a restarted core counts from zero: the rate is unknown again
+    a.observe(23.5, 241, 0)  # the queue empties; the engine idles
+    assert a.drain_rate(now=34.0) == 0.0  # idle for a while since: forgotten
+    a.check(3, 0.0, 34.0)  # so a burst (an n=4 request) on an idle engine is taken
+    a.observe(40.0, 241, 2)
+    a.observe(41.0, 246, 2)
+    assert a.drain_rate(now=41.0) == 5.0
+    a.observe(42.0, 0, 0)  # a restarted core counts from zero: the rate is unknown again
     assert a.drain_rate() == 0.0
 
 
@@ -86,7 +92,7 @@ async def test_status_answers_while_the_worker_is_busy(loaded: LoadedModel) -> N
 
 async def test_a_queue_that_falls_behind_refuses_newcomers(loaded: LoadedModel) -> None:
     async with engine(loaded, max_num_seqs=1, max_queue_delay_s=0.05) as eng:
-        first = eng.generate(greedy(PROMPTS[0], 400))
+        first = eng.generate(greedy(PROMPTS[0], 3000))
         await first.__anext__()  # running: the one seat is taken
         second = eng.generate(greedy(PROMPTS[1], 4))
         head = asyncio.ensure_future(second.__anext__())
@@ -138,9 +144,25 @@ async def test_closing_a_stream_mid_wait_aborts_the_request(loaded: LoadedModel)
             request_id="k2", prompt="hello", input_kind=common_pb2.GenerateRequest.PROMPT,
             sampling=common_pb2.SamplingParams(max_tokens=400, ignore_eos=True),
         )
-        stream = servicer.Generate(req, _Context())
-        first = await anext(stream)
-        while first.keepalive:
-            first = await anext(stream)
-        await stream.aclose()  # as a cancelled call does
+        async with BlockedWorker(eng):
+            stream = servicer.Generate(req, _Context())
+            assert (await anext(stream)).keepalive  # waiting on its first output
+            await stream.aclose()  # as a cancelled call does, mid-wait
+        await idle(eng)
+
+
+async def test_a_stuck_step_sends_no_keepalives(loaded: LoadedModel) -> None:
+    async with engine(loaded, stream_keepalive_s=0.05, max_step_s=1.0) as eng:
+        servicer = EngineServicer(eng)
+        req = common_pb2.GenerateRequest(
+            request_id="k3", prompt="hello", input_kind=common_pb2.GenerateRequest.PROMPT,
+            sampling=common_pb2.SamplingParams(max_tokens=2, ignore_eos=True),
+        )
+        async with BlockedWorker(eng):
+            stream = servicer.Generate(req, _Context())
+            assert (await anext(stream)).keepalive  # busy, not stuck: keepalives
+            eng._step_started = time.monotonic() - 5.0  # as if one step had run 5 s
+            with pytest.raises(TimeoutError):  # stuck: silence, which the scheduler cuts
+                await asyncio.wait_for(anext(stream), 0.5)
+            eng._step_started = 0.0
         await idle(eng)

@@ -24,6 +24,8 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         self.cancelled = 0
         self.requests: list[common_pb2.GenerateRequest] = []
         self.fail_with: grpc.StatusCode | None = None
+        # With fail_with: fail only while this count (shareable between engines) is > 0.
+        self.fail_budget: list[int] | None = None
         self.kv_from = "recompute"  # what the first chunk says of the prompt's KV
         self.saved: list[common_pb2.SessionSaved] = []  # reported by Status(saved_after)
         self.status_calls: list[int] = []  # the saved_after of each Status call
@@ -49,7 +51,11 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
 
     async def Generate(self, request, context):
         self.requests.append(request)
-        if self.fail_with is not None:
+        for _ in range(self.keepalives):  # (before any failure: a quiet start, then an error)
+            yield common_pb2.GenerateChunk(request_id=request.request_id, keepalive=True)
+        if self.fail_with is not None and (self.fail_budget is None or self.fail_budget[0] > 0):
+            if self.fail_budget is not None:
+                self.fail_budget[0] -= 1
             await context.abort(self.fail_with, f"fake engine fails with {self.fail_with.name}")
         if request.model != self.model:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model} not served")
@@ -64,8 +70,6 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         self.running += 1
         sent = 0
         try:
-            for _ in range(self.keepalives):
-                yield common_pb2.GenerateChunk(request_id=request.request_id, keepalive=True)
             if self.stall_after == 0:
                 await asyncio.sleep(3600)
             yield common_pb2.GenerateChunk(

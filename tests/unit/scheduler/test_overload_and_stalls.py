@@ -33,11 +33,20 @@ async def post(c: MiniCluster, body: dict) -> tuple[int, str, dict]:
 
 
 async def test_keepalives_are_not_output(two: MiniCluster) -> None:
+    # The first engine asked sends keepalives, then fails as unreachable. Keepalives are
+    # not output, so the request is re-routed to the other node, not failed.
+    budget = [1]
     for e in two.engines:
-        e.keepalives = 3
-    status, text, _ = await post(two, CHAT)
+        e.keepalives, e.fail_with, e.fail_budget = 3, grpc.StatusCode.UNAVAILABLE, budget
+    status, text, _ = await post(two, dict(CHAT, stream=True))
     assert status == 200, text
-    assert json.loads(text)["choices"][0]["message"]["content"] == "t0 t1 t2 "
+    assert budget == [0] and sum(len(e.requests) for e in two.engines) == 2
+    events = [json.loads(line[6:]) for line in text.splitlines()
+              if line.startswith("data: {")]
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events
+                   if e.get("choices")) == "t0 t1 t2 "
+    metrics = await (await two.http.get(two.url + "/metrics")).text()
+    assert 'kv_from="unknown"' not in metrics  # the first real chunk was counted
 
 
 async def test_a_silent_node_before_any_output_is_retried_elsewhere(two: MiniCluster) -> None:
@@ -61,8 +70,6 @@ async def test_a_silent_node_before_any_output_is_retried_elsewhere(two: MiniClu
     assert served != hung
     text_metrics = await (await two.http.get(two.url + "/metrics")).text()
     assert f'overture_streams_stalled_total{{node="{hung}"}} 1.0' in text_metrics
-    node = two.scheduler.state.registry.get(hung)
-    assert node is not None and node.suspended
 
 
 async def test_a_node_that_stops_mid_stream_ends_it_with_a_clean_error(
@@ -79,7 +86,14 @@ async def test_a_node_that_stops_mid_stream_ends_it_with_a_clean_error(
     assert error["code"] == "node_stalled" and "stopped answering" in error["message"]
 
 
-async def test_behind_nodes_are_skipped_then_429_with_retry_after(two: MiniCluster) -> None:
+async def test_behind_nodes_are_skipped_then_429_with_retry_after() -> None:
+    async with AsyncExitStack() as stack:
+        # A long hold: the skipping below must not depend on how fast this machine is.
+        two = await make_cluster(stack, nodes=2, behind_hold_s=30.0)
+        await _behind_then_429(two)
+
+
+async def _behind_then_429(two: MiniCluster) -> None:
     two.engines[0].fail_with = grpc.StatusCode.RESOURCE_EXHAUSTED
     for e in two.engines:
         e.waiting = 5  # (reported in beats: a queue that is not empty)
@@ -97,7 +111,8 @@ async def test_behind_nodes_are_skipped_then_429_with_retry_after(two: MiniClust
     assert len(two.scheduler.state.registry.healthy()) == 2
     text_metrics = await (await two.http.get(two.url + "/metrics")).text()
     assert "overture_overloaded_total 1.0" in text_metrics
-    # Until a beat reports an empty queue, both are skipped without a call: 429 at once.
+    # Until the hold ends or a beat reports an empty queue, both are skipped without a
+    # call: 429 at once.
     calls = [len(e.requests) for e in two.engines]
     status, _, _ = await post(two, CHAT)
     assert status == 429 and [len(e.requests) for e in two.engines] == calls
