@@ -130,6 +130,15 @@ class KVStoreMetrics:
             "kvstore_peer_bytes_pulled", "chunk bytes pulled from a peer kvstore", ["peer"],
             registry=r,
         )
+        self.prefetches = Counter(
+            "kvstore_prefetches",
+            "advisory prefetches into DRAM: result=found (the session's KV was somewhere), "
+            "none", ["result"], registry=r,
+        )
+        self.prefetched_bytes = Counter(
+            "kvstore_prefetched_bytes", "chunk bytes brought into DRAM by advisory prefetches",
+            registry=r,
+        )
         self.peer_lookups = Counter(
             "kvstore_peer_lookups",
             "FindPrefix calls to a peer: result=hit (it held more of the prompt), miss, error",

@@ -16,6 +16,7 @@ from services.kvstore.manifests import ManifestStore, manifest_key
 from services.kvstore.peers.pull import pull_session
 from services.kvstore.pool.attach import PoolError
 from services.kvstore.pool.data_path import EnginePoolPath
+from services.kvstore.prefetch import prefetch_session
 from services.kvstore.streaming import stream_session
 from shared.chunk_codec import MAX_LAYER, ChunkCorrupt, ChunkFormatError
 from shared.config import ConfigError
@@ -70,7 +71,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 yield wire.chunk_to_pb(key, blob, layer=_layer_of(key), index=i)
             return
         try:
-            manifest = await self.manifests.get_manifest(q.tenant, q.session_id)
+            manifest = await self.manifests.newest_manifest(q.tenant, q.session_id)
         except ChunkFormatError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             return
@@ -124,7 +125,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self, request: pb.ManifestRef, context: grpc.aio.ServicerContext
     ) -> pb.ManifestReply:
         try:
-            m = await self.manifests.get_manifest(*wire.session_of(request))
+            m = await self.manifests.newest_manifest(*wire.session_of(request))
         except ChunkFormatError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return wire.manifest_reply(m)
@@ -179,6 +180,20 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             except ChunkFormatError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return wire.delete_reply(n)
+
+    async def PrefetchSession(
+        self, request: pb.PrefetchSessionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PullSessionReply:
+        tenant, session_id = wire.session_of(request.session)
+        try:
+            r = await prefetch_session(self.manifests, tenant, session_id,
+                                       request.peer_address, self.window, self.peer_timeout_s)
+        except ChunkFormatError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        m = self.store.metrics
+        m.prefetches.labels("found" if r.found else "none").inc()
+        m.prefetched_bytes.inc(r.bytes)
+        return wire.pull_reply(r.found, r.chunks, r.missing, r.bytes, r.detail)
 
     async def PullSession(
         self, request: pb.PullSessionRequest, context: grpc.aio.ServicerContext

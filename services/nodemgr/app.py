@@ -10,6 +10,7 @@ from services.nodemgr.config import NodeManagerConfig
 from services.nodemgr.engine_link import EngineLink
 from services.nodemgr.grpc_service import NodeManagerServicer
 from services.nodemgr.kvstore_probe import KVStoreProbe
+from services.nodemgr.prefetcher import Prefetcher
 from services.nodemgr.registration import Registrar
 from shared.grpc_server import serve_grpc
 from shared.proto import nodemgr_pb2_grpc
@@ -33,7 +34,10 @@ async def start(config: NodeManagerConfig, stack: AsyncExitStack) -> asyncio.Tas
         if registrar is not None:
             registrar.engine_failed(detail)
 
-    servicer = NodeManagerServicer(config.node_id, engine, config.kvstore_address, engine_failed)
+    prefetcher = Prefetcher(config.kvstore_address, config.prefetch_timeout_s)
+    stack.push_async_callback(prefetcher.close)
+    servicer = NodeManagerServicer(config.node_id, engine, config.kvstore_address, engine_failed,
+                                   prefetcher)
     server = await stack.enter_async_context(
         serve_grpc(
             config.host,

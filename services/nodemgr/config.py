@@ -23,6 +23,9 @@ class NodeManagerConfig:
         120.0, "an engine whose forward step has run this long is reported unable to serve "
         "(it answers Status, but makes no progress)", min=1.0,
     )
+    prefetch_timeout_s: float = opt(
+        30.0, "deadline of one advisory prefetch into the kvstore's DRAM", min=0.1,
+    )
     kvstore_probe_timeout_s: float = opt(
         1.0, "deadline of the per-beat kvstore health check; past it the node is degraded",
         min=0.05,

@@ -1,4 +1,5 @@
-"""The NodeManager gRPC service: forward Generate to the engine, answer Status."""
+"""The NodeManager gRPC service: forward Generate to the engine, answer Status, take
+advisories (prefetch the advised session's KV) and their invalidations."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import grpc
 
 from services.nodemgr import wire
 from services.nodemgr.engine_link import EngineLink, EngineUnavailable
+from services.nodemgr.prefetcher import Advice, Prefetcher
 from shared.proto import common_pb2, nodemgr_pb2, nodemgr_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -21,11 +23,13 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
         engine: EngineLink,
         kvstore_address: str,
         on_engine_unavailable: Callable[[str], None],
+        prefetcher: Prefetcher | None = None,
     ) -> None:
         self.node_id = node_id
         self.engine = engine
         self.kvstore_address = kvstore_address
         self.on_engine_unavailable = on_engine_unavailable
+        self.prefetcher = prefetcher
         self.in_flight = 0
 
     async def Generate(
@@ -60,3 +64,20 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
         except EngineUnavailable as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         return wire.node_status(self.node_id, status, self.kvstore_address)
+
+    async def Advise(
+        self, request: nodemgr_pb2.AdviseRequest, context: grpc.aio.ServicerContext
+    ) -> nodemgr_pb2.AdviseReply:
+        if not request.advisory_id or not request.session_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "advisory_id and session_id are required")
+        advice = Advice(request.advisory_id, request.tenant, request.session_id,
+                        request.kv_source)
+        accepted = self.prefetcher is not None and self.prefetcher.advise(advice)
+        return nodemgr_pb2.AdviseReply(accepted=accepted)
+
+    async def Invalidate(
+        self, request: nodemgr_pb2.InvalidateRequest, context: grpc.aio.ServicerContext
+    ) -> nodemgr_pb2.InvalidateReply:
+        found = self.prefetcher is not None and self.prefetcher.invalidate(request.advisory_id)
+        return nodemgr_pb2.InvalidateReply(found=found)

@@ -9,6 +9,9 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from services.scheduler.advisor import Advisor
+from services.scheduler.advisories import AdvisoryBook
+from services.scheduler.advisory_throttle import AdvisoryThrottle
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.dispatch import Dispatcher, DispatchSettings, NodeChannels
 from services.scheduler.grpc_service import SchedulerServicer
@@ -33,9 +36,16 @@ def build_state(
     metrics = SchedulerMetrics()
     if sessions is None:
         sessions = SessionDirectory(config.sessions_max, config.sessions_ttl_s)
+    policy = make_policy(config.policy)
+    advisor = Advisor(
+        AdvisoryBook(config.advisory_ttl_s, config.advisories_max),
+        AdvisoryThrottle(config.advisory_min_useful, config.advisory_throttle_rate, 5.0,
+                         config.advisory_throttle_after),
+        registry, policy, channels, sessions, metrics,
+    )
     dispatcher = Dispatcher(
         registry,
-        make_policy(config.policy),
+        policy,
         channels,
         DispatchSettings(
             no_node_wait_s=config.no_node_wait_s,
@@ -48,6 +58,7 @@ def build_state(
         ),
         sessions,
         metrics,
+        advisor,
     )
     return ApiState(
         registry=registry,
@@ -57,6 +68,7 @@ def build_state(
         api_keys={str(k): str(v) for k, v in config.api_keys.items()},
         admin_keys=frozenset(str(k) for k in config.admin_keys),
         max_body_bytes=config.max_body_bytes,
+        advisor=advisor,
     )
 
 
@@ -121,6 +133,14 @@ async def start(config: SchedulerConfig, stack: AsyncExitStack) -> Running:
         await asyncio.gather(watcher, return_exceptions=True)
 
     stack.push_async_callback(stop_watcher)
+    sweeper = asyncio.create_task(state.advisor.run_sweeper(), name="advisory-sweeper")
+
+    async def stop_advisor() -> None:
+        sweeper.cancel()
+        await asyncio.gather(sweeper, return_exceptions=True)
+        await state.advisor.close()
+
+    stack.push_async_callback(stop_advisor)
     return Running(http_port, grpc_server.port, state)
 
 

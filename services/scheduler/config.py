@@ -34,6 +34,21 @@ class SchedulerConfig:
         min=1.0,
     )
     policy: str = opt("balanced", "placement policy", choices=("balanced",))
+    advisory_ttl_s: float = opt(
+        30.0, "an advisory not followed by its request this long after its expected arrival "
+        "is dropped as spurious", min=0.1, max=3600.0,
+    )
+    advisories_max: int = opt(100_000, "pending advisories kept (oldest dropped)", min=1)
+    advisory_min_useful: float = opt(
+        0.2, "a tenant whose advisories are followed less often than this (share, over "
+        "about advisory_throttle_after recent ones) is throttled", min=0.0, max=1.0,
+    )
+    advisory_throttle_after: int = opt(
+        20, "advisories a tenant must have had end before it can be throttled", min=1,
+    )
+    advisory_throttle_rate: float = opt(
+        1.0, "advisories per second a throttled tenant may still send (burst: 5)", min=0.01,
+    )
     max_n: int = opt(8, "largest `n`; each choice is a separate generation", min=1, max=64)
     max_prompts: int = opt(8, "most prompts in one /v1/completions request", min=1, max=64)
     default_max_tokens: int = opt(

@@ -22,6 +22,7 @@ import dataclasses
 import logging
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -31,6 +32,9 @@ from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.nodes import Node, NodeRegistry
 from services.scheduler.policy import Policy, RouteRequest
 from services.scheduler.sessions import SessionDirectory, SessionPlace
+
+if TYPE_CHECKING:
+    from services.scheduler.advisor import Advisor
 from shared.grpc_server import insecure_channel
 from shared.proto import common_pb2, nodemgr_pb2_grpc
 
@@ -81,6 +85,7 @@ class Dispatcher:
         settings: DispatchSettings,
         sessions: SessionDirectory | None = None,
         metrics: SchedulerMetrics | None = None,
+        advisor: Advisor | None = None,
     ) -> None:
         self.registry = registry
         self.policy = policy
@@ -88,6 +93,7 @@ class Dispatcher:
         self.settings = settings
         self.sessions = sessions if sessions is not None else SessionDirectory(100_000, 86400.0)
         self.metrics = metrics
+        self.advisor = advisor
 
     def _loop_time(self) -> float:
         return asyncio.get_running_loop().time()
@@ -156,6 +162,13 @@ class Dispatcher:
             f"{self.settings.no_node_wait_s:g}s{detail}",
             code="no_healthy_node",
         )
+
+    def advised_node(self, tenant: str, session_id: str) -> str:
+        """The node the session's pending advisory chose, ending it as followed ("": no
+        advisory). Asked once per request, whatever its number of choices."""
+        if self.advisor is None or not session_id:
+            return ""
+        return self.advisor.follow(tenant, session_id)
 
     async def generate(
         self, request: common_pb2.GenerateRequest, route: RouteRequest

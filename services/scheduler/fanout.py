@@ -29,7 +29,8 @@ def _request_id(base_id: str, choice: Choice, total: int) -> str:
 async def run_choices(
     dispatcher: Dispatcher, req: ApiRequest, model: str, base_id: str
 ) -> AsyncGenerator[tuple[int, wire.Chunk], None]:
-    route = RouteRequest(model, req.session_id, req.tenant, req.priority)
+    route = RouteRequest(model, req.session_id, req.tenant, req.priority,
+                         advised=dispatcher.advised_node(req.tenant, req.session_id))
     choices = req.choices()
     protos = [
         wire.generate_request(req, c, model, _request_id(base_id, c, len(choices))) for c in choices

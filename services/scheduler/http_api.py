@@ -7,13 +7,15 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from services.scheduler.admin_api import add_admin_routes
+from services.scheduler.advisor import Advisor
+from services.scheduler.advisory_api import add_advisory_routes
 from services.scheduler.dispatch import Dispatcher
 from services.scheduler.errors import ApiError
 from services.scheduler.fanout import run_choices
@@ -45,6 +47,7 @@ class ApiState:
     api_keys: dict[str, str]
     max_body_bytes: int
     admin_keys: frozenset[str] = frozenset()
+    advisor: Advisor = field(default=None)  # type: ignore[assignment]  # (set by build_state)
 
 
 STATE = web.AppKey("state", ApiState)
@@ -83,7 +86,8 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     return resp
 
 
-def _tenant(state: ApiState, request: web.Request) -> str:
+def tenant_of(state: ApiState, request: web.Request) -> str:
+    """The tenant of the request's API key (401 without a known one, once keys are set)."""
     if not state.api_keys:
         return "default"
     header = request.headers.get("Authorization", "")
@@ -131,7 +135,7 @@ class _Timing:
 
 async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
     state = request.app[STATE]
-    tenant = _tenant(state, request)
+    tenant = tenant_of(state, request)
     body = parse_json(await _body(state, request))
     req = validate(
         body,
@@ -248,7 +252,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    _tenant(state, request)
+    tenant_of(state, request)
     data = [
         {
             "id": m.name,
@@ -319,4 +323,5 @@ def build_app(state: ApiState) -> web.Application:
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
     add_admin_routes(app)
+    add_advisory_routes(app)
     return app

@@ -67,6 +67,17 @@ class SchedulerMetrics:
             "generations cut because their node sent nothing within the inactivity bound",
             ["node"], registry=r,
         )
+        self.advisories = Counter(
+            "overture_advisories",
+            "advisories by event: received, followed (its request came), expired (spurious), "
+            "invalidated, replaced (a newer one for the session), throttled (refused: 429)",
+            ["event"], registry=r,
+        )
+        self.advisory_lead_time = Histogram(
+            "overture_advisory_lead_time_seconds",
+            "time from an advisory to the request that followed it",
+            buckets=(0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 20, 30, 60), registry=r,
+        )
         self.healthy_nodes = Gauge("overture_healthy_nodes", "nodes in rotation", registry=r)
         self.turns = Counter(
             "overture_turns",

@@ -20,6 +20,7 @@ class RouteRequest:
     tenant: str = "default"
     priority: int = 0
     holder: str = ""  # the node holding the session's KV (its last turn's), if known
+    advised: str = ""  # the node an advisory chose for this request (its KV goes there)
 
 
 class Policy(Protocol):
@@ -34,14 +35,20 @@ class Policy(Protocol):
 
 
 class BalancedPolicy:
-    """Least loaded (running + waiting + routed); ties: the node holding the session's KV,
-    then fewest routed, then least recently used."""
+    """A request that follows an advisory goes to the node the advisory chose (its KV is
+    being prefetched there) while that node can take it. Otherwise (and for advisories):
+    least loaded (running + waiting + routed); ties: the node holding the session's KV,
+    then fewest routed, then least recently used (Symphony §3.3: load before locality)."""
 
     name = "balanced"
 
     def choose(self, nodes: Sequence[Node], request: RouteRequest) -> Node | None:
         if not nodes:
             return None
+        if request.advised:
+            for n in nodes:
+                if n.node_id == request.advised:
+                    return n
         return min(nodes, key=lambda n: (n.score(), n.node_id != request.holder, n.routed,
                                          n.last_routed, n.node_id))
 

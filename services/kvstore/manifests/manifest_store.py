@@ -63,6 +63,7 @@ class ManifestStore:
         self.drain_s = drain_s
         self._latest: OrderedDict[SessionId, SavedSequence] = OrderedDict()
         self._latest_hashes = 0
+        self._newest: dict[SessionId, Manifest] = {}  # the manifest of each latest sequence
         # Per session: the manifest task of its latest sequence, and every manifest task
         # still running (a superseded one that is writing runs to its end).
         self._manifests: dict[SessionId, asyncio.Task[None]] = {}
@@ -210,6 +211,12 @@ class ManifestStore:
 
     # ---------------------------------------------------------------- sessions in memory
 
+    async def newest_manifest(self, tenant: str, session_id: str) -> Manifest | None:
+        """The session's newest manifest: the one saved here last, whose chunks are in
+        this store though maybe not yet durable below, else the durable one."""
+        newest = self._newest.get((tenant, session_id))
+        return newest if newest is not None else await self.get_manifest(tenant, session_id)
+
     def latest(self, tenant: str, session_id: str) -> SavedSequence | None:
         """The session's latest saved sequence, if still remembered."""
         return self._latest.get((tenant, session_id))
@@ -226,12 +233,7 @@ class ManifestStore:
         sid = (manifest.tenant, manifest.session_id)
         if self._forgotten.get(sid) != deleted_before:
             return
-        self._drop_latest(sid)
-        self._latest[sid] = seq
-        self._latest_hashes += len(seq.block_hashes)
-        while len(self._latest) > LATEST_SESSIONS or (
-                self._latest_hashes > LATEST_HASHES and len(self._latest) > 1):
-            self._drop_latest(next(iter(self._latest)))
+        self._note_latest(sid, seq, manifest)
         old = self._manifests.pop(sid, None)
         if old is not None and old not in self._writing:
             old.cancel()  # a newer sequence of the session supersedes it
@@ -241,8 +243,25 @@ class ManifestStore:
         self._tasks.setdefault(sid, set()).add(task)
         task.add_done_callback(functools.partial(self._manifest_done, sid))
 
+    def adopt(self, manifest: Manifest) -> None:
+        """A session's chunks were copied here (an advisory prefetch): lookups see its
+        sequence as this node's own. No manifest is written: its holder writes that."""
+        seq = SavedSequence(manifest.model_fp, manifest.block_hashes, manifest.token_count,
+                            manifest.num_layers)
+        self._note_latest((manifest.tenant, manifest.session_id), seq, manifest)
+
+    def _note_latest(self, sid: SessionId, seq: SavedSequence, manifest: Manifest) -> None:
+        self._drop_latest(sid)
+        self._latest[sid] = seq
+        self._newest[sid] = manifest
+        self._latest_hashes += len(seq.block_hashes)
+        while len(self._latest) > LATEST_SESSIONS or (
+                self._latest_hashes > LATEST_HASHES and len(self._latest) > 1):
+            self._drop_latest(next(iter(self._latest)))
+
     def _drop_latest(self, sid: SessionId) -> None:
         seq = self._latest.pop(sid, None)
+        self._newest.pop(sid, None)
         if seq is not None:
             self._latest_hashes -= len(seq.block_hashes)
 

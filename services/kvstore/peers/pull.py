@@ -30,6 +30,7 @@ class PullResult:
     missing: int = 0
     bytes: int = 0
     detail: str = ""
+    manifest: Manifest | None = None  # what was asked for (when found)
 
 
 async def pull_session(
@@ -41,6 +42,7 @@ async def pull_session(
     window: int = 4,
     write_manifest: bool = False,
     timeout_s: float = 10.0,
+    copy_of_shared: bool = False,
 ) -> PullResult:
     """Copy ``tenant/session_id`` from the kvstore at ``peer`` into ``manifests.store``.
 
@@ -49,6 +51,8 @@ async def pull_session(
     stays silent for ``timeout_s`` (for the manifest, or between two chunks). Corrupt
     chunks count as missing, and so does every chunk the manifest names that the stream
     did not deliver (it may end early, e.g. when the peer's session changed meanwhile).
+    ``copy_of_shared``: the peer writes these chunks to the shared lowest tier itself, so
+    they are kept in the local tiers only.
     With ``write_manifest`` the manifest is stored here once every chunk is durable
     locally (only if none was missing).
     """
@@ -81,7 +85,8 @@ async def pull_session(
                     if not msg.found:
                         continue  # counted below, with anything else not delivered
                     try:
-                        receipt = await store.put_blob(msg.blob)
+                        receipt = await store.put_blob(msg.blob,
+                                                       copy_of_shared=copy_of_shared)
                     except ChunkCorrupt as e:
                         log.warning("corrupt chunk %s from peer %s: %s", msg.key, peer, e)
                         store.metrics.checksum_failures.labels("peer").inc()
@@ -94,6 +99,7 @@ async def pull_session(
         except grpc.aio.AioRpcError as e:
             raise TierUnavailable(f"peer {peer}: {e.code().name}: {e.details()}") from None
     result.missing = len(expected - got)
+    result.manifest = manifest
     if write_manifest and not result.missing and first_layer == 0:
         # put_manifest waits (bounded) for the write-behind of the chunks just stored.
         try:

@@ -163,8 +163,10 @@ class TieredStore:
             meta.key, blob, layer_priority(meta.layer) if priority is None else priority
         )
 
-    async def put_blob(self, blob: Blob, priority: int | None = None) -> PutReceipt:
+    async def put_blob(self, blob: Blob, priority: int | None = None,
+                       copy_of_shared: bool = False) -> PutReceipt:
         """Store an already encoded, sealed chunk (from a peer or a client); verifies it first.
+        ``copy_of_shared`` as for ``put_encoded``.
 
         Raises ``ChunkCorrupt`` (nothing stored) if the blob fails its checksum or is not a
         well-formed chunk (its header is parsed as strictly as a read parses it, so nothing
@@ -173,7 +175,8 @@ class TieredStore:
         await checksum_work(verify_chunk, blob)
         meta = parse_head(blob, len(blob)).meta
         return self._admit(
-            meta.key, blob, layer_priority(meta.layer) if priority is None else priority
+            meta.key, blob, layer_priority(meta.layer) if priority is None else priority,
+            copy_of_shared,
         )
 
     def put_encoded(

@@ -49,7 +49,7 @@ async def test_get_chunks_caps_the_clients_read_ahead(monkeypatch: pytest.Monkey
     class Store:
         store = None
 
-        async def get_manifest(self, tenant, session_id):
+        async def newest_manifest(self, tenant, session_id):
             return session_manifest("s", 2, 1, 1)
 
     monkeypatch.setattr(service_mod, "stream_session", fake_stream)

@@ -1,0 +1,75 @@
+"""Advisory prefetch (Symphony §3.3, DESIGN §3 step 3): bring a session's newest KV into
+this kvstore's DRAM before its next request arrives, lowest layer first.
+
+From the peer that served the session's last turn when one is named (its manifest and
+chunks, streamed layer by layer: ``peers/pull.py``), else (or when the peer fails) from
+this node's own tiers, the shared S3 tier included: each chunk read is promoted into DRAM.
+The request later finds the chunks by its prompt's content hashes, like any reuse; nothing
+here trusts the session id beyond naming what to fetch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from services.kvstore.errors import TierUnavailable
+from services.kvstore.manifests import ManifestStore
+from services.kvstore.peers.pull import PullResult, pull_session
+
+log = logging.getLogger(__name__)
+
+
+async def prefetch_session(
+    manifests: ManifestStore,
+    tenant: str,
+    session_id: str,
+    peer: str = "",
+    window: int = 4,
+    timeout_s: float = 10.0,
+) -> PullResult:
+    """Bring ``tenant/session_id`` into DRAM; what was found, fetched and missing."""
+    if peer:
+        try:
+            result = await pull_session(manifests, peer, tenant, session_id, window=window,
+                                        timeout_s=timeout_s, copy_of_shared=True)
+            if result.found and not result.missing:
+                if result.manifest is not None:
+                    manifests.adopt(result.manifest)  # lookups here find its chunks
+                return result
+            log.info("prefetch of %s/%s from peer %s: %s; trying this node's tiers",
+                     tenant, session_id, peer,
+                     result.detail or f"{result.missing} chunks missing")
+        except TierUnavailable as e:
+            log.info("prefetch of %s/%s: peer %s failed (%s); trying this node's tiers",
+                     tenant, session_id, peer, e)
+    return await _from_own_tiers(manifests, tenant, session_id, window)
+
+
+async def _from_own_tiers(
+    manifests: ManifestStore, tenant: str, session_id: str, window: int
+) -> PullResult:
+    manifest = await manifests.newest_manifest(tenant, session_id)
+    if manifest is None:
+        return PullResult(False, detail="no manifest for this session here or in S3")
+    result = PullResult(True)
+    gate = asyncio.Semaphore(max(1, window))
+
+    async def fetch(key: str) -> None:
+        async with gate:
+            try:
+                blob = await manifests.store.get_blob(key)  # read path: promotes to DRAM
+            except TierUnavailable:
+                blob = None
+        if blob is None:
+            result.missing += 1
+        else:
+            result.chunks += 1
+            result.bytes += len(blob)
+
+    for layer in range(manifest.num_layers):  # lower layers are needed first
+        await asyncio.gather(*(fetch(k) for k in manifest.layer_keys(layer)))
+    if not result.missing:
+        manifests.adopt(manifest)
+    result.manifest = manifest
+    return result

@@ -1,0 +1,154 @@
+"""The scheduler's side of advisory requests (Symphony §3.3, §3.6; DESIGN §3, §6).
+
+``advise``: pick the node for the session's next turn now, by the same policy as a request
+(least loaded, ties towards the node holding its KV), record the choice, and tell that
+node to prefetch (naming the kvstore that holds the session's KV when it is another
+node's). ``follow``: a request of an advised session goes to its advisory's node. Ended
+advisories are counted by how they ended and teach the throttle which tenants advise
+uselessly; a replaced, invalidated or lapsed advisory's prefetch is stopped on its node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc
+
+from services.scheduler.advisories import (
+    EXPIRED,
+    FOLLOWED,
+    INVALIDATED,
+    Advisory,
+    AdvisoryBook,
+)
+from services.scheduler.advisory_throttle import AdvisoryThrottle
+from services.scheduler.dispatch import NodeChannels
+from services.scheduler.errors import ApiError
+from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.nodes import Node, NodeRegistry
+from services.scheduler.policy import Policy, RouteRequest
+from services.scheduler.sessions import SessionDirectory
+from shared.proto import nodemgr_pb2
+
+log = logging.getLogger(__name__)
+
+NODE_CALL_S = 2.0  # deadline of an Advise / Invalidate call to a node
+
+
+@dataclass(frozen=True)
+class AdviceAsked:
+    session_id: str
+    model: str
+    expected_arrival_s: float = 0.0
+    priority: int = 0
+
+
+class Advisor:
+    def __init__(self, book: AdvisoryBook, throttle: AdvisoryThrottle, registry: NodeRegistry,
+                 policy: Policy, channels: NodeChannels, sessions: SessionDirectory,
+                 metrics: SchedulerMetrics) -> None:
+        self.book = book
+        self.throttle = throttle
+        self.registry = registry
+        self.policy = policy
+        self.channels = channels
+        self.sessions = sessions
+        self.metrics = metrics
+        self._calls: set[asyncio.Task[None]] = set()
+
+    def check_throttle(self, tenant: str) -> None:
+        """429 with Retry-After when the tenant's advisories are mostly spurious and its
+        allowance is used up."""
+        wait = self.throttle.retry_after(tenant)
+        if wait is not None:
+            self.metrics.advisories.labels("throttled").inc()
+            raise ApiError(
+                429, "most of this tenant's advisories were not followed by a request; "
+                f"advisories are limited for now: retry after {wait}s",
+                code="advisories_throttled", headers={"Retry-After": str(wait)})
+
+    def advise(self, tenant: str, asked: AdviceAsked) -> Advisory:
+        """Choose the node, record the advisory and start the node's prefetch."""
+        place = self.sessions.where(tenant, asked.session_id)
+        route = RouteRequest(asked.model, asked.session_id, tenant, asked.priority,
+                             holder=place.node_id if place else "")
+        healthy = [n for n in self.registry.healthy(asked.model) if not self.registry.behind(n)]
+        node = self.policy.choose(healthy or self.registry.healthy(asked.model), route)
+        if node is None:
+            raise ApiError(503, f"no healthy node serves model '{asked.model}' now",
+                           code="no_healthy_node")
+        adv, ended = self.book.add(tenant, asked.session_id, asked.model, node.node_id,
+                                   asked.priority, asked.expected_arrival_s)
+        self.metrics.advisories.labels("received").inc()
+        for old, how in ended:
+            self._ended(old, how)
+        source, source_node = "", ""
+        if place is not None and place.node_id != node.node_id:
+            holder = self.registry.get(place.node_id)
+            if holder is not None and self.registry.alive(holder):
+                source, source_node = holder.info.kvstore_address, holder.node_id
+        self._call(node, "Advise", nodemgr_pb2.AdviseRequest(
+            advisory_id=adv.advisory_id, tenant=tenant, session_id=asked.session_id,
+            model=asked.model, kv_source=source, priority=asked.priority))
+        log.info("advisory %s: session %s of %s goes to %s (KV %s)", adv.advisory_id,
+                 asked.session_id, tenant, node.node_id,
+                 f"from {source_node}" if source else "from its tiers or S3")
+        return adv
+
+    def invalidate(self, tenant: str, advisory_id: str) -> Advisory:
+        adv = self.book.invalidate(tenant, advisory_id)
+        if adv is None:
+            raise ApiError(404, f"no pending advisory '{advisory_id}' (unknown, expired, "
+                           "followed, or another tenant's)", param="advisory_id",
+                           code="advisory_not_found")
+        self._ended(adv, INVALIDATED)
+        return adv
+
+    def follow(self, tenant: str, session_id: str) -> str:
+        """The node an advised request goes to ("" when its session had no advisory)."""
+        adv = self.book.follow(tenant, session_id)
+        if adv is None:
+            return ""
+        self.metrics.advisories.labels(FOLLOWED).inc()
+        self.metrics.advisory_lead_time.observe(max(0.0, self.book.clock() - adv.created))
+        self.throttle.outcome(tenant, True)
+        return adv.node_id
+
+    def sweep(self) -> None:
+        for adv in self.book.sweep():
+            self._ended(adv, EXPIRED)
+
+    def _ended(self, adv: Advisory, how: str) -> None:
+        self.metrics.advisories.labels(how).inc()
+        if how == EXPIRED:
+            self.throttle.outcome(adv.tenant, False)
+        node = self.registry.get(adv.node_id)
+        if node is not None:
+            self._call(node, "Invalidate",
+                       nodemgr_pb2.InvalidateRequest(advisory_id=adv.advisory_id))
+
+    def _call(self, node: Node, method: str, request: object) -> None:
+        """Send ``request`` to the node in the background (a slow node delays no client)."""
+        async def call() -> None:
+            try:
+                await getattr(self.channels.stub(node.info.address), method)(
+                    request, timeout=NODE_CALL_S)
+            except grpc.aio.AioRpcError as e:
+                log.warning("%s to node %s failed: %s %s", method, node.node_id,
+                            e.code().name, e.details())
+
+        task = asyncio.create_task(call())
+        self._calls.add(task)
+        task.add_done_callback(self._calls.discard)
+
+    async def run_sweeper(self, interval_s: float = 1.0) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            self.sweep()
+
+    async def close(self) -> None:
+        for t in list(self._calls):
+            t.cancel()
+        await asyncio.gather(*self._calls, return_exceptions=True)
