@@ -45,6 +45,7 @@ class GenerateRequest:
     add_generation_prompt: bool = True
     kv_source: str = ""  # the kvstore holding the session's KV when not this node's
     kv_source_tokens: int = 0  # the length of the turn saved there
+    no_reuse: bool = False  # reuse no KV (device cache or kvstore) and save none (baseline)
 
 
 @dataclass(frozen=True)

@@ -197,7 +197,8 @@ class AsyncEngine:
             coordinator = self._coordinator
             self._in_lookup.add(rid)
             try:
-                plan = await coordinator.plan(prepared) if coordinator else None
+                plan = (await coordinator.plan(prepared)
+                        if coordinator and not prepared.no_reuse else None)
             finally:
                 self._in_lookup.discard(rid)
             aborted = rid in self._aborted_in_lookup

@@ -134,6 +134,7 @@ class EngineCore:
             priority=req.priority,
             tenant=req.tenant,
             session_id=req.session_id,
+            no_reuse=req.no_reuse,
         )
         seq.offload.plan = self.offload.accept(plan)
         detok = IncrementalDetokenizer(self.loaded.tokenizer, req.prompt_token_ids)

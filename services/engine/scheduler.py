@@ -4,9 +4,10 @@ One step, three small passes over plain data:
 
     1. running sequences that decode (1 token each)        oldest first
     2. running sequences still prefilling (a chunk each)   oldest first
-    3. waiting sequences admitted FCFS (device prefix hit + planned kvstore load + first
-       chunk) while budget, seats and blocks last; the head of the queue is never
-       skipped, so nothing starves
+    3. waiting sequences admitted in queue order (device prefix hit + planned kvstore
+       load + first chunk) while budget, seats and blocks last; the head of the queue is
+       never skipped. The queue is ordered by request priority (higher first), FCFS
+       within a priority (Symphony §3.6: high-priority sessions are admitted first)
 
 When a running sequence cannot get blocks, the youngest running sequence is preempted by
 recompute (its blocks freed, requeued at the FRONT of the waiting queue, to be recomputed,
@@ -61,8 +62,17 @@ class Scheduler:
 
     # ---- queue ops ----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        """Queue ``seq`` behind every waiting sequence of its priority or higher (a
+        preempted one, put back at the front, keeps its place)."""
         seq.status = Status.WAITING
         seq.waiting_since = time.monotonic()
+        if not self.waiting or self.waiting[-1].priority >= seq.priority:
+            self.waiting.append(seq)  # the common case: no higher priority than the last
+            return
+        for i, other in enumerate(self.waiting):
+            if other.priority < seq.priority and other.num_preemptions == 0:
+                self.waiting.insert(i, seq)
+                return
         self.waiting.append(seq)
 
     def oldest_waiting_since(self) -> float:
@@ -145,7 +155,7 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.request_id in out.preempted:
                 break  # preempted this step: its blocks are what the others needed
-            cached = self.kv.find_cached_prefix(seq)
+            cached = [] if seq.no_reuse else self.kv.find_cached_prefix(seq)
             device_tokens = len(cached) * self.kv.block_size
             plan = seq.offload.load_after(len(cached))
             load_tokens = (plan.end_block - len(cached)) * self.kv.block_size if plan else 0

@@ -42,6 +42,7 @@ class Sequence:
     num_registered_blocks: int = 0  # leading blocks already entered in the prefix cache
     num_preemptions: int = 0
     status: Status = Status.WAITING
+    no_reuse: bool = False  # reuses no stored or cached KV and saves none (a baseline)
     waiting_since: float = 0.0  # time.monotonic() it last entered the waiting queue
     priority: int = 0
     tenant: str = ""

@@ -24,6 +24,7 @@ class PreparedRequest:
     session_id: str = ""
     kv_source: str = ""  # see GenerateRequest
     kv_source_tokens: int = 0
+    no_reuse: bool = False
 
 
 def _bad(message: str) -> EngineError:
@@ -114,4 +115,5 @@ def prepare(
         session_id=req.session_id,
         kv_source=req.kv_source,
         kv_source_tokens=req.kv_source_tokens,
+        no_reuse=req.no_reuse,
     )

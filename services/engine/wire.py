@@ -54,6 +54,7 @@ def request_from_proto(r: common_pb2.GenerateRequest) -> GenerateRequest:
         "add_generation_prompt": r.add_generation_prompt,
         "kv_source": r.kv_source,
         "kv_source_tokens": r.kv_source_tokens,
+        "no_reuse": r.no_reuse,
     }
     if kind == common_pb2.GenerateRequest.CHAT:
         msgs = tuple(ChatMessage(m.role, m.content) for m in r.messages)

@@ -89,6 +89,8 @@ class Advisor:
             holder = self.registry.get(place.node_id)
             if holder is not None and self.registry.alive(holder):
                 source, source_node = holder.info.kvstore_address, holder.node_id
+        if not self.policy.prefetches:  # (a baseline: the advisory is only recorded)
+            return adv
         self._call(node, "Advise", nodemgr_pb2.AdviseRequest(
             advisory_id=adv.advisory_id, tenant=tenant, session_id=asked.session_id,
             model=asked.model, kv_source=source, priority=asked.priority))

@@ -33,7 +33,11 @@ class SchedulerConfig:
         24 * 3600.0, "a session's KV location is forgotten this long after its last turn",
         min=1.0,
     )
-    policy: str = opt("balanced", "placement policy", choices=("balanced",))
+    policy: str = opt(
+        "balanced", "placement policy: balanced (load first; KV follows the session; "
+        "advisories prefetch), sticky (a session stays on its first node; baseline), "
+        "recompute (no KV reuse at all; baseline)", choices=("balanced", "sticky", "recompute"),
+    )
     advisory_ttl_s: float = opt(
         30.0, "an advisory not followed by its request this long after its expected arrival "
         "is dropped as spurious", min=0.1, max=3600.0,

@@ -258,7 +258,9 @@ class Dispatcher:
         """``request`` as ``node`` gets it: naming the kvstore that holds the session's KV
         when that is another node's, and that node is alive (drained counts: it still
         serves pulls)."""
-        if place is None or place.node_id == node.node_id:
+        if not self.policy.reuses_kv:
+            return wire.without_reuse(request)
+        if place is None or place.node_id == node.node_id or not self.policy.moves_kv:
             return request
         holder = self.registry.get(place.node_id)
         if holder is None or not holder.info.kvstore_address or not self.registry.alive(holder):

@@ -1,7 +1,14 @@
-"""Placement policies: which healthy node serves an inference request.
+"""Placement policies: which healthy node serves an inference request or an advisory.
 
 A policy only decides; the dispatcher does the routing and the registry keeps the facts.
-Policies are looked up by name in ``POLICIES`` (unknown names fail loudly).
+Policies are looked up by name in ``POLICIES`` (unknown names fail loudly). Besides
+``choose``, each says what the cluster does with KV under it (DESIGN §6):
+
+- ``balanced`` (default): load first, KV follows the session, advisories prefetch;
+- ``sticky`` (an InferCept-like baseline): a session stays on its first node while that
+  node is in rotation; KV is never moved between nodes and advisories prefetch nothing;
+- ``recompute`` (a vLLM-without-offload baseline): least loaded, and no KV is reused at
+  all, not even the device prefix cache.
 """
 
 from __future__ import annotations
@@ -25,6 +32,9 @@ class RouteRequest:
 
 class Policy(Protocol):
     name: str
+    reuses_kv: bool  # requests may reuse stored or cached KV
+    moves_kv: bool  # a session's KV is pulled from the node that holds it
+    prefetches: bool  # advisories make the chosen node prefetch
 
     def choose(self, nodes: Sequence[Node], request: RouteRequest) -> Node | None:
         """Pick one of ``nodes`` (all healthy and serving ``request.model``), or None if empty.
@@ -41,6 +51,7 @@ class BalancedPolicy:
     then fewest routed, then least recently used (Symphony §3.3: load before locality)."""
 
     name = "balanced"
+    reuses_kv = moves_kv = prefetches = True
 
     def choose(self, nodes: Sequence[Node], request: RouteRequest) -> Node | None:
         if not nodes:
@@ -53,7 +64,40 @@ class BalancedPolicy:
                                          n.last_routed, n.node_id))
 
 
-POLICIES: dict[str, type[Policy]] = {"balanced": BalancedPolicy}
+def _least_loaded(nodes: Sequence[Node]) -> Node:
+    return min(nodes, key=lambda n: (n.score(), n.routed, n.last_routed, n.node_id))
+
+
+class StickyPolicy:
+    """A session's turns go to the node of its first turn (the holder) while it is in
+    rotation; a new session, or one whose node left, goes to the least loaded node."""
+
+    name = "sticky"
+    reuses_kv = True
+    moves_kv = prefetches = False
+
+    def choose(self, nodes: Sequence[Node], request: RouteRequest) -> Node | None:
+        if not nodes:
+            return None
+        for n in nodes:
+            if n.node_id == request.holder:
+                return n
+        return _least_loaded(nodes)
+
+
+class RecomputePolicy:
+    """Least loaded, blind to where KV is: every turn recomputes its whole history."""
+
+    name = "recompute"
+    reuses_kv = moves_kv = prefetches = False
+
+    def choose(self, nodes: Sequence[Node], request: RouteRequest) -> Node | None:
+        return _least_loaded(nodes) if nodes else None
+
+
+POLICIES: dict[str, type[Policy]] = {
+    "balanced": BalancedPolicy, "sticky": StickyPolicy, "recompute": RecomputePolicy,
+}
 
 
 def make_policy(name: str) -> Policy:

@@ -126,6 +126,14 @@ def with_kv_source(
     return out
 
 
+def without_reuse(request: common_pb2.GenerateRequest) -> common_pb2.GenerateRequest:
+    """``request`` marked to reuse no KV at all (the ``recompute`` policy)."""
+    out = common_pb2.GenerateRequest()
+    out.CopyFrom(request)
+    out.no_reuse = True
+    return out
+
+
 def beat(msg: scheduler_pb2.HeartbeatMsg) -> tuple[str, Load]:
     """(node_id, load) of one heartbeat."""
     return msg.node_id, load(msg)

@@ -253,6 +253,8 @@ class KVStoreOffload(Offload):
     def save(self, seq: Sequence) -> None:
         """(request end) Hand ``seq``'s full computed blocks not saved yet to the kvstore;
         they stay pinned (one more reference) until ``unpin`` with the job's id."""
+        if seq.no_reuse:
+            return
         full = seq.num_computed_tokens // self.kv.block_size
         # From the first block not known saved: a mid-generation save still unanswered may
         # yet fail, and this is the sequence's last chance (its chunks already stored are
@@ -271,7 +273,7 @@ class KVStoreOffload(Offload):
         if self.transport is None or bpc <= 0:
             return
         for seq in seqs:
-            if seq.num_computed_tokens <= seq.num_prompt_tokens:
+            if seq.no_reuse or seq.num_computed_tokens <= seq.num_prompt_tokens:
                 continue  # still prefilling: its chunks go out from its first decode on
             end = seq.num_computed_tokens // self.kv.block_size // bpc * bpc
             if end - seq.offload.saved_blocks >= bpc:

@@ -313,3 +313,14 @@ async def test_a_request_aborted_during_its_lookup_ends_aborted(loaded) -> None:
         eng._coordinator = None
         assert len(tokens(await collect(eng, greedy(PROMPTS[0], 4, request_id="r")))) == 4
         await idle(eng)
+
+
+async def test_a_no_reuse_request_recomputes_everything(loaded: LoadedModel) -> None:
+    async with engine(loaded) as eng:
+        first = await collect(eng, greedy(PROMPTS[2], 6))
+        again = await collect(eng, greedy(PROMPTS[2], 6))
+        assert again[-1].cached_tokens > 0  # the device prefix cache serves the repeat ...
+        baseline = await collect(eng, greedy(PROMPTS[2], 6, no_reuse=True))
+        assert baseline[-1].cached_tokens == 0  # ... but not a no_reuse (baseline) request
+        assert tokens(baseline) == tokens(first) == tokens(again)
+        await idle(eng)

@@ -26,7 +26,8 @@ class Harness:
         self.sched = Scheduler(self.kv, max_num_seqs, budget)
         self.n = 0
 
-    def add(self, prompt_len: int, first_token: int | None = None) -> Sequence:
+    def add(self, prompt_len: int, first_token: int | None = None, priority: int = 0
+            ) -> Sequence:
         """A sequence whose prompt differs from every other's unless ``first_token`` given."""
         first = 1 + 100 * self.n if first_token is None else first_token
         seq = Sequence(
@@ -37,6 +38,7 @@ class Harness:
             1000,
             self.n,
             LAYERS,
+            priority=priority,
         )
         self.n += 1
         self.sched.add(seq)
@@ -180,3 +182,14 @@ def test_abort_while_waiting_and_running(pool: DeviceMemory) -> None:
     h.sched.finish(run)
     h.check()
     assert not h.sched.has_work() and h.blocks.num_used == 0
+
+
+def test_a_higher_priority_request_is_admitted_before_earlier_ones(pool: DeviceMemory) -> None:
+    h = Harness(pool, max_num_seqs=1, budget=64)
+    first = h.add(2)
+    h.step()  # the one seat is taken
+    low1, low2, high, mid = h.add(2), h.add(2), h.add(2, priority=5), h.add(2, priority=1)
+    assert list(h.sched.waiting) == [high, mid, low1, low2]  # FCFS within a priority
+    h.sched.finish(first)
+    assert list(h.step().num_scheduled_tokens) == [high.request_id]
+

@@ -156,3 +156,16 @@ async def test_ties_go_to_the_node_holding_the_kv(two: MiniCluster) -> None:
     # Both idle: the balanced policy's tie goes to node1, which holds the session's KV.
     for _ in range(3):
         assert (await turn(two, "tie"))[1] == "node1"
+
+
+@pytest.mark.parametrize("policy", ["sticky", "recompute"])
+async def test_the_baseline_policies_move_no_kv(policy: str) -> None:
+    async with AsyncExitStack() as stack:
+        c = await make_cluster(stack, nodes=2, policy=policy)
+        await serve_only(c, "node0")
+        await turn(c, "s1")
+        await serve_only(c, "node1")  # the holder left rotation: even sticky moves on
+        _, node = await turn(c, "s1")
+        sent = c.engines[1].requests[-1]
+        assert node == "node1" and sent.kv_source == ""  # nothing is pulled across
+        assert sent.no_reuse == (policy == "recompute")

@@ -1,4 +1,5 @@
-"""The balanced policy: least loaded, ties to fewest routed, then least recently used."""
+"""The policies: balanced (least loaded, ties to fewest routed, then least recently used;
+advised requests to their advisory's node), sticky and recompute (the baselines)."""
 
 from __future__ import annotations
 
@@ -52,3 +53,31 @@ def test_empty_and_unknown() -> None:
     with pytest.raises(ValueError, match="known policies: balanced"):
         make_policy("nope")
     assert "balanced" in POLICIES
+
+
+def test_an_advised_request_goes_to_its_advisory_node_under_balanced() -> None:
+    reg, _ = registry("a", "b")
+    reg.heartbeat("b", Load(running=3))  # busier, but advised
+    node = make_policy("balanced").choose(reg.healthy("m"), RouteRequest("m", advised="b"))
+    assert node is not None and node.node_id == "b"
+
+
+def test_sticky_keeps_a_session_on_its_node_and_recompute_ignores_kv() -> None:
+    reg, _ = registry("a", "b")
+    reg.heartbeat("a", Load(running=5))
+    sticky, recompute = make_policy("sticky"), make_policy("recompute")
+
+    def pick(policy, request: RouteRequest) -> str:
+        node = policy.choose(reg.healthy("m"), request)
+        assert node is not None
+        return node.node_id
+
+    held = RouteRequest("m", "s", holder="a", advised="b")
+    assert pick(sticky, held) == "a"
+    assert pick(sticky, RouteRequest("m", "new")) == "b"
+    assert pick(recompute, held) == "b"
+    reg.drain("a")  # the holder left rotation: sticky moves on
+    assert pick(sticky, held) == "b"
+    assert (sticky.moves_kv, sticky.prefetches, sticky.reuses_kv) == (False, False, True)
+    assert (recompute.moves_kv, recompute.prefetches, recompute.reuses_kv) == (False,) * 3
+    assert sorted(POLICIES) == ["balanced", "recompute", "sticky"]
