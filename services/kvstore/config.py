@@ -81,6 +81,11 @@ class KVStoreConfig:
         "(a next turn on another node never sees half of the previous one)", min=0.0,
         max=60.0,
     )
+    prefetch_join_s: float = opt(
+        1.0, "a lookup of a session whose advisory prefetch is still running here waits "
+        "this long at most (and at most half its deadline) for it to land", min=0.0,
+        max=30.0,
+    )
     peer_data_port: int = opt(
         0, "TCP port peers stream chunk bytes from (0 = a free port)", min=0, max=65535,
     )

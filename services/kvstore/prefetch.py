@@ -5,13 +5,17 @@ From the peer that served the session's last turn when one is named (its manifes
 chunks, streamed layer by layer: ``peers/pull.py``), else (or when the peer fails) from
 this node's own tiers, the shared S3 tier included: each chunk read is promoted into DRAM.
 The request later finds the chunks by its prompt's content hashes, like any reuse; nothing
-here trusts the session id beyond naming what to fetch.
+here trusts the session id beyond naming what to fetch. A request that arrives while its
+session's prefetch still runs (a short lead time) waits for it, briefly, rather than fetch
+the same chunks a second time alongside it (``InFlight``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import Awaitable
 
 from services.kvstore.errors import TierUnavailable
 from services.kvstore.manifests import ManifestStore
@@ -73,3 +77,32 @@ async def _from_own_tiers(
         manifests.adopt(manifest)
     result.manifest = manifest
     return result
+
+
+class InFlight:
+    """Prefetches running here, by (tenant, session)."""
+
+    def __init__(self) -> None:
+        self._running: dict[tuple[str, str], asyncio.Future[PullResult]] = {}
+
+    async def run(self, tenant: str, session_id: str, work: Awaitable[PullResult]
+                  ) -> PullResult:
+        fut: asyncio.Future[PullResult] = asyncio.ensure_future(work)
+        key = (tenant, session_id)
+        self._running[key] = fut
+        try:
+            return await fut
+        finally:
+            if self._running.get(key) is fut:
+                del self._running[key]
+
+    async def join(self, tenant: str, session_id: str, budget_s: float) -> bool:
+        """Wait up to ``budget_s`` for the session's prefetch to end (True if it did, or
+        none ran)."""
+        fut = self._running.get((tenant, session_id))
+        if fut is None or fut.done():
+            return True
+        with contextlib.suppress(Exception):  # its failure is its caller's to report
+            await asyncio.wait_for(asyncio.shield(fut), budget_s)
+        return fut.done()
+

@@ -86,7 +86,7 @@ async def run(config: KVStoreConfig, stop: asyncio.Event | None = None) -> None:
         stack.push_async_callback(chunks.close)
         service = KVStoreService(
             manifests, config.node_id, config.stream_window, config.peer_address, pool_path,
-            config.peer_timeout_s,
+            config.peer_timeout_s, config.prefetch_join_s,
         )
         server = await stack.enter_async_context(
             serve_grpc(

@@ -16,7 +16,7 @@ from services.kvstore.manifests import ManifestStore, manifest_key
 from services.kvstore.peers.pull import pull_session
 from services.kvstore.pool.attach import PoolError
 from services.kvstore.pool.data_path import EnginePoolPath
-from services.kvstore.prefetch import prefetch_session
+from services.kvstore.prefetch import InFlight, prefetch_session
 from services.kvstore.streaming import stream_session
 from shared.chunk_codec import MAX_LAYER, ChunkCorrupt, ChunkFormatError
 from shared.config import ConfigError
@@ -35,6 +35,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         peer_address: str,
         pool_path: EnginePoolPath,
         peer_timeout_s: float = 10.0,
+        prefetch_join_s: float = 1.0,
     ) -> None:
         self.manifests = manifests
         self.store = manifests.store
@@ -43,6 +44,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.node_id = node_id
         self.window = window
         self.peer_address = peer_address
+        self.prefetching = InFlight()
+        self.prefetch_join_s = prefetch_join_s
 
     async def Status(
         self, request: pb.KVStoreStatusRequest, context: grpc.aio.ServicerContext
@@ -186,8 +189,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     ) -> pb.PullSessionReply:
         tenant, session_id = wire.session_of(request.session)
         try:
-            r = await prefetch_session(self.manifests, tenant, session_id,
-                                       request.peer_address, self.window, self.peer_timeout_s)
+            r = await self.prefetching.run(tenant, session_id, prefetch_session(
+                self.manifests, tenant, session_id, request.peer_address, self.window,
+                self.peer_timeout_s))
         except ChunkFormatError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         m = self.store.metrics
@@ -239,7 +243,13 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self, request: pb.LookupPrefixRequest, context: grpc.aio.ServicerContext
     ) -> pb.LookupPrefixReply:
         try:
-            result = await self.pool_path.lookup(wire.lookup_from_pb(request))
+            req = wire.lookup_from_pb(request)
+            left = context.time_remaining()
+            budget = self.prefetch_join_s if left is None else min(self.prefetch_join_s,
+                                                                   left / 2)
+            # The session's advisory prefetch still running here: let it land first.
+            await self.prefetching.join(req.tenant, req.session_id, budget)
+            result = await self.pool_path.lookup(req)
         except (PoolError, ChunkFormatError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         await self._hand_out(result.lease_id, context)

@@ -1,0 +1,130 @@
+"""A session's next turn with and without an advisory: time to first token by lead time.
+
+    python -m bench.advisory_ttft [--history 2048] [--reps 3] [--leads 0.25,1,3] [--raw]
+
+The cluster of ``bench.cluster_resume`` (scheduler, two nodes of kvstore + engine + node
+manager, SeaweedFS S3, the `small` demo model in fp32). Each sample is a fresh session:
+a history of H random tokens sent as one turn on node0 (its KV saved there and, once
+settled, durable in S3), then the timed turn — the history plus a 50-token message — on
+node1 (node0 drained), where the KV is not:
+
+- recompute          a history never seen before (the baseline of every ratio)
+- device             the timed turn on node0 instead: the history is in its device cache
+- peer, s3           no advisory: node1 pulls the history from node0's kvstore during
+                     the turn, or (node0's copies deleted) from S3
+- peer+L, s3+L       ``POST /v1/advisory`` L seconds before the turn: node1's kvstore
+                     prefetches the history into its DRAM meanwhile
+
+Goals (issue #19): with an advisory >= 1 s ahead, TTFT within 1.15x of ``device``; with
+0.25 s, no worse than without an advisory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from bench.cluster_resume import (
+    NEW_MESSAGE_TOKENS,
+    VOCAB,
+    _complete,
+    _only_in_s3,
+    _serve_only,
+    _settled,
+)
+from tests.cluster import Cluster, start_cluster
+
+
+def _modes(leads: list[float]) -> list[str]:
+    out = ["recompute", "device", "peer", "s3"]
+    for where in ("peer", "s3"):
+        out += [f"{where}+{lead:g}" for lead in leads]
+    return out
+
+
+def sample(cluster: Cluster, model: str, mode: str, history: int, rng: random.Random,
+           n: int) -> tuple[float, int, str]:
+    """One timed turn; (seconds, cached tokens, serving node)."""
+    session = f"adv-{mode}-{n}-{rng.randrange(1 << 30)}"
+    hist = [rng.randrange(*VOCAB) for _ in range(history)]
+    new = [rng.randrange(*VOCAB) for _ in range(NEW_MESSAGE_TOKENS)]
+    where, _, lead = mode.partition("+")
+    _serve_only(cluster, "node0")
+    if mode != "recompute":
+        _complete(cluster, hist, session)
+    _settled(cluster, session if mode != "recompute" else "")
+    if where == "s3":
+        _only_in_s3(cluster, session)
+    if mode != "device":
+        _serve_only(cluster, "node1")
+    if lead:
+        status, adv = cluster.post("/v1/advisory", {"session_id": session, "model": model,
+                                                    "expected_arrival_s": float(lead)})
+        if status != 202 or adv.get("node") != "node1":
+            raise RuntimeError(f"advisory refused or misplaced: {status} {adv}")
+        time.sleep(float(lead))  # the user types; the node prefetches
+    seconds, usage, node = _complete(cluster, hist + new, session)
+    return seconds, usage["prompt_tokens_details"]["cached_tokens"], node
+
+
+def run(history: int, reps: int, leads: list[float], raw: bool) -> dict[str, float]:
+    from services.engine.model import write_demo_model
+
+    rng = random.Random(0)
+    modes = _modes(leads)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_demo_model(Path(tmp) / "small", size="small", seed=0)
+        with start_cluster(Path(tmp) / "cluster", path, nodes=2, s3=True, ssd=True,
+                           ready_timeout=600) as cluster:
+            model = cluster.get("/v1/models")[1]["data"][0]["id"]
+            for mode in modes:  # warm every path once
+                sample(cluster, model, mode, 256, rng, -1)
+            times: dict[str, list[float]] = {m: [] for m in modes}
+            for rep in range(reps):
+                for mode in modes:
+                    s, cached, node = sample(cluster, model, mode, history, rng, rep)
+                    times[mode].append(s)
+                    if raw:
+                        print(f"  {mode:10s} {s * 1000:8.1f} ms  cached {cached:5d}  on {node}")
+    return {m: statistics.median(v) for m, v in times.items()}
+
+
+def report(history: int, leads: list[float], med: dict[str, float]) -> None:
+    base, device = med["recompute"], med["device"]
+    print(f"\nhistory {history} + {NEW_MESSAGE_TOKENS} new tokens, small model, fp32, two "
+          "nodes; median TTFT over HTTP (× = speed-up over recompute; / device = ratio to "
+          "the history already on the serving node's device)")
+    print("| turn | TTFT | × recompute | / device |")
+    print("| --- | --- | --- | --- |")
+    for mode, t in med.items():
+        print(f"| {mode} | {t * 1000:.0f} ms | {base / t:.1f}× | {t / device:.2f} |")
+    for where in ("peer", "s3"):
+        for lead in leads:
+            t = med[f"{where}+{lead:g}"]
+            if lead >= 1:
+                ok = t <= 1.15 * device
+                print(f"{where}, advisory {lead:g} s ahead: {t / device:.2f}× device "
+                      f"(goal ≤ 1.15: {'met' if ok else 'NOT met'})")
+            else:
+                ok = t <= med[where]
+                print(f"{where}, advisory {lead:g} s ahead: {t / med[where]:.2f}× no advisory "
+                      f"(goal ≤ 1: {'met' if ok else 'NOT met'})")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--history", type=int, default=2048)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--leads", default="0.25,1,3", help="advisory lead times, seconds")
+    p.add_argument("--raw", action="store_true", help="print every sample")
+    args = p.parse_args(argv)
+    leads = [float(x) for x in args.leads.split(",") if x.strip()]
+    report(args.history, leads, run(args.history, args.reps, leads, args.raw))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""A lookup that arrives while its session's advisory prefetch runs waits for it, within a
+budget, instead of fetching the same chunks alongside it."""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.kvstore.peers.pull import PullResult
+from services.kvstore.prefetch import InFlight
+
+
+async def test_a_lookup_joins_the_running_prefetch_within_its_budget() -> None:
+    inflight = InFlight()
+    release = asyncio.Event()
+
+    async def prefetch() -> PullResult:
+        await release.wait()
+        return PullResult(True, chunks=4)
+
+    running = asyncio.create_task(inflight.run("t", "s", prefetch()))
+    await asyncio.sleep(0)
+    assert await inflight.join("t", "other", 1.0)  # nothing runs for that session
+    assert not await inflight.join("t", "s", 0.05)  # still running past the budget
+    asyncio.get_running_loop().call_later(0.05, release.set)
+    assert await inflight.join("t", "s", 5.0)  # landed while waited for
+    assert (await running).chunks == 4
+    assert await inflight.join("t", "s", 0.0)  # (done: forgotten)
+
+
+async def test_a_failed_prefetch_does_not_fail_the_lookup() -> None:
+    inflight = InFlight()
+
+    async def broken() -> PullResult:
+        await asyncio.sleep(0.01)
+        raise RuntimeError("peer vanished")
+
+    running = asyncio.create_task(inflight.run("t", "s", broken()))
+    await asyncio.sleep(0)
+    assert await inflight.join("t", "s", 1.0)
+    assert isinstance((await asyncio.gather(running, return_exceptions=True))[0], RuntimeError)
