@@ -62,10 +62,15 @@ class Up:
     pids: dict[str, int] = field(default_factory=dict)
     _queue: queue.Queue = field(default_factory=queue.Queue)
 
+    log: Path | None = None  # every line is kept here too (for a post-mortem)
+
     def pump(self) -> None:
         assert self.proc.stdout is not None
-        for line in iter(self.proc.stdout.readline, ""):
-            self._queue.put(line.rstrip("\n"))
+        with open(self.log or os.devnull, "a") as keep:
+            for line in iter(self.proc.stdout.readline, ""):
+                keep.write(line)
+                keep.flush()
+                self._queue.put(line.rstrip("\n"))
 
     def read(self) -> None:
         while True:
@@ -111,11 +116,12 @@ def overture_up(model: Path, work: Path, *extra: str) -> Iterator[Up]:
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
     )
     up = Up(proc, Cluster(url=f"http://127.0.0.1:{port}", log_dir=work))
+    up.log = work / "overture-up.log"
     threading.Thread(target=up.pump, daemon=True).start()
     try:
-        up.wait_for("Overture is ready at", timeout=180)
+        up.wait_for("Overture is ready at", timeout=300)
         # Engines serve before their pools are attached: wait for both attachments.
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
         while sum("KV pool attached" in line for line in up.lines) < 2:
             assert time.monotonic() < deadline, up.tail()
             time.sleep(0.1)
