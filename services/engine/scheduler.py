@@ -28,6 +28,8 @@ from .sequence import Sequence, Status
 
 log = logging.getLogger(__name__)
 
+MAX_OVERTAKES = 32  # higher-priority arrivals that may be queued ahead of a waiting one
+
 
 @dataclass
 class SchedulerOutput:
@@ -62,18 +64,24 @@ class Scheduler:
 
     # ---- queue ops ----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        """Queue ``seq`` behind every waiting sequence of its priority or higher (a
-        preempted one, put back at the front, keeps its place)."""
+        """Queue ``seq`` behind every waiting sequence of its priority or higher. It never
+        passes one put back at the front (preempted, or its load failed), nor one already
+        passed ``MAX_OVERTAKES`` times: a stream of higher priorities delays a request,
+        never starves it."""
         seq.status = Status.WAITING
         seq.waiting_since = time.monotonic()
         if not self.waiting or self.waiting[-1].priority >= seq.priority:
             self.waiting.append(seq)  # the common case: no higher priority than the last
             return
-        for i, other in enumerate(self.waiting):
-            if other.priority < seq.priority and other.num_preemptions == 0:
-                self.waiting.insert(i, seq)
-                return
-        self.waiting.append(seq)
+        at = len(self.waiting)
+        for i in range(len(self.waiting) - 1, -1, -1):
+            other = self.waiting[i]
+            if other.overtaken >= MAX_OVERTAKES or other.priority >= seq.priority:
+                break
+            at = i
+        for other in list(self.waiting)[at:]:
+            other.overtaken += 1
+        self.waiting.insert(at, seq)
 
     def oldest_waiting_since(self) -> float:
         """When the longest-waiting queued sequence entered the queue (0.0: none waits)."""
@@ -144,6 +152,7 @@ class Scheduler:
         self.kv.free(seq)
         seq.status = Status.WAITING
         seq.waiting_since = time.monotonic()
+        seq.overtaken = MAX_OVERTAKES  # back at the front, where it stays
         self.waiting.appendleft(seq)
 
     def _admit_waiting(self, out: SchedulerOutput) -> None:

@@ -13,7 +13,6 @@ the same chunks a second time alongside it (``InFlight``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable
 
@@ -33,13 +32,14 @@ async def prefetch_session(
     timeout_s: float = 10.0,
 ) -> PullResult:
     """Bring ``tenant/session_id`` into DRAM; what was found, fetched and missing."""
+    deleted_before = manifests.deletions(tenant, session_id)
     if peer:
         try:
             result = await pull_session(manifests, peer, tenant, session_id, window=window,
                                         timeout_s=timeout_s, copy_of_shared=True)
             if result.found and not result.missing:
-                if result.manifest is not None:
-                    manifests.adopt(result.manifest)  # lookups here find its chunks
+                if result.manifest is not None:  # lookups here find its chunks
+                    manifests.adopt(result.manifest, deleted_before)
                 return result
             log.info("prefetch of %s/%s from peer %s: %s; trying this node's tiers",
                      tenant, session_id, peer,
@@ -47,11 +47,12 @@ async def prefetch_session(
         except TierUnavailable as e:
             log.info("prefetch of %s/%s: peer %s failed (%s); trying this node's tiers",
                      tenant, session_id, peer, e)
-    return await _from_own_tiers(manifests, tenant, session_id, window)
+    return await _from_own_tiers(manifests, tenant, session_id, window, deleted_before)
 
 
 async def _from_own_tiers(
-    manifests: ManifestStore, tenant: str, session_id: str, window: int
+    manifests: ManifestStore, tenant: str, session_id: str, window: int,
+    deleted_before: int | None,
 ) -> PullResult:
     manifest = await manifests.newest_manifest(tenant, session_id)
     if manifest is None:
@@ -74,8 +75,9 @@ async def _from_own_tiers(
     for layer in range(manifest.num_layers):  # lower layers are needed first
         await asyncio.gather(*(fetch(k) for k in manifest.layer_keys(layer)))
     if not result.missing:
-        manifests.adopt(manifest)
+        manifests.adopt(manifest, deleted_before)
     result.manifest = manifest
+    result.found = result.chunks > 0
     return result
 
 
@@ -102,7 +104,7 @@ class InFlight:
         fut = self._running.get((tenant, session_id))
         if fut is None or fut.done():
             return True
-        with contextlib.suppress(Exception):  # its failure is its caller's to report
-            await asyncio.wait_for(asyncio.shield(fut), budget_s)
+        # (never raises for the prefetch: its failure or cancellation is its caller's)
+        await asyncio.wait({fut}, timeout=budget_s)
         return fut.done()
 

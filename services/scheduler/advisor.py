@@ -22,6 +22,7 @@ from services.scheduler.advisories import (
     INVALIDATED,
     Advisory,
     AdvisoryBook,
+    TooManyAdvisories,
 )
 from services.scheduler.advisory_throttle import AdvisoryThrottle
 from services.scheduler.dispatch import NodeChannels
@@ -58,10 +59,16 @@ class Advisor:
         self.metrics = metrics
         self._calls: set[asyncio.Task[None]] = set()
 
-    def check_throttle(self, tenant: str) -> None:
+    def check_throttle(self, tenant: str, count: int = 1) -> None:
         """429 with Retry-After when the tenant's advisories are mostly spurious and its
-        allowance is used up."""
-        wait = self.throttle.retry_after(tenant)
+        allowance (one token per advisory, successors included) is used up, or when it
+        has its share of pending advisories."""
+        if self.book.pending(tenant) + count > self.book.per_tenant:
+            self.metrics.advisories.labels("throttled").inc()
+            raise ApiError(429, f"this tenant has {self.book.per_tenant} pending advisories "
+                           "already; let some be followed, expire or be invalidated",
+                           code="too_many_advisories", headers={"Retry-After": "1"})
+        wait = self.throttle.retry_after(tenant, count)
         if wait is not None:
             self.metrics.advisories.labels("throttled").inc()
             raise ApiError(
@@ -79,8 +86,12 @@ class Advisor:
         if node is None:
             raise ApiError(503, f"no healthy node serves model '{asked.model}' now",
                            code="no_healthy_node")
-        adv, ended = self.book.add(tenant, asked.session_id, asked.model, node.node_id,
-                                   asked.priority, asked.expected_arrival_s)
+        try:
+            adv, ended = self.book.add(tenant, asked.session_id, asked.model, node.node_id,
+                                       asked.priority, asked.expected_arrival_s)
+        except TooManyAdvisories:
+            raise ApiError(429, "this tenant has too many pending advisories",
+                           code="too_many_advisories", headers={"Retry-After": "1"}) from None
         self.metrics.advisories.labels("received").inc()
         for old, how in ended:
             self._ended(old, how)
@@ -109,9 +120,14 @@ class Advisor:
         return adv
 
     def follow(self, tenant: str, session_id: str) -> str:
-        """The node an advised request goes to ("" when its session had no advisory)."""
-        adv = self.book.follow(tenant, session_id)
+        """The node an advised request goes to ("" when its session had no advisory, or
+        it lapsed: a late request is routed as if unadvised, and not held against its
+        tenant)."""
+        adv, how = self.book.follow(tenant, session_id)
         if adv is None:
+            return ""
+        if how != FOLLOWED:
+            self.metrics.advisories.labels(how).inc()
             return ""
         self.metrics.advisories.labels(FOLLOWED).inc()
         self.metrics.advisory_lead_time.observe(max(0.0, self.book.clock() - adv.created))

@@ -13,6 +13,7 @@ injectable clock when asked, and ``sweep()`` reports the ones that lapsed.
 from __future__ import annotations
 
 import secrets
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -20,6 +21,11 @@ from dataclasses import dataclass
 
 Clock = Callable[[], float]
 FOLLOWED, EXPIRED, INVALIDATED, REPLACED = "followed", "expired", "invalidated", "replaced"
+LATE = "late"  # its request came after it lapsed: not followed, but not spurious either
+
+
+class TooManyAdvisories(Exception):
+    """The tenant already has its share of pending advisories."""
 
 
 @dataclass
@@ -40,21 +46,29 @@ def new_advisory_id() -> str:
 
 
 class AdvisoryBook:
-    def __init__(self, ttl_s: float, capacity: int, clock: Clock = time.monotonic) -> None:
+    def __init__(self, ttl_s: float, capacity: int, clock: Clock = time.monotonic,
+                 per_tenant: int | None = None) -> None:
         self.ttl_s = ttl_s
         self.capacity = capacity
+        # One tenant cannot crowd out the others (None: no limit but ``capacity``).
+        self.per_tenant = per_tenant if per_tenant is not None else sys.maxsize
         self.clock = clock
         self._by_id: OrderedDict[str, Advisory] = OrderedDict()  # oldest first
         self._by_session: dict[tuple[str, str], str] = {}
+        self._pending: dict[str, int] = {}  # per tenant
 
     def __len__(self) -> int:
         return len(self._by_id)
 
     def add(self, tenant: str, session_id: str, model: str, node_id: str, priority: int,
             expected_arrival_s: float) -> tuple[Advisory, list[tuple[Advisory, str]]]:
-        """Record a new advisory; also returns the ones it ended (replaced, or dropped as
-        the oldest past ``capacity``: counted as expired), with how they ended."""
+        """Record a new advisory; also returns the ones it ended (replaced, or the tenant's
+        own oldest past ``capacity``: counted as expired), with how they ended. Raises
+        ``TooManyAdvisories`` when the tenant already has ``per_tenant`` pending."""
         now = self.clock()
+        replacing = self._by_session.get((tenant, session_id)) is not None
+        if self._pending.get(tenant, 0) >= self.per_tenant and not replacing:
+            raise TooManyAdvisories(tenant)
         life = expected_arrival_s + self.ttl_s
         adv = Advisory(new_advisory_id(), tenant, session_id, model, node_id, priority,
                        created=now, expires_at=now + life, wall_expires_at=time.time() + life)
@@ -62,11 +76,17 @@ class AdvisoryBook:
         old_id = self._by_session.get((tenant, session_id))
         if old_id is not None:
             ended.append((self._remove(old_id), REPLACED))
-        while len(self._by_id) >= self.capacity:
-            ended.append((self._remove(next(iter(self._by_id))), EXPIRED))
+        while len(self._by_id) >= self.capacity:  # the tenant's own oldest first
+            victim = next((a for a in self._by_id.values() if a.tenant == tenant),
+                          next(iter(self._by_id.values())))
+            ended.append((self._remove(victim.advisory_id), EXPIRED))
         self._by_id[adv.advisory_id] = adv
         self._by_session[(tenant, session_id)] = adv.advisory_id
+        self._pending[tenant] = self._pending.get(tenant, 0) + 1
         return adv, ended
+
+    def pending(self, tenant: str) -> int:
+        return self._pending.get(tenant, 0)
 
     def get(self, tenant: str, advisory_id: str) -> Advisory | None:
         """The tenant's pending advisory of that id (another tenant's is not found)."""
@@ -81,15 +101,14 @@ class AdvisoryBook:
             self._remove(advisory_id)
         return adv
 
-    def follow(self, tenant: str, session_id: str) -> Advisory | None:
-        """The session's pending advisory, now followed by its request (and ended)."""
+    def follow(self, tenant: str, session_id: str) -> tuple[Advisory | None, str]:
+        """The session's pending advisory, ended: (it, FOLLOWED) when its request came in
+        time, (it, LATE) when after it lapsed (not yet swept), (None, "") without one."""
         advisory_id = self._by_session.get((tenant, session_id))
         if advisory_id is None:
-            return None
-        adv = self._by_id[advisory_id]
-        if adv.expires_at < self.clock():
-            return None  # lapsed: ``sweep`` ends (and counts) it
-        return self._remove(advisory_id)
+            return None, ""
+        adv = self._remove(advisory_id)
+        return adv, (FOLLOWED if adv.expires_at >= self.clock() else LATE)
 
     def sweep(self) -> list[Advisory]:
         """End and return the advisories whose time ran out (spurious ones)."""
@@ -101,6 +120,11 @@ class AdvisoryBook:
 
     def _remove(self, advisory_id: str) -> Advisory:
         adv = self._by_id.pop(advisory_id)
+        left = self._pending.get(adv.tenant, 1) - 1
+        if left:
+            self._pending[adv.tenant] = left
+        else:
+            self._pending.pop(adv.tenant, None)
         key = (adv.tenant, adv.session_id)
         if self._by_session.get(key) == advisory_id:
             del self._by_session[key]

@@ -43,9 +43,9 @@ def _asked(body: Any, state: ApiState, where: str, fields: set[str]) -> AdviceAs
     if not isinstance(session, str) or not session.strip():
         raise invalid(f"'{where}session_id' is required: a non-empty string",
                       f"{where}session_id", "invalid_session_id")
-    if len(session) > MAX_SESSION_ID:
-        raise invalid(f"'{where}session_id' is longer than {MAX_SESSION_ID} characters",
-                      f"{where}session_id", "invalid_session_id")
+    if len(session) > MAX_SESSION_ID or "/" in session or not session.isprintable():
+        raise invalid(f"'{where}session_id' must be at most {MAX_SESSION_ID} printable "
+                      "characters without '/'", f"{where}session_id", "invalid_session_id")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid(f"'{where}model' is required: a model name", f"{where}model",
@@ -86,8 +86,12 @@ async def create(request: web.Request) -> web.Response:
                       "successors", "invalid_type")
     nexts = [_asked(s, state, f"successors[{i}].", SUCCESSOR_FIELDS)
              for i, s in enumerate(successors)]
+    sessions = [asked.session_id, *(s.session_id for s in nexts)]
+    if len(set(sessions)) != len(sessions):
+        raise invalid("each advised session may appear once (in session_id and successors)",
+                      "successors", "duplicate_session")
     advisor: Advisor = state.advisor
-    advisor.check_throttle(tenant)
+    advisor.check_throttle(tenant, len(sessions))
     adv = advisor.advise(tenant, asked)
     answer = _view(adv)
     answer["successors"] = [_view(advisor.advise(tenant, s)) for s in nexts]

@@ -20,7 +20,7 @@ Clock = Callable[[], float]
 
 @dataclass
 class _Tenant:
-    useful: float = 1.0  # exponential average of outcomes (1 = followed)
+    useful: float = 0.0  # exponential average of outcomes (1 = followed; seeded by the 1st)
     outcomes: int = 0
     tokens: float = 0.0
     refilled: float = 0.0
@@ -43,8 +43,10 @@ class AdvisoryThrottle:
             if len(self._tenants) >= self.max_tenants:
                 self._tenants.pop(next(iter(self._tenants)))
             t = self._tenants[tenant] = _Tenant(tokens=self.burst, refilled=self.clock())
-        weight = 1.0 / max(1, self.min_outcomes)
-        t.useful += weight * ((1.0 if followed else 0.0) - t.useful)
+        value = 1.0 if followed else 0.0
+        # An average over about the last min_outcomes (exact over the first ones).
+        weight = 1.0 / min(t.outcomes + 1, max(1, self.min_outcomes))
+        t.useful += weight * (value - t.useful)
         t.outcomes += 1
 
     def throttled(self, tenant: str) -> bool:
@@ -52,16 +54,16 @@ class AdvisoryThrottle:
         return (t is not None and t.outcomes >= self.min_outcomes
                 and t.useful < self.min_useful)
 
-    def retry_after(self, tenant: str) -> int | None:
-        """None: the tenant may advise now (a token is taken if it is throttled); else the
-        whole seconds until it may."""
+    def retry_after(self, tenant: str, count: int = 1) -> int | None:
+        """None: the tenant may send ``count`` advisories now (as many tokens are taken if
+        it is throttled); else the whole seconds until it may."""
         if not self.throttled(tenant):
             return None
         t = self._tenants[tenant]
         now = self.clock()
         t.tokens = min(self.burst, t.tokens + (now - t.refilled) * self.rate)
         t.refilled = now
-        if t.tokens >= 1.0:
-            t.tokens -= 1.0
+        if t.tokens >= count:
+            t.tokens -= count
             return None
-        return max(1, math.ceil((1.0 - t.tokens) / self.rate))
+        return max(1, math.ceil((count - t.tokens) / self.rate))

@@ -38,7 +38,8 @@ def build_state(
         sessions = SessionDirectory(config.sessions_max, config.sessions_ttl_s)
     policy = make_policy(config.policy)
     advisor = Advisor(
-        AdvisoryBook(config.advisory_ttl_s, config.advisories_max),
+        AdvisoryBook(config.advisory_ttl_s, config.advisories_max,
+                     per_tenant=config.advisories_per_tenant),
         AdvisoryThrottle(config.advisory_min_useful, config.advisory_throttle_rate, 5.0,
                          config.advisory_throttle_after),
         registry, policy, channels, sessions, metrics,

@@ -43,6 +43,9 @@ class SchedulerConfig:
         "is dropped as spurious", min=0.1, max=3600.0,
     )
     advisories_max: int = opt(100_000, "pending advisories kept (oldest dropped)", min=1)
+    advisories_per_tenant: int = opt(
+        10_000, "pending advisories one tenant may have (more: 429)", min=1,
+    )
     advisory_min_useful: float = opt(
         0.2, "a tenant whose advisories are followed less often than this (share, over "
         "about advisory_throttle_after recent ones) is throttled", min=0.0, max=1.0,

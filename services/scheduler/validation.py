@@ -28,6 +28,9 @@ class Limits:
     default_max_tokens: int = 0
 
 
+MAX_PRIORITY = 1000  # request and advisory priorities lie in [-1000, 1000]
+
+
 def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not valid JSON")
 
@@ -295,7 +298,7 @@ def validate(
         return_token_ids=_bool(body, "return_token_ids", False),
         session_id=session,
         tenant=tenant,
-        priority=_int(body, "priority", 0, -INT32_MAX, INT32_MAX) or 0,
+        priority=_int(body, "priority", 0, -MAX_PRIORITY, MAX_PRIORITY) or 0,
         add_generation_prompt=_bool(body, "add_generation_prompt", True),
     )
 

@@ -243,12 +243,22 @@ class ManifestStore:
         self._tasks.setdefault(sid, set()).add(task)
         task.add_done_callback(functools.partial(self._manifest_done, sid))
 
-    def adopt(self, manifest: Manifest) -> None:
+    def adopt(self, manifest: Manifest, deleted_before: int | None) -> bool:
         """A session's chunks were copied here (an advisory prefetch): lookups see its
-        sequence as this node's own. No manifest is written: its holder writes that."""
+        sequence as this node's own. No manifest is written: its holder writes that. Not
+        when the session was deleted since ``deleted_before`` (``deletions()`` taken when
+        the copy began) or this node already knows as long a sequence of it (a turn that
+        ran here meanwhile): whether it was adopted."""
+        sid = (manifest.tenant, manifest.session_id)
+        if self._forgotten.get(sid) != deleted_before:
+            return False
+        known = self._latest.get(sid)
+        if known is not None and known.token_count >= manifest.token_count:
+            return False
         seq = SavedSequence(manifest.model_fp, manifest.block_hashes, manifest.token_count,
                             manifest.num_layers)
-        self._note_latest((manifest.tenant, manifest.session_id), seq, manifest)
+        self._note_latest(sid, seq, manifest)
+        return True
 
     def _note_latest(self, sid: SessionId, seq: SavedSequence, manifest: Manifest) -> None:
         self._drop_latest(sid)
@@ -316,6 +326,8 @@ class ManifestStore:
                 self._writing.discard(me)
         except (ManifestIncomplete, TierUnavailable, ChunkFormatError) as e:
             log.warning("manifest of %s not written: %s", manifest.key, e)
+            if self._newest.get(sid) is manifest:
+                del self._newest[sid]  # (its chunks may be gone: peers get the durable one)
 
     async def wait_pending(self) -> None:
         """Wait for the background manifest writes pending now (tests, shutdown)."""

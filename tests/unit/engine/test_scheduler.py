@@ -193,3 +193,17 @@ def test_a_higher_priority_request_is_admitted_before_earlier_ones(pool: DeviceM
     h.sched.finish(first)
     assert list(h.step().num_scheduled_tokens) == [high.request_id]
 
+
+
+def test_a_stream_of_higher_priorities_cannot_starve_a_request(pool: DeviceMemory) -> None:
+    from services.engine.scheduler import MAX_OVERTAKES
+
+    h = Harness(pool, max_num_seqs=1, budget=64)
+    h.add(2)
+    h.step()
+    low = h.add(2)
+    for _ in range(MAX_OVERTAKES):
+        h.add(2, priority=9)
+    assert h.sched.waiting[-1] is low and low.overtaken == MAX_OVERTAKES
+    late = h.add(2, priority=9)
+    assert h.sched.waiting[-1] is late  # it may be passed no more

@@ -38,3 +38,18 @@ async def test_a_failed_prefetch_does_not_fail_the_lookup() -> None:
     await asyncio.sleep(0)
     assert await inflight.join("t", "s", 1.0)
     assert isinstance((await asyncio.gather(running, return_exceptions=True))[0], RuntimeError)
+
+
+async def test_a_cancelled_prefetch_does_not_cancel_the_lookup() -> None:
+    inflight = InFlight()
+
+    async def slow() -> PullResult:
+        await asyncio.sleep(10)
+        return PullResult(True)
+
+    running = asyncio.create_task(inflight.run("t", "s", slow()))
+    await asyncio.sleep(0)
+    joiner = asyncio.create_task(inflight.join("t", "s", 5.0))
+    await asyncio.sleep(0.01)
+    running.cancel()  # (an invalidation, the nodemgr's deadline)
+    assert await joiner is True  # the lookup goes on

@@ -11,7 +11,14 @@ from contextlib import AsyncExitStack
 
 import pytest
 
-from services.scheduler.advisories import REPLACED, AdvisoryBook
+from services.scheduler.advisories import (
+    EXPIRED,
+    FOLLOWED,
+    LATE,
+    REPLACED,
+    AdvisoryBook,
+    TooManyAdvisories,
+)
 from services.scheduler.advisory_throttle import AdvisoryThrottle
 from shared.grpc_server import serve_grpc
 from shared.proto import kvstore_pb2, kvstore_pb2_grpc
@@ -35,15 +42,30 @@ def test_the_book_keeps_one_pending_advisory_per_session() -> None:
     assert ended == [(a, REPLACED)] and book.get("t1", a.advisory_id) is None
     assert book.get("t2", b.advisory_id) is None  # another tenant's: not found
     assert book.invalidate("t2", b.advisory_id) is None
-    assert book.follow("t2", "s1") is None
-    assert book.follow("t1", "s1") is b and book.follow("t1", "s1") is None  # ended once
+    assert book.follow("t2", "s1") == (None, "")
+    assert book.follow("t1", "s1") == (b, FOLLOWED)
+    assert book.follow("t1", "s1") == (None, "")  # ended once
     c, _ = book.add("t1", "s2", "m", "node0", 0, 0.0)
+    d, _ = book.add("t1", "s3", "m", "node0", 0, 0.0)
     clock.now += 11.0
-    assert book.follow("t1", "s2") is None  # lapsed: not followed ...
-    assert book.sweep() == [c] and len(book) == 0  # ... but swept as expired
+    assert book.follow("t1", "s2") == (c, LATE)  # lapsed: its request came late
+    assert book.sweep() == [d] and len(book) == 0  # never followed: swept as expired
     for i in range(4):  # capacity 3: the oldest goes
         book.add("t1", f"x{i}", "m", "node0", 0, 0.0)
-    assert len(book) == 3 and book.follow("t1", "x0") is None
+    assert len(book) == 3 and book.follow("t1", "x0") == (None, "")
+
+
+def test_one_tenant_cannot_crowd_out_another() -> None:
+    book = AdvisoryBook(ttl_s=10.0, capacity=4, clock=Clock(), per_tenant=3)
+    victim, _ = book.add("b", "s", "m", "node0", 0, 0.0)
+    for i in range(3):
+        book.add("a", f"s{i}", "m", "node0", 0, 0.0)
+    with pytest.raises(TooManyAdvisories):
+        book.add("a", "s9", "m", "node0", 0, 0.0)
+    book.add("a", "s0", "m", "node1", 0, 0.0)  # replacing its own is fine
+    assert book.pending("a") == 3 and book.pending("b") == 1
+    _, ended = book.add("b", "t", "m", "node0", 0, 0.0)  # full: b's own oldest goes
+    assert ended == [(victim, EXPIRED)] and book.pending("a") == 3
 
 
 def test_the_throttle_limits_tenants_whose_advisories_go_unused() -> None:
@@ -54,6 +76,7 @@ def test_the_throttle_limits_tenants_whose_advisories_go_unused() -> None:
     assert th.retry_after("spammy") is None  # too few outcomes to judge
     th.outcome("spammy", False)
     assert th.throttled("spammy")
+    assert th.retry_after("spammy", 3) == 1  # three at once: more than the burst holds
     assert th.retry_after("spammy") is None and th.retry_after("spammy") is None  # burst
     assert th.retry_after("spammy") == 1  # then 1 per second
     clock.now += 1.0
@@ -165,14 +188,17 @@ async def test_successors_and_invalidation(two) -> None:
      "successors[0].session_id", 400),
     ({"session_id": "s", "model": "demo", "successors": [{"session_id": "a", "model": "x"}]},
      "successors[0].model", 404),
+    ({"session_id": "a/b", "model": "demo"}, "session_id", 400),
+    ({"session_id": "s", "model": "demo", "successors": [{"session_id": "s", "model": "demo"}]},
+     "successors", 400),
 ])
 async def test_bad_advisories_get_openai_errors(two, body, param, status) -> None:
     c, _ = two
     got, answer, _ = await call(c, "POST", "/v1/advisory", body)
     assert got == status and answer["error"]["param"] == param, answer
     assert set(answer["error"]) == {"message", "type", "param", "code"}
-    got, answer, _ = await call(c, "POST", "/v1/advisory", b"[1]".decode())
-    assert got == 400
+    async with c.http.post(c.url + "/v1/advisory", data=b"[1]") as r:  # not an object
+        assert r.status == 400
 
 
 async def test_another_tenants_advisory_is_not_found() -> None:
