@@ -241,3 +241,21 @@ async def test_chunks_a_degraded_tier_would_not_answer_for_are_not_written_again
         with pytest.raises(ManifestIncomplete, match="did not answer"):
             await wait_durable_from_scratch(s, m)
         remote.down = False
+
+
+async def test_a_prefetched_session_is_adopted_only_when_still_wanted() -> None:
+    async with make_store([DramTier(1 << 20)]) as s:
+        ms = ManifestStore(s)
+        short = session_manifest("sess", num_blocks=3, num_layers=2, bpc=2)
+        long = session_manifest("sess", num_blocks=5, num_layers=2, bpc=2)
+        mark = ms.deletions(TENANT, "sess")
+        assert await ms.newest_manifest(TENANT, "sess") is None
+        assert ms.adopt(long, mark)  # lookups here now know the sequence ...
+        assert ms.latest(TENANT, "sess").token_count == long.token_count
+        assert await ms.newest_manifest(TENANT, "sess") == long  # ... and peers get it
+        assert not ms.adopt(short, mark)  # an older (shorter) copy arriving late: ignored
+        assert ms.latest(TENANT, "sess").token_count == long.token_count
+        await ms.forget(TENANT, "sess")  # deleted while a copy was on its way
+        assert not ms.adopt(long, mark)
+        assert ms.latest(TENANT, "sess") is None
+        assert await ms.newest_manifest(TENANT, "sess") is None
