@@ -112,6 +112,13 @@ async def test_a_queue_that_falls_behind_refuses_newcomers(loaded: LoadedModel) 
         await idle(eng)
 
 
+def _hello(request_id: str, max_tokens: int) -> common_pb2.GenerateRequest:
+    return common_pb2.GenerateRequest(
+        request_id=request_id, prompt="hello", input_kind=common_pb2.GenerateRequest.PROMPT,
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+    )
+
+
 class _Context:
     async def abort(self, code, details):  # the real one raises; nothing aborts here
         raise AssertionError(f"aborted: {code} {details}")
@@ -120,10 +127,7 @@ class _Context:
 async def test_a_quiet_stream_sends_keepalives(loaded: LoadedModel) -> None:
     async with engine(loaded, stream_keepalive_s=0.05) as eng:
         servicer = EngineServicer(eng)
-        req = common_pb2.GenerateRequest(
-            request_id="k1", prompt="hello", input_kind=common_pb2.GenerateRequest.PROMPT,
-            sampling=common_pb2.SamplingParams(max_tokens=2, ignore_eos=True),
-        )
+        req = _hello("k1", 2)
         chunks = []
         async with BlockedWorker(eng) as blocked:
             stream = servicer.Generate(req, _Context())
@@ -140,10 +144,7 @@ async def test_a_quiet_stream_sends_keepalives(loaded: LoadedModel) -> None:
 async def test_closing_a_stream_mid_wait_aborts_the_request(loaded: LoadedModel) -> None:
     async with engine(loaded, stream_keepalive_s=0.05) as eng:
         servicer = EngineServicer(eng)
-        req = common_pb2.GenerateRequest(
-            request_id="k2", prompt="hello", input_kind=common_pb2.GenerateRequest.PROMPT,
-            sampling=common_pb2.SamplingParams(max_tokens=400, ignore_eos=True),
-        )
+        req = _hello("k2", 400)
         async with BlockedWorker(eng):
             stream = servicer.Generate(req, _Context())
             assert (await anext(stream)).keepalive  # waiting on its first output
@@ -154,10 +155,7 @@ async def test_closing_a_stream_mid_wait_aborts_the_request(loaded: LoadedModel)
 async def test_a_stuck_step_sends_no_keepalives(loaded: LoadedModel) -> None:
     async with engine(loaded, stream_keepalive_s=0.05, max_step_s=1.0) as eng:
         servicer = EngineServicer(eng)
-        req = common_pb2.GenerateRequest(
-            request_id="k3", prompt="hello", input_kind=common_pb2.GenerateRequest.PROMPT,
-            sampling=common_pb2.SamplingParams(max_tokens=2, ignore_eos=True),
-        )
+        req = _hello("k3", 2)
         async with BlockedWorker(eng):
             stream = servicer.Generate(req, _Context())
             assert (await anext(stream)).keepalive  # busy, not stuck: keepalives

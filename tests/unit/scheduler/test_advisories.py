@@ -23,14 +23,7 @@ from services.scheduler.advisory_throttle import AdvisoryThrottle
 from shared.grpc_server import serve_grpc
 from shared.proto import kvstore_pb2, kvstore_pb2_grpc
 from tests.unit.scheduler.conftest import MiniCluster, make_cluster
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.unit.scheduler.test_sessions import Clock
 
 
 def test_the_book_keeps_one_pending_advisory_per_session() -> None:
