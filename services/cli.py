@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import functools
 import os
+import random
 import runpy
 import shutil
 import socket
@@ -42,11 +43,30 @@ STATE_DIR = Path(".overture")
 DEMO_DIR = STATE_DIR / "models"
 
 
+# Ports handed to children come from below the kernel's ephemeral range (32768-60999 on
+# Linux): a port picked there can be taken as the source port of some outgoing connection
+# before the child binds it.
+_PORTS = range(20000, 32000)
+_handed_out: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the child binds it right after)."""
-    with socket.socket() as s:
+    """A port that was free a moment ago (the child binds it right after), never one this
+    process handed out before."""
+    for _ in range(64):
+        port = random.choice(_PORTS)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket() as s:  # (a crowded range: let the kernel choose)
         s.bind((host, 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 def service_command(name: str, flags: dict[str, object], config: str | None = None) -> list[str]:

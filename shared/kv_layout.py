@@ -51,3 +51,4 @@ class StoredPrefix:
     spans: list[KVSpan] = field(default_factory=list)
     lease_id: str = ""
     tier_bytes_per_s: dict[str, float] = field(default_factory=dict)
+    block_hashes: tuple[bytes, ...] = ()  # a whole-session lookup: the sequence it found

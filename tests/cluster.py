@@ -92,6 +92,14 @@ class Cluster:
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read() or b"{}"), dict(e.headers)
 
+    def delete(self, path: str, timeout: float = 10.0) -> tuple[int, dict]:
+        req = urllib.request.Request(self.url + path, method="DELETE")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, json.loads(r.read() or b"{}")
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"{}")
+
     def text(self, path: str, timeout: float = 10.0) -> str:
         with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
             return r.read().decode()

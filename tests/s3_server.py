@@ -12,19 +12,17 @@ Tests make their own buckets (the S3 tier creates a missing one when it opens).
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from services.cli import free_port as cli_free_port
 from services.s3_server import s3_server_spec, wait_ready
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return cli_free_port()
 
 
 def start_s3_server(port: int = 0, timeout_s: float = 60.0) -> tuple[str, Callable[[], None]]:

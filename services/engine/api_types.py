@@ -80,6 +80,20 @@ class ReuseStats:
     save_errors: int = 0
     chunks_saved: int = 0
     last_load_seconds: float = 0.0  # the latest load, from admission to its last layer
+    prefetch: PrefetchStats | None = None  # advised sessions prefetched into the device
+
+
+@dataclass
+class PrefetchStats:
+    """Advised sessions prefetched into the device (offload/device_prefetch.py)."""
+
+    sessions: int = 0  # advised sessions in the book now
+    blocks_held: int = 0  # resident (indexed) and being loaded
+    blocks_resident: int = 0
+    loaded_bytes: int = 0  # copied into the device by prefetch, ever
+    wasted_bytes: int = 0  # of those, in sessions that expired, were invalidated or replaced
+    purged_blocks_by_layer: list[int] = field(default_factory=list)
+    outcomes: dict[str, int] = field(default_factory=dict)  # followed, expired, ...
 
 
 @dataclass(frozen=True)

@@ -44,15 +44,17 @@ from .config import EngineConfig
 from .engine_core import EngineCore, Event, Failure
 from .errors import INTERNAL, INVALID_ARGUMENT, UNAVAILABLE, EngineError
 from .loading import load_for
+from .offload.device_prefetch import PrefetchOrder
 from .offload.kvstore_client import KVStoreClient
 from .offload.lookup import PrefixLookup, connect_offload
-from .offload.planner import RECOMPUTE
+from .offload.planner import RECOMPUTE, ReusePlan
 from .offload.save_log import SavedSession
 from .validation import PreparedRequest, prepare
 
 log = logging.getLogger(__name__)
 
 _ADD, _ABORT, _UNPIN = "add", "abort", "unpin"
+_PREFETCH, _INVALIDATE = "prefetch", "invalidate"
 
 
 class AsyncEngine:
@@ -310,6 +312,35 @@ class AsyncEngine:
         """The node's kvstore client (None without ``kvstore_address`` or in recompute)."""
         return self._connector
 
+    async def prefetch(self, tenant: str, session_id: str, *, priority: int = 0,
+                       ttl_s: float = 30.0, straight: bool = False) -> int:
+        """An advised session: copy what the node's kvstore holds of it into free device
+        blocks (``straight``: evicting the device cache if need be), lowest layers first;
+        how many blocks of it the kvstore holds (0: nothing to prefetch)."""
+        self._require_core()
+        c = self._connector
+        if c is None or not session_id:
+            return 0
+        found = await c.lookup_session(tenant, session_id)
+        if found is None:
+            return 0
+        n = found.spans[-1].end_block
+        hashes = found.block_hashes[:n]
+        if self._stopping or found.spans[0].first_block != 0 or len(hashes) < n:
+            c.release(found.lease_id)
+            return 0
+        plan = ReusePlan(tuple(found.spans), found.lease_id, 0, n)
+        self._inbox.append((_PREFETCH, PrefetchOrder(tenant, session_id, hashes, plan,
+                                                     priority, ttl_s, straight)))
+        await self._run_inbox()  # its loads have started (or it got no memory) on return
+        return n
+
+    def end_prefetch(self, tenant: str, session_id: str, expired: bool = False) -> None:
+        """The session's advisory ended unfollowed: its prefetched device blocks are freed
+        (invalidated) or become the first to purge (``expired``)."""
+        self._require_core()
+        self._submit(_INVALIDATE, (tenant, session_id, expired))
+
     async def drop_device_cache(self) -> int:
         """Evict every evictable block from the device prefix cache (benchmarks, tests:
         forces the next request to load its history from the kvstore); how many."""
@@ -355,6 +386,10 @@ class AsyncEngine:
                 adds += 1
             elif kind == _UNPIN:
                 core.unpin(*arg)
+            elif kind == _PREFETCH:
+                core.prefetch(arg)
+            elif kind == _INVALIDATE:
+                core.end_prefetch(*arg)
             elif (out := core.abort(arg)) is not None:
                 events.append(out)
         return events, adds

@@ -52,6 +52,10 @@ class OffloadConfig:
         0.002, "fixed cost of one load (RPC round trips) in the load-or-recompute estimate",
         min=0.0,
     )
+    prefetch_join_s: float = opt(
+        1.0, "a request whose prefix an advisory is loading into the device waits this long "
+        "at most for that load instead of loading the KV again", min=0.0, max=30.0,
+    )
 
 
 @dataclass(frozen=True)

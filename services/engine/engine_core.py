@@ -29,6 +29,7 @@ from .kvcache.device_memory import DeviceMemory
 from .model import IncrementalDetokenizer, LoadedModel
 from .model_runner import ModelRunner
 from .offload.base import NullOffload, Offload
+from .offload.device_prefetch import PrefetchOrder
 from .offload.planner import ReusePlan
 from .output_state import ABORT, OutputState
 from .sampling import make_generator
@@ -141,6 +142,17 @@ class EngineCore:
         out = OutputState(detok, req.sampling, mc.eos_token_ids, req.max_output_tokens)
         self._live[req.request_id] = _Live(seq, out, make_generator(seed))
         self.scheduler.add(seq)
+
+    def prefetch(self, order: PrefetchOrder) -> None:
+        """Prefetch an advised session's stored KV into free device blocks."""
+        self._stalled = False
+        self.offload.add_prefetch(order)
+
+    def end_prefetch(self, tenant: str, session_id: str, expired: bool = False) -> bool:
+        """An advisory ended unfollowed: free its prefetched blocks (``expired``: make them
+        the first to purge); whether it had any."""
+        self._stalled = False
+        return self.offload.end_prefetch(tenant, session_id, expired)
 
     def abort(self, request_id: str) -> GenerateOutput | None:
         self._stalled = False
@@ -294,8 +306,10 @@ class EngineCore:
 
 
 def _kv_from(seq: Sequence) -> str:
-    """Where the prompt's reused KV was: loaded ("local", "s3", "peer"), on device, or
-    nowhere ("recompute")."""
+    """Where the prompt's reused KV was: on blocks an advisory prefetched (all of it, or its
+    lower layers), loaded ("local", "s3", "peer"), on device, or nowhere ("recompute")."""
+    if seq.offload.prefetched:  # "device_prefetched" or "device_partial"
+        return seq.offload.prefetched
     if seq.offload.loaded_from:
         return seq.offload.loaded_from
     return "device" if seq.num_cached_tokens else "recompute"

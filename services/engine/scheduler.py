@@ -167,11 +167,18 @@ class Scheduler:
             cached = [] if seq.no_reuse else self.kv.find_cached_prefix(seq)
             device_tokens = len(cached) * self.kv.block_size
             plan = seq.offload.load_after(len(cached))
+            partial: list[list[int]] = []
+            if plan is not None:
+                # Blocks whose lower layers are on device: only the upper ones are loaded.
+                partial, k = self.kv.find_partial_run(seq, len(cached))
+                partial = partial[: plan.end_block - len(cached)]
+                plan = plan.with_resident(len(partial), k)
             load_tokens = (plan.end_block - len(cached)) * self.kv.block_size if plan else 0
             hit_tokens = device_tokens + load_tokens
             n = min(seq.num_tokens - hit_tokens, budget)
-            if not self.kv.allocate(seq, load_tokens + n, cached):
+            if not self.kv.allocate(seq, load_tokens + n, cached, partial):
                 break  # FCFS: wait for blocks rather than let a later request overtake
+            seq.offload.partial_blocks = len(partial)
             if plan is not None:
                 # The loaded range counts as computed; the first step waits for it per layer.
                 seq.num_computed_tokens += load_tokens

@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 
 # Status waits this long for the worker's fresh counters, else answers from the last step's.
 STATUS_WAIT_S = 0.05
+DEFAULT_PREFETCH_TTL_S = 30.0  # an advisory's prefetch without a TTL of its own
 
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):
@@ -69,6 +70,28 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         except EngineError as e:
             await context.abort(wire.STATUS_CODES[e.code], e.message)
             raise  # unreachable: abort raises
+
+    async def Prefetch(
+        self, request: engine_pb2.PrefetchRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.PrefetchReply:
+        try:
+            blocks = await self.engine.prefetch(
+                request.tenant, request.session_id, priority=request.priority,
+                ttl_s=request.ttl_s or DEFAULT_PREFETCH_TTL_S,
+                straight=request.straight_to_device)
+        except EngineError as e:
+            await context.abort(wire.STATUS_CODES[e.code], e.message)
+            raise  # unreachable: abort raises
+        return engine_pb2.PrefetchReply(blocks=blocks)
+
+    async def EndPrefetch(
+        self, request: engine_pb2.EndPrefetchRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.EndPrefetchReply:
+        try:
+            self.engine.end_prefetch(request.tenant, request.session_id, request.expired)
+        except EngineError as e:
+            await context.abort(wire.STATUS_CODES[e.code], e.message)
+        return engine_pb2.EndPrefetchReply()
 
     async def Status(
         self, request: engine_pb2.EngineStatusRequest, context: grpc.aio.ServicerContext

@@ -14,6 +14,7 @@ from .api_types import (
     EngineStatus,
     GenerateOutput,
     GenerateRequest,
+    PrefetchStats,
     SamplingParams,
 )
 from .errors import INTERNAL, INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE
@@ -105,7 +106,17 @@ def status_to_proto(
         device_budget_bytes=s.device_budget_bytes,
         block_bytes=s.block_bytes,
         device=s.device,
+        prefetch=_prefetch_to_proto(s.reuse.prefetch),
     )
+
+
+def _prefetch_to_proto(p: PrefetchStats | None) -> common_pb2.PrefetchCounters | None:
+    if p is None:
+        return None
+    return common_pb2.PrefetchCounters(
+        loaded_bytes=p.loaded_bytes, wasted_bytes=p.wasted_bytes,
+        purged_blocks_by_layer=p.purged_blocks_by_layer, sessions=p.sessions,
+        blocks_resident=p.blocks_resident)
 
 
 # ---- the node's kvstore (same-node pool data path) ----------------------------------------
@@ -136,12 +147,12 @@ def attach_reply(reply: kvstore_pb2.AttachPoolReply) -> tuple[str, int]:
 
 def lookup_request(
     tenant: str, session_id: str, model_fp: str, hashes: list[bytes], first_block: int,
-    num_layers: int, peer: str = "", peer_tokens: int = 0,
+    num_layers: int, peer: str = "", peer_tokens: int = 0, whole_session: bool = False,
 ) -> kvstore_pb2.LookupPrefixRequest:
     return kvstore_pb2.LookupPrefixRequest(
         tenant=kvstore_tenant(tenant), session_id=session_id, model_fp=model_fp,
         block_hashes=hashes, first_block=first_block, num_layers=num_layers,
-        peer_address=peer, peer_wait_tokens=peer_tokens,
+        peer_address=peer, peer_wait_tokens=peer_tokens, whole_session=whole_session,
     )
 
 
@@ -149,7 +160,8 @@ def lookup_answer(reply: kvstore_pb2.LookupPrefixReply) -> StoredPrefix:
     spans = [KVSpan(bytes(s.chunk_hash), s.first_block, s.use_blocks, s.tier, s.bytes)
              for s in reply.spans]
     return StoredPrefix(reply.matched_blocks, spans, reply.lease_id,
-                        dict(reply.tier_bytes_per_s))
+                        dict(reply.tier_bytes_per_s),
+                        tuple(bytes(h) for h in reply.block_hashes))
 
 
 def release_request(lease_id: str) -> kvstore_pb2.ReleaseLeaseRequest:

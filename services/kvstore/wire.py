@@ -97,6 +97,7 @@ def lookup_from_pb(p: pb.LookupPrefixRequest) -> LookupRequest:
         num_layers=p.num_layers,
         peer_address=p.peer_address,
         peer_wait_tokens=p.peer_wait_tokens,
+        whole_session=p.whole_session,
     )
 
 
@@ -106,6 +107,7 @@ def lookup_to_pb(r: StoredPrefix) -> pb.LookupPrefixReply:
         spans=[span_to_pb(s) for s in r.spans],
         lease_id=r.lease_id,
         tier_bytes_per_s=r.tier_bytes_per_s,
+        block_hashes=list(r.block_hashes),
     )
 
 

@@ -34,7 +34,8 @@ async def start(config: NodeManagerConfig, stack: AsyncExitStack) -> asyncio.Tas
         if registrar is not None:
             registrar.engine_failed(detail)
 
-    prefetcher = Prefetcher(config.kvstore_address, config.prefetch_timeout_s)
+    prefetcher = Prefetcher(config.kvstore_address, config.prefetch_timeout_s,
+                            engine=engine.stub)
     stack.push_async_callback(prefetcher.close)
     servicer = NodeManagerServicer(config.node_id, engine, config.kvstore_address, engine_failed,
                                    prefetcher)

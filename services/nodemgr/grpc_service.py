@@ -41,6 +41,8 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
         ``finally`` cancels the engine call, which aborts the request in the engine.
         """
         self.in_flight += 1
+        if self.prefetcher is not None:
+            self.prefetcher.followed(request.tenant, request.session_id)
         remaining = context.time_remaining()
         call = self.engine.stub.Generate(request, timeout=remaining)
         try:
@@ -72,12 +74,14 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "advisory_id and session_id are required")
         advice = Advice(request.advisory_id, request.tenant, request.session_id,
-                        request.kv_source)
+                        request.kv_source, request.priority, request.ttl_s,
+                        request.straight_to_device)
         accepted = self.prefetcher is not None and self.prefetcher.advise(advice)
         return nodemgr_pb2.AdviseReply(accepted=accepted)
 
     async def Invalidate(
         self, request: nodemgr_pb2.InvalidateRequest, context: grpc.aio.ServicerContext
     ) -> nodemgr_pb2.InvalidateReply:
-        found = self.prefetcher is not None and self.prefetcher.invalidate(request.advisory_id)
+        found = self.prefetcher is not None and self.prefetcher.invalidate(
+            request.advisory_id, request.expired)
         return nodemgr_pb2.InvalidateReply(found=found)

@@ -1,10 +1,18 @@
-"""The node's half of an advisory (Symphony §3.3): move the advised session's KV into place.
+"""The node's half of an advisory (Symphony §3.3, §3.4): move the advised session's KV into
+place, in two hops.
 
-``Advise`` answers at once and prefetches in the background: the node's kvstore pulls the
-session's newest KV into its DRAM, lowest layer first, from the kvstore that holds it (the
-scheduler names it) or else from its own tiers and the shared S3 tier. A few prefetches
-run at a time; ``Invalidate`` stops one still running (what already reached DRAM stays:
-it is a cache, evicted like any other).
+``Advise`` answers at once and prefetches in the background:
+
+    1. the node's kvstore pulls the session's newest KV into its DRAM, lowest layer first,
+       from the kvstore that holds it (the scheduler names it) or else from its own tiers
+       and the shared S3 tier (``PrefetchSession``);
+    2. the engine copies it from there into device blocks it is not using, lower layers
+       of every advised session before higher layers of any (``Engine.Prefetch``); the
+       engine purges those blocks itself when running requests need them.
+
+A few prefetches run at a time. ``Invalidate`` stops one still running and tells the
+engine: an invalidated advisory's device blocks are freed at once, an expired one's become
+the first to purge. What reached DRAM stays: it is a cache, evicted like any other.
 """
 
 from __future__ import annotations
@@ -16,11 +24,13 @@ from dataclasses import dataclass
 import grpc
 
 from services.nodemgr.channels import fast_channel
-from shared.proto import kvstore_pb2, kvstore_pb2_grpc
+from shared.proto import engine_pb2, engine_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TENANT = "default"  # (the engine stores a request without a tenant under this one)
+ENGINE_CALL_S = 5.0  # deadline of a Prefetch / EndPrefetch call to the engine
+MAX_REMEMBERED = 10_000  # advisories remembered for their end
 
 
 @dataclass(frozen=True)
@@ -29,15 +39,23 @@ class Advice:
     tenant: str
     session_id: str
     kv_source: str  # kvstore holding the session's KV; empty: this node's tiers and S3
+    priority: int = 0
+    ttl_s: float = 0.0  # the advisory's time to live (0: the engine's default)
+    straight_to_device: bool = False
 
 
 class Prefetcher:
-    def __init__(self, kvstore_address: str, timeout_s: float, concurrency: int = 4) -> None:
+    def __init__(self, kvstore_address: str, timeout_s: float, concurrency: int = 4,
+                 engine: engine_pb2_grpc.EngineStub | None = None) -> None:
         self.channel = fast_channel(kvstore_address) if kvstore_address else None
         self.stub = kvstore_pb2_grpc.KVStoreStub(self.channel) if self.channel else None
+        self.engine = engine
         self.timeout_s = timeout_s
         self._gate = asyncio.Semaphore(concurrency)
         self._running: dict[str, asyncio.Task[None]] = {}
+        self._advice: dict[str, Advice] = {}  # advisory id -> its advice, until it ends
+        self._by_session: dict[tuple[str, str], str] = {}  # (tenant, session) -> advisory id
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def advise(self, advice: Advice) -> bool:
         """Start prefetching; False when this node has no kvstore to prefetch into."""
@@ -46,18 +64,51 @@ class Prefetcher:
         old = self._running.pop(advice.advisory_id, None)
         if old is not None:
             old.cancel()
+        self._advice[advice.advisory_id] = advice
+        self._by_session[(advice.tenant, advice.session_id)] = advice.advisory_id
+        while len(self._advice) > MAX_REMEMBERED:  # (ended advisories the node never heard of)
+            gone = self._advice.pop(next(iter(self._advice)))
+            if self._by_session.get((gone.tenant, gone.session_id)) == gone.advisory_id:
+                del self._by_session[(gone.tenant, gone.session_id)]
         task = asyncio.create_task(self._prefetch(advice), name=f"prefetch-{advice.session_id}")
         self._running[advice.advisory_id] = task
         task.add_done_callback(lambda t: self._done(advice.advisory_id, t))
         return True
 
-    def invalidate(self, advisory_id: str) -> bool:
-        """Stop the advisory's prefetch if it still runs; whether it did."""
+    def invalidate(self, advisory_id: str, expired: bool = False) -> bool:
+        """The advisory ended unfollowed: stop its prefetch if it still runs, and tell the
+        engine (its device blocks are freed, or first to purge when ``expired``); whether
+        a prefetch was still running."""
+        advice = self._advice.pop(advisory_id, None)
+        if advice is not None and self._by_session.get(
+                (advice.tenant, advice.session_id)) == advisory_id:
+            del self._by_session[(advice.tenant, advice.session_id)]
+        if advice is not None and self.engine is not None:
+            end = self._end_on_engine(advice, expired)
+            t = asyncio.create_task(end, name=f"end-prefetch-{advice.session_id}")
+            self._tasks.add(t)
+            t.add_done_callback(self._tasks.discard)
         task = self._running.pop(advisory_id, None)
         if task is None or task.done():
             return False
         task.cancel()
         return True
+
+    def followed(self, tenant: str, session_id: str) -> None:
+        """A request of the session came: its advisory is over (the engine knows already)."""
+        aid = self._by_session.pop((tenant, session_id), None)
+        if aid is not None:
+            self._advice.pop(aid, None)
+
+    async def _end_on_engine(self, a: Advice, expired: bool) -> None:
+        assert self.engine is not None
+        try:
+            await self.engine.EndPrefetch(engine_pb2.EndPrefetchRequest(
+                tenant=a.tenant, session_id=a.session_id, expired=expired),
+                timeout=ENGINE_CALL_S)
+        except grpc.aio.AioRpcError as e:
+            log.warning("ending the prefetch of advisory %s on the engine failed: %s %s",
+                        a.advisory_id, e.code().name, e.details())
 
     def _done(self, advisory_id: str, task: asyncio.Task[None]) -> None:
         if self._running.get(advisory_id) is task:
@@ -82,11 +133,30 @@ class Prefetcher:
                      a.advisory_id, a.session_id, reply.chunks, reply.bytes,
                      f", {reply.missing} missing" if reply.missing else "")
         else:
-            log.info("advisory %s: nothing stored for session %s (%s)", a.advisory_id,
+            log.info("advisory %s: nothing new stored for session %s (%s)", a.advisory_id,
                      a.session_id, reply.detail)
+        await self._into_device(a)
+
+    async def _into_device(self, a: Advice) -> None:
+        """Hop 2: the engine takes the session's KV from the kvstore into free device
+        blocks (it may hold the session already even when hop 1 found nothing new)."""
+        if self.engine is None:
+            return
+        try:
+            reply = await self.engine.Prefetch(engine_pb2.PrefetchRequest(
+                tenant=a.tenant, session_id=a.session_id, priority=a.priority,
+                ttl_s=a.ttl_s, straight_to_device=a.straight_to_device),
+                timeout=ENGINE_CALL_S)
+        except grpc.aio.AioRpcError as e:
+            log.warning("device prefetch for advisory %s failed: %s %s", a.advisory_id,
+                        e.code().name, e.details())
+            return
+        if reply.blocks:
+            log.info("advisory %s: session %s going into device memory (%d blocks a layer)",
+                     a.advisory_id, a.session_id, reply.blocks)
 
     async def close(self) -> None:
-        tasks = list(self._running.values())
+        tasks = [*self._running.values(), *self._tasks]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -20,6 +20,7 @@ class EngineSnapshot:
     saved: tuple[common_pb2.SessionSaved, ...] = ()  # session saves, passed on as they are
     queue_delay_s: float = 0.0  # how long the oldest queued request has waited
     step_running_s: float = 0.0  # how long the forward step under way has run (0: idle)
+    prefetch: common_pb2.PrefetchCounters | None = None  # passed on as it is
 
     @property
     def last_saved(self) -> int:
@@ -37,6 +38,7 @@ def snapshot(msg: engine_pb2.EngineStatus) -> EngineSnapshot:
         saved=tuple(msg.saved),
         queue_delay_s=msg.queue_delay_s,
         step_running_s=msg.step_running_s,
+        prefetch=msg.prefetch if msg.HasField("prefetch") else None,
     )
 
 
@@ -64,6 +66,8 @@ def heartbeat(
         msg.blocks_free = snap.blocks_free
         msg.blocks_total = snap.blocks_total
         msg.saved.extend(snap.saved)
+        if snap.prefetch is not None:
+            msg.prefetch.CopyFrom(snap.prefetch)
     return msg
 
 

@@ -94,7 +94,8 @@ class Advisor:
                            code="too_many_advisories", headers={"Retry-After": "1"}) from None
         self.metrics.advisories.labels("received").inc()
         for old, how in ended:
-            self._ended(old, how)
+            # (replaced on the same node: the new advisory's prefetch renews the session's)
+            self._ended(old, how, tell_node=old.node_id != node.node_id)
         source, source_node = "", ""
         if place is not None and place.node_id != node.node_id:
             holder = self.registry.get(place.node_id)
@@ -102,9 +103,13 @@ class Advisor:
                 source, source_node = holder.info.kvstore_address, holder.node_id
         if not self.policy.prefetches:  # (a baseline: the advisory is only recorded)
             return adv
+        if asked.priority > 0:
+            self.registry.advised_priority(node.node_id, +1)
         self._call(node, "Advise", nodemgr_pb2.AdviseRequest(
             advisory_id=adv.advisory_id, tenant=tenant, session_id=asked.session_id,
-            model=asked.model, kv_source=source, priority=asked.priority))
+            model=asked.model, kv_source=source, priority=asked.priority,
+            ttl_s=max(0.0, adv.expires_at - self.book.clock()),
+            straight_to_device=self.policy.straight_to_device and asked.priority > 0))
         log.info("advisory %s: session %s of %s goes to %s (KV %s)", adv.advisory_id,
                  asked.session_id, tenant, node.node_id,
                  f"from {source_node}" if source else "from its tiers or S3")
@@ -126,6 +131,7 @@ class Advisor:
         adv, how = self.book.follow(tenant, session_id)
         if adv is None:
             return ""
+        self._placed_ended(adv)
         if how != FOLLOWED:
             self.metrics.advisories.labels(how).inc()
             return ""
@@ -138,14 +144,20 @@ class Advisor:
         for adv in self.book.sweep():
             self._ended(adv, EXPIRED)
 
-    def _ended(self, adv: Advisory, how: str) -> None:
+    def _ended(self, adv: Advisory, how: str, tell_node: bool = True) -> None:
         self.metrics.advisories.labels(how).inc()
+        self._placed_ended(adv)
         if how == EXPIRED:
             self.throttle.outcome(adv.tenant, False)
         node = self.registry.get(adv.node_id)
-        if node is not None:
-            self._call(node, "Invalidate",
-                       nodemgr_pb2.InvalidateRequest(advisory_id=adv.advisory_id))
+        if node is not None and self.policy.prefetches and tell_node:
+            self._call(node, "Invalidate", nodemgr_pb2.InvalidateRequest(
+                advisory_id=adv.advisory_id, expired=how == EXPIRED))
+
+    def _placed_ended(self, adv: Advisory) -> None:
+        """A high-priority advisory no longer counts on its node (``priority`` spreads)."""
+        if adv.priority > 0 and self.policy.prefetches:
+            self.registry.advised_priority(adv.node_id, -1)
 
     def _call(self, node: Node, method: str, request: object) -> None:
         """Send ``request`` to the node in the background (a slow node delays no client)."""

@@ -35,8 +35,10 @@ class SchedulerConfig:
     )
     policy: str = opt(
         "balanced", "placement policy: balanced (load first; KV follows the session; "
-        "advisories prefetch), sticky (a session stays on its first node; baseline), "
-        "recompute (no KV reuse at all; baseline)", choices=("balanced", "sticky", "recompute"),
+        "advisories prefetch), priority (balanced; high-priority sessions spread evenly and "
+        "prefetched straight into device memory), sticky (a session stays on its first "
+        "node; baseline), recompute (no KV reuse at all; baseline)",
+        choices=("balanced", "priority", "sticky", "recompute"),
     )
     advisory_ttl_s: float = opt(
         30.0, "an advisory not followed by its request this long after its expected arrival "

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from services.scheduler.nodes import NodeRegistry
+from services.scheduler.nodes import Load, NodeRegistry
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -57,6 +57,22 @@ class SchedulerMetrics:
             "overture_node_queue_delay_seconds",
             "how long the node's oldest queued request has waited", ["node"], registry=r,
         )
+        # The engines' device prefetch of advised sessions (cumulative since each started).
+        self.prefetch_bytes = Gauge(
+            "overture_node_prefetch_bytes",
+            "bytes an advisory copied into the node's device memory (kind=loaded), and of "
+            "those the bytes of advisories never followed (kind=wasted)", ["node", "kind"],
+            registry=r,
+        )
+        self.prefetch_purged = Gauge(
+            "overture_node_prefetch_purged_blocks",
+            "prefetched device blocks the engine purged for running requests, by layer",
+            ["node", "layer"], registry=r,
+        )
+        self.prefetch_sessions = Gauge(
+            "overture_node_prefetched_sessions",
+            "advised sessions holding device blocks on the node now", ["node"], registry=r,
+        )
         self.overloaded = Counter(
             "overture_overloaded",
             "requests refused with 429 because every node serving their model was behind",
@@ -91,13 +107,24 @@ class SchedulerMetrics:
             registry=r,
         )
 
+    def _prefetch(self, node: str, load: Load) -> None:
+        self.prefetch_bytes.labels(node, "loaded").set(load.prefetch_loaded_bytes)
+        self.prefetch_bytes.labels(node, "wasted").set(load.prefetch_wasted_bytes)
+        self.prefetch_sessions.labels(node).set(load.prefetch_sessions)
+        for layer, n in enumerate(load.prefetch_purged_by_layer):
+            self.prefetch_purged.labels(node, str(layer)).set(n)
+
     def render(self, nodes: NodeRegistry) -> bytes:
         """Refresh the per-node gauges from the registry, then expose everything."""
         self.node_load.clear()
         self.node_up.clear()
         self.node_degraded.clear()
         self.node_queue_delay.clear()
+        self.prefetch_bytes.clear()
+        self.prefetch_purged.clear()
+        self.prefetch_sessions.clear()
         for n in nodes.all():
+            self._prefetch(n.node_id, n.load)
             self.node_load.labels(n.node_id, "running").set(n.load.running)
             self.node_load.labels(n.node_id, "waiting").set(n.load.waiting)
             self.node_load.labels(n.node_id, "routed").set(n.routed)

@@ -46,6 +46,12 @@ class Load:
     problem: str = ""
     degraded: str = ""  # a part of the node is down but it serves (e.g. by recompute)
     queue_delay_s: float = 0.0
+    # The engine's device prefetch, cumulative: bytes loaded, bytes wasted, purged blocks
+    # by layer; and advised sessions held now.
+    prefetch_loaded_bytes: int = 0
+    prefetch_wasted_bytes: int = 0
+    prefetch_purged_by_layer: tuple[int, ...] = ()
+    prefetch_sessions: int = 0
 
 
 @dataclass
@@ -60,6 +66,7 @@ class Node:
     last_routed: float = 0.0
     drained: bool = False  # an operator stopped new requests to it (it still serves pulls)
     behind_until: float = 0.0  # it refused a request as overloaded: skipped until then
+    advised_priority: int = 0  # pending high-priority advisories placed here
     generation: int = 0  # bumps on every registration, so late news of an old one is ignored
 
     @property
@@ -160,6 +167,11 @@ class NodeRegistry:
         if node is not None:
             node.routed += 1
             node.last_routed = self.clock()
+
+    def advised_priority(self, node_id: str, delta: int) -> None:
+        node = self._nodes.get(node_id)
+        if node is not None:
+            node.advised_priority = max(0, node.advised_priority + delta)
 
     def end(self, node_id: str) -> None:
         node = self._nodes.get(node_id)

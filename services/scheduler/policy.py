@@ -5,6 +5,8 @@ Policies are looked up by name in ``POLICIES`` (unknown names fail loudly). Besi
 ``choose``, each says what the cluster does with KV under it (DESIGN §6):
 
 - ``balanced`` (default): load first, KV follows the session, advisories prefetch;
+- ``priority``: ``balanced``, but high-priority sessions are spread evenly over the nodes
+  and their advisories prefetch straight into device memory (Symphony §3.6, §4.5);
 - ``sticky`` (an InferCept-like baseline): a session stays on its first node while that
   node is in rotation; KV is never moved between nodes and advisories prefetch nothing;
 - ``recompute`` (a vLLM-without-offload baseline): least loaded, and no KV is reused at
@@ -35,6 +37,7 @@ class Policy(Protocol):
     reuses_kv: bool  # requests may reuse stored or cached KV
     moves_kv: bool  # a session's KV is pulled from the node that holds it
     prefetches: bool  # advisories make the chosen node prefetch
+    straight_to_device: bool  # high-priority advisories may evict the device cache to fit
 
     def choose(self, nodes: Sequence[Node], request: RouteRequest) -> Node | None:
         """Pick one of ``nodes`` (all healthy and serving ``request.model``), or None if empty.
@@ -52,6 +55,7 @@ class BalancedPolicy:
 
     name = "balanced"
     reuses_kv = moves_kv = prefetches = True
+    straight_to_device = False
 
     def choose(self, nodes: Sequence[Node], request: RouteRequest) -> Node | None:
         if not nodes:
@@ -61,6 +65,25 @@ class BalancedPolicy:
                 if n.node_id == request.advised:
                     return n
         return min(nodes, key=lambda n: (n.score(), n.node_id != request.holder, n.routed,
+                                         n.last_routed, n.node_id))
+
+
+class PriorityPolicy(BalancedPolicy):
+    """``balanced`` for regular sessions. A high-priority session (priority > 0) goes to
+    the node with the fewest high-priority advisories pending, then the least loaded: a
+    sticky placement would pile paid users onto the nodes that served them first
+    (Symphony §3.6 "Additional scheduling policies"). Its advisory prefetches straight into
+    device memory (the engine evicts its prefix cache for it) and the engine admits its
+    request before waiting lower-priority ones."""
+
+    name = "priority"
+    straight_to_device = True
+
+    def choose(self, nodes: Sequence[Node], request: RouteRequest) -> Node | None:
+        if not nodes or request.priority <= 0 or request.advised:
+            return super().choose(nodes, request)
+        return min(nodes, key=lambda n: (n.advised_priority, n.score(),
+                                         n.node_id != request.holder, n.routed,
                                          n.last_routed, n.node_id))
 
 
@@ -74,7 +97,7 @@ class StickyPolicy:
 
     name = "sticky"
     reuses_kv = True
-    moves_kv = prefetches = False
+    moves_kv = prefetches = straight_to_device = False
 
     def choose(self, nodes: Sequence[Node], request: RouteRequest) -> Node | None:
         if not nodes:
@@ -89,14 +112,15 @@ class RecomputePolicy:
     """Least loaded, blind to where KV is: every turn recomputes its whole history."""
 
     name = "recompute"
-    reuses_kv = moves_kv = prefetches = False
+    reuses_kv = moves_kv = prefetches = straight_to_device = False
 
     def choose(self, nodes: Sequence[Node], request: RouteRequest) -> Node | None:
         return _least_loaded(nodes) if nodes else None
 
 
 POLICIES: dict[str, type[Policy]] = {
-    "balanced": BalancedPolicy, "sticky": StickyPolicy, "recompute": RecomputePolicy,
+    "balanced": BalancedPolicy, "priority": PriorityPolicy, "sticky": StickyPolicy,
+    "recompute": RecomputePolicy,
 }
 
 

@@ -48,6 +48,10 @@ def load(msg: scheduler_pb2.HeartbeatMsg) -> Load:
         problem=msg.problem,
         degraded=msg.degraded,
         queue_delay_s=msg.queue_delay_s,
+        prefetch_loaded_bytes=msg.prefetch.loaded_bytes,
+        prefetch_wasted_bytes=msg.prefetch.wasted_bytes,
+        prefetch_purged_by_layer=tuple(msg.prefetch.purged_blocks_by_layer),
+        prefetch_sessions=msg.prefetch.sessions,
     )
 
 

@@ -13,13 +13,18 @@ order the caller gives; the KV manager gives later layers first, so among blocks
 together the higher layers are evicted first (Symphony: "later layers first, then the
 least recently used session").
 
+Blocks prefetched for advised sessions are *used* here, held by one reference of the
+device prefetch (offload/device_prefetch.py). When an allocation finds nothing free or
+evictable left, the ``reclaimer`` is asked to purge some of them (cooperative memory,
+Symphony §3.4): prefetched KV gives way to running requests before any is preempted.
+
 Running out is normal: ``allocate`` returns None and the caller preempts or waits.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 BlockKey = tuple[bytes, int]  # (content hash, layer)
@@ -56,6 +61,8 @@ class BlockAllocator:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._index: dict[BlockKey, int] = {}
         self.num_used = 0
+        # Frees up to n blocks held for prefetch; how many it freed (device_prefetch.py).
+        self.reclaimer: Callable[[int], int] | None = None
         for page in pages.committed_pages():
             self._free.update(dict.fromkeys(pages.page_blocks(page)))
 
@@ -81,12 +88,19 @@ class BlockAllocator:
         return len(self._free) + len(self._evictable) + self._pages.num_uncommitted_blocks
 
     # ---- allocation ---------------------------------------------------------------------
+    def num_free_or_committable(self) -> int:
+        """Blocks an ``allocate_free`` could hand out now (nothing evicted)."""
+        return len(self._free) + self._pages.num_uncommitted_blocks
+
     def allocate(self, n: int) -> list[int] | None:
         """``n`` blocks with refcount 1, or None (nothing changed) if there are not enough.
 
         Order of preference: the free list, then a newly committed page, then the least
-        recently released cached block.
+        recently released cached block, then blocks the reclaimer purges.
         """
+        short = n - self.num_available()
+        if short > 0 and self.reclaimer is not None:
+            self.reclaimer(short)
         if n > self.num_available():
             return None
         out: list[int] = []
@@ -96,6 +110,27 @@ class BlockAllocator:
                 self.free(out)
                 return None
             out.append(block)
+        return out
+
+    def allocate_free(self, n: int) -> list[int] | None:
+        """``n`` blocks from the free list and uncommitted pages only (nothing cached is
+        evicted, nothing purged), or None: what prefetch may be granted."""
+        if n > self.num_free_or_committable():
+            return None
+        out: list[int] = []
+        while len(out) < n:
+            if not self._free:
+                page = self._pages.grow()
+                if page is None:
+                    break
+                self._free.update(dict.fromkeys(self._pages.page_blocks(page)))
+            block, _ = self._free.popitem(last=False)
+            self.refcount[block] = 1
+            self.num_used += 1
+            out.append(block)
+        if len(out) < n:
+            self.free(out)
+            return None
         return out
 
     def _take_one(self) -> int | None:
@@ -142,6 +177,31 @@ class BlockAllocator:
                     self._evictable[b] = None
                 else:
                     self._free[b] = None
+
+    def discard(self, blocks: Iterable[int]) -> int:
+        """Drop one reference to each block; one left unreferenced loses its cached KV and
+        is free at once (a purged or invalidated prefetch). How many became free."""
+        freed = 0
+        for b in blocks:
+            rc = self.refcount[b] - 1
+            if rc < 0:
+                raise ValueError(f"block {b} discarded more often than allocated")
+            self.refcount[b] = rc
+            if rc == 0:
+                self.num_used -= 1
+                self._uncache(b)
+                self._free[b] = None
+                freed += 1
+        return freed
+
+    def free_first(self, blocks: Iterable[int]) -> None:
+        """Like ``free``, but unreferenced cached blocks go to the front of the eviction
+        order: the first to go (an expired advisory's prefetch, Symphony §3.6)."""
+        blocks = list(blocks)
+        self.free(blocks)
+        for b in reversed(blocks):
+            if b in self._evictable:
+                self._evictable.move_to_end(b, last=False)
 
     # ---- prefix cache -------------------------------------------------------------------
     def lookup(self, key: BlockKey) -> int | None:

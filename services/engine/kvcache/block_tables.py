@@ -6,9 +6,13 @@ A sequence holds ``ceil(tokens / block_size)`` blocks in EVERY layer's table:
     ...
     layer 0:   [b.. b.. b..]      block i of layer l holds tokens [i*bs, (i+1)*bs)
 
-Prefix reuse on the device: full block i of the prompt can be reused only if the block
+Prefix reuse on the device: full block i of the prompt is reused as is only if the block
 with key ``(h_i, l)`` is cached for every layer ``l`` (a missing layer would have to be
-recomputed, and recomputing one layer means recomputing all of them).
+recomputed, and recomputing one layer means recomputing all of them). Past that prefix,
+blocks whose lower layers ``[0, k)`` are cached (a prefetch whose upper layers were
+purged, Symphony §3.4) are *partially resident*: usable when the kvstore can supply the
+upper layers ``[k, L)``, which are then loaded into new blocks while the lower ones are
+already there for the forward pass.
 """
 
 from __future__ import annotations
@@ -44,6 +48,26 @@ class BlockTables:
             hit.append(layers)  # type: ignore[arg-type]
         return hit
 
+    def find_partial_run(self, seq: Sequence, start: int) -> tuple[list[list[int]], int]:
+        """Blocks ``[start, start + n)`` whose layers ``[0, k)`` are cached, ``k >= 1`` the
+        fewest leading layers any of them has: ``([block][layer < k], k)``; ``([], 0)``
+        when block ``start`` has no layer 0 cached. (After ``find_cached_prefix``.)"""
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        run: list[list[int]] = []
+        k = self.num_layers
+        for h in seq.block_hashes[start:max_blocks]:
+            layers: list[int] = []
+            for layer in range(k):
+                b = self.pool.lookup((h, layer))
+                if b is None:
+                    break
+                layers.append(b)
+            if not layers:
+                break
+            k = len(layers)
+            run.append(layers)
+        return [blocks[:k] for blocks in run], (k if run else 0)
+
     def peek_cached_blocks(self, hashes: list[bytes]) -> int:
         """How many leading ``hashes`` are cached in every layer now. A hint only: safe to
         call from another thread (dict reads), but the answer may be stale by admission."""
@@ -59,11 +83,16 @@ class BlockTables:
         return [b for table in seq.block_tables for b in table[first_block:end_block]]
 
     def allocate(
-        self, seq: Sequence, num_new_tokens: int, cached: list[list[int]] | None = None
+        self, seq: Sequence, num_new_tokens: int, cached: list[list[int]] | None = None,
+        partial: list[list[int]] | None = None,
     ) -> bool:
         """Grow ``seq``'s tables to cover ``num_new_tokens`` more tokens, first adopting the
-        ``cached`` prefix (only for a sequence holding no blocks). False, with ``seq``
-        unchanged, when the pool cannot supply the blocks."""
+        ``cached`` prefix (only for a sequence holding no blocks), then the ``partial``
+        blocks after it (``[block][layer < k]``: only their upper layers get new blocks;
+        ``num_new_tokens`` covers them). False, with ``seq`` unchanged, when the pool cannot
+        supply the blocks."""
+        if partial:
+            return self._allocate_partial(seq, num_new_tokens, cached or [], partial)
         if cached:
             assert seq.num_blocks == 0 and seq.num_computed_tokens == 0
             flat = [b for blocks in cached for b in blocks]
@@ -82,6 +111,34 @@ class BlockTables:
         per_layer = need // self.num_layers
         for layer in range(self.num_layers):
             seq.block_tables[layer].extend(new[layer * per_layer : (layer + 1) * per_layer])
+        return True
+
+    def _allocate_partial(self, seq: Sequence, num_new_tokens: int,
+                          cached: list[list[int]], partial: list[list[int]]) -> bool:
+        assert seq.num_blocks == 0 and seq.num_computed_tokens == 0
+        k, n_part, n_cached = len(partial[0]), len(partial), len(cached)
+        per_layer = -(-(n_cached * self.block_size + num_new_tokens) // self.block_size)
+        fresh = per_layer - n_cached  # blocks per layer past the cached prefix
+        assert fresh >= n_part, "the tokens to compute must cover the partial blocks"
+        held = [b for blocks in cached for b in blocks] + [b for bl in partial for b in bl]
+        self.pool.touch(held)  # before allocating, so allocation cannot evict them
+        new = self.pool.allocate(fresh * self.num_layers - k * n_part)
+        if new is None:
+            self.pool.free(reversed(held))
+            return False
+        at = 0
+        for layer in range(self.num_layers):
+            table = [blocks[layer] for blocks in cached]
+            if layer < k:
+                table += [blocks[layer] for blocks in partial]
+                take = fresh - n_part
+            else:
+                take = fresh
+            table += new[at : at + take]
+            at += take
+            seq.block_tables[layer] = table
+        seq.num_computed_tokens = n_cached * self.block_size
+        seq.num_registered_blocks = n_cached
         return True
 
     def register_full_blocks(self, seq: Sequence) -> None:

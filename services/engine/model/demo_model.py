@@ -69,6 +69,8 @@ class DemoSize:
 SIZES = {
     # ~0.4M parameters, ~2 MB: for tests.
     "tiny": DemoSize(64, 2, 4, 2, 192, 1024, 4096, 3000, torch.float32),
+    # tiny with 4 layers: for tests of per-layer behaviour (prefetch, purge order).
+    "tiny-deep": DemoSize(64, 4, 4, 2, 192, 1024, 4096, 3000, torch.float32),
     # ~100M parameters (bf16, ~200 MB): for demos and benchmarks with 4k-token histories.
     "small": DemoSize(768, 12, 12, 4, 2048, 16384, 8192, 60000, torch.bfloat16),
 }

@@ -4,6 +4,8 @@ The core calls an ``Offload`` at a handful of named points of a step and of a re
 life; it never asks which kind it has:
 
     accept(plan)               a request arrives with a lookup's plan (kept or dropped)
+    add_prefetch(order)        an advised session to prefetch into free device blocks
+    end_prefetch(...)          its advisory ended unfollowed (invalidated or expired)
     begin_step()               before scheduling: reclaim blocks whose loads have ended
     forward(out)               around the forward pass: start this step's loads, yield the
                                per-layer wait, undo on failure
@@ -23,6 +25,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from services.engine.api_types import ReuseStats
+from services.engine.offload.device_prefetch import PrefetchOrder
 from services.engine.offload.planner import ReusePlan
 from services.engine.scheduler import SchedulerOutput
 from services.engine.sequence import Sequence
@@ -43,6 +46,14 @@ class Offload:
 
     def begin_step(self) -> None:
         """Before scheduling."""
+
+    def add_prefetch(self, order: PrefetchOrder) -> None:
+        """An advised session to prefetch into free device blocks (none here)."""
+
+    def end_prefetch(self, tenant: str, session_id: str, expired: bool) -> bool:
+        """An advisory ended unfollowed (invalidated, or ``expired``); whether its session
+        had prefetched blocks."""
+        return False
 
     @contextmanager
     def forward(self, out: SchedulerOutput) -> Iterator[LayerWait | None]:

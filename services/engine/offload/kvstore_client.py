@@ -188,6 +188,26 @@ class KVStoreClient:
             return None
         return wire.lookup_answer(reply)
 
+    async def lookup_session(self, tenant: str, session_id: str) -> StoredPrefix | None:
+        """What the kvstore holds of a session as a whole (an advised prefetch): its
+        sequence's block hashes and the leased spans; None on any error or when nothing
+        is stored."""
+        if not self.attached or self._stub is None:
+            return None
+        req = wire.lookup_request(tenant, session_id, self.model_fp, [], 0, self.num_layers,
+                                  whole_session=True)
+        try:
+            reply = await self._stub.LookupPrefix(
+                req, timeout=self.config.offload.lookup_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            self._warn("LookupPrefix", e)
+            self._lost(e)
+            return None
+        found = wire.lookup_answer(reply)
+        if not found.spans:
+            return None
+        return found
+
     def release(self, lease_id: str) -> None:
         if lease_id and self._stub is not None:
             self._spawn(self._release(lease_id), "kvstore-release")

@@ -29,9 +29,10 @@ from services.engine.api_types import ReuseStats
 from services.engine.config import EngineConfig
 from services.engine.kvcache.block_tables import BlockTables
 from services.engine.offload.base import LayerWait, Offload
+from services.engine.offload.device_prefetch import DevicePrefetch, PrefetchOrder
 from services.engine.offload.jobs import LoadJob, SaveJob
 from services.engine.offload.layer_readiness import LayerReadiness
-from services.engine.offload.planner import WHOLE_PREFIX, PrefillRate, ReusePlan
+from services.engine.offload.planner import SKIP, WHOLE_PREFIX, PrefillRate, ReusePlan
 from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.sequence import Sequence
 from shared.hashing import extend_block_hashes
@@ -59,6 +60,7 @@ class KVStoreOffload(Offload):
         load_timeout_s: float,
         prefill_prior_s_per_token: float,
         pool_on_cpu: bool = True,
+        block_bytes: int = 0,
     ) -> None:
         super().__init__()
         self.kv = kv
@@ -80,6 +82,9 @@ class KVStoreOffload(Offload):
         self._job_ids = itertools.count()
         self._restore_threads = 0  # intra-op threads to restore after an overlapped step
         self._loading: list[Sequence] = []  # this step's loads, from forward to settle
+        self.prefetch = DevicePrefetch(kv, block_bytes)
+        self.prefetch.start_load = self._start_prefetch_load
+        self.prefetch.release_lease = self._release_lease
 
     # ---- the boundary -------------------------------------------------------------------
     def accept(self, plan: ReusePlan | None) -> ReusePlan | None:
@@ -87,10 +92,33 @@ class KVStoreOffload(Offload):
 
     def begin_step(self) -> None:
         self.unpark()
+        if self.transport is not None:
+            self.prefetch.begin_step()
+
+    def add_prefetch(self, order: PrefetchOrder) -> None:
+        self.prefetch.add(order)
+        if self.transport is not None:
+            self.prefetch.fill()  # now: a request right behind it finds the load in flight
+
+    def end_prefetch(self, tenant: str, session_id: str, expired: bool) -> bool:
+        return self.prefetch.end(tenant, session_id, expired)
+
+    def _start_prefetch_load(self, job: LoadJob) -> None:
+        if self.transport is None:
+            job.readiness.fail(0, "no kvstore transport")
+            job.readiness.finish()
+            return
+        self.transport.start_load(job)
+
+    def _release_lease(self, lease_id: str) -> None:
+        if lease_id and self.transport is not None:
+            self.transport.release(lease_id)
 
     @contextmanager
     def forward(self, out: SchedulerOutput) -> Iterator[LayerWait | None]:
         self._count_admissions(out)
+        for seq, _ in out.admitted:
+            self.prefetch.admitted(seq)
         self._release_unused(out)
         loading = self._loading = self.start_loads(out)
         try:
@@ -120,7 +148,7 @@ class KVStoreOffload(Offload):
 
     @property
     def holds_blocks(self) -> bool:
-        return bool(self.pinned or self.parked)
+        return bool(self.pinned or self.parked) or self.prefetch.loading
 
     def _release_unused(self, out: SchedulerOutput) -> None:
         """Admitted requests whose plan is not loaded (the device had it all, or a gap
@@ -146,7 +174,8 @@ class KVStoreOffload(Offload):
                 ready.fail(0, "no kvstore transport")
                 ready.finish()
                 continue
-            ids = self.kv.table_slice(seq, plan.first_block, plan.end_block)
+            ids = plan.target_ids(self.kv.table_slice(seq, plan.first_block, plan.end_block),
+                                  layers)
             self.transport.start_load(LoadJob(seq.request_id, seq.tenant, plan, tuple(ids), ready))
         return loading
 
@@ -227,7 +256,9 @@ class KVStoreOffload(Offload):
         """Hold an extra reference on the load's target blocks until its RPC has ended (the
         kvstore may write them until then), so no other sequence can be given them."""
         if not ready.finished:
-            ids = self.kv.table_slice(seq, plan.first_block, plan.end_block)
+            ids = [b for b in plan.target_ids(
+                self.kv.table_slice(seq, plan.first_block, plan.end_block), self.kv.num_layers)
+                if b != SKIP]  # (blocks on device already are not written)
             self.kv.pool.touch(ids)
             self.parked.append((ready, ids))
 
@@ -312,6 +343,7 @@ class KVStoreOffload(Offload):
         """Block references held here (pins and parked loads), one entry per reference."""
         out = [b for ids in self.pinned.values() for b in ids]
         out.extend(b for _, ids in self.parked for b in ids)
+        out.extend(self.prefetch.held_blocks())
         return out
 
     def stats(self) -> ReuseStats:
@@ -321,11 +353,14 @@ class KVStoreOffload(Offload):
             recomputed_tokens=self.recomputed_tokens,
             load_failures=self.load_failures,
             last_load_seconds=self.last_load_s,
+            prefetch=self.prefetch.stats(),
         )
 
 
-def offload_for(config: EngineConfig, kv: BlockTables, scheduler: Scheduler) -> KVStoreOffload:
-    """The node's kvstore as ``config`` asks for it, over a core's block tables."""
+def offload_for(config: EngineConfig, kv: BlockTables, scheduler: Scheduler,
+                block_bytes: int = 0) -> KVStoreOffload:
+    """The node's kvstore as ``config`` asks for it, over a core's block tables (of
+    ``block_bytes`` per block: what prefetch statistics count in)."""
     return KVStoreOffload(
         kv,
         scheduler,
@@ -333,6 +368,7 @@ def offload_for(config: EngineConfig, kv: BlockTables, scheduler: Scheduler) -> 
         load_timeout_s=config.offload.load_timeout_s,
         prefill_prior_s_per_token=config.offload.prefill_s_per_token,
         pool_on_cpu=torch.device(config.device).type == "cpu",
+        block_bytes=block_bytes,
     )
 
 

@@ -82,6 +82,14 @@ class LayerReadiness:
         )
 
     @property
+    def loaded_through(self) -> int:
+        """The highest layer ``l`` with layers ``0..l`` all loaded (-1: none)."""
+        with self._cond:
+            if self._failed_from is not None:
+                return min(self._loaded_through, self._failed_from - 1)
+            return self._loaded_through
+
+    @property
     def complete(self) -> bool:
         """Every layer loaded."""
         with self._cond:

@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+JOIN_POLL_S = 0.002
+
 
 def contiguous(spans: list[KVSpan], first_block: int) -> list[KVSpan]:
     """The leading spans that continue each other from ``first_block`` without a gap."""
@@ -72,6 +74,8 @@ class PrefixLookup:
         if m == 0:
             return None
         hashes = block_hashes(ids[: m * bs], bs, req.hash_seed)
+        if hashes[0] in self.reuse.prefetch.in_flight:
+            await self._join_prefetch(hashes[0])
         device = self.kv.peek_cached_blocks(hashes)
         if device >= m:
             return None
@@ -86,6 +90,14 @@ class PrefixLookup:
             return None
         chosen = tuple(spans[:keep])
         return ReusePlan(chosen, answer.lease_id, device, chosen[-1].end_block)
+
+    async def _join_prefetch(self, first_hash: bytes) -> None:
+        """An advisory's load into the device of this prefix is under way: wait for it
+        (bounded by ``offload.prefetch_join_s``) rather than load the same KV twice."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.offload.prefetch_join_s
+        while first_hash in self.reuse.prefetch.in_flight and loop.time() < deadline:
+            await asyncio.sleep(JOIN_POLL_S)
 
     def _choose(
         self, spans: list[KVSpan], prompt_tokens: int, device: int, bw: dict[str, float]
@@ -127,7 +139,7 @@ async def connect_offload(
     )
     connector = KVStoreClient(config, geometry)
     # An int written on the loop, read by the worker: where mid-generation saves may cut.
-    offload = offload_for(config, core.kv, core.scheduler)
+    offload = offload_for(config, core.kv, core.scheduler, core.pool.block_bytes)
     connector.on_attached = lambda bpc: setattr(offload, "blocks_per_chunk", bpc)
     await connector.start()
     offload.transport = LoopTransport(asyncio.get_running_loop(), connector, unpin)

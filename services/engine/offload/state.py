@@ -4,6 +4,7 @@
     first step         load       the part of the plan being loaded (trimmed by the device
                        readiness  hit), and per-layer progress of its RPC
     loaded             loaded_from   where the loaded KV was ("local", "s3", "peer")
+    admitted           prefetched    on blocks an advisory prefetched: whole or partial
     while generating   saved_blocks  leading blocks already handed to the kvstore
 
 Touched only by the engine's worker thread.
@@ -25,6 +26,8 @@ class OffloadState:
     counted: bool = False  # this request's device/loaded tokens entered the stats
     saved_blocks: int = 0  # a multiple of the kvstore's chunk, in blocks
     loaded_from: str = ""  # where a completed load came from: "local", "s3" or "peer"
+    partial_blocks: int = 0  # admitted with this many partially resident blocks
+    prefetched: str = ""  # admitted on advised blocks: "device_prefetched" or "device_partial"
 
     def load_after(self, device_blocks: int) -> ReusePlan | None:
         """The part of the plan still worth loading once ``device_blocks`` leading blocks

@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+SKIP = -1  # a target block id meaning "already on device: do not write"
+
 
 @functools.cache
 def lazy_torch() -> Any:
@@ -57,8 +59,15 @@ def encode_from_pool(kv: torch.Tensor, jobs: list[tuple[ChunkMeta, list[int]]]) 
 
 
 def scatter_blocks(kv: torch.Tensor, chunk: torch.Tensor, offset: int, ids: list[int]) -> None:
-    """``kv[ids] = chunk[offset : offset + len(ids)]`` (the caller checked the shapes)."""
+    """``kv[ids] = chunk[offset : offset + len(ids)]`` (the caller checked the shapes);
+    ``SKIP`` targets are left alone."""
     src = chunk[offset : offset + len(ids)]  # (len(ids), 2, bs, kvh, hd)
+    if SKIP in ids:
+        keep = [i for i, b in enumerate(ids) if b != SKIP]
+        if not keep:
+            return
+        src = src[keep]
+        ids = [ids[i] for i in keep]
     if src.device != kv.device:
         src = src.to(kv.device, non_blocking=False)
     if _is_run(ids):
@@ -81,12 +90,15 @@ async def to_the_end(aw: Awaitable[T]) -> T:
 
 
 def block_runs(ids: list[int]) -> list[tuple[int, int]]:
-    """``ids`` as (first, count) runs of consecutive block ids."""
-    if ids and ids == list(range(ids[0], ids[0] + len(ids))):  # the common case, in C
-        return [(ids[0], len(ids))]
+    """``ids`` as (first, count) runs of consecutive block ids; ``SKIP`` entries form
+    runs of their own, ``(SKIP, count)``."""
+    if ids and ids[0] != SKIP and ids == list(range(ids[0], ids[0] + len(ids))):
+        return [(ids[0], len(ids))]  # the common case, in C
     out: list[tuple[int, int]] = []
     for b in ids:
-        if out and out[-1][0] + out[-1][1] == b:
+        last = out[-1][0] if out else None
+        if last is not None and (last == SKIP if b == SKIP
+                                 else last != SKIP and last + out[-1][1] == b):
             out[-1] = (out[-1][0], out[-1][1] + 1)
         else:
             out.append((b, 1))
@@ -100,7 +112,9 @@ def payload_bufs(bb: int, span: KVSpan, bpc: int, chunk_blocks: int, ids: list[i
     the checksum covers them)."""
     off = span.first_block % bpc
     bufs = [memoryview(bytearray(off * bb))] if off else []
-    bufs += [dest[first * bb : (first + n) * bb] for first, n in block_runs(ids)]
+    for first, n in block_runs(ids):
+        bufs.append(memoryview(bytearray(n * bb)) if first == SKIP
+                    else dest[first * bb : (first + n) * bb])
     if chunk_blocks > off + len(ids):
         bufs.append(memoryview(bytearray((chunk_blocks - off - len(ids)) * bb)))
     return bufs

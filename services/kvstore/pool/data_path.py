@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncGenerator
 
@@ -132,6 +133,8 @@ class EnginePoolPath:
         g = pool.geometry
         bpc = self.pools.blocks_per_chunk(g.block_size)
         pool.check_model(req.model_fp, req.num_layers)
+        if req.whole_session:
+            req = await self._session_prompt(req, bpc)
         if req.first_block > len(req.block_hashes):
             raise PoolError(
                 f"first_block {req.first_block} is past the {len(req.block_hashes)} block hashes"
@@ -153,7 +156,18 @@ class EnginePoolPath:
         bandwidth = self.bandwidth.snapshot()
         if req.peer_address:
             bandwidth[PEER] = self.links.bytes_per_s(req.peer_address)
-        return StoredPrefix(matched, spans, lease_id, bandwidth)
+        return StoredPrefix(matched, spans, lease_id, bandwidth,
+                            req.block_hashes if req.whole_session else ())
+
+    async def _session_prompt(self, req: LookupRequest, bpc: int) -> LookupRequest:
+        """A whole-session lookup (an advised prefetch into the device) as a prompt: the
+        session's latest sequence saved here, else its manifest's (empty: none known)."""
+        if req.block_hashes or req.first_block or not req.session_id:
+            raise PoolError("a whole-session lookup names a session and no block hashes")
+        known = await known_sequences(self.manifests, req.tenant, req.session_id,
+                                      req.model_fp, bpc)
+        hashes = max(known.seqs, key=len, default=())
+        return dataclasses.replace(req, block_hashes=hashes)
 
     async def _find(
         self, req: LookupRequest, bpc: int, block_size: int, block_bytes: int, lease: Lease

@@ -11,7 +11,9 @@ copied by one worker-thread call per layer.
 
 Target blocks are layer-major: span k's blocks of layer l go to
 ``block_ids[l * n + off_k : l * n + off_k + use_k]`` with n = sum(use) and off_k the sum
-of the earlier spans' use. Inside its chunk a span starts at
+of the earlier spans' use. A target of ``SKIP`` (-1) names a block the engine already
+holds on device (a partially resident prefix): it is not written, and a span with every
+block of a layer skipped is not read for that layer. Inside its chunk a span starts at
 ``first_block % blocks_per_chunk``::
 
     chunk (bpc = 16):  | 0 1 2 ... 7 | 8 ... 12 | 13 14 15 |
@@ -42,7 +44,13 @@ from typing import TYPE_CHECKING
 from services.kvstore.bandwidth import TierBandwidth
 from services.kvstore.errors import PeerFetchFailed
 from services.kvstore.pool.attach import MappedPool
-from services.kvstore.pool.copies import lazy_torch, payload_bufs, scatter_blocks, to_the_end
+from services.kvstore.pool.copies import (
+    SKIP,
+    lazy_torch,
+    payload_bufs,
+    scatter_blocks,
+    to_the_end,
+)
 from services.kvstore.pool.leases import Lease
 from services.kvstore.pool.load_checks import (
     LoadFailed,
@@ -236,21 +244,29 @@ async def _read_layer(
 ) -> list[Part]:
     """Every span's chunk of ``layer``: the lease's DRAM copies first (checked here, copied
     later by ``_finish_copy``), the rest in one batched search of the tiers, checked and
-    copied on the thread that reads them (``_CopyOnRead``)."""
+    copied on the thread that reads them (``_CopyOnRead``). A span whose blocks in this
+    layer are all ``SKIP`` is already on the device: nothing of it is read."""
     t0 = time.perf_counter()
-    keys = [key_prefixes[s.chunk_hash] + str(layer) for s in req.spans]
+    all_keys = [key_prefixes[s.chunk_hash] + str(layer) for s in req.spans]
     targets: dict[bytes, tuple[KVSpan, list[int]]] = {}
     pos = layer * n
-    for span in req.spans:
-        targets[span.chunk_hash] = (span, list(req.block_ids[pos : pos + span.use_blocks]))
+    spans: list[KVSpan] = []
+    keys: list[str] = []
+    for span, key in zip(req.spans, all_keys, strict=True):
+        ids = list(req.block_ids[pos : pos + span.use_blocks])
         pos += span.use_blocks
+        if any(b != SKIP for b in ids):
+            targets[span.chunk_hash] = (span, ids)
+            spans.append(span)
+            keys.append(key)
     found: list[tuple[Chunk | None, str]] = []
     unleased: list[int] = []
-    pulled = await _from_peer(lease, req, layer, pool, bpc, targets, keys)
+    # (every key: a peer's stream is read through each layer it has chunks in)
+    pulled = await _from_peer(lease, req, layer, pool, bpc, targets, all_keys)
     for j, key in enumerate(keys):
         if key in pulled:  # read straight into its blocks off the peer's stream
             found.append((Chunk(ChunkMeta(req.tenant, req.model_fp, layer,
-                                          (req.spans[j].chunk_hash,)), _no_payload()), PEER))
+                                          (spans[j].chunk_hash,)), _no_payload()), PEER))
             continue
         held = lease.blobs.get(key) if lease is not None else None
         if held is None:
@@ -262,8 +278,8 @@ async def _read_layer(
         except ChunkCorrupt as e:
             raise LoadFailed(f"layer {layer}: chunk {key} is corrupt: {e}") from None
     copier = _CopyOnRead(pool.kv, req, layer, pool, bpc, lease, targets,
-                         {s.chunk_hash: k for s, k in zip(req.spans, keys, strict=True)})
-    copier.copied.update({req.spans[j].chunk_hash: s for j, k in enumerate(keys)
+                         {s.chunk_hash: k for s, k in zip(spans, keys, strict=True)})
+    copier.copied.update({spans[j].chunk_hash: s for j, k in enumerate(keys)
                           if (s := pulled.get(k)) is not None})
     if unleased:
         try:
@@ -272,9 +288,9 @@ async def _read_layer(
             raise LoadFailed(f"layer {layer}: a chunk is corrupt: {e}") from None
         for j, got in zip(unleased, fetched, strict=True):
             found[j] = got
-    read_s = (time.perf_counter() - t0) / len(keys)
+    read_s = (time.perf_counter() - t0) / max(1, len(keys))
     parts = []
-    for span, key, (chunk, tier) in zip(req.spans, keys, found, strict=True):
+    for span, key, (chunk, tier) in zip(spans, keys, found, strict=True):
         if chunk is None:
             raise LoadFailed(f"layer {layer}: chunk {key} is missing or corrupt")
         why = copier.refused.get(span.chunk_hash)
@@ -284,9 +300,10 @@ async def _read_layer(
         if copied is None:  # a DRAM hit: checked here, copied by _finish_copy
             check_decoded(chunk, req, span, layer, pool, bpc,
                          lease.expected.get(key) if lease else None)
-        nbytes = span.use_blocks * pool.geometry.block_bytes
-        parts.append(Part(chunk.tensor, span.first_block % bpc, targets[span.chunk_hash][1],
-                          tier, nbytes, read_s, copied))
+        ids = targets[span.chunk_hash][1]
+        nbytes = sum(b != SKIP for b in ids) * pool.geometry.block_bytes
+        parts.append(Part(chunk.tensor, span.first_block % bpc, ids, tier, nbytes, read_s,
+                          copied))
     return parts
 
 

@@ -8,6 +8,7 @@ copied into a pool block that the request did not name.
 from __future__ import annotations
 
 from services.kvstore.pool.attach import MappedPool, PoolError
+from services.kvstore.pool.copies import SKIP
 from services.kvstore.pool.types import LoadRequest
 from shared.chunk_codec import Chunk, ChunkMeta, chunk_key
 from shared.kv_layout import KVSpan
@@ -34,7 +35,7 @@ def check_request(pool: MappedPool, req: LoadRequest, bpc: int) -> int:
             f"block_ids has {len(req.block_ids)} entries; expected num_layers * "
             f"sum(use_blocks) = {req.num_layers} * {n}"
         )
-    ids = list(req.block_ids)
+    ids = [b for b in req.block_ids if b != SKIP]  # SKIP: already on device
     pool.check_block_ids(ids)
     if len(set(ids)) != len(ids):
         # Two reads into one block would make a sound chunk fail its checksum there.

@@ -1,8 +1,9 @@
 """Advisory prefetch on real processes (loopback, a real SeaweedFS S3 server): an advisory
 for a session whose KV is on another node sends its next turn to the advised node, whose
 kvstore has pulled the KV into its DRAM before the request, from the peer or, with the
-peer's kvstore dead, from S3; the turn then reuses it from DRAM ("local") with exactly the
-tokens of recomputation."""
+peer's kvstore dead, from S3, and whose engine then copied it into free device blocks;
+the turn reuses it there ("device_prefetched") with exactly the tokens of
+recomputation. An invalidated advisory's next turn loads from DRAM ("local")."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def reference(tiny_model: Path) -> dict[str, Transcript]:
     async def cases() -> dict[str, Transcript]:
         return {case: await reference_transcript(loaded, [f"({case}) {USER_TURNS[0]}",
                                                           USER_TURNS[1]])
-                for case in ("peer", "s3")}
+                for case in ("peer", "s3", "inval")}
 
     return asyncio.run(cases())
 
@@ -49,6 +50,21 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         yield c
 
 
+def _first_turn(cluster: Cluster, session: str, messages: list[ChatMessage],
+                expected: list[int]) -> None:
+    """Turn 1 on node0; returns once the scheduler knows where its KV is (node0's save
+    reached it with a heartbeat): an advisory then names node0 as the source."""
+    located = 'overture_sessions_located'
+    before = _metric(cluster.text("/metrics"), located)
+    _serve_only(cluster, "node0")
+    tokens, _, node = _turn(cluster, session, messages)
+    assert node == "node0" and tokens == expected
+    deadline = time.monotonic() + 20
+    while _metric(cluster.text("/metrics"), located) <= before:
+        assert time.monotonic() < deadline, cluster.logs()
+        time.sleep(0.05)
+
+
 def _advise(cluster: Cluster, session: str) -> dict:
     status, adv = cluster.post("/v1/advisory", {"session_id": session, "model": "demo-tiny",
                                                 "expected_arrival_s": 2})
@@ -56,45 +72,62 @@ def _advise(cluster: Cluster, session: str) -> dict:
     return adv
 
 
-def _wait_prefetched(cluster: Cluster, node: str, advisory_id: str) -> str:
+def _wait_prefetched(cluster: Cluster, node: str, advisory_id: str,
+                     device: bool = True) -> list[str]:
+    """The nodemgr's log lines of the advisory once it reached DRAM (and the device)."""
     deadline = time.monotonic() + 30
     log = cluster.procs[f"{node}.nodemgr"]
     while True:
         lines = [line for line in log.tail(400).splitlines() if advisory_id in line]
-        if lines:
-            return lines[-1]
+        if any("into DRAM" in line for line in lines) and (
+                not device or any("into device memory" in line for line in lines)):
+            return lines
         assert time.monotonic() < deadline, cluster.logs()
         time.sleep(0.1)
 
 
-def _local_turn(cluster: Cluster, session: str, messages: list[ChatMessage],
-                expected: list[int], node: str) -> None:
-    before = _metric(cluster.text("/metrics"), 'overture_turns_total{kv_from="local"}')
+def _advised_turn(cluster: Cluster, session: str, messages: list[ChatMessage],
+                  expected: list[int], node: str, kv_from: str = "device_prefetched") -> None:
+    metric = f'overture_turns_total{{kv_from="{kv_from}"}}'
+    before = _metric(cluster.text("/metrics"), metric)
     tokens, cached, served = _turn(cluster, session, messages)
     assert served == node and tokens == expected, cluster.logs()
     assert cached > 0
-    after = _metric(cluster.text("/metrics"), 'overture_turns_total{kv_from="local"}')
-    assert after == before + 1, f"the turn did not reuse the prefetched KV\n{cluster.logs()}"
+    after = _metric(cluster.text("/metrics"), metric)
+    assert after == before + 1, f"the turn's KV was not {kv_from}\n{cluster.logs()}"
 
 
 def test_an_advisory_prefetches_from_the_peer(cluster: Cluster, reference) -> None:
     (m1, e1, _), (m2, e2, _) = reference["peer"]
-    _serve_only(cluster, "node0")
-    tokens, _, node = _turn(cluster, "adv-peer", m1)
-    assert node == "node0" and tokens == e1
+    _first_turn(cluster, "adv-peer", m1, e1)
     _serve_only(cluster, "node1")
     adv = _advise(cluster, "adv-peer")
     assert adv["node"] == "node1"
-    line = _wait_prefetched(cluster, "node1", adv["advisory_id"])
-    assert "prefetched into DRAM" in line, line
-    _local_turn(cluster, "adv-peer", m2, e2, "node1")
+    lines = _wait_prefetched(cluster, "node1", adv["advisory_id"])
+    assert any("prefetched into DRAM" in line for line in lines), lines
+    _advised_turn(cluster, "adv-peer", m2, e2, "node1")
+
+
+def test_an_invalidated_advisory_frees_the_device_copy(cluster: Cluster, reference) -> None:
+    (m1, e1, _), (m2, e2, _) = reference["inval"]
+    _first_turn(cluster, "adv-inval", m1, e1)
+    _serve_only(cluster, "node1")
+    adv = _advise(cluster, "adv-inval")
+    _wait_prefetched(cluster, "node1", adv["advisory_id"])
+    status, _ = cluster.delete(f"/v1/advisory/{adv['advisory_id']}")
+    assert status == 200
+    # The engine frees the session's device blocks; its next turn loads it from DRAM.
+    deadline = time.monotonic() + 10
+    while _metric(cluster.text("/metrics"), 'overture_advisories_total{event="invalidated"}') < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(0.5)  # (the scheduler -> nodemgr -> engine calls run in the background)
+    _advised_turn(cluster, "adv-inval", m2, e2, "node1", kv_from="local")
 
 
 def test_with_the_peers_kvstore_dead_it_prefetches_from_s3(cluster: Cluster, reference) -> None:
     (m1, e1, _), (m2, e2, _) = reference["s3"]
-    _serve_only(cluster, "node0")
-    tokens, _, node = _turn(cluster, "adv-s3", m1)
-    assert node == "node0" and tokens == e1
+    _first_turn(cluster, "adv-s3", m1, e1)
     # Wait until node0's save of the turn is durable (its manifest is in S3), then kill
     # node0's kvstore: only S3 still has the session.
     client = boto3.client("s3", endpoint_url=cluster.s3_endpoint, region_name="us-east-1",
@@ -107,6 +140,6 @@ def test_with_the_peers_kvstore_dead_it_prefetches_from_s3(cluster: Cluster, ref
     cluster.kill("node0.kvstore")
     _serve_only(cluster, "node1")
     adv = _advise(cluster, "adv-s3")
-    line = _wait_prefetched(cluster, "node1", adv["advisory_id"])
-    assert "prefetched into DRAM" in line, (line, cluster.logs())
-    _local_turn(cluster, "adv-s3", m2, e2, "node1")
+    lines = _wait_prefetched(cluster, "node1", adv["advisory_id"])
+    assert any("prefetched into DRAM" in line for line in lines), (lines, cluster.logs())
+    _advised_turn(cluster, "adv-s3", m2, e2, "node1")

@@ -8,7 +8,12 @@ import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from services.engine.api_types import ChatMessage, GenerateRequest, SamplingParams
+from services.engine.api_types import (
+    ChatMessage,
+    EngineStatus,
+    GenerateRequest,
+    SamplingParams,
+)
 from services.engine.async_engine import AsyncEngine
 from services.engine.config import EngineConfig, OffloadConfig
 from services.engine.model import LoadedModel
@@ -165,12 +170,18 @@ async def reference_transcript(
     return out
 
 
+def _unsettled(status: EngineStatus) -> int:
+    """Blocks in use by anything but prefetched advised sessions."""
+    p = status.reuse.prefetch
+    return status.blocks_used - (p.blocks_held if p is not None else 0)
+
+
 async def saves_settled(eng: AsyncEngine, timeout_s: float = 10.0) -> None:
     """Wait until no block is pinned by a save in flight (all requests have finished)."""
     import asyncio
 
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    while (await eng.status()).blocks_used:
+    while _unsettled(await eng.status()):
         assert loop.time() < deadline, "saves did not finish"
         await asyncio.sleep(0.01)

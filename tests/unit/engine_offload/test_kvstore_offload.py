@@ -40,7 +40,8 @@ def make_core(loaded: LoadedModel, **kw: object) -> EngineCore:
     cfg = EngineConfig(dtype="float32", device_memory_bytes=4 << 20, page_bytes=16 << 10,
                        debug_checks=True, offload=OffloadConfig(load_timeout_s=0.05), **kw)
     core = EngineCore(cfg, loaded)
-    core.offload = offload_for(cfg, core.kv, core.scheduler)  # as connect_offload does
+    # as connect_offload does
+    core.offload = offload_for(cfg, core.kv, core.scheduler, core.pool.block_bytes)
     return core
 
 

@@ -1,5 +1,6 @@
 """The policies: balanced (least loaded, ties to fewest routed, then least recently used;
-advised requests to their advisory's node), sticky and recompute (the baselines)."""
+advised requests to their advisory's node), priority (high-priority sessions spread
+evenly), sticky and recompute (the baselines)."""
 
 from __future__ import annotations
 
@@ -80,4 +81,23 @@ def test_sticky_keeps_a_session_on_its_node_and_recompute_ignores_kv() -> None:
     assert pick(sticky, held) == "b"
     assert (sticky.moves_kv, sticky.prefetches, sticky.reuses_kv) == (False, False, True)
     assert (recompute.moves_kv, recompute.prefetches, recompute.reuses_kv) == (False,) * 3
-    assert sorted(POLICIES) == ["balanced", "recompute", "sticky"]
+    assert sorted(POLICIES) == ["balanced", "priority", "recompute", "sticky"]
+
+
+def test_priority_spreads_high_priority_sessions_and_sends_them_straight_to_device() -> None:
+    reg, _ = registry("a", "b", "c")
+    reg.heartbeat("a", Load(running=1))  # b and c idle: balanced would pick b every time
+    policy = make_policy("priority")
+    assert policy.straight_to_device and not make_policy("balanced").straight_to_device
+    picked = []
+    for i in range(4):
+        node = policy.choose(reg.healthy("m"), RouteRequest("m", f"s{i}", priority=5))
+        assert node is not None
+        picked.append(node.node_id)
+        reg.advised_priority(node.node_id, +1)  # (what the advisor records)
+    assert sorted(picked[:3]) == ["a", "b", "c"] and picked[3] in {"b", "c"}
+    # a regular session is placed as balanced places it; an advised one follows its advisory
+    regular = policy.choose(reg.healthy("m"), RouteRequest("m", "r"))
+    assert regular is not None and regular.node_id in {"b", "c"}
+    advised = policy.choose(reg.healthy("m"), RouteRequest("m", "x", priority=5, advised="a"))
+    assert advised is not None and advised.node_id == "a"

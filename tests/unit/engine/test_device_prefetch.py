@@ -1,0 +1,266 @@
+"""The device prefetch's memory rules (Symphony §3.4, §3.6) on a real allocator: lower
+layers of every advised session before higher layers of any, purges later layers first
+then the least recently advised session, expired advisories first to go, invalidation
+frees at once, a request admitted on the blocks follows the advisory."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from services.engine.kvcache.block_allocator import BlockAllocator
+from services.engine.kvcache.block_tables import BlockTables
+from services.engine.offload.device_prefetch import (
+    DEVICE_PARTIAL,
+    DEVICE_PREFETCHED,
+    DevicePrefetch,
+    PrefetchOrder,
+)
+from services.engine.offload.jobs import LoadJob
+from services.engine.offload.planner import SKIP, ReusePlan
+from services.engine.sequence import Sequence
+from shared.kv_layout import KVSpan
+
+from .conftest import BLOCK_SIZE, make_pool
+
+LAYERS = 4
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def book() -> Iterator[tuple[DevicePrefetch, list[LoadJob], Clock]]:
+    pool = make_pool(num_pages=4)  # 16 blocks
+    kv = BlockTables(BlockAllocator(pool), LAYERS, BLOCK_SIZE)
+    clock = Clock()
+    d = DevicePrefetch(kv, 1024, clock)
+    jobs: list[LoadJob] = []
+    d.start_load = jobs.append
+    yield d, jobs, clock
+    pool.close()
+
+
+def order(sid: str, blocks: int, priority: int = 0, ttl_s: float = 30.0) -> PrefetchOrder:
+    hashes = tuple(f"{sid}-{i}".encode().ljust(16, b".") for i in range(blocks))
+    span = KVSpan(hashes[-1], 0, blocks, "dram", blocks * 1024 * LAYERS)
+    return PrefetchOrder("t", sid, hashes, ReusePlan((span,), f"lease-{sid}", 0, blocks),
+                         priority, ttl_s)
+
+
+def finish(jobs: list[LoadJob]) -> None:
+    """The kvstore loads every job's layers (what LoadIntoPool reports)."""
+    for job in jobs:
+        for layer in range(LAYERS):
+            job.readiness.mark_loaded(layer)
+        job.readiness.finish()
+    jobs.clear()
+
+
+def layers_in(job: LoadJob, blocks: int) -> list[int]:
+    return [ly for ly in range(LAYERS)
+            if any(b != SKIP for b in job.block_ids[ly * blocks:(ly + 1) * blocks])]
+
+
+def test_plenty_of_memory_puts_every_layer_on_device(book) -> None:
+    d, jobs, _ = book
+    d.add(order("a", 2))
+    d.begin_step()
+    assert len(jobs) == 1 and layers_in(jobs[0], 2) == [0, 1, 2, 3]
+    assert jobs[0].plan.lease_id == "lease-a"
+    finish(jobs)
+    d.begin_step()
+    assert d.resident_layers("t", "a") == LAYERS
+    for ly in range(LAYERS):  # indexed under the prompt's content hashes
+        assert d.pool.lookup((order("a", 2).hashes[0], ly)) is not None
+    d.pool.check_integrity()
+
+
+def test_lower_layers_of_every_session_before_higher_layers_of_any(book) -> None:
+    d, jobs, _ = book  # 16 blocks: sessions of 3 blocks per layer
+    d.add(order("a", 3))
+    d.begin_step()
+    finish(jobs)
+    d.begin_step()
+    assert d.resident_layers("t", "a") == 4  # 12 of 16 blocks
+    d.add(order("b", 3))
+    d.begin_step()  # b's layer 0 needs 3 blocks: 4 are free
+    finish(jobs)
+    d.begin_step()  # b's layer 1: a's layer 3 is purged for it (a higher layer); b's
+    finish(jobs)  # layer 2 would need a's layer 2 (not higher): b waits for free memory
+    d.begin_step()
+    assert (d.resident_layers("t", "a"), d.resident_layers("t", "b")) == (3, 2)
+    assert d.purged_by_layer == [0, 0, 0, 3]
+    d.pool.check_integrity()
+
+
+def test_running_requests_purge_later_layers_first_then_least_recently_advised(book) -> None:
+    d, jobs, clock = book
+    d.add(order("old", 2))
+    clock.now += 1
+    d.add(order("new", 2))
+    d.begin_step()
+    finish(jobs)
+    d.begin_step()
+    assert d.resident_layers("t", "old") == d.resident_layers("t", "new") == 4  # 16 blocks
+    got = d.pool.allocate(2)  # a running request needs memory: the pool is full
+    assert got is not None
+    assert (d.resident_layers("t", "old"), d.resident_layers("t", "new")) == (3, 4)
+    d.pool.allocate(2)
+    assert (d.resident_layers("t", "old"), d.resident_layers("t", "new")) == (3, 3)
+    d.pool.allocate(6)
+    assert (d.resident_layers("t", "old"), d.resident_layers("t", "new")) == (1, 2)
+    assert d.purged_by_layer == [0, 2, 4, 4]
+
+
+def test_expired_advisories_go_first_and_invalidation_frees_at_once(book) -> None:
+    d, jobs, clock = book
+    d.add(order("spurious", 2, ttl_s=5))
+    d.add(order("kept", 2, ttl_s=60))
+    d.begin_step()
+    finish(jobs)
+    d.begin_step()
+    clock.now += 10
+    d.begin_step()  # the spurious advisory expired: its blocks are evictable, first to go
+    assert ("t", "spurious") not in d.sessions and d.outcomes == {"expired": 1}
+    assert d.pool.num_evictable == 8 and d.wasted_bytes == 8 * 1024
+    d.pool.allocate(8)
+    assert d.resident_layers("t", "kept") == 4  # nothing of the followed session went
+    assert d.end("t", "kept")
+    assert d.pool.num_free == 8 and d.pool.num_evictable == 0  # freed, not cached
+    d.pool.check_integrity()
+
+
+def test_a_request_admitted_on_the_blocks_follows_the_advisory(book) -> None:
+    d, jobs, _ = book
+    o = order("a", 2)
+    d.add(o)
+    d.begin_step()
+    finish(jobs)
+    d.begin_step()
+    seq = Sequence("r", [1] * 9, None, b"", 20, 0, LAYERS)  # type: ignore[arg-type]
+    cached = [[d.pool.lookup((h, ly)) for ly in range(LAYERS)] for h in o.hashes]
+    d.kv.allocate(seq, 1 + 0 * BLOCK_SIZE, cached)  # type: ignore[arg-type]
+    d.admitted(seq)
+    assert seq.offload.prefetched == DEVICE_PREFETCHED and d.outcomes == {"followed": 1}
+    assert not d.sessions and d.wasted_bytes == 0
+    d.kv.free(seq)
+    assert d.pool.num_evictable == 8  # the request's cache now
+    d.pool.check_integrity()
+
+
+def test_partial_residency_is_labelled(book) -> None:
+    d, jobs, _ = book
+    o = order("a", 2)
+    d.add(o)
+    d.begin_step()
+    finish(jobs)
+    d.begin_step()
+    d.pool.allocate(12)  # 8 free, then layers 3 and 2 are purged
+    assert d.resident_layers("t", "a") == 2
+    seq = Sequence("r", [1] * 9, None, b"", 20, 0, LAYERS)  # type: ignore[arg-type]
+    seq.block_tables[0] = [d.pool.lookup((o.hashes[0], 0))]  # type: ignore[list-item]
+    d.admitted(seq)
+    assert seq.offload.prefetched == DEVICE_PARTIAL
+
+
+def test_a_failed_load_keeps_the_layers_that_arrived(book) -> None:
+    d, jobs, _ = book
+    d.add(order("a", 2))
+    d.begin_step()
+    (job,) = jobs
+    job.readiness.mark_loaded(0)
+    job.readiness.mark_loaded(1)
+    job.readiness.fail(2, "chunk missing")
+    job.readiness.finish()
+    jobs.clear()
+    d.begin_step()
+    assert d.resident_layers("t", "a") == 2
+    assert not jobs  # no retry of a session whose copy failed
+    d.pool.check_integrity()
+    assert sorted(d.held_blocks()) == sorted(
+        b for blocks in d.sessions[("t", "a")].held for b in blocks)
+
+
+def test_renewing_an_advisory_keeps_its_blocks(book) -> None:
+    d, jobs, clock = book
+    released: list[str] = []
+    d.release_lease = released.append
+    d.add(order("a", 2, ttl_s=5))
+    d.begin_step()
+    finish(jobs)
+    clock.now += 4
+    d.add(order("a", 2, ttl_s=5))  # the user typed again
+    assert released == ["lease-a"]  # the new lookup's lease: the blocks are there
+    clock.now += 4
+    d.begin_step()
+    assert d.resident_layers("t", "a") == 4
+
+
+def test_sixty_percent_spurious_advisories_are_purged_before_the_real_ones(book) -> None:
+    """10 advised sessions of 1 block a layer fill the 16 blocks (layer 0 of all ten, then
+    layer 1 of six); 6 are spurious and expire: a running request that needs memory gets
+    all of theirs before a single block of the 4 that do arrive."""
+    d, jobs, clock = book
+    real = [f"r{i}" for i in range(4)]
+    spurious = [f"s{i}" for i in range(6)]
+    for sid in [spurious[0], real[0], spurious[1], spurious[2], real[1], spurious[3],
+                real[2], spurious[4], spurious[5], real[3]]:
+        d.add(order(sid, 1, ttl_s=5 if sid in spurious else 60))
+        clock.now += 0.1
+    d.begin_step()
+    finish(jobs)
+    d.begin_step()
+    assert d.pool.num_free_or_committable() == 0
+    kept = {s: d.resident_layers("t", s) for s in real}
+    assert all(n >= 1 for n in kept.values())
+    spurious_blocks = sum(d.resident_layers("t", s) for s in spurious)
+    clock.now += 6
+    d.begin_step()  # unfollowed within their TTL: the front of the eviction order
+    assert d.outcomes == {"expired": 6} and d.pool.num_evictable == spurious_blocks
+    assert d.pool.allocate(spurious_blocks) is not None  # a running request's blocks
+    assert {s: d.resident_layers("t", s) for s in real} == kept
+    assert sum(d.purged_by_layer) == 0
+    assert d.pool.allocate(1) is not None  # only now is an advised session purged
+    assert sum(d.purged_by_layer) == 1 and d.purged_by_layer[0] == 0
+    d.pool.check_integrity()
+
+
+def test_at_one_layer_lower_priority_sessions_are_purged_first(book) -> None:
+    d, jobs, clock = book
+    d.add(order("paid", 2, priority=5))
+    clock.now += 1
+    d.add(order("free", 2, priority=0))  # more recently advised, but lower priority
+    d.begin_step()
+    finish(jobs)
+    d.begin_step()  # 16 of 16 blocks held
+    layers = []
+    for _ in range(3):
+        d.pool.allocate(2)  # one top layer of 2 blocks at a time
+        layers.append((d.resident_layers("t", "paid"), d.resident_layers("t", "free")))
+    assert layers == [(4, 3), (3, 3), (3, 2)]
+
+
+def test_straight_to_device_evicts_the_device_cache(book) -> None:
+    d, jobs, _ = book
+    cache = d.pool.allocate(16)
+    assert cache is not None
+    for i, b in enumerate(cache):
+        d.pool.cache(b, (f"c{i}".encode(), 0))
+    d.pool.free(cache)  # the device is full of another session's cache
+    d.add(order("normal", 1))
+    d.begin_step()
+    assert not jobs  # balanced prefetch takes only free blocks
+    o = order("vip", 1, priority=5)
+    d.add(PrefetchOrder(o.tenant, o.session_id, o.hashes, o.plan, 5, 30.0, straight=True))
+    d.begin_step()
+    finish(jobs)
+    d.begin_step()
+    assert d.resident_layers("t", "vip") == LAYERS
+    d.pool.check_integrity()
