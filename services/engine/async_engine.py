@@ -70,6 +70,9 @@ class AsyncEngine:
         self._wake = asyncio.Event()
         self._queues: dict[str, asyncio.Queue[GenerateOutput | EngineError]] = {}
         self._in_lookup: set[str] = set()  # request ids whose kvstore lookup is under way
+        # (tenant, session id) -> requests of it in this engine now: an advisory's prefetch
+        # comes too late for a session whose request is here already.
+        self._active_sessions: dict[tuple[str, str], int] = {}
         self._aborted_in_lookup: set[str] = set()
         self._waiting_snapshot = 0
         self._pending_adds = 0
@@ -167,12 +170,17 @@ class AsyncEngine:
         core = self._require_core()
         self._admit()
         entry = self._admission.enter()  # counted as queued until it reaches the inbox
+        session = (req.tenant, req.session_id)
+        self._active_sessions[session] = self._active_sessions.get(session, 0) + 1
         try:
             async with contextlib.aclosing(self._generate(core, req, entry)) as outputs:
                 async for out in outputs:
                     yield out
         finally:
             entry.leave()
+            left = self._active_sessions.pop(session) - 1
+            if left:
+                self._active_sessions[session] = left
 
     async def _generate(
         self, core: EngineCore, req: GenerateRequest, entry: Entering
@@ -319,10 +327,13 @@ class AsyncEngine:
         how many blocks of it the kvstore holds (0: nothing to prefetch)."""
         self._require_core()
         c = self._connector
-        if c is None or not session_id:
+        if c is None or not session_id or (tenant, session_id) in self._active_sessions:
             return 0
         found = await c.lookup_session(tenant, session_id)
         if found is None:
+            return 0
+        if (tenant, session_id) in self._active_sessions:  # it came during the lookup
+            c.release(found.lease_id)
             return 0
         n = found.spans[-1].end_block
         hashes = found.block_hashes[:n]

@@ -14,7 +14,12 @@ by the engine itself when running requests need memory (cooperative memory).
     purge order:        later layers first across sessions, then the lower priority,
                         then the least recently advised session (§3.4: "later-layer
                         caches are discarded first, followed by ... the least recently
-                        used request")
+                        used request"); to make room for a prefetch, only higher layers
+                        of sessions of no higher priority (or lower-priority sessions)
+    headroom:           prefetch takes free blocks beyond what running requests and the
+                        head of the queue may need next step, never cached ones (but a
+                        straight-to-device session of the ``priority`` policy evicts
+                        plain device cache)
     admitted on it:     the request holds the blocks now; the session leaves this book
     expired (§3.6):     unfollowed within its TTL: its blocks go to the front of the
                         device cache's eviction order (the first to purge)
@@ -29,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from services.engine.api_types import PrefetchStats
@@ -99,6 +104,9 @@ class DevicePrefetch:
         # First block hashes of sessions whose load is in flight: read by the event loop
         # (a request of that prefix waits for the load rather than load it twice).
         self.in_flight: frozenset[bytes] = frozenset()
+        self._retiring: list[_Advised] = []  # replaced while loading: settled, then gone
+        # Free blocks prefetch leaves alone: what running requests may need next step.
+        self.reserve: Callable[[], int] = lambda: 0
         self.pool.reclaimer = self.reclaim
 
     # ---- orders from the event loop -----------------------------------------------------
@@ -124,6 +132,8 @@ class DevicePrefetch:
             return
         if old is not None:
             self._retire(old, REPLACED)
+            if old.loading is not None:  # it leaves once its load has ended
+                self._retiring.append(old)
         self.sessions[(order.tenant, order.session_id)] = _Advised(order, now,
                                                                    now + order.ttl_s)
 
@@ -140,25 +150,25 @@ class DevicePrefetch:
     def begin_step(self) -> None:
         """Settle ended loads, expire unfollowed advisories, then fill free blocks."""
         now = self.clock()
-        for s in list(self.sessions.values()):
+        for s in [*self._retiring, *self.sessions.values()]:
             if s.loading is not None and s.loading.finished:
                 self._settle(s)
             if not s.retire and now >= s.expires_at:
                 self._retire(s, EXPIRED)
+        self._retiring = [s for s in self._retiring if s.loading is not None]
         self.fill()
 
     def admitted(self, seq: Sequence) -> None:
-        """``seq`` was admitted; if on an advised session's blocks, the session is followed
-        (its blocks are the request's now) and ``seq`` is labelled with how much was there."""
-        if not seq.block_tables or not seq.block_tables[0]:
+        """``seq`` was admitted; if it is of an advised session and on that session's blocks
+        (found by content hash, as any reuse), the advisory is followed (its blocks are the
+        request's now) and ``seq`` is labelled with how much of it was there."""
+        s = self.sessions.get((seq.tenant, seq.session_id))
+        if s is None or not s.held or s.retire or not seq.block_tables[0]:
             return
-        first = seq.block_tables[0][0]
-        for s in self.sessions.values():
-            if s.held and not s.retire and first == s.held[0][0]:
-                whole = len(s.held) == self.kv.num_layers and not seq.offload.partial_blocks
-                seq.offload.prefetched = DEVICE_PREFETCHED if whole else DEVICE_PARTIAL
-                self._retire(s, FOLLOWED)
-                return
+        if seq.block_tables[0][0] == s.held[0][0]:
+            whole = len(s.held) == self.kv.num_layers and not seq.offload.partial_blocks
+            seq.offload.prefetched = DEVICE_PREFETCHED if whole else DEVICE_PARTIAL
+            self._retire(s, FOLLOWED)
 
     def reclaim(self, n: int) -> int:
         """(the allocator, out of blocks) Purge prefetched layers in purge order until
@@ -179,12 +189,13 @@ class DevicePrefetch:
         # Free memory ran out for sessions that take only free blocks: none of them gets a
         # higher layer now. Straight-to-device ones (evicting the cache) go on.
         free_ran_out = False
+        reserve = self.reserve()
         for layer in range(self.kv.num_layers):
             for s in want:
                 if len(s.held) + len(granted.get(id(s), [])) != layer or (
                         free_ran_out and not s.order.straight):
                     continue
-                got = self._grant(s, layer)
+                got = self._grant(s, layer, set(granted), reserve)
                 if got is None:
                     if s.order.straight:
                         break  # not even by eviction: the device is busy
@@ -199,22 +210,28 @@ class DevicePrefetch:
         return (s.loading is None and not s.failed and not s.retire
                 and len(s.held) < self.kv.num_layers)
 
-    def _grant(self, s: _Advised, layer: int) -> tuple[int, list[int], set[int]] | None:
+    def _grant(self, s: _Advised, layer: int, busy: set[int],
+               reserve: int) -> tuple[int, list[int], set[int]] | None:
         """Blocks for ``s``'s ``layer``: the ones cached already (adopted), new ones for the
-        rest from free memory; None (nothing taken) when they do not fit."""
+        rest from free memory beyond ``reserve`` (what running requests may need next);
+        None (nothing taken) when they do not fit. ``busy``: sessions granted a layer in
+        this pass (not purged for another)."""
         cached = [self.pool.lookup((h, layer)) for h in s.hashes]
-        need = sum(b is None for b in cached)
-        new = self.pool.allocate_free(need) if need else []
-        if new is None:
-            short = need - self.pool.num_free_or_committable()
-            self._purge(short, above_layer=layer, for_priority=s.order.priority)
-            if s.order.straight and self.pool.num_free_or_committable() < need:
-                self.pool.evict(need - self.pool.num_free_or_committable())
-            new = self.pool.allocate_free(need)
-            if new is None:
-                return None
         adopted = [b for b in cached if b is not None]
-        self.pool.touch(adopted)
+        self.pool.touch(adopted)  # first: making room must not evict or purge them
+        need = len(cached) - len(adopted)
+        room = self.pool.num_free_or_committable() - reserve
+        if need > room:
+            self._purge(need - room, above_layer=layer, for_priority=s.order.priority,
+                        busy=busy)
+            room = self.pool.num_free_or_committable() - reserve
+            if s.order.straight and need > room:
+                self.pool.evict(need - room)
+                room = self.pool.num_free_or_committable() - reserve
+        new = self.pool.allocate_free(need) if 0 < need <= room else [] if need == 0 else None
+        if new is None:
+            self.pool.free(adopted)
+            return None
         it = iter(new)
         blocks = [b if b is not None else next(it) for b in cached]
         return layer, blocks, set(new)
@@ -245,8 +262,7 @@ class DevicePrefetch:
         ready, grants = s.loading, s.grants
         assert ready is not None
         s.loading, s.grants = None, []
-        self.in_flight = frozenset(x.hashes[0] for x in self.sessions.values()
-                                   if x.loading is not None)
+        self.in_flight = frozenset(x.hashes[0] for x in self._all() if x.loading is not None)
         through = ready.loaded_through
         for layer, blocks, new in grants:
             if layer > through or s.failed:
@@ -272,13 +288,17 @@ class DevicePrefetch:
             self._retire(s, s.retire)
 
     # ---- giving blocks up ---------------------------------------------------------------
-    def _purge(self, n: int, above_layer: int, for_priority: int | None = None) -> int:
+    def _purge(self, n: int, above_layer: int, for_priority: int | None = None,
+               busy: Collection[int] = ()) -> int:
         """Drop prefetched top layers in purge order until ``n`` blocks are free. To make
         room for a prefetch of ``for_priority``: only layers above ``above_layer`` of
-        sessions of no higher priority, and any layer of lower-priority sessions."""
+        sessions of no higher priority, and any layer of lower-priority sessions; never
+        of a session in ``busy`` (granted a higher layer in the same pass)."""
         freed = 0
 
         def may_go(s: _Advised) -> bool:
+            if id(s) in busy:
+                return False
             if for_priority is None:
                 return True
             p = s.order.priority
@@ -303,6 +323,8 @@ class DevicePrefetch:
             return
         if self.sessions.get(s.key) is s:
             del self.sessions[s.key]
+        elif s in self._retiring:
+            self._retiring.remove(s)
         if not s.lease_used:
             s.lease_used = True
             self.release_lease(s.order.plan.lease_id)
@@ -319,15 +341,17 @@ class DevicePrefetch:
         self.outcomes[how] = self.outcomes.get(how, 0) + 1
 
     # ---- accounting ---------------------------------------------------------------------
+    def _all(self) -> list[_Advised]:
+        return [*self.sessions.values(), *self._retiring]
+
     @property
     def loading(self) -> bool:
-        return any(s.loading is not None for s in self.sessions.values())
+        return any(s.loading is not None for s in self._all())
 
     def held_blocks(self) -> list[int]:
         """Block references held here (resident layers and loads in flight)."""
-        out = [b for s in self.sessions.values() for blocks in s.held for b in blocks]
-        out.extend(b for s in self.sessions.values() for _, blocks, _ in s.grants
-                   for b in blocks)
+        out = [b for s in self._all() for blocks in s.held for b in blocks]
+        out.extend(b for s in self._all() for _, blocks, _ in s.grants for b in blocks)
         return out
 
     def resident_layers(self, tenant: str, session_id: str) -> int:

@@ -85,6 +85,7 @@ class KVStoreOffload(Offload):
         self.prefetch = DevicePrefetch(kv, block_bytes)
         self.prefetch.start_load = self._start_prefetch_load
         self.prefetch.release_lease = self._release_lease
+        self.prefetch.reserve = self._reserve
 
     # ---- the boundary -------------------------------------------------------------------
     def accept(self, plan: ReusePlan | None) -> ReusePlan | None:
@@ -109,6 +110,18 @@ class KVStoreOffload(Offload):
             job.readiness.finish()
             return
         self.transport.start_load(job)
+
+    def _reserve(self) -> int:
+        """Free blocks prefetch leaves to requests: what the running ones may take in the
+        next step (their prompt's rest, a block per layer to grow) and the whole prompt of
+        the request at the head of the queue."""
+        layers, s = self.kv.num_layers, self.scheduler
+        n = sum(self.kv.blocks_needed(q, q.num_tokens - q.num_computed_tokens) + layers
+                for q in s.running)
+        if s.waiting:
+            head = s.waiting[0]
+            n += layers * -(-head.num_tokens // self.kv.block_size)
+        return n
 
     def _release_lease(self, lease_id: str) -> None:
         if lease_id and self.transport is not None:

@@ -166,3 +166,21 @@ async def test_invalidation_frees_at_once_and_expiry_goes_first(deep, reference)
         assert p.wasted_bytes == (na + nb) * LAYERS * BLOCK_BYTES and p.sessions == 0
         # a's blocks are the device cache's now, at the front of its eviction order.
         assert (await eng.status()).blocks_evictable >= na * LAYERS
+
+
+async def test_an_advisory_for_a_session_already_running_here_prefetches_nothing(
+        deep, reference) -> None:
+    async with node(deep, 256) as eng:
+        await first_turn_stored(eng, reference, "s")
+        msgs, _, _ = reference[1]
+        started = asyncio.Event()
+
+        async def turn() -> None:
+            async for _ in eng.generate(turn_request(msgs, "s", n=40)):
+                started.set()
+
+        task = asyncio.create_task(turn())
+        await started.wait()
+        assert await eng.prefetch(TENANT, "s") == 0  # its request came first
+        await task
+        assert (await prefetch_stats(eng)).sessions == 0

@@ -144,7 +144,8 @@ def test_a_request_admitted_on_the_blocks_follows_the_advisory(book) -> None:
     d.begin_step()
     finish(jobs)
     d.begin_step()
-    seq = Sequence("r", [1] * 9, None, b"", 20, 0, LAYERS)  # type: ignore[arg-type]
+    seq = Sequence("r", [1] * 9, None, b"", 20, 0, LAYERS,  # type: ignore[arg-type]
+                   tenant="t", session_id="a")
     cached = [[d.pool.lookup((h, ly)) for ly in range(LAYERS)] for h in o.hashes]
     d.kv.allocate(seq, 1 + 0 * BLOCK_SIZE, cached)  # type: ignore[arg-type]
     d.admitted(seq)
@@ -164,7 +165,8 @@ def test_partial_residency_is_labelled(book) -> None:
     d.begin_step()
     d.pool.allocate(12)  # 8 free, then layers 3 and 2 are purged
     assert d.resident_layers("t", "a") == 2
-    seq = Sequence("r", [1] * 9, None, b"", 20, 0, LAYERS)  # type: ignore[arg-type]
+    seq = Sequence("r", [1] * 9, None, b"", 20, 0, LAYERS,  # type: ignore[arg-type]
+                   tenant="t", session_id="a")
     seq.block_tables[0] = [d.pool.lookup((o.hashes[0], 0))]  # type: ignore[list-item]
     d.admitted(seq)
     assert seq.offload.prefetched == DEVICE_PARTIAL
@@ -260,6 +262,53 @@ def test_straight_to_device_evicts_the_device_cache(book) -> None:
     o = order("vip", 1, priority=5)
     d.add(PrefetchOrder(o.tenant, o.session_id, o.hashes, o.plan, 5, 30.0, straight=True))
     d.begin_step()
+    finish(jobs)
+    d.begin_step()
+    assert d.resident_layers("t", "vip") == LAYERS
+    d.pool.check_integrity()
+
+
+def test_a_session_replaced_while_loading_gives_its_blocks_back(book) -> None:
+    d, jobs, _ = book
+    d.add(order("a", 2))
+    d.begin_step()
+    (job,) = jobs
+    jobs.clear()
+    longer = order("a", 3)  # the next turn was saved meanwhile: a longer sequence
+    d.add(longer)
+    held = sorted(d.held_blocks())
+    assert len(held) == 2 * LAYERS  # the old load's blocks are still accounted for
+    for layer in range(LAYERS):
+        job.readiness.mark_loaded(layer)
+    job.readiness.finish()
+    d.begin_step()  # the old entry settles and leaves; the new one fills
+    finish(jobs)
+    d.begin_step()
+    assert d.resident_layers("t", "a") == LAYERS and d.outcomes == {"replaced": 1}
+    assert len(d.held_blocks()) == 3 * LAYERS and d.in_flight == frozenset()
+    refs = [0] * d.pool.num_total
+    for b in d.held_blocks():
+        refs[b] += 1
+    assert all(d.pool.refcount[b] == refs[b] for b in range(d.pool.num_total))
+    d.pool.check_integrity()
+
+
+def test_a_straight_prefetch_adopts_cached_blocks_before_evicting(book) -> None:
+    d, jobs, _ = book
+    o = order("vip", 2, priority=5)
+    # layer 0 of the session's first block is in the device cache, the pool otherwise full
+    # of other cache: evicting must not take the block the prefetch adopts.
+    blocks = d.pool.allocate(16)
+    assert blocks is not None
+    d.pool.cache(blocks[0], (o.hashes[0], 0))
+    for i, b in enumerate(blocks[1:]):
+        d.pool.cache(b, (f"c{i}".encode(), 0))
+    d.pool.free(blocks)
+    d.add(PrefetchOrder(o.tenant, o.session_id, o.hashes, o.plan, 5, 30.0, straight=True))
+    d.begin_step()
+    (job,) = jobs
+    assert job.block_ids[0] == SKIP and blocks[0] not in job.block_ids  # adopted, not loaded
+    assert len(set(job.block_ids) - {SKIP}) == 2 * LAYERS - 1
     finish(jobs)
     d.begin_step()
     assert d.resident_layers("t", "vip") == LAYERS
