@@ -7,7 +7,11 @@ this node's own tiers, the shared S3 tier included: each chunk read is promoted 
 The request later finds the chunks by its prompt's content hashes, like any reuse; nothing
 here trusts the session id beyond naming what to fetch. A request that arrives while its
 session's prefetch still runs (a short lead time) waits for it, briefly, rather than fetch
-the same chunks a second time alongside it (``InFlight``).
+the same chunks a second time alongside it (``InFlight.join``), unless it names the very
+peer the prefetch pulls from: it then streams from that peer straight into its blocks,
+layer by layer under its forward pass, which beats waiting for a DRAM copy to finish and
+copying it again (measured: 0.25 s ahead, 381 ms against 242 ms without an advisory), and
+the prefetch is stopped (``InFlight.stop``) so the two do not compete for the peer.
 """
 
 from __future__ import annotations
@@ -86,17 +90,35 @@ class InFlight:
 
     def __init__(self) -> None:
         self._running: dict[tuple[str, str], asyncio.Future[PullResult]] = {}
+        self._peer: dict[tuple[str, str], str] = {}  # the peer each one pulls from
 
-    async def run(self, tenant: str, session_id: str, work: Awaitable[PullResult]
-                  ) -> PullResult:
+    async def run(self, tenant: str, session_id: str, work: Awaitable[PullResult],
+                  peer: str = "") -> PullResult:
         fut: asyncio.Future[PullResult] = asyncio.ensure_future(work)
         key = (tenant, session_id)
         self._running[key] = fut
+        self._peer[key] = peer
         try:
             return await fut
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if fut.cancelled() and task is not None and not task.cancelling():
+                return PullResult(False, detail="stopped: its request streams from the peer")
+            raise
         finally:
             if self._running.get(key) is fut:
                 del self._running[key]
+                del self._peer[key]
+
+    def stop_pull_from(self, tenant: str, session_id: str, peer: str) -> bool:
+        """Stop the session's prefetch if it pulls from ``peer`` (its request streams from
+        there itself); whether one was stopped."""
+        key = (tenant, session_id)
+        fut = self._running.get(key)
+        if fut is None or fut.done() or not peer or self._peer.get(key) != peer:
+            return False
+        fut.cancel()
+        return True
 
     async def join(self, tenant: str, session_id: str, budget_s: float) -> bool:
         """Wait up to ``budget_s`` for the session's prefetch to end (True if it did, or

@@ -191,7 +191,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         try:
             r = await self.prefetching.run(tenant, session_id, prefetch_session(
                 self.manifests, tenant, session_id, request.peer_address, self.window,
-                self.peer_timeout_s))
+                self.peer_timeout_s), peer=request.peer_address)
         except ChunkFormatError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         m = self.store.metrics
@@ -247,8 +247,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             left = context.time_remaining()
             budget = self.prefetch_join_s if left is None else min(self.prefetch_join_s,
                                                                    left / 2)
-            # The session's advisory prefetch still running here: let it land first.
-            await self.prefetching.join(req.tenant, req.session_id, budget)
+            # The session's advisory prefetch still running here: let it land first, unless
+            # it pulls from the peer this request streams from itself (stopped: faster).
+            if not self.prefetching.stop_pull_from(req.tenant, req.session_id,
+                                                   req.peer_address):
+                await self.prefetching.join(req.tenant, req.session_id, budget)
             result = await self.pool_path.lookup(req)
         except (PoolError, ChunkFormatError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

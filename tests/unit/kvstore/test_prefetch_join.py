@@ -53,3 +53,22 @@ async def test_a_cancelled_prefetch_does_not_cancel_the_lookup() -> None:
     await asyncio.sleep(0.01)
     running.cancel()  # (an invalidation, the nodemgr's deadline)
     assert await joiner is True  # the lookup goes on
+
+
+async def test_a_lookup_streaming_from_the_prefetch_s_own_peer_stops_it() -> None:
+    """The request streams from that peer itself, into its blocks under its forward pass:
+    faster than waiting for the DRAM copy, and the two would compete for the peer."""
+    inflight = InFlight()
+
+    async def slow() -> PullResult:
+        await asyncio.sleep(10)
+        return PullResult(True)
+
+    running = asyncio.create_task(inflight.run("t", "s", slow(), peer="node0:7000"))
+    await asyncio.sleep(0)
+    assert not inflight.stop_pull_from("t", "s", "")  # no peer named: it joins instead
+    assert not inflight.stop_pull_from("t", "s", "node9:7000")  # another peer
+    assert inflight.stop_pull_from("t", "s", "node0:7000")
+    result = await running  # ended, not failed: the PrefetchSession call answers
+    assert not result.found and "stopped" in result.detail
+    assert await inflight.join("t", "s", 0.0)  # forgotten

@@ -33,6 +33,16 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         self.stall_after: int | None = None  # after this many chunks, hang (a stopped engine)
         self.queue_delay_s = 0.0  # reported by Status
         self.waiting = 0  # reported by Status
+        self.prefetches: list[engine_pb2.PrefetchRequest] = []  # device prefetch orders
+        self.ended: list[engine_pb2.EndPrefetchRequest] = []
+
+    async def Prefetch(self, request, context):
+        self.prefetches.append(request)
+        return engine_pb2.PrefetchReply(blocks=4)
+
+    async def EndPrefetch(self, request, context):
+        self.ended.append(request)
+        return engine_pb2.EndPrefetchReply()
 
     def save(self, tenant: str, session_id: str, tokens: int) -> None:
         """Report a completed session save (as the engine does once the kvstore has it)."""

@@ -104,6 +104,14 @@ async def two() -> AsyncIterator[tuple[MiniCluster, list[FakeKVStore]]]:
         yield c, stores
 
 
+async def until(ok, timeout_s: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not ok():
+        assert loop.time() < deadline, "never happened"
+        await asyncio.sleep(0.02)
+
+
 async def call(c: MiniCluster, method: str, path: str, body: object = None,
                headers: dict | None = None) -> tuple[int, dict, dict]:
     data = None if body is None else json.dumps(body)
@@ -158,8 +166,18 @@ async def test_successors_and_invalidation(two) -> None:
         "successors": [{"session_id": "coder", "model": "demo", "expected_arrival_s": 2},
                        {"session_id": "tester", "model": "demo"}]})
     assert status == 202 and [s["session_id"] for s in adv["successors"]] == ["coder", "tester"]
-    status, body, _ = await call(c, "DELETE", f"/v1/advisory/{adv['successors'][0]['advisory_id']}")
+    # Each node prefetches into its kvstore's DRAM, then its engine's device.
+    engines = {f"node{i}": e for i, e in enumerate(c.engines)}
+    coder = adv["successors"][0]
+    engine = engines[coder["node"]]
+    await until(lambda: any(p.session_id == "coder" for p in engine.prefetches))
+    sent = next(p for p in engine.prefetches if p.session_id == "coder")
+    assert sent.tenant == "default" and 0 < sent.ttl_s <= 2.2 and not sent.straight_to_device
+    status, body, _ = await call(c, "DELETE", f"/v1/advisory/{coder['advisory_id']}")
     assert status == 200 and body["deleted"] is True
+    # The engine frees the invalidated session's device blocks.
+    await until(lambda: any(e.session_id == "coder" for e in engine.ended))
+    assert [e.expired for e in engine.ended if e.session_id == "coder"] == [False]
     metrics = await (await c.http.get(c.url + "/metrics")).text()
     assert 'overture_advisories_total{event="received"} 3.0' in metrics
     assert 'overture_advisories_total{event="invalidated"} 1.0' in metrics
@@ -229,6 +247,9 @@ async def test_a_tenant_whose_advisories_go_unused_is_throttled(two) -> None:
     metrics = await (await c.http.get(c.url + "/metrics")).text()
     assert 'overture_advisories_total{event="expired"}' in metrics
     assert 'overture_advisories_total{event="throttled"} 1.0' in metrics
+    # An expired advisory's device blocks become the first to purge on its node.
+    await until(lambda: any(e.session_id == "ghost0" and e.expired
+                            for eng in c.engines for e in eng.ended))
     # Requests themselves are never throttled by this.
     status, _, _ = await call(c, "POST", "/v1/chat/completions", CHAT, {"X-Session-Id": "x"})
     assert status == 200
