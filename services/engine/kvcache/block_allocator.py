@@ -61,8 +61,10 @@ class BlockAllocator:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._index: dict[BlockKey, int] = {}
         self.num_used = 0
-        # Frees up to n blocks held for prefetch; how many it freed (device_prefetch.py).
+        # Frees up to n blocks held for prefetch; how many it freed (device_prefetch.py),
+        # and how many it could free at most.
         self.reclaimer: Callable[[int], int] | None = None
+        self.reclaimable: Callable[[], int] = lambda: 0
         for page in pages.committed_pages():
             self._free.update(dict.fromkeys(pages.page_blocks(page)))
 
@@ -99,7 +101,8 @@ class BlockAllocator:
         recently released cached block, then blocks the reclaimer purges.
         """
         short = n - self.num_available()
-        if short > 0 and self.reclaimer is not None:
+        # (only when purging can make up the difference: else nothing is purged in vain)
+        if short > 0 and self.reclaimer is not None and self.reclaimable() >= short:
             self.reclaimer(short)
         if n > self.num_available():
             return None

@@ -16,10 +16,11 @@ by the engine itself when running requests need memory (cooperative memory).
                         caches are discarded first, followed by ... the least recently
                         used request"); to make room for a prefetch, only higher layers
                         of sessions of no higher priority (or lower-priority sessions)
-    headroom:           prefetch takes free blocks beyond what running requests and the
-                        head of the queue may need next step, never cached ones (but a
-                        straight-to-device session of the ``priority`` policy evicts
-                        plain device cache)
+    room:               free blocks and the plain device cache (least recently used
+                        first), beyond what running requests and the head of the queue
+                        may need next step; a straight-to-device session (the
+                        ``priority`` policy) may also purge lower-priority sessions'
+                        prefetched blocks at any layer
     admitted on it:     the request holds the blocks now; the session leaves this book
     expired (§3.6):     unfollowed within its TTL: its blocks go to the front of the
                         device cache's eviction order (the first to purge)
@@ -107,7 +108,10 @@ class DevicePrefetch:
         self._retiring: list[_Advised] = []  # replaced while loading: settled, then gone
         # Free blocks prefetch leaves alone: what running requests may need next step.
         self.reserve: Callable[[], int] = lambda: 0
+        # (tenant, session) of the requests in the engine now.
+        self.live_sessions: Callable[[], Collection[tuple[str, str]]] = lambda: ()
         self.pool.reclaimer = self.reclaim
+        self.pool.reclaimable = self.reclaimable
 
     # ---- orders from the event loop -----------------------------------------------------
     def add(self, order: PrefetchOrder) -> None:
@@ -163,12 +167,19 @@ class DevicePrefetch:
         (found by content hash, as any reuse), the advisory is followed (its blocks are the
         request's now) and ``seq`` is labelled with how much of it was there."""
         s = self.sessions.get((seq.tenant, seq.session_id))
-        if s is None or not s.held or s.retire or not seq.block_tables[0]:
+        if s is None or s.retire:
             return
-        if seq.block_tables[0][0] == s.held[0][0]:
+        if s.held and seq.block_tables[0] and seq.block_tables[0][0] == s.held[0][0]:
             whole = len(s.held) == self.kv.num_layers and not seq.offload.partial_blocks
             seq.offload.prefetched = DEVICE_PREFETCHED if whole else DEVICE_PARTIAL
-            self._retire(s, FOLLOWED)
+        self._retire(s, FOLLOWED)  # (its request came: what is on device is cache now)
+
+    def reclaimable(self) -> int:
+        """Blocks a purge could free now: held here only (a request that uses a block
+        keeps it) and not under a load."""
+        rc = self.pool.refcount
+        return sum(rc[b] == 1 for s in self.sessions.values() if s.loading is None
+                   for blocks in s.held for b in blocks)
 
     def reclaim(self, n: int) -> int:
         """(the allocator, out of blocks) Purge prefetched layers in purge order until
@@ -182,6 +193,10 @@ class DevicePrefetch:
         if self.start_load is None:
             return
         want = [s for s in self.sessions.values() if self._wants_more(s)]
+        if not want:
+            return
+        here = self.live_sessions()
+        want = [s for s in want if s.key not in here]  # its request came: too late
         if not want:
             return
         want.sort(key=lambda s: (-s.order.priority, s.advised_at))
@@ -220,18 +235,21 @@ class DevicePrefetch:
         adopted = [b for b in cached if b is not None]
         self.pool.touch(adopted)  # first: making room must not evict or purge them
         need = len(cached) - len(adopted)
-        room = self.pool.num_free_or_committable() - reserve
-        if need > room:
-            self._purge(need - room, above_layer=layer, for_priority=s.order.priority,
-                        busy=busy)
-            room = self.pool.num_free_or_committable() - reserve
-            if s.order.straight and need > room:
-                self.pool.evict(need - room)
-                room = self.pool.num_free_or_committable() - reserve
-        new = self.pool.allocate_free(need) if 0 < need <= room else [] if need == 0 else None
-        if new is None:
+
+        def room() -> int:  # free blocks and plain device cache, past the reserve
+            return self.pool.num_free_or_committable() + self.pool.num_evictable - reserve
+
+        if need > room():
+            self._purge(need - room(), above_layer=layer, for_priority=s.order.priority,
+                        straight=s.order.straight, busy=busy)
+        if need > room():
             self.pool.free(adopted)
             return None
+        short = need - self.pool.num_free_or_committable()
+        if short > 0:
+            self.pool.evict(short)  # the least recently used plain cache (expired first)
+        new = self.pool.allocate_free(need) if need else []
+        assert new is not None, "evicting made the room it counted"
         it = iter(new)
         blocks = [b if b is not None else next(it) for b in cached]
         return layer, blocks, set(new)
@@ -289,11 +307,12 @@ class DevicePrefetch:
 
     # ---- giving blocks up ---------------------------------------------------------------
     def _purge(self, n: int, above_layer: int, for_priority: int | None = None,
-               busy: Collection[int] = ()) -> int:
+               straight: bool = False, busy: Collection[int] = ()) -> int:
         """Drop prefetched top layers in purge order until ``n`` blocks are free. To make
         room for a prefetch of ``for_priority``: only layers above ``above_layer`` of
-        sessions of no higher priority, and any layer of lower-priority sessions; never
-        of a session in ``busy`` (granted a higher layer in the same pass)."""
+        sessions of no higher priority (lower layers of every session first), and, when
+        ``straight`` (the priority policy), any layer of lower-priority sessions; never of
+        a session in ``busy`` (granted a higher layer in the same pass)."""
         freed = 0
 
         def may_go(s: _Advised) -> bool:
@@ -302,11 +321,18 @@ class DevicePrefetch:
             if for_priority is None:
                 return True
             p = s.order.priority
-            return p < for_priority or (p == for_priority and len(s.held) - 1 > above_layer)
+            if straight and p < for_priority:
+                return True
+            return p <= for_priority and len(s.held) - 1 > above_layer
+
+        rc = self.pool.refcount
+
+        def frees_some(s: _Advised) -> bool:  # (a top layer a request uses frees nothing)
+            return any(rc[b] == 1 for b in s.held[-1])
 
         while freed < n:
             tops = [s for s in self.sessions.values() if s.held and s.loading is None
-                    and may_go(s)]
+                    and may_go(s) and frees_some(s)]
             if not tops:
                 break
             s = min(tops, key=lambda s: (-(len(s.held) - 1), s.order.priority, s.advised_at))

@@ -86,6 +86,7 @@ class KVStoreOffload(Offload):
         self.prefetch.start_load = self._start_prefetch_load
         self.prefetch.release_lease = self._release_lease
         self.prefetch.reserve = self._reserve
+        self.prefetch.live_sessions = self._live_sessions
 
     # ---- the boundary -------------------------------------------------------------------
     def accept(self, plan: ReusePlan | None) -> ReusePlan | None:
@@ -122,6 +123,10 @@ class KVStoreOffload(Offload):
             head = s.waiting[0]
             n += layers * -(-head.num_tokens // self.kv.block_size)
         return n
+
+    def _live_sessions(self) -> set[tuple[str, str]]:
+        s = self.scheduler
+        return {(q.tenant, q.session_id) for q in (*s.running, *s.waiting) if q.session_id}
 
     def _release_lease(self, lease_id: str) -> None:
         if lease_id and self.transport is not None:
