@@ -170,12 +170,7 @@ class BlockAllocator:
         """Drop one reference to each block, in order; unreferenced cached blocks become
         evictable (the first given is evicted first), others free."""
         for b in blocks:
-            rc = self.refcount[b] - 1
-            if rc < 0:
-                raise ValueError(f"block {b} freed more often than allocated")
-            self.refcount[b] = rc
-            if rc == 0:
-                self.num_used -= 1
+            if self._unref(b):
                 if self.key[b] is not None:
                     self._evictable[b] = None
                 else:
@@ -186,16 +181,23 @@ class BlockAllocator:
         is free at once (a purged or invalidated prefetch). How many became free."""
         freed = 0
         for b in blocks:
-            rc = self.refcount[b] - 1
-            if rc < 0:
-                raise ValueError(f"block {b} discarded more often than allocated")
-            self.refcount[b] = rc
-            if rc == 0:
-                self.num_used -= 1
+            if self._unref(b):
                 self._uncache(b)
                 self._free[b] = None
                 freed += 1
         return freed
+
+    def _unref(self, b: int) -> bool:
+        """Drop one reference to ``b``; whether it has none left (it is then unplaced:
+        the caller puts it on the free or the evictable list)."""
+        rc = self.refcount[b] - 1
+        if rc < 0:
+            raise ValueError(f"block {b} freed more often than allocated")
+        self.refcount[b] = rc
+        if rc:
+            return False
+        self.num_used -= 1
+        return True
 
     def free_first(self, blocks: Iterable[int]) -> None:
         """Like ``free``, but unreferenced cached blocks go to the front of the eviction

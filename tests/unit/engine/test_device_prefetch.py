@@ -63,6 +63,24 @@ def finish(jobs: list[LoadJob]) -> None:
     jobs.clear()
 
 
+def prefetched(d: DevicePrefetch, jobs: list[LoadJob], o: PrefetchOrder) -> None:
+    """``o``'s session advised and its loads landed."""
+    d.add(o)
+    d.begin_step()
+    finish(jobs)
+    d.begin_step()
+
+
+def admitted_seq(d: DevicePrefetch, first_blocks: list[list[int]]) -> Sequence:
+    """A request of session ``a`` admitted on ``first_blocks`` ([block][layer])."""
+    seq = Sequence("r", [1] * 9, None, b"", 20, 0, LAYERS,  # type: ignore[arg-type]
+                   tenant="t", session_id="a")
+    for blocks in first_blocks:
+        for layer, b in enumerate(blocks):
+            seq.block_tables[layer].append(b)
+    return seq
+
+
 def layers_in(job: LoadJob, blocks: int) -> list[int]:
     return [ly for ly in range(LAYERS)
             if any(b != SKIP for b in job.block_ids[ly * blocks:(ly + 1) * blocks])]
@@ -140,14 +158,10 @@ def test_expired_advisories_go_first_and_invalidation_frees_at_once(book) -> Non
 def test_a_request_admitted_on_the_blocks_follows_the_advisory(book) -> None:
     d, jobs, _ = book
     o = order("a", 2)
-    d.add(o)
-    d.begin_step()
-    finish(jobs)
-    d.begin_step()
-    seq = Sequence("r", [1] * 9, None, b"", 20, 0, LAYERS,  # type: ignore[arg-type]
-                   tenant="t", session_id="a")
+    prefetched(d, jobs, o)
     cached = [[d.pool.lookup((h, ly)) for ly in range(LAYERS)] for h in o.hashes]
-    d.kv.allocate(seq, 1 + 0 * BLOCK_SIZE, cached)  # type: ignore[arg-type]
+    seq = admitted_seq(d, [])
+    d.kv.allocate(seq, 1, cached)  # type: ignore[arg-type]
     d.admitted(seq)
     assert seq.offload.prefetched == DEVICE_PREFETCHED and d.outcomes == {"followed": 1}
     assert not d.sessions and d.wasted_bytes == 0
@@ -159,15 +173,11 @@ def test_a_request_admitted_on_the_blocks_follows_the_advisory(book) -> None:
 def test_partial_residency_is_labelled(book) -> None:
     d, jobs, _ = book
     o = order("a", 2)
-    d.add(o)
-    d.begin_step()
-    finish(jobs)
-    d.begin_step()
+    prefetched(d, jobs, o)
     d.pool.allocate(12)  # 8 free, then layers 3 and 2 are purged
     assert d.resident_layers("t", "a") == 2
-    seq = Sequence("r", [1] * 9, None, b"", 20, 0, LAYERS,  # type: ignore[arg-type]
-                   tenant="t", session_id="a")
-    seq.block_tables[0] = [d.pool.lookup((o.hashes[0], 0))]  # type: ignore[list-item]
+    lower = [d.pool.lookup((o.hashes[0], ly)) for ly in range(2)]
+    seq = admitted_seq(d, [lower])  # type: ignore[list-item]
     d.admitted(seq)
     assert seq.offload.prefetched == DEVICE_PARTIAL
 
