@@ -240,8 +240,11 @@ class DevicePrefetch:
             return self.pool.num_free_or_committable() + self.pool.num_evictable - reserve
 
         if need > room():
-            self._purge(need - room(), above_layer=layer, for_priority=s.order.priority,
-                        straight=s.order.straight, busy=busy)
+            # Purge only when that makes the room: a purge in vain would be reloaded by
+            # its session next step, to be purged again.
+            prio, straight = s.order.priority, s.order.straight
+            if need <= room() + self._purgeable(layer, prio, straight, busy):
+                self._purge(need - room(), layer, prio, straight, busy)
         if need > room():
             self.pool.free(adopted)
             return None
@@ -306,6 +309,18 @@ class DevicePrefetch:
             self._retire(s, s.retire)
 
     # ---- giving blocks up ---------------------------------------------------------------
+    def _purgeable(self, above_layer: int, for_priority: int, straight: bool,
+                   busy: Collection[int]) -> int:
+        """Blocks ``_purge`` with these rules could free at most (an estimate from above:
+        a top layer a request uses stops its session's purge there)."""
+        rc, n = self.pool.refcount, 0
+        for s in self.sessions.values():
+            if id(s) in busy or s.loading is not None or s.order.priority > for_priority:
+                continue
+            lowest = 0 if straight and s.order.priority < for_priority else above_layer + 1
+            n += sum(rc[b] == 1 for blocks in s.held[lowest:] for b in blocks)
+        return n
+
     def _purge(self, n: int, above_layer: int, for_priority: int | None = None,
                straight: bool = False, busy: Collection[int] = ()) -> int:
         """Drop prefetched top layers in purge order until ``n`` blocks are free. To make

@@ -332,3 +332,25 @@ def test_a_straight_prefetch_adopts_cached_blocks_before_evicting(book) -> None:
     d.begin_step()
     assert d.resident_layers("t", "vip") == LAYERS
     d.pool.check_integrity()
+
+
+def test_no_purge_in_vain(book) -> None:
+    """Purges happen only when they make the room: else the other session would reload
+    its layers next step, to be purged again (a loop of copies)."""
+    d, jobs, clock = book
+    prefetched(d, jobs, order("small", 2))  # 8 of 16 blocks, every layer
+    clock.now += 1
+    d.add(order("big", 12))  # 12 blocks a layer
+    for _ in range(3):
+        d.begin_step()
+        finish(jobs)
+    # big's layer 0: 8 free + small's layers 3 and 2 (lower layers of all first)
+    assert (d.resident_layers("t", "big"), d.resident_layers("t", "small")) == (1, 2)
+    assert d.purged_by_layer == [0, 0, 2, 2]
+    # big's layer 1 would need 12: nothing above layer 1 is left to purge, so nothing is,
+    # and small cannot take its layer 2 back from big's layer 0: stable, no copies.
+    for _ in range(3):
+        d.begin_step()
+        assert not jobs
+    assert d.purged_by_layer == [0, 0, 2, 2]
+    d.pool.check_integrity()
