@@ -400,10 +400,12 @@ class DevicePrefetch:
         return len(s.held) if s is not None else 0
 
     def stats(self) -> PrefetchStats:
+        """(every step publishes these: counts per layer, not per block)"""
+        resident = sum(len(b) for s in self._all() for b in s.held)
         return PrefetchStats(
             sessions=len(self.sessions),
-            blocks_held=len(self.held_blocks()),
-            blocks_resident=sum(len(b) for s in self.sessions.values() for b in s.held),
+            blocks_held=resident + sum(len(b) for s in self._all() for _, b, _ in s.grants),
+            blocks_resident=resident,
             loaded_bytes=self.loaded_bytes,
             wasted_bytes=self.wasted_bytes,
             purged_blocks_by_layer=list(self.purged_by_layer),
