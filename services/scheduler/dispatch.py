@@ -197,10 +197,13 @@ class Dispatcher:
                     if not produced and self.metrics is not None:
                         self.metrics.turns.labels(last.kv_from or "unknown").inc()
                     produced = True
+                    if last.finish_reason and route.session_id:
+                        # Before the client sees the end: its next turn may come at once
+                        # (and must know where this one's KV is).
+                        self.sessions.turn_served(route.tenant, route.session_id,
+                                                  node.node_id,
+                                                  last.prompt_tokens + last.completion_tokens)
                     yield last
-                if last is not None and last.finish_reason and route.session_id:
-                    self.sessions.turn_served(route.tenant, route.session_id, node.node_id,
-                                              last.prompt_tokens + last.completion_tokens)
                 return
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not produced:

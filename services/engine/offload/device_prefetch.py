@@ -9,8 +9,8 @@ by the engine itself when running requests need memory (cooperative memory).
 
     fill (every step):  for layer 0 .. L-1:                  lower layers of every
                           for each advised session lacking it:   advised session before a
-                            free blocks (or purge a higher         higher layer of any
-                            prefetched layer); else stop           (§3.4)
+                            room (or purge a higher layer,         higher layer of any
+                            only if that makes it); else stop      (§3.4)
     purge order:        later layers first across sessions, then the lower priority,
                         then the least recently advised session (§3.4: "later-layer
                         caches are discarded first, followed by ... the least recently
@@ -21,7 +21,8 @@ by the engine itself when running requests need memory (cooperative memory).
                         may need next step; a straight-to-device session (the
                         ``priority`` policy) may also purge lower-priority sessions'
                         prefetched blocks at any layer
-    admitted on it:     the request holds the blocks now; the session leaves this book
+    its request came:   the request holds the blocks it uses; the session leaves the book
+                        (a session with a request in the engine is not filled)
     expired (§3.6):     unfollowed within its TTL: its blocks go to the front of the
                         device cache's eviction order (the first to purge)
     invalidated:        its blocks are freed at once
@@ -62,7 +63,7 @@ class PrefetchOrder:
     plan: ReusePlan
     priority: int = 0
     ttl_s: float = 30.0
-    straight: bool = False  # the priority policy: may evict the device cache to fit
+    straight: bool = False  # the priority policy: may purge lower priorities at any layer
 
 
 @dataclass(eq=False)
