@@ -93,8 +93,12 @@ def test_turns_alternating_between_nodes_reuse_their_history(
         assert tokens == expected, f"turn {i + 1} differs from recomputation\n{cluster.logs()}"
         if i:
             assert cached > 0, f"turn {i + 1} reused nothing\n{cluster.logs()}"
-            after = _metric(cluster.text("/metrics"), 'overture_turns_total{kv_from="peer"}')
-            assert after == before + 1, f"turn {i + 1} pulled nothing\n{cluster.logs(80)}"
+            metrics = cluster.text("/metrics")
+            after = _metric(metrics, 'overture_turns_total{kv_from="peer"}')
+            turns = [line for line in metrics.splitlines()
+                     if line.startswith("overture_turns_total")]
+            assert after == before + 1, (f"turn {i + 1} pulled nothing (cached {cached}; "
+                                         f"{turns})\n{cluster.logs(80)}")
     assert served == ["node1", "node0"] * 3
     status, where = cluster.get("/admin/sessions/alternating")
     assert status == 200 and where["node"] == "node0", where
