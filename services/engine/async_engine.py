@@ -5,7 +5,8 @@
             ...
 
 Threads: the event loop never runs model code. One dedicated worker thread owns the
-EngineCore; every touch of it (adding, aborting, stepping, status) runs there, in order.
+EngineCore (its side of the class is ``WorkerLoop``, worker_loop.py); every touch of it
+(adding, aborting, stepping, status) runs there, in order.
 Requests and aborts wait in an inbox (a deque; appends are atomic) that the worker drains
 before each step. A step-loop task sleeps on an asyncio.Event until work arrives, then
 hands the worker a stepping run: the worker steps back to back while there is work and
@@ -32,7 +33,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Self
 
@@ -41,8 +42,8 @@ import torch
 from .admission import Admission, Entering
 from .api_types import EngineStatus, GenerateOutput, GenerateRequest, ModelInfo, ReuseStats
 from .config import EngineConfig
-from .engine_core import EngineCore, Event, Failure
-from .errors import INTERNAL, INVALID_ARGUMENT, UNAVAILABLE, EngineError
+from .engine_core import EngineCore
+from .errors import INVALID_ARGUMENT, UNAVAILABLE, EngineError
 from .loading import load_for
 from .offload.device_prefetch import PrefetchOrder
 from .offload.kvstore_client import KVStoreClient
@@ -50,14 +51,13 @@ from .offload.lookup import PrefixLookup, connect_offload
 from .offload.planner import RECOMPUTE, ReusePlan
 from .offload.save_log import SavedSession
 from .validation import PreparedRequest, prepare
+from .worker_loop import ABORT, ADD, END_PREFETCH, PREFETCH, UNPIN, WorkerLoop
 
 log = logging.getLogger(__name__)
 
-_ADD, _ABORT, _UNPIN = "add", "abort", "unpin"
-_PREFETCH, _INVALIDATE = "prefetch", "invalidate"
 
 
-class AsyncEngine:
+class AsyncEngine(WorkerLoop):
     def __init__(self, config: EngineConfig, loaded: Any = None) -> None:
         """Cheap: nothing is loaded or started until ``start()``. ``loaded`` (a LoadedModel)
         skips loading ``config.model_path``."""
@@ -144,16 +144,6 @@ class AsyncEngine:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
-    def _in_worker(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
-        assert self._executor is not None
-        fut = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-        self._side_jobs += 1  # a running stepping run yields the worker after its step
-        fut.add_done_callback(self._side_job_done)
-        return fut
-
-    def _side_job_done(self, _: asyncio.Future) -> None:
-        self._side_jobs -= 1
-
     def _require_core(self) -> EngineCore:
         if self._core is None or self._loop_task is None:
             raise EngineError(UNAVAILABLE, "the engine is not running")
@@ -224,7 +214,7 @@ class AsyncEngine:
                                      tuple(prepared.prompt_token_ids))
                 return
             entry.leave()
-            self._submit(_ADD, (prepared, plan))
+            self._submit(ADD, (prepared, plan))
             submitted = True
             while not finished:
                 item = await queue.get()
@@ -237,7 +227,7 @@ class AsyncEngine:
             if self._queues.get(rid) is queue:
                 del self._queues[rid]
             if submitted and not finished:
-                self._submit(_ABORT, rid)
+                self._submit(ABORT, rid)
 
     def _admit(self) -> None:
         """Raise RESOURCE_EXHAUSTED when the queue is full or too far behind."""
@@ -248,12 +238,6 @@ class AsyncEngine:
             time.monotonic(),
         )
 
-    def _submit(self, kind: str, arg: Any) -> None:
-        if kind == _ADD:
-            self._pending_adds += 1
-        self._inbox.append((kind, arg))
-        self._wake.set()
-
     async def abort(self, request_id: str) -> bool:
         """Abort a request; True if it was still active (its stream then ends with
         finish_reason "abort"). Its blocks are free on return."""
@@ -262,7 +246,7 @@ class AsyncEngine:
         if request_id in self._in_lookup:  # not in the core yet: it ends when its lookup does
             self._aborted_in_lookup.add(request_id)
             return True
-        self._inbox.append((_ABORT, request_id))
+        self._inbox.append((ABORT, request_id))
         await self._run_inbox()
         return active
 
@@ -341,7 +325,7 @@ class AsyncEngine:
             c.release(found.lease_id)
             return 0
         plan = ReusePlan(tuple(found.spans), found.lease_id, 0, n)
-        self._inbox.append((_PREFETCH, PrefetchOrder(tenant, session_id, hashes, plan,
+        self._inbox.append((PREFETCH, PrefetchOrder(tenant, session_id, hashes, plan,
                                                      priority, ttl_s, straight)))
         await self._run_inbox()  # its loads have started (or it got no memory) on return
         return n
@@ -350,7 +334,7 @@ class AsyncEngine:
         """The session's advisory ended unfollowed: its prefetched device blocks are freed
         (invalidated) or become the first to purge (``expired``)."""
         self._require_core()
-        self._submit(_INVALIDATE, (tenant, session_id, expired))
+        self._submit(END_PREFETCH, (tenant, session_id, expired))
 
     async def drop_device_cache(self) -> int:
         """Evict every evictable block from the device prefix cache (benchmarks, tests:
@@ -365,7 +349,7 @@ class AsyncEngine:
         if self.config.offload.kvstore_address and self.config.offload.mode != RECOMPUTE:
 
             def unpin(job: int | None, ok: bool = True) -> None:
-                self._submit(_UNPIN, (job, ok))
+                self._submit(UNPIN, (job, ok))
 
             self._connector, self._coordinator = await connect_offload(
                 self.config, self._worker_core(), self._loaded.config, unpin)
@@ -379,101 +363,6 @@ class AsyncEngine:
     async def check_integrity(self) -> None:
         await self._in_worker(self._require_core().check_integrity)
 
-    # ---- the worker side ----------------------------------------------------------------
-    def _worker_core(self) -> EngineCore:
-        """The core, which exists whenever the worker runs a job."""
-        assert self._core is not None
-        return self._core
-
-    def _drain(self) -> tuple[list[Event], int]:
-        """(worker thread) apply queued adds and aborts; the events and how many adds."""
-        core = self._worker_core()
-        events: list[Event] = []
-        adds = 0
-        while self._inbox:
-            kind, arg = self._inbox.popleft()
-            if kind == _ADD:
-                core.add(*arg)
-                adds += 1
-            elif kind == _UNPIN:
-                core.unpin(*arg)
-            elif kind == _PREFETCH:
-                core.prefetch(arg)
-            elif kind == _INVALIDATE:
-                core.end_prefetch(*arg)
-            elif (out := core.abort(arg)) is not None:
-                events.append(out)
-        return events, adds
-
-    def _work(self) -> tuple[list[Event], int, EngineStatus, bool]:
-        """(worker thread) one engine step after the inbox; the status after it."""
-        self._step_started = time.monotonic()
-        try:
-            events, adds = self._drain()
-            core = self._worker_core()
-            events.extend(core.step())
-            return events, adds, core.status(), core.has_work()
-        finally:
-            self._step_started = 0.0
-
-    async def _run_inbox(self) -> None:
-        events, adds = await self._in_worker(self._drain)
-        self._dispatch(events, adds)
-
-    async def _step_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            busy = True
-            while busy:
-                busy = await loop.run_in_executor(self._executor, self._run_steps, loop)
-
-    def _run_steps(self, loop: asyncio.AbstractEventLoop) -> bool:
-        """(worker thread) step while there is work, posting each step's outputs to the
-        loop; whether work is left when the run yields (another worker job is queued, or
-        the engine is stopping)."""
-        while True:
-            try:
-                events, adds, status, busy = self._work()
-            except Exception:
-                log.exception("engine step failed; failing every active request")
-                (events, adds), busy = self._fail_all(), False
-                try:
-                    status = self._worker_core().status()
-                except Exception:  # keep the step loop alive whatever the core's state
-                    log.exception("engine status failed after a failed step")
-                    assert self._snapshot is not None  # (taken at start)
-                    status = self._snapshot
-            try:
-                loop.call_soon_threadsafe(self._publish, events, adds, status)
-            except RuntimeError:  # the loop is closed: nobody is left to take outputs
-                return False
-            if not busy or self._side_jobs or self._stopping:
-                return busy
-
-    def _publish(self, events: list[Event], adds_applied: int, status: EngineStatus) -> None:
-        self._waiting_snapshot = status.waiting
-        self._snapshot = status
-        self._admission.observe(time.monotonic(), status.admitted, status.waiting)
-        self._dispatch(events, adds_applied)
-
-    def _fail_all(self) -> tuple[list[Event], int]:
-        """(worker thread) after a failed step: end every request with an internal error."""
-        err = EngineError(INTERNAL, "the engine failed while running this request")
-        _, adds = self._drain()
-        return [Failure(o.request_id, err) for o in self._worker_core().abort_all()], adds
-
-    def _dispatch(self, events: list[Event], adds_applied: int) -> None:
-        self._pending_adds = max(0, self._pending_adds - adds_applied)
-        for ev in events:
-            queue = self._queues.get(ev.request_id)
-            if queue is None:
-                continue  # aborted by its client
-            if isinstance(ev, Failure):
-                queue.put_nowait(ev.error)
-            else:
-                queue.put_nowait(ev)
 
 
 def _retrieve(fut: asyncio.Future) -> None:
