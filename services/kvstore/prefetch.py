@@ -21,7 +21,7 @@ import logging
 from collections.abc import Awaitable
 
 from services.kvstore.errors import TierUnavailable
-from services.kvstore.manifests import ManifestStore
+from services.kvstore.manifests import ManifestStore, manifest_key
 from services.kvstore.peers.pull import PullResult, pull_session
 
 log = logging.getLogger(__name__)
@@ -34,13 +34,20 @@ async def prefetch_session(
     peer: str = "",
     window: int = 4,
     timeout_s: float = 10.0,
+    wait_tokens: int = 0,
+    wait_s: float = 2.0,
 ) -> PullResult:
-    """Bring ``tenant/session_id`` into DRAM; what was found, fetched and missing."""
+    """Bring ``tenant/session_id`` into DRAM; what was found, fetched and missing.
+    ``wait_tokens``: the length of the session's last turn, whose save may still be
+    running where it was served (the peer, or here): that node waits for it, up to
+    ``wait_s``, so an advisory sent the moment a turn ends fetches the whole turn."""
+    manifest_key(tenant, session_id)  # the caller's input (ChunkFormatError)
     deleted_before = manifests.deletions(tenant, session_id)
     if peer:
         try:
             result = await pull_session(manifests, peer, tenant, session_id, window=window,
-                                        timeout_s=timeout_s, copy_of_shared=True)
+                                        timeout_s=timeout_s + wait_s, copy_of_shared=True,
+                                        wait_tokens=wait_tokens)
             if result.found and not result.missing:
                 if result.manifest is not None:  # lookups here find its chunks
                     manifests.adopt(result.manifest, deleted_before)
@@ -51,6 +58,8 @@ async def prefetch_session(
         except TierUnavailable as e:
             log.info("prefetch of %s/%s: peer %s failed (%s); trying this node's tiers",
                      tenant, session_id, peer, e)
+    elif wait_tokens:
+        await manifests.saves.wait((tenant, session_id), wait_tokens, wait_s, turn=True)
     return await _from_own_tiers(manifests, tenant, session_id, window, deleted_before)
 
 

@@ -127,8 +127,13 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def GetManifest(
         self, request: pb.ManifestRef, context: grpc.aio.ServicerContext
     ) -> pb.ManifestReply:
+        sid = wire.session_of(request)
         try:
-            m = await self.manifests.newest_manifest(*wire.session_of(request))
+            manifest_key(*sid)  # (ChunkFormatError, before any wait)
+            if sid[1] and request.wait_tokens:  # an advisory's prefetch: the turn's save
+                await self.manifests.saves.wait(sid, request.wait_tokens,
+                                                self.pool_path.peer_wait_s, turn=True)
+            m = await self.manifests.newest_manifest(*sid)
         except ChunkFormatError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return wire.manifest_reply(m)
@@ -191,7 +196,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         try:
             r = await self.prefetching.run(tenant, session_id, prefetch_session(
                 self.manifests, tenant, session_id, request.peer_address, self.window,
-                self.peer_timeout_s), peer=request.peer_address)
+                self.peer_timeout_s, request.wait_tokens, self.pool_path.peer_wait_s),
+                peer=request.peer_address)
         except ChunkFormatError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         m = self.store.metrics

@@ -255,8 +255,8 @@ def put_chunks_reply(stored: int, rejected: int, not_durable: int, detail: str
                              detail=detail)
 
 
-def session_ref(tenant: str, session_id: str) -> pb.ManifestRef:
-    return pb.ManifestRef(tenant=tenant, session_id=session_id)
+def session_ref(tenant: str, session_id: str, wait_tokens: int = 0) -> pb.ManifestRef:
+    return pb.ManifestRef(tenant=tenant, session_id=session_id, wait_tokens=wait_tokens)
 
 
 def session_of(p: pb.ManifestRef) -> tuple[str, str]:

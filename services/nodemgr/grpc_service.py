@@ -75,7 +75,7 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
                                 "advisory_id and session_id are required")
         advice = Advice(request.advisory_id, request.tenant, request.session_id,
                         request.kv_source, request.priority, request.ttl_s,
-                        request.straight_to_device)
+                        request.straight_to_device, request.kv_tokens)
         accepted = self.prefetcher is not None and self.prefetcher.advise(advice)
         return nodemgr_pb2.AdviseReply(accepted=accepted)
 

@@ -42,6 +42,7 @@ class Advice:
     priority: int = 0
     ttl_s: float = 0.0  # the advisory's time to live (0: the engine's default)
     straight_to_device: bool = False
+    kv_tokens: int = 0  # the session's last turn's length: its save is waited for
 
 
 class Prefetcher:
@@ -120,6 +121,7 @@ class Prefetcher:
             session=kvstore_pb2.ManifestRef(tenant=a.tenant or DEFAULT_TENANT,
                                             session_id=a.session_id),
             peer_address=a.kv_source,
+            wait_tokens=a.kv_tokens,
         )
         async with self._gate:
             try:

@@ -97,6 +97,7 @@ class Advisor:
             # (replaced on the same node: the new advisory's prefetch renews the session's)
             self._ended(old, how, tell_node=old.node_id != node.node_id)
         source, source_node = "", ""
+        kv_tokens = place.turn_tokens or place.saved_tokens if place is not None else 0
         if place is not None and place.node_id != node.node_id:
             holder = self.registry.get(place.node_id)
             if holder is not None and self.registry.alive(holder):
@@ -107,7 +108,7 @@ class Advisor:
             self.registry.advised_priority(node.node_id, +1)
         self._call(node, "Advise", nodemgr_pb2.AdviseRequest(
             advisory_id=adv.advisory_id, tenant=tenant, session_id=asked.session_id,
-            model=asked.model, kv_source=source, priority=asked.priority,
+            model=asked.model, kv_source=source, kv_tokens=kv_tokens, priority=asked.priority,
             ttl_s=max(0.0, adv.expires_at - self.book.clock()),
             straight_to_device=self.policy.straight_to_device and asked.priority > 0))
         log.info("advisory %s: session %s of %s goes to %s (KV %s)", adv.advisory_id,

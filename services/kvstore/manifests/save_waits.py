@@ -3,7 +3,9 @@
 The scheduler may send a session's next turn to another node while this node is still
 saving the previous one. That node then asks here (``FindPrefix`` with the previous
 turn's length) and waits, bounded, until a save of at least that many tokens has landed
-and none is running, instead of finding the history without its last turn.
+and none is running, instead of finding the history without its last turn. An advisory's
+prefetch asks the same of ``GetManifest`` with the turn's length as the scheduler knows
+it (prompt + completion): ``turn_saved`` maps that onto what a save records.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class SaveWaits:
     def __init__(self) -> None:
         self._running: dict[SessionId, int] = {}
         self._tokens: OrderedDict[SessionId, int] = OrderedDict()
+        self._block: dict[SessionId, int] = {}  # the block size its saves were made in
         self._changed: dict[SessionId, asyncio.Event] = {}
         self._waiters: dict[SessionId, int] = {}
 
@@ -41,26 +44,40 @@ class SaveWaits:
                 del self._running[sid]
             self._wake(sid)
 
-    def saved(self, sid: SessionId, tokens: int) -> None:
+    def saved(self, sid: SessionId, tokens: int, block_size: int = 0) -> None:
         self._tokens[sid] = max(tokens, self._tokens.pop(sid, 0))
+        if block_size > 0:
+            self._block[sid] = block_size
         while len(self._tokens) > SAVED_SESSIONS:
-            self._tokens.popitem(last=False)
+            old, _ = self._tokens.popitem(last=False)
+            self._block.pop(old, None)
         self._wake(sid)
 
     def forget(self, sid: SessionId) -> None:
         self._tokens.pop(sid, None)
+        self._block.pop(sid, None)
+
+    def turn_saved(self, sid: SessionId, turn_tokens: int) -> int:
+        """What a save of a turn of ``turn_tokens`` (prompt + completion) records: its
+        last token has no KV yet, and only whole blocks are saved."""
+        computed = max(0, turn_tokens - 1)
+        block = self._block.get(sid, 0)
+        return computed // block * block if block else computed
 
     def settled(self, sid: SessionId, tokens: int) -> bool:
         """No save of the session running, and one of ``tokens`` or more has landed."""
         return sid not in self._running and self._tokens.get(sid, 0) >= tokens
 
-    async def wait(self, sid: SessionId, tokens: int, timeout_s: float) -> float:
-        """Wait until ``settled(sid, tokens)`` or ``timeout_s``; the seconds waited."""
+    async def wait(self, sid: SessionId, tokens: int, timeout_s: float,
+                   turn: bool = False) -> float:
+        """Wait until ``settled(sid, tokens)`` or ``timeout_s``; the seconds waited. With
+        ``turn``, ``tokens`` is a turn's length (``turn_saved``)."""
         t0 = time.monotonic()
         deadline = t0 + timeout_s
         self._waiters[sid] = self._waiters.get(sid, 0) + 1
         try:
-            while not self.settled(sid, tokens):
+            # (the block size becomes known with the session's first save: ask each time)
+            while not self.settled(sid, self.turn_saved(sid, tokens) if turn else tokens):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break

@@ -43,6 +43,7 @@ async def pull_session(
     write_manifest: bool = False,
     timeout_s: float = 10.0,
     copy_of_shared: bool = False,
+    wait_tokens: int = 0,
 ) -> PullResult:
     """Copy ``tenant/session_id`` from the kvstore at ``peer`` into ``manifests.store``.
 
@@ -54,15 +55,16 @@ async def pull_session(
     ``copy_of_shared``: the peer writes these chunks to the shared lowest tier itself, so
     they are kept in the local tiers only.
     With ``write_manifest`` the manifest is stored here once every chunk is durable
-    locally (only if none was missing).
+    locally (only if none was missing). ``wait_tokens``: the peer first waits (bounded)
+    for its save of a turn that long (``GetManifest``).
     """
     manifest_key(tenant, session_id)  # the caller's input, checked before any call
     store = manifests.store
     async with insecure_channel(peer) as channel:
         stub = pb_grpc.KVStoreStub(channel)
         try:
-            reply = await stub.GetManifest(wire.session_ref(tenant, session_id),
-                                           timeout=timeout_s)
+            reply = await stub.GetManifest(
+                wire.session_ref(tenant, session_id, wait_tokens), timeout=timeout_s)
             found = wire.manifest_of_reply(reply)
             if found is None:
                 return PullResult(False, detail="peer has no manifest for this session")

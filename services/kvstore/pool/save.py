@@ -58,7 +58,7 @@ async def save_from_pool(
         return await _save_chunks(store, pool, req, bpc, pulled)
     with manifests.saves.saving(sid):  # a peer asking for this session waits for us
         result = await _save_chunks(store, pool, req, bpc, pulled, manifests)
-    manifests.saves.saved(sid, req.token_count)
+    manifests.saves.saved(sid, req.token_count, pool.geometry.block_size)
     return result
 
 

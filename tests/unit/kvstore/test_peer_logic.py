@@ -52,6 +52,19 @@ async def test_a_wait_is_bounded_and_a_running_save_is_waited_for() -> None:
     assert not w._changed and not w._waiters  # nothing kept for sessions nobody awaits
 
 
+async def test_a_turn_s_length_is_read_as_what_its_save_records() -> None:
+    """The scheduler knows a turn as prompt + completion tokens; the engine saves the
+    tokens that have KV (all but the last) in whole blocks."""
+    w = SaveWaits()
+    assert w.turn_saved(SID, 100) == 99  # no save yet: the block size is unknown
+    w.saved(SID, 96, block_size=16)  # the save of a 100-token turn: 6 blocks
+    assert w.turn_saved(SID, 100) == 96 and w.turn_saved(SID, 0) == 0
+    assert await w.wait(SID, 100, 1.0, turn=True) < 0.5  # settled: no wait
+    assert not w.settled(SID, w.turn_saved(SID, 130))  # a longer turn: not yet saved
+    w.forget(SID)
+    assert w.turn_saved(SID, 100) == 99
+
+
 def test_a_peer_s_chunks_are_used_only_while_they_match_the_prompt() -> None:
     prompt = hashes(40)
     req = FindRequest("t", "s", "m", prompt, 0, 2, 16)

@@ -124,8 +124,8 @@ CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hello there"}
 
 async def test_an_advised_turn_goes_where_its_kv_was_prefetched(two) -> None:
     c, stores = two
-    status, _, headers = await call(c, "POST", "/v1/chat/completions", CHAT,
-                                    {"X-Session-Id": "s1"})
+    status, turn, headers = await call(c, "POST", "/v1/chat/completions", CHAT,
+                                       {"X-Session-Id": "s1"})
     assert status == 200
     holder = headers["X-Overture-Node"]
     other = "node1" if holder == "node0" else "node0"
@@ -144,6 +144,8 @@ async def test_an_advised_turn_goes_where_its_kv_was_prefetched(two) -> None:
     sent = store.prefetches[-1]
     assert (sent.session.session_id, sent.session.tenant) == ("s1", "default")
     assert sent.peer_address == f"127.0.0.1:{7000 + int(holder[-1])}"
+    # The turn's length: the holder waits for its save of the turn if still running.
+    assert sent.wait_tokens == turn["usage"]["total_tokens"] > 0
     # Undrained and made busier, the holder would win a tie; the advised node wins anyway.
     assert (await call(c, "POST", f"/admin/nodes/{holder}/undrain"))[0] == 200
     c.scheduler.state.registry.begin(other)
