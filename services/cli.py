@@ -91,11 +91,13 @@ def cluster_specs(
     state_dir: Path | None = None,
     s3: S3ServerSpec | None = None,
     cores: list[tuple[int, ...]] | None = None,
+    anonymous: bool = False,
 ) -> tuple[list[ChildSpec], str]:
     """Commands for a scheduler plus ``nodes`` nodes; returns them and the public URL.
     With ``state_dir`` each node's kvstore keeps its SSD tier in ``state_dir/<node>/``;
     with ``s3`` that server is started first and every kvstore uses it; with ``cores``
-    node i's engine and kvstore run on ``cores[i]`` only."""
+    node i's engine and kvstore run on ``cores[i]`` only; ``anonymous``: the scheduler
+    serves without API keys (on loopback)."""
     grpc_port = free_port(host)
     specs = []
     if s3 is not None:
@@ -105,7 +107,8 @@ def cluster_specs(
         ChildSpec(
             "scheduler",
             service_command(
-                "scheduler", {"host": host, "port": http_port, "grpc_port": grpc_port}, config
+                "scheduler", {"host": host, "port": http_port, "grpc_port": grpc_port,
+                              **({"anonymous": "true"} if anonymous else {})}, config
             ),
         )
     ]
@@ -204,7 +207,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         except S3ServerError as e:
             print(f"overture up: {e}", file=sys.stderr)
             return 2
+    _cluster_secret(args.config)
+    anonymous = not _has_api_keys(args.config)
+    if anonymous:
+        print("overture up: no API keys configured: the public API is anonymous (every "
+              "caller is tenant 'default') and bound to 127.0.0.1")
     specs, url = cluster_specs(
+        anonymous=anonymous,
         s3=s3,
         nodes=args.nodes,
         http_port=int(str(port)),
@@ -217,6 +226,25 @@ def cmd_up(args: argparse.Namespace) -> int:
         cores=_node_cores(args),
     )
     return asyncio.run(supervise(specs, url, args.nodes, args.ready_timeout))
+
+
+def _has_api_keys(config: str | None) -> bool:
+    keys = ("api_keys", "admin_keys", "keys_file")
+    return any(os.environ.get(f"OVERTURE_SCHEDULER__{k.upper()}") for k in keys) or any(
+        _yaml_section_value(config, "scheduler", k) for k in (*keys, "anonymous"))
+
+
+def _cluster_secret(config: str | None) -> None:
+    """Unless the operator gave one (environment or YAML), a fresh cluster secret for this
+    run, handed to every child through its environment (never on a command line)."""
+    from shared.cluster_config import SECRET_ENV, new_secret
+
+    if os.environ.get(SECRET_ENV) or os.environ.get(SECRET_ENV + "_FILE") or any(
+            _yaml_section_value(config, "cluster", k) for k in ("secret", "secret_file")):
+        print("overture up: internal traffic authenticated with the configured cluster secret")
+        return
+    os.environ[SECRET_ENV] = new_secret()
+    print("overture up: internal traffic authenticated with a fresh cluster secret")
 
 
 def _node_cores(args: argparse.Namespace) -> list[tuple[int, ...]] | None:
@@ -289,6 +317,13 @@ def run_service(name: str, argv: Sequence[str]) -> int:
     return 0
 
 
+def cmd_secret(args: argparse.Namespace) -> int:
+    from shared.cluster_config import new_secret
+
+    print(new_secret())
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="overture",
@@ -347,6 +382,9 @@ def _parser() -> argparse.ArgumentParser:
     dm.add_argument("--size", default="tiny", choices=("tiny", "small"), help="[default: tiny]")
     dm.add_argument("--seed", type=int, default=0, help="weight seed [default: 0]")
     dm.set_defaults(func=_interruptible(cmd_demo_model))
+    sec = cmds.add_parser("secret", help="print a new random cluster secret (for "
+                          "OVERTURE_CLUSTER__SECRET or cluster.secret_file)")
+    sec.set_defaults(func=cmd_secret)
     for name in SERVICES:
         cmds.add_parser(
             name, help=f"run the {name} service (see overture {name} --help)", add_help=False

@@ -118,6 +118,11 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
             items = [_coerce(f"{key}[{i}]", item_tp, v) for i, v in enumerate(value)]
             return tuple(items) if origin is tuple else items
         if origin is dict:
+            if isinstance(value, str):  # (from the environment or a flag) k=v,k2=v2
+                pairs = [p.rpartition("=") for p in value.split(",") if p.strip()]
+                if not all(k and sep for k, sep, _ in pairs):
+                    raise ValueError(value)
+                value = {k.strip(): v.strip() for k, _, v in pairs}
             if not isinstance(value, Mapping):
                 raise ValueError(value)
             return dict(value)

@@ -1,4 +1,6 @@
-"""Start an asyncio gRPC server that also serves the standard health-checking protocol."""
+"""Start an asyncio gRPC server that also serves the standard health-checking protocol, and
+open client channels; both carry the cluster's internal authentication
+(``shared/internal_auth.py``) when the process has a cluster secret."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ from contextlib import asynccontextmanager
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from shared import internal_auth
 
 # Large enough for a 1 MiB KV chunk plus header in one message.
 MAX_MESSAGE_BYTES = 64 << 20
@@ -48,7 +52,8 @@ async def serve_grpc(
     ``service_names`` are the full names (``overture.v1.Engine``) reported SERVING, plus the
     overall server ("").
     """
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    server = grpc.aio.server(options=CHANNEL_OPTIONS,
+                             interceptors=internal_auth.server_interceptors())
     for add in register:
         add(server)
     health_servicer = health.aio.HealthServicer()
@@ -83,4 +88,5 @@ def insecure_channel(address: str, max_reconnect_backoff_ms: int = 0) -> grpc.ai
             ("grpc.min_reconnect_backoff_ms", first),
             ("grpc.max_reconnect_backoff_ms", max_reconnect_backoff_ms),
         ]
-    return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.insecure_channel(address, options=options,
+                                     interceptors=internal_auth.client_interceptors())

@@ -16,11 +16,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-
 from services.cli import free_port, service_command
 from services.s3_server import s3_server_spec, wait_ready
+from shared import internal_auth
 from shared.proto import engine_pb2, engine_pb2_grpc
+from tests.internal import sync_channel, use_test_secret
 
 REPO = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
@@ -30,6 +30,7 @@ SCHEDULER_FLAGS = {
     "heartbeat_interval_s": 0.2,
     "heartbeat_timeout_s": 1.5,
     "no_node_wait_s": 1.0,
+    "anonymous": True,
 }
 NODEMGR_FLAGS = {"heartbeat_interval_s": 0.2, "engine_status_timeout_s": 1.0}
 
@@ -55,6 +56,8 @@ class Cluster:
     procs: dict[str, Proc] = field(default_factory=dict)
     engine_addresses: dict[str, str] = field(default_factory=dict)
     kvstore_addresses: dict[str, str] = field(default_factory=dict)
+    nodemgr_addresses: dict[str, str] = field(default_factory=dict)
+    scheduler_grpc: str = ""
     s3_endpoint: str = ""
 
     def logs(self, lines: int = 40) -> str:
@@ -110,7 +113,7 @@ class Cluster:
         p.wait(timeout=10)
 
     def engine_status(self, node: str = "node0", timeout: float = 2.0) -> engine_pb2.EngineStatus:
-        with grpc.insecure_channel(self.engine_addresses[node]) as ch:
+        with sync_channel(self.engine_addresses[node]) as ch:
             return engine_pb2_grpc.EngineStub(ch).Status(
                 engine_pb2.EngineStatusRequest(), timeout=timeout
             )
@@ -187,10 +190,13 @@ def start_cluster(
     With ``ssd`` each kvstore has an SSD tier under ``work_dir``. With ``s3`` a SeaweedFS
     server (as ``overture up`` runs it) is every kvstore's S3 tier;
     it is started first and stopped last."""
+    if internal_auth.current() is None:  # (a benchmark, outside the test suite)
+        use_test_secret()
     log_dir = work_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     http_port, grpc_port = free_port(), free_port()
-    cluster = Cluster(url=f"http://{HOST}:{http_port}", log_dir=log_dir)
+    cluster = Cluster(url=f"http://{HOST}:{http_port}", log_dir=log_dir,
+                      scheduler_grpc=f"{HOST}:{grpc_port}")
     s3_flags: dict[str, object] = {}
     try:
         if s3:
@@ -219,6 +225,7 @@ def start_cluster(
             kv, eng, nm = free_port(), free_port(), free_port()
             cluster.engine_addresses[node] = f"{HOST}:{eng}"
             cluster.kvstore_addresses[node] = f"{HOST}:{kv}"
+            cluster.nodemgr_addresses[node] = f"{HOST}:{nm}"
             _spawn(
                 cluster,
                 f"{node}.kvstore",

@@ -6,13 +6,13 @@ session's KV is.
     GET  /admin/nodes                every node: rotation, drained, load, kvstore
     GET  /admin/sessions/{id}?tenant=T   the node of the session's last turn and its tokens
 
-Once API keys (or admin keys) are configured, these need ``Authorization: Bearer`` with
-one of ``scheduler.admin_keys``; with neither configured (a local cluster) they are open.
+These need ``Authorization: Bearer`` with
+one of ``scheduler.admin_keys`` (``keys.py``); in anonymous mode (a local cluster) they are
+open.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -36,16 +36,7 @@ def _state(request: web.Request) -> ApiState:
 
 
 def _check_admin(state: ApiState, request: web.Request) -> None:
-    if not state.api_keys and not state.admin_keys:
-        return
-    scheme, _, key = request.headers.get("Authorization", "").partition(" ")
-    key = key.strip()
-    ok = scheme.lower() == "bearer" and any(
-        hmac.compare_digest(key.encode(), k.encode()) for k in state.admin_keys
-    )
-    if not ok:
-        raise ApiError(401, "admin routes need 'Authorization: Bearer <admin key>' "
-                       "(scheduler.admin_keys)", code="invalid_admin_key")
+    state.keys.check_admin(request.headers.get("Authorization", ""))
 
 
 def _node(registry: NodeRegistry, request: web.Request) -> Node:

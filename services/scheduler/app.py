@@ -16,6 +16,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.dispatch import Dispatcher, DispatchSettings, NodeChannels
 from services.scheduler.grpc_service import SchedulerServicer
 from services.scheduler.http_api import ApiState, build_app
+from services.scheduler.keys import key_book
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.nodes import NodeRegistry
 from services.scheduler.policy import make_policy
@@ -66,8 +67,7 @@ def build_state(
         dispatcher=dispatcher,
         metrics=metrics,
         limits=Limits(config.max_n, config.max_prompts, config.default_max_tokens),
-        api_keys={str(k): str(v) for k, v in config.api_keys.items()},
-        admin_keys=frozenset(str(k) for k in config.admin_keys),
+        keys=key_book(config),
         max_body_bytes=config.max_body_bytes,
         advisor=advisor,
     )

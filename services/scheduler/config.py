@@ -20,11 +20,16 @@ class SchedulerConfig:
     )
     max_body_bytes: int = opt(4 << 20, "largest accepted request body", min=1024)
     request_timeout_s: float = opt(600.0, "upper bound on one request's duration", min=1)
-    api_keys: dict[str, str] = opt({}, "bearer key -> tenant; empty = no auth, tenant 'default'")
+    api_keys: dict[str, str] = opt(
+        {}, "bearer key (or sha256:<hex> of it) -> tenant; environment: key=tenant,... "
+        "(none and not anonymous: the scheduler does not start)")
     admin_keys: list[str] = opt(
-        [], "bearer keys for /admin routes; required (and only these work) once api_keys or "
-        "admin_keys is set; empty with no api_keys = admin routes open (local use)"
-    )
+        [], "bearer keys (or sha256:<hex>) for /admin routes and /metrics")
+    keys_file: str = opt(
+        "", "YAML file with more keys: {api_keys: {key: tenant}, admin_keys: [key]}")
+    anonymous: bool = opt(
+        False, "serve without API keys (every caller is tenant 'default', admin routes "
+        "open); only on a loopback host; overture up's default")
     sessions_max: int = opt(
         100_000, "sessions whose KV location is remembered (least recently used go first)",
         min=1,

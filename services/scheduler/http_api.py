@@ -19,6 +19,7 @@ from services.scheduler.advisory_api import add_advisory_routes
 from services.scheduler.dispatch import Dispatcher
 from services.scheduler.errors import ApiError
 from services.scheduler.fanout import run_choices
+from services.scheduler.keys import KeyBook
 from services.scheduler.metrics import CONTENT_TYPE, SchedulerMetrics
 from services.scheduler.nodes import Node, NodeRegistry
 from services.scheduler.openai_format import (
@@ -44,9 +45,8 @@ class ApiState:
     dispatcher: Dispatcher
     metrics: SchedulerMetrics
     limits: Limits
-    api_keys: dict[str, str]
+    keys: KeyBook
     max_body_bytes: int
-    admin_keys: frozenset[str] = frozenset()
     advisor: Advisor = field(default=None)  # type: ignore[assignment]  # (set by build_state)
 
 
@@ -87,20 +87,8 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 
 def tenant_of(state: ApiState, request: web.Request) -> str:
-    """The tenant of the request's API key (401 without a known one, once keys are set)."""
-    if not state.api_keys:
-        return "default"
-    header = request.headers.get("Authorization", "")
-    scheme, _, key = header.partition(" ")
-    tenant = state.api_keys.get(key.strip()) if scheme.lower() == "bearer" else None
-    if tenant is None:
-        raise ApiError(
-            401,
-            "missing or unknown API key; send 'Authorization: Bearer <key>'",
-            type="invalid_request_error",
-            code="invalid_api_key",
-        )
-    return tenant
+    """The tenant of the request's API key (401 without a known one)."""
+    return state.keys.tenant_of(request.headers.get("Authorization", ""))
 
 
 async def _body(state: ApiState, request: web.Request) -> bytes:
@@ -307,6 +295,7 @@ def _node_state(reg: NodeRegistry, n: Node) -> str:
 
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
+    state.keys.check_admin(request.headers.get("Authorization", ""))  # (operators' data)
     state.metrics.sessions.set(len(state.dispatcher.sessions))
     text = state.metrics.render(state.registry)
     return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE})

@@ -7,12 +7,15 @@ way while the serving engine computed beside it. Here the sender writes each sea
 from its DRAM copy straight to the socket, and the receiver reads it straight into the
 engine's pool blocks and verifies it there: no user-space copy at all.
 
-    request   u32 length | msgpack {"v": 1, "lease": str, "keys": [str, ...]}
+    request   u32 length | msgpack {"v": 1, "lease": str, "keys": [str, ...], "token": str}
     reply     per key, in order: u32 length | blob    (length 0xFFFFFFFF: not found)
 
-One request per connection. The lease id (random, from FindPrefix) names what the asker
-may read first; any key it names is read from the tiers like GetChunks would. The asker
-reads each chunk straight into its pool blocks (``pool/peer_load.py``).
+One request per connection. ``token`` is the cluster's internal token
+(``shared/internal_auth.py``): a server with a cluster secret closes the connection on a
+request without it, before reading anything. The lease id (random, from FindPrefix)
+names what the asker may read first; any key it names is read from the tiers like
+GetChunks would. The asker reads each chunk straight into its pool blocks
+(``pool/peer_load.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import msgpack
 from services.kvstore.store import TieredStore
 from services.kvstore.store.checksum_work import sealed
 from services.kvstore.tiers.base import Blob
+from shared import internal_auth
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +42,10 @@ MAX_KEYS = 4096
 
 
 def request_bytes(lease_id: str, keys: list[str]) -> bytes:
-    """A pull request for ``keys`` under ``lease_id``, framed."""
-    body = msgpack.packb({"v": 1, "lease": lease_id, "keys": keys})
+    """A pull request for ``keys`` under ``lease_id``, framed, with this process's token."""
+    auth = internal_auth.current()
+    body = msgpack.packb({"v": 1, "lease": lease_id, "keys": keys,
+                          "token": auth.token if auth is not None else ""})
     return LEN.pack(len(body)) + body
 
 
@@ -57,6 +63,7 @@ class ChunkServer:
         timeout_s: float = 10.0,
     ) -> None:
         self.store, self.held = store, held
+        self.auth = internal_auth.current()  # (set at start-up, before any server)
         self.host, self.port = host, port
         self.chunk_delay_s = chunk_delay_s
         self.timeout_s = timeout_s  # a peer silent (or not reading) this long is dropped
@@ -111,6 +118,9 @@ class ChunkServer:
                 req = msgpack.unpackb(await _recv_exactly(loop, conn, n))
             if not isinstance(req, dict):
                 raise ValueError("a malformed request")
+            if self.auth is not None and not self.auth.accepts(req.get("token")):
+                log.warning("refused a chunk stream request without the cluster's token")
+                return
             keys, lease = req.get("keys"), req.get("lease", "")
             if (req.get("v") != 1 or not isinstance(keys, list) or len(keys) > MAX_KEYS
                     or not all(isinstance(k, str) for k in keys) or not isinstance(lease, str)):

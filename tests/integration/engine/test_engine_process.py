@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.engine.device import SHM_DIR
 from shared.proto import common_pb2, engine_pb2, engine_pb2_grpc
+from tests.internal import sync_channel
 
 REPO = Path(__file__).resolve().parents[3]
 READY = re.compile(r"engine ready on ([\d.]+):(\d+)")
@@ -90,7 +91,7 @@ def request(**kw: object) -> common_pb2.GenerateRequest:
 
 def test_generate_status_and_health(engine: tuple[str, subprocess.Popen]) -> None:
     address, _ = engine
-    with grpc.insecure_channel(address) as ch:
+    with sync_channel(address) as ch:
         stub = engine_pb2_grpc.EngineStub(ch)
         chunks = list(stub.Generate(request(request_id="r1", prompt="Hello there"), timeout=30))
         assert chunks[0].prompt_token_ids and chunks[0].prompt_tokens > 0
@@ -134,14 +135,14 @@ def test_bad_requests_get_status_codes(
     engine: tuple[str, subprocess.Popen], req: common_pb2.GenerateRequest, code: grpc.StatusCode
 ) -> None:
     address, _ = engine
-    with grpc.insecure_channel(address) as ch, pytest.raises(grpc.RpcError) as e:
+    with sync_channel(address) as ch, pytest.raises(grpc.RpcError) as e:
         list(engine_pb2_grpc.EngineStub(ch).Generate(req, timeout=30))
     assert e.value.code() == code and e.value.details()
 
 
 def test_cancelled_call_frees_blocks(engine: tuple[str, subprocess.Popen]) -> None:
     address, _ = engine
-    with grpc.insecure_channel(address) as ch:
+    with sync_channel(address) as ch:
         stub = engine_pb2_grpc.EngineStub(ch)
         long = common_pb2.GenerateRequest(
             prompt="Tell me everything",

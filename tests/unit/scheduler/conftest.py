@@ -54,6 +54,8 @@ async def make_cluster(
         "heartbeat_interval_s": 0.1,
         "heartbeat_timeout_s": 1.0,
         "no_node_wait_s": 0.5,
+        # (without keys, a local scheduler: anonymous)
+        "anonymous": not {"api_keys", "admin_keys", "keys_file"} & set(scheduler_overrides),
         **scheduler_overrides,
     }
     sched = await start_scheduler(load(SchedulerConfig, "scheduler", overrides=overrides), stack)

@@ -216,9 +216,9 @@ async def test_bad_advisories_get_openai_errors(two, body, param, status) -> Non
 
 async def test_another_tenants_advisory_is_not_found() -> None:
     async with AsyncExitStack() as stack:
-        c = await make_cluster(stack, nodes=1, api_keys={"ka": "alpha", "kb": "beta"})
-        a = {"Authorization": "Bearer ka"}
-        b = {"Authorization": "Bearer kb"}
+        c = await make_cluster(stack, nodes=1, api_keys={"key-alpha": "alpha", "key-beta": "beta"})
+        a = {"Authorization": "Bearer key-alpha"}
+        b = {"Authorization": "Bearer key-beta"}
         status, _, _ = await call(c, "POST", "/v1/advisory", {"session_id": "s", "model": "demo"})
         assert status == 401
         status, adv, _ = await call(c, "POST", "/v1/advisory",

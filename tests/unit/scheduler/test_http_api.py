@@ -132,8 +132,8 @@ async def test_errors_from_the_engine_and_the_scheduler(cluster: MiniCluster) ->
 
 async def test_body_limit_and_auth() -> None:
     async with AsyncExitStack() as stack:
-        c = await make_cluster(stack, max_body_bytes=2048, api_keys={"sk-a": "acme"})
-        auth = {"Authorization": "Bearer sk-a"}
+        c = await make_cluster(stack, max_body_bytes=2048, api_keys={"sk-acme-1": "acme"})
+        auth = {"Authorization": "Bearer sk-acme-1"}
         status, body = await post(c, "/v1/chat/completions", CHAT)
         assert (status, body["error"]["code"]) == (401, "invalid_api_key")
         status, _ = await post(
@@ -159,7 +159,7 @@ async def test_no_node_gives_503_without_hanging() -> None:
         cfg = load(
             SchedulerConfig,
             "scheduler",
-            overrides={"port": 0, "grpc_port": 0, "no_node_wait_s": 0.2},
+            overrides={"port": 0, "grpc_port": 0, "no_node_wait_s": 0.2, "anonymous": True},
         )
         s = await start(cfg, stack)
         import aiohttp

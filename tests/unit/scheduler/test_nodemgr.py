@@ -63,6 +63,7 @@ async def test_registers_once_the_scheduler_appears_and_again_when_forgotten() -
                     "port": 0,
                     "grpc_port": grpc_port,
                     "heartbeat_interval_s": 0.05,
+                    "anonymous": True,
                 },
             ),
             stack,
