@@ -88,8 +88,11 @@ async def _serve_engine(conn: Connection, model: str, address: str, mode: str, d
     from services.engine.api_types import GenerateRequest, SamplingParams
     from services.engine.async_engine import AsyncEngine
     from services.engine.config import EngineConfig, OffloadConfig
+    from shared import internal_auth
     from shared.aio import freeze_startup_heap
+    from shared.cluster_config import SECRET_ENV
 
+    internal_auth.configure(os.environ[SECRET_ENV])  # (the bench's cluster secret)
     # Every reusing engine loads the whole stored prefix (policy "always"): the bench
     # measures each tier's load path, and the cost planner, whose estimates come from
     # loads measured under whatever else the machine is doing, may trim a tail span now
@@ -257,12 +260,15 @@ def report(size: int, r: dict[str, float]) -> None:
 def evict_dram(address: str, session: str) -> None:
     """Drop the session's chunks from the kvstore's DRAM tier only (they stay on SSD)."""
     from services.engine.wire import DEFAULT_TENANT
+    from shared import internal_auth
     from shared.proto import kvstore_pb2, kvstore_pb2_grpc
 
+    auth = internal_auth.current()
     with grpc.insecure_channel(address) as channel:
         kvstore_pb2_grpc.KVStoreStub(channel).Delete(kvstore_pb2.DeleteRequest(
             session=kvstore_pb2.ManifestRef(tenant=DEFAULT_TENANT, session_id=session),
-            with_chunks=True, tiers=["dram"]), timeout=30)
+            with_chunks=True, tiers=["dram"]), timeout=30,
+            metadata=auth.metadata() if auth is not None else None)
 
 
 def run(sizes: list[int], reps: int, samples: int, dtype: str, threads: int,
@@ -343,6 +349,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         sizes, reps, args.samples = [s for s in sizes if s <= 2048] or [512], 1, 1
     threads = args.threads or torch.get_num_threads()
+    # A cluster secret of this run, for the kvstore process, the engines and this process.
+    from shared import internal_auth
+    from shared.cluster_config import SECRET_ENV, new_secret
+
+    os.environ[SECRET_ENV] = new_secret()
+    internal_auth.configure(os.environ[SECRET_ENV])
     print(f"resume TTFT: {args.model or 'small demo model'}, {args.dtype}, "
           f"{threads} torch threads, pid {os.getpid()}")
     print("ssd rows: " + ("kvstore restarted (cold process)" if args.ssd_after_restart
