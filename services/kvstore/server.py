@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from contextlib import AsyncExitStack
 
@@ -53,6 +54,7 @@ async def run(config: KVStoreConfig, stop: asyncio.Event | None = None) -> None:
     Raises ``TierOpenError``/``ConfigError`` at start (the caller exits non-zero).
     """
     pin_process(config.cpus)
+    os.umask(0o077)  # tenants' KV on disk (the SSD tier, RocksDB's files): owner only
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

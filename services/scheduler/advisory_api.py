@@ -20,7 +20,7 @@ from aiohttp import web
 from services.scheduler.advisor import AdviceAsked, Advisor
 from services.scheduler.advisories import Advisory
 from services.scheduler.errors import ApiError, invalid
-from services.scheduler.validation import check_body_size, parse_json
+from services.scheduler.validation import parse_json
 
 if TYPE_CHECKING:
     from services.scheduler.http_api import ApiState
@@ -73,12 +73,12 @@ def _view(adv: Advisory) -> dict[str, Any]:
 
 
 async def create(request: web.Request) -> web.Response:
-    from services.scheduler.http_api import STATE, tenant_of
+    from services.scheduler.http_api import STATE, read_body, tenant_of
 
     state = request.app[STATE]
     tenant = tenant_of(state, request)
-    check_body_size(request.content_length, state.max_body_bytes)
-    body = parse_json(await request.read())
+    state.tenants.advisory(tenant)
+    body = parse_json(await read_body(state, request))
     asked = _asked(body, state, "", FIELDS)
     successors = body.get("successors", [])
     if not isinstance(successors, list) or len(successors) > MAX_SUCCESSORS:

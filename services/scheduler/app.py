@@ -16,11 +16,13 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.dispatch import Dispatcher, DispatchSettings, NodeChannels
 from services.scheduler.grpc_service import SchedulerServicer
 from services.scheduler.http_api import ApiState, build_app
+from services.scheduler.http_server import HardenedRunner
 from services.scheduler.keys import key_book
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.nodes import NodeRegistry
 from services.scheduler.policy import make_policy
 from services.scheduler.sessions import SessionDirectory
+from services.scheduler.tenant_limits import TenantLimits
 from services.scheduler.validation import Limits
 from shared.grpc_server import serve_grpc
 from shared.proto import scheduler_pb2_grpc
@@ -66,7 +68,11 @@ def build_state(
         registry=registry,
         dispatcher=dispatcher,
         metrics=metrics,
-        limits=Limits(config.max_n, config.max_prompts, config.default_max_tokens),
+        limits=Limits(config.max_n, config.max_prompts, config.default_max_tokens,
+                      config.max_messages, config.max_tokens_limit),
+        tenants=TenantLimits(config.tenant_requests_per_s, config.tenant_advisories_per_s,
+                             config.tenant_max_in_flight),
+        body_timeout_s=config.body_timeout_s,
         keys=key_book(config),
         max_body_bytes=config.max_body_bytes,
         advisor=advisor,
@@ -119,7 +125,9 @@ async def start(config: SchedulerConfig, stack: AsyncExitStack) -> Running:
     stack.push_async_callback(servicer.close)  # runs before the server stops
     state = build_state(config, registry, channels, sessions)
     # Cancel a handler when its client disconnects, so the generation is cancelled too.
-    runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)
+    runner = HardenedRunner(build_app(state), config.header_timeout_s,
+                            config.keepalive_timeout_s, handler_cancellation=True,
+                            access_log=None)
     await runner.setup()
     stack.push_async_callback(runner.cleanup)
     site = web.TCPSite(runner, config.host, config.port)

@@ -19,6 +19,25 @@ class SchedulerConfig:
         2.0, "how long a request waits for a healthy node before 503", min=0
     )
     max_body_bytes: int = opt(4 << 20, "largest accepted request body", min=1024)
+    body_timeout_s: float = opt(
+        30.0, "a request body not fully received this long after its headers is refused "
+        "(408)", min=0.1)
+    header_timeout_s: float = opt(
+        10.0, "a connection that has not sent its first request's headers this long after "
+        "connecting is closed", min=0.1)
+    keepalive_timeout_s: float = opt(
+        30.0, "an idle keep-alive connection is closed after this long", min=0.1)
+    max_messages: int = opt(2048, "most messages in one chat request", min=1)
+    max_tokens_limit: int = opt(
+        2**31 - 1, "the largest max_tokens a request may ask for", min=1, max=2**31 - 1)
+    tenant_requests_per_s: float = opt(
+        200.0, "generations per second one tenant may start (burst: 2 s worth; 0 = no "
+        "limit); beyond: 429 with Retry-After", min=0.0)
+    tenant_advisories_per_s: float = opt(
+        100.0, "advisories per second one tenant may send (burst: 2 s worth; 0 = no limit)",
+        min=0.0)
+    tenant_max_in_flight: int = opt(
+        512, "generations one tenant may have running at once (0 = no limit)", min=0)
     request_timeout_s: float = opt(600.0, "upper bound on one request's duration", min=1)
     api_keys: dict[str, str] = opt(
         {}, "bearer key (or sha256:<hex> of it) -> tenant; environment: key=tenant,... "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import grpc
@@ -73,7 +74,16 @@ _GRPC_TO_HTTP = {
 def from_grpc(code: grpc.StatusCode, details: str | None, node_id: str) -> ApiError:
     """Translate a node's gRPC failure into the error the HTTP client sees."""
     status, err_code = _GRPC_TO_HTTP.get(code, (500, "node_error"))
-    message = details or f"node {node_id} failed with {code.name}"
-    if status >= 500 and details:
-        message = f"node {node_id}: {details}"
-    return ApiError(status, message, code=err_code)
+    if status >= 500 or not details:
+        # (the details of a transport failure name internal addresses: the log has them)
+        return ApiError(status, f"node {node_id} failed ({code.name}); the scheduler's log "
+                        "has the details", code=err_code)
+    return ApiError(status, without_addresses(details), code=err_code)
+
+
+_ADDRESS = re.compile(r"(ipv[46]:)?(\[[0-9a-fA-F:]+\]|\d{1,3}(\.\d{1,3}){3})(:\d+)?")
+
+
+def without_addresses(text: str) -> str:
+    """``text`` with IP addresses (and ports) replaced: clients learn no internal ones."""
+    return _ADDRESS.sub("[internal]", text)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -33,7 +34,14 @@ from services.scheduler.openai_format import (
     usage_chunk,
 )
 from services.scheduler.request import ApiRequest, Endpoint
-from services.scheduler.validation import Limits, check_body_size, parse_json, validate
+from services.scheduler.tenant_limits import TenantLimits
+from services.scheduler.validation import (
+    Limits,
+    check_body_size,
+    check_prompt_length,
+    parse_json,
+    validate,
+)
 from services.scheduler.wire import Chunk
 
 log = logging.getLogger(__name__)
@@ -47,6 +55,8 @@ class ApiState:
     limits: Limits
     keys: KeyBook
     max_body_bytes: int
+    tenants: TenantLimits = field(default_factory=lambda: TenantLimits(0, 0, 0))
+    body_timeout_s: float = 30.0
     advisor: Advisor = field(default=None)  # type: ignore[assignment]  # (set by build_state)
 
 
@@ -91,17 +101,25 @@ def tenant_of(state: ApiState, request: web.Request) -> str:
     return state.keys.tenant_of(request.headers.get("Authorization", ""))
 
 
-async def _body(state: ApiState, request: web.Request) -> bytes:
+async def read_body(state: ApiState, request: web.Request) -> bytes:
+    """The whole body, within the size limit and ``body_timeout_s`` (a client trickling
+    its upload holds no memory and no connection for long)."""
     check_body_size(request.content_length, state.max_body_bytes)
-    return await request.read()
+    try:
+        async with asyncio.timeout(state.body_timeout_s):
+            return await request.read()
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within "
+                       f"{state.body_timeout_s:g} s", code="body_timeout") from None
 
 
 class _Timing:
     """TTFT per request and inter-token latency per choice."""
 
     def __init__(self, metrics: SchedulerMetrics, model: str) -> None:
-        self.ttft = metrics.ttft.labels(model)
-        self.itl = metrics.itl.labels(model)
+        # (labelled at the first token: a model name nobody serves never becomes a label)
+        self.ttft = functools.partial(metrics.ttft.labels, model)
+        self.itl = functools.partial(metrics.itl.labels, model)
         self.start = time.monotonic()
         self.first = False
         self.last: dict[int, float] = {}
@@ -112,19 +130,21 @@ class _Timing:
         now = time.monotonic()
         if not self.first:
             self.first = True
-            self.ttft.observe(now - self.start)
+            self.ttft().observe(now - self.start)
         prev = self.last.get(index)
         if prev is not None:
             gap = (now - prev) / count
+            itl = self.itl()
             for _ in range(count):
-                self.itl.observe(gap)
+                itl.observe(gap)
         self.last[index] = now
 
 
 async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
     state = request.app[STATE]
     tenant = tenant_of(state, request)
-    body = parse_json(await _body(state, request))
+    state.tenants.request(tenant)
+    body = parse_json(await read_body(state, request))
     req = validate(
         body,
         endpoint,
@@ -133,6 +153,13 @@ async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
         tenant=tenant,
     )
     model = await state.dispatcher.resolve_model(req.model)
+    check_prompt_length(req, state.registry.max_model_len(model))
+    with state.tenants.in_flight(tenant):
+        return await _generate_in_flight(request, state, req, endpoint, model)
+
+
+async def _generate_in_flight(request: web.Request, state: ApiState, req: ApiRequest,
+                              endpoint: Endpoint, model: str) -> web.StreamResponse:
     env = Envelope(endpoint, new_id(endpoint), model)
     states = {c.index: ChoiceState(c.index, c.prompt_index) for c in req.choices()}
     timing = _Timing(state.metrics, model)

@@ -204,6 +204,11 @@ class NodeRegistry:
                 seen.setdefault(m.name, m)
         return list(seen.values())
 
+    def max_model_len(self, model: str) -> int:
+        """The context of ``model`` as a node reported it (0: no node serves it)."""
+        return max((m.max_model_len for n in self.all() for m in n.info.models
+                    if m.name == model), default=0)
+
     def sweep(self) -> tuple[list[str], list[str]]:
         """Node ids that (left, joined) rotation since the previous sweep."""
         left: list[str] = []

@@ -58,12 +58,16 @@ class ChoiceState:
 
 
 def usage(states: list[ChoiceState]) -> dict[str, Any]:
-    """Prompt tokens count once per prompt (as OpenAI does for ``n``); completions add up."""
+    """Prompt tokens count once per prompt (as OpenAI does for ``n``); completions add up.
+    A prompt's cached tokens are its least-cached choice's: the ``n`` choices of a prompt
+    run side by side, and a later one may reuse what an earlier one just computed, which
+    was not in the cache when the request came."""
     prompt_tokens: dict[int, int] = {}
     cached: dict[int, int] = {}
     for s in states:
         prompt_tokens[s.prompt_index] = max(prompt_tokens.get(s.prompt_index, 0), s.prompt_tokens)
-        cached[s.prompt_index] = max(cached.get(s.prompt_index, 0), s.cached_tokens)
+        cached[s.prompt_index] = min(cached.get(s.prompt_index, s.cached_tokens),
+                                     s.cached_tokens)
     p = sum(prompt_tokens.values())
     c = sum(s.completion_tokens for s in states)
     return {

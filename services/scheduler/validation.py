@@ -26,6 +26,12 @@ class Limits:
     max_n: int = 8
     max_prompts: int = 8
     default_max_tokens: int = 0
+    max_messages: int = 2048
+    max_tokens: int = INT32_MAX  # the ceiling of max_tokens
+
+
+MAX_SESSION_ID_CHARS = 256
+MAX_JSON_DEPTH = 64
 
 
 MAX_PRIORITY = 1000  # request and advisory priorities lie in [-1000, 1000]
@@ -37,15 +43,64 @@ def _reject_constant(name: str) -> float:
 
 def parse_json(raw: bytes) -> dict[str, Any]:
     """Decode a request body; it must be a JSON object (NaN/Infinity are not JSON)."""
+    if _nesting(raw) > MAX_JSON_DEPTH:
+        raise invalid(f"request body nests deeper than {MAX_JSON_DEPTH} levels",
+                      code="invalid_json")
     try:
         body = json.loads(raw, parse_constant=_reject_constant)
-    except (ValueError, UnicodeDecodeError) as e:
+        # A lone surrogate ("\ud800") is valid JSON escaping but no text: refuse it here,
+        # not when the prompt is encoded further down.
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise invalid("request body holds a lone UTF-16 surrogate (\\ud800-\\udfff): "
+                      "not text", code="invalid_json") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise invalid(f"request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise invalid(
             f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json"
         )
     return body
+
+
+def _nesting(raw: bytes) -> int:
+    """How deep ``[``/``{`` nest outside strings (an upper bound good enough to refuse a
+    body before the parser recurses into it)."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
+        return 0
+    depth = deepest = 0
+    in_string = escaped = False
+    for c in raw:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == 0x5C:  # backslash
+                escaped = True
+            elif c == 0x22:
+                in_string = False
+        elif c == 0x22:
+            in_string = True
+        elif c in (0x5B, 0x7B):
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in (0x5D, 0x7D):
+            depth -= 1
+    return deepest
+
+
+def session_id(value: Any, param: str = "session_id") -> str:
+    """A session id as the store keeps it: 1-256 characters of text, no '/', no control
+    characters (a header's non-UTF-8 bytes arrive as surrogates and are refused too)."""
+    if not isinstance(value, str):
+        raise invalid(f"'{param}' must be a string", param, "invalid_type")
+    if len(value) > MAX_SESSION_ID_CHARS:
+        raise invalid(f"'{param}' may have at most {MAX_SESSION_ID_CHARS} characters",
+                      param, "out_of_range")
+    if "/" in value or any(ord(ch) < 0x20 or 0xD800 <= ord(ch) <= 0xDFFF or ch == "\x7f"
+                           for ch in value):
+        raise invalid(f"'{param}' must be UTF-8 text without '/' or control characters",
+                      param, "invalid_value")
+    return value
 
 
 def _is_int(v: Any) -> bool:
@@ -156,9 +211,9 @@ def _sampling(body: dict[str, Any], endpoint: Endpoint, limits: Limits) -> Sampl
     if not 0.0 < top_p <= 1.0:
         raise invalid(f"'top_p' must be in (0, 1], got {top_p}", "top_p", "out_of_range")
     top_k = _int(body, "top_k", 0, -1, INT32_MAX)
-    max_tokens = _int(body, "max_tokens", None, 1, INT32_MAX)
+    max_tokens = _int(body, "max_tokens", None, 1, limits.max_tokens)
     if endpoint == "chat":
-        max_tokens = _int(body, "max_completion_tokens", max_tokens, 1, INT32_MAX)
+        max_tokens = _int(body, "max_completion_tokens", max_tokens, 1, limits.max_tokens)
     seed = _int(body, "seed", None, -INT64_MAX, INT64_MAX)
     stop_ids = body.get("stop_token_ids")
     return Sampling(
@@ -197,7 +252,7 @@ def _content(v: Any, i: int, role: str) -> str:
     raise invalid(f"'{param}' must be a string or a list of text parts", param, "invalid_type")
 
 
-def _messages(body: dict[str, Any]) -> tuple[Message, ...]:
+def _messages(body: dict[str, Any], limits: Limits) -> tuple[Message, ...]:
     msgs = body.get("messages")
     if msgs is None:
         raise invalid("'messages' is required", "messages", "missing_required_parameter")
@@ -205,6 +260,9 @@ def _messages(body: dict[str, Any]) -> tuple[Message, ...]:
         raise invalid("'messages' must be a list of message objects", "messages", "invalid_type")
     if not msgs:
         raise invalid("'messages' must not be empty", "messages", "empty_array")
+    if len(msgs) > limits.max_messages:
+        raise invalid(f"'messages' may hold at most {limits.max_messages} messages",
+                      "messages", "out_of_range")
     out = []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
@@ -216,7 +274,9 @@ def _messages(body: dict[str, Any]) -> tuple[Message, ...]:
                 f"messages[{i}].role",
                 "invalid_value",
             )
-        out.append(Message(role, _content(m.get("content"), i, role)))
+        # OpenAI's "developer" is the system message of the templates models ship with.
+        out.append(Message("system" if role == "developer" else role,
+                           _content(m.get("content"), i, role)))
     return tuple(out)
 
 
@@ -270,7 +330,7 @@ def validate(
         raise invalid("'model' must be a non-empty string", "model", "invalid_type")
     _unsupported(body, endpoint)
     prompts = (
-        (Prompt("chat", messages=_messages(body)),)
+        (Prompt("chat", messages=_messages(body, limits)),)
         if endpoint == "chat"
         else _prompts(body, limits)
     )
@@ -287,6 +347,8 @@ def validate(
             "invalid_value",
         )
     session = session_header or _str(body, "session_id", "")
+    if session:
+        session = session_id(session, "X-Session-Id" if session_header else "session_id")
     return ApiRequest(
         endpoint=endpoint,
         model=model,
@@ -301,6 +363,28 @@ def validate(
         priority=_int(body, "priority", 0, -MAX_PRIORITY, MAX_PRIORITY) or 0,
         add_generation_prompt=_bool(body, "add_generation_prompt", True),
     )
+
+
+# No tokenizer packs more characters than this into one token on average: a prompt with
+# more characters than this many times the context cannot fit, and is refused before a
+# node spends seconds tokenizing megabytes of it.
+CHARS_PER_TOKEN_BOUND = 32
+
+
+def check_prompt_length(req: ApiRequest, max_model_len: int) -> None:
+    """400 for a prompt that cannot fit ``max_model_len`` tokens (0: not known yet)."""
+    if max_model_len <= 0:
+        return
+    for p in req.prompts:
+        if p.kind == "tokens":
+            size, unit, bound = len(p.token_ids), "tokens", max_model_len
+        else:
+            size = len(p.text) + sum(len(m.content) for m in p.messages)
+            unit, bound = "characters", max_model_len * CHARS_PER_TOKEN_BOUND
+        if size > bound:
+            param = "messages" if p.kind == "chat" else "prompt"
+            raise invalid(f"the prompt has {size} {unit}, far more than the model's context "
+                          f"of {max_model_len} tokens holds", param, "context_length_exceeded")
 
 
 def check_body_size(length: int | None, limit: int) -> None:

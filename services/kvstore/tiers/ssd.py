@@ -312,7 +312,7 @@ class SsdTier(IndexedTtl, Tier):
         then the catalog batch, then the files it no longer names (see the module doc)."""
         if file_no is not None:
             path = self._file(file_no)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:  # from here on the file is ours to remove if the put fails
                 try:
                     view = memoryview(blob)

@@ -44,7 +44,11 @@ def open_catalog(
     ``TierOpenError`` naming the path and what to check."""
     hint = "(is another kvstore using this path? is the disk writable and not full?)"
     try:
-        Path(blob_dir).mkdir(parents=True, exist_ok=True)
+        Path(blob_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+        # Tenants' KV: only this service's user may list or read it (RocksDB's own files
+        # are made under the kvstore's umask, 077).
+        os.chmod(path, 0o700)
+        os.chmod(blob_dir, 0o700)
     except OSError as e:
         raise TierOpenError(
             f"kvstore.ssd_path: cannot create {path!r}: {e.strerror} {hint}"
