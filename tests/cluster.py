@@ -68,9 +68,11 @@ class Cluster:
             parts.append(f"----- {p.name} ({state}) -----\n{p.tail(lines)}")
         return "\n".join(parts)
 
-    def get(self, path: str, timeout: float = 5.0) -> tuple[int, dict]:
+    def get(self, path: str, timeout: float = 5.0, headers: dict | None = None
+            ) -> tuple[int, dict]:
+        req = urllib.request.Request(self.url + path, headers=headers or {})
         try:
-            with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
                 return r.status, json.loads(r.read())
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read() or b"{}")
@@ -95,16 +97,24 @@ class Cluster:
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read() or b"{}"), dict(e.headers)
 
-    def delete(self, path: str, timeout: float = 10.0) -> tuple[int, dict]:
-        req = urllib.request.Request(self.url + path, method="DELETE")
+    def post_as(self, headers: dict, path: str, body: object = None) -> tuple[int, dict]:
+        """POST with ``headers`` (an API key, say): the status and decoded JSON answer."""
+        status, answer, _ = self.post_with_headers(path, {} if body is None else body,
+                                                   headers=headers)
+        return status, answer
+
+    def delete(self, path: str, timeout: float = 10.0, headers: dict | None = None
+               ) -> tuple[int, dict]:
+        req = urllib.request.Request(self.url + path, method="DELETE", headers=headers or {})
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return r.status, json.loads(r.read() or b"{}")
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read() or b"{}")
 
-    def text(self, path: str, timeout: float = 10.0) -> str:
-        with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+    def text(self, path: str, timeout: float = 10.0, headers: dict | None = None) -> str:
+        req = urllib.request.Request(self.url + path, headers=headers or {})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.read().decode()
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:

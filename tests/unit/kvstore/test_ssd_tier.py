@@ -270,3 +270,24 @@ async def test_ssd_unreadable_catalog_entry_is_dropped_at_open(tmp_path: Path) -
         ssd.check_integrity()
     finally:
         await ssd.close()
+
+
+async def test_ssd_keeps_tenants_kv_readable_by_its_owner_only(tmp_path: Path) -> None:
+    import os
+    import stat
+
+    (tmp_path / "db").mkdir(mode=0o755)  # (an existing folder is tightened too)
+    ssd = SsdTier(str(tmp_path / "db"), 1 << 22, inline_max_bytes=256)
+    await ssd.open()
+    try:
+        await ssd.put("a", bytes(encode_chunk(meta("s", 0, 0), kv_tensor(5))))
+        dirs = [tmp_path / "db", *(p for p in (tmp_path / "db").rglob("*") if p.is_dir())]
+        files = [p for p in (tmp_path / "db").rglob("*") if p.is_file()]
+        blob_files = [p for p in files if p.parent != tmp_path / "db"]
+        assert blob_files, files  # (a chunk above inline_max_bytes: its own file)
+        for d in dirs[:1] + [p.parent for p in blob_files]:
+            assert stat.S_IMODE(os.stat(d).st_mode) == 0o700, d
+        for f in blob_files:
+            assert stat.S_IMODE(os.stat(f).st_mode) == 0o600, f
+    finally:
+        await ssd.close()
