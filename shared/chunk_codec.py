@@ -208,6 +208,8 @@ def _parse_preamble(blob: bytes | bytearray | memoryview) -> tuple[bytes, int, i
         raise ChunkCorrupt(f"bad magic {magic!r}")
     if ver != FORMAT_VERSION:
         raise ChunkCorrupt(f"unknown chunk format version {ver}")
+    if flags & ~_FLAG_SEALED:  # (the checksum does not cover the flags: no stray bits)
+        raise ChunkCorrupt(f"unknown chunk flags {flags:#06x}")
     if PREAMBLE_BYTES + hlen > len(blob):
         raise ChunkCorrupt("header length runs past the end of the blob")
     return magic, ver, flags, hlen, checksum

@@ -33,6 +33,7 @@ from services.scheduler.openai_format import (
     stream_chunk,
     usage_chunk,
 )
+from services.scheduler.openapi import openapi_document
 from services.scheduler.request import ApiRequest, Endpoint
 from services.scheduler.tenant_limits import TenantLimits
 from services.scheduler.validation import (
@@ -281,6 +282,10 @@ async def list_models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": data})
 
 
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi_document(request.app[STATE].limits))
+
+
 async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
@@ -338,6 +343,7 @@ def build_app(state: ApiState) -> web.Application:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)
     add_admin_routes(app)
     add_advisory_routes(app)
     return app

@@ -90,17 +90,27 @@ class Manifest:
 
     @classmethod
     def decode(cls, data: bytes | bytearray) -> Manifest:
-        h = msgpack.unpackb(data)
-        return cls(
-            tenant=h["tenant"],
-            session_id=h["session_id"],
-            model_fp=h["model_fp"],
-            block_hashes=tuple(h["hashes"]),  # msgpack bin: bytes (checked after)
-            token_count=int(h["tokens"]),
-            num_layers=int(h["layers"]),
-            blocks_per_chunk=int(h["bpc"]),
-            updated=float(h["updated"]),
-        )
+        """Raises ``ChunkFormatError`` for anything but a well-formed manifest (it is read
+        from disks, S3 and peers)."""
+        try:
+            h = msgpack.unpackb(data)
+            if not isinstance(h, dict):
+                raise ValueError("not a map")
+            texts = [h["tenant"], h["session_id"], h["model_fp"]]
+            numbers = [h["tokens"], h["layers"], h["bpc"]]
+            if (not all(isinstance(t, str) for t in texts) or not isinstance(h["hashes"], list)
+                    or not all(isinstance(n, int) and not isinstance(n, bool) for n in numbers)
+                    or not isinstance(h["updated"], int | float)):
+                raise ValueError("a field of the wrong type")
+            return cls(texts[0], texts[1], texts[2],
+                       block_hashes=tuple(h["hashes"]),  # (bytes: checked after)
+                       token_count=numbers[0], num_layers=numbers[1],
+                       blocks_per_chunk=numbers[2], updated=float(h["updated"]))
+        except ChunkFormatError:
+            raise
+        except (ValueError, KeyError, TypeError, OverflowError) as e:
+            raise ChunkFormatError(f"malformed manifest: {type(e).__name__}: {e}"[:300]
+                                   ) from None
 
 
 def manifest_key(tenant: str, session_id: str) -> str:

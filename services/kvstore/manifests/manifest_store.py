@@ -195,7 +195,7 @@ class ManifestStore:
             if blob is not None:
                 try:
                     return Manifest.decode(blob)
-                except (ValueError, KeyError, TypeError) as e:
+                except ChunkFormatError as e:
                     log.warning("unreadable manifest %s in %s: %s", tkey, tier.name, e)
                     try:
                         await tier.delete(tkey)
