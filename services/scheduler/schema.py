@@ -35,6 +35,10 @@ class Node:
         raise NotImplementedError
 
     def _described(self, s: dict[str, Any]) -> dict[str, Any]:
+        """``s`` with this node's description and default (where it has them)."""
+        default = getattr(self, "default", None)
+        if default is not None:
+            s = {**s, "default": default}
         return {**s, "description": self.doc} if self.doc else s
 
 
@@ -64,10 +68,7 @@ class Int(Node):
         return int(v)
 
     def schema(self) -> dict[str, Any]:
-        s: dict[str, Any] = {"type": "integer", "minimum": self.lo, "maximum": self.hi}
-        if self.default is not None:
-            s["default"] = self.default
-        return self._described(s)
+        return self._described({"type": "integer", "minimum": self.lo, "maximum": self.hi})
 
 
 @dataclass
@@ -90,8 +91,6 @@ class Num(Node):
     def schema(self) -> dict[str, Any]:
         s: dict[str, Any] = {"type": "number", "maximum": self.hi}
         s["exclusiveMinimum" if self.lo_open else "minimum"] = self.lo
-        if self.default is not None:
-            s["default"] = self.default
         return self._described(s)
 
 
@@ -106,10 +105,7 @@ class Bool(Node):
         return v
 
     def schema(self) -> dict[str, Any]:
-        s: dict[str, Any] = {"type": "boolean"}
-        if self.default is not None:
-            s["default"] = self.default
-        return self._described(s)
+        return self._described({"type": "boolean"})
 
 
 @dataclass
