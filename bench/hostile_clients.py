@@ -1,0 +1,127 @@
+"""Slow and oversized clients against the scheduler, with and without its deadlines.
+
+    .venv/bin/python -m bench.hostile_clients [--connections 500] [--uploads 100]
+
+Starts a real scheduler process (anonymous, loopback, no nodes) twice: with the default
+deadlines and with them pushed out of reach (the behaviour before they existed), and
+measures in each:
+
+- slow headers: ``--connections`` clients send half a request line and stop; how many are
+  still open after ``2 * header_timeout_s``;
+- stalled uploads: ``--uploads`` clients announce a 4 MiB body, send 1 MiB of it and stop;
+  the scheduler's resident memory while they stall and after, and how many it has cut
+  off after ``2 * body_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from services.cli import free_port
+from shared.cluster_config import SECRET_ENV, new_secret
+
+REPO = Path(__file__).resolve().parents[1]
+HEADER_S, BODY_S = 2.0, 2.0
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+async def _still_open(writers: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]],
+                      wait_s: float) -> int:
+    await asyncio.sleep(wait_s)
+
+    async def open_(reader: asyncio.StreamReader) -> bool:
+        try:
+            data = await asyncio.wait_for(reader.read(65536), 0.05)
+            if not data:
+                return False
+            while data:  # (an answer, then the close)
+                data = await asyncio.wait_for(reader.read(65536), 0.5)
+            return False
+        except TimeoutError:
+            return True
+        except ConnectionError:
+            return False
+
+    results = await asyncio.gather(*(open_(r) for r, _ in writers))
+    for _, w in writers:
+        w.close()
+    return sum(results)
+
+
+async def _measure(port: int, pid: int, connections: int, uploads: int, wait_s: float
+                   ) -> dict[str, float]:
+    base = _rss_mb(pid)
+    slow = [await asyncio.open_connection("127.0.0.1", port) for _ in range(connections)]
+    for _, w in slow:
+        w.write(b"GET /v1/mod")
+    open_headers = await _still_open(slow, wait_s)
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+            b"application/json\r\nContent-Length: 4194304\r\n\r\n")
+    stalled = [await asyncio.open_connection("127.0.0.1", port) for _ in range(uploads)]
+    for _, w in stalled:
+        w.write(head + b"[" * (1 << 20))
+        await w.drain()
+    await asyncio.sleep(0.5)
+    peak = _rss_mb(pid)
+    open_uploads = await _still_open(stalled, wait_s)
+    return {"open_slow_headers": open_headers, "open_stalled_uploads": open_uploads,
+            "rss_growth_mb": peak - base, "rss_after_mb": _rss_mb(pid) - base}
+
+
+def _run(flags: dict[str, object], connections: int, uploads: int) -> dict[str, float]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "services.scheduler", "--anonymous", "true", "--port",
+           str(port), "--grpc-port", str(free_port()), "--no-node-wait-s", "0.1",
+           *(x for k, v in flags.items() for x in (f"--{k.replace('_', '-')}", str(v)))]
+    env = dict(os.environ, PYTHONPATH=str(REPO), **{SECRET_ENV: new_secret()})
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(200):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1).read()
+                break
+            except OSError:
+                time.sleep(0.1)
+        return asyncio.run(_measure(port, proc.pid, connections, uploads,
+                                    2 * max(HEADER_S, BODY_S)))
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--connections", type=int, default=500)
+    ap.add_argument("--uploads", type=int, default=100)
+    args = ap.parse_args(argv)
+    far = 3600.0
+    rows = {
+        "deadlines": _run({"header_timeout_s": HEADER_S, "body_timeout_s": BODY_S},
+                          args.connections, args.uploads),
+        "none (baseline)": _run({"header_timeout_s": far, "body_timeout_s": far,
+                                 "keepalive_timeout_s": far}, args.connections, args.uploads),
+    }
+    print(f"{args.connections} slow-header clients, {args.uploads} stalled 4 MiB uploads "
+          f"(1 MiB sent), checked {2 * max(HEADER_S, BODY_S):g} s later")
+    print(f"{'':18}{'open headers':>14}{'open uploads':>14}{'RSS stalled':>13}"
+          f"{'RSS after':>11}")
+    for name, r in rows.items():
+        print(f"{name:18}{r['open_slow_headers']:>14.0f}{r['open_stalled_uploads']:>14.0f}"
+              f"{r['rss_growth_mb']:>11.0f}MB{r['rss_after_mb']:>9.0f}MB")
+
+
+if __name__ == "__main__":
+    main()
