@@ -17,10 +17,12 @@ restored KV straight into the pool).
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from typing import Protocol
@@ -56,23 +58,40 @@ class PoolMemory(Protocol):
     def close(self) -> None: ...
 
 
-def _pid_alive(pid: int) -> bool:
+CREATING_S = 60.0  # a pool file still being created is left alone this long
+
+
+def _unlocked(path: Path) -> bool:
+    """Whether nobody holds ``path``'s lock: its owner is gone. flock works across PID
+    namespaces (containers sharing /dev/shm), where a pid in a file name means nothing."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False  # (gone meanwhile, or not ours to read)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
         return False
-    except PermissionError:
-        return True  # exists, owned by someone else
+    finally:
+        os.close(fd)  # (drops the lock if it was taken)
     return True
 
 
 def remove_stale_files(base: Path, prefix: str) -> list[Path]:
-    """Unlink ``<prefix>-<pid>-*`` files of processes that no longer exist (an engine
-    killed with SIGKILL cannot remove its own); returns what was removed."""
+    """Unlink ``<prefix>-*`` pool files whose owner no longer holds their lock (an engine
+    killed with SIGKILL cannot remove its own), and half-created ones left by a crash;
+    returns what was removed."""
     removed = []
-    for path in base.glob(f"{prefix}-*-*"):
-        pid = path.name[len(prefix) + 1 :].split("-", 1)[0]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+    now = time.time()
+    candidates = [*base.glob(f"{prefix}-*")]
+    for path in base.glob(f".{prefix}-creating-*"):
+        try:
+            if now - path.stat().st_mtime > CREATING_S:
+                candidates.append(path)
+        except OSError:
+            continue
+    for path in candidates:
+        if _unlocked(path):
             path.unlink(missing_ok=True)
             removed.append(path)
     if removed:
@@ -86,10 +105,21 @@ class SharedMemoryFile:
     def __init__(self, nbytes: int, prefix: str = "overture-kv") -> None:
         base = SHM_DIR if SHM_DIR.is_dir() else Path(tempfile.gettempdir())
         remove_stale_files(base, prefix)
-        self.path = base / f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        tag = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.path = base / f"{prefix}-{tag}"
         self.name = str(self.path)
         self.nbytes = nbytes
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        # Created under a name the cleanup leaves alone, locked for this process's lifetime
+        # (the lock is what tells a live pool from a stale one), then given its name.
+        creating = base / f".{prefix}-creating-{tag}"
+        self._fd = os.open(creating, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rename(creating, self.path)
+        except BaseException:
+            os.close(self._fd)
+            creating.unlink(missing_ok=True)
+            raise
         try:
             os.ftruncate(self._fd, nbytes)  # sparse: reserves address space, no memory yet
             # A second, private-to-us mapping of the same file, used only for madvise.
