@@ -62,6 +62,7 @@ class OffloadConfig:
 class EngineConfig:
     host: str = opt("127.0.0.1", "address the Engine gRPC server binds to")
     port: int = opt(50053, "Engine gRPC port (0 = pick a free port)", min=0, max=65535)
+    metrics_port: int = opt(0, "Prometheus /metrics HTTP port (0 = off)", min=0, max=65535)
     model_path: str = opt(
         "", "local Hugging Face model folder (config.json, *.safetensors, tokenizer.json)"
     )

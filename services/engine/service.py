@@ -9,11 +9,13 @@ from contextlib import AsyncExitStack
 from shared.aio import freeze_startup_heap
 from shared.cpus import pin_process
 from shared.grpc_server import serve_grpc
+from shared.metrics_http import serve_metrics
 from shared.proto import engine_pb2_grpc
 
 from .async_engine import AsyncEngine
 from .config import EngineConfig
-from .server import EngineServicer
+from .metrics import render_engine_metrics
+from .server import STATUS_WAIT_S, EngineServicer
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,13 @@ async def run(config: EngineConfig) -> None:
                 service_names=[SERVICE_NAME],
             )
         )
+        if config.metrics_port:
+            async def render() -> bytes:
+                return render_engine_metrics(await engine.status(max_wait_s=STATUS_WAIT_S))
+
+            mport = await stack.enter_async_context(
+                serve_metrics(render, config.host, config.metrics_port))
+            log.info("metrics on http://%s:%d/metrics", config.host, mport)
         freeze_startup_heap()
         log.info("engine ready on %s:%d", config.host, server.port)
         await asyncio.Event().wait()  # until cancelled (SIGTERM/SIGINT)

@@ -1,6 +1,6 @@
 """Prometheus metrics of one kvstore, in its own CollectorRegistry (no global state).
 
-Exposed by ``metrics_http.serve_metrics`` on ``kvstore.metrics_port`` (0 = off) and
+Exposed by ``shared/metrics_http.serve_metrics`` on ``kvstore.metrics_port`` (0 = off) and
 summarised in the gRPC ``Status`` reply.
 """
 

@@ -16,7 +16,6 @@ from contextlib import AsyncExitStack
 from services.kvstore.config import KVStoreConfig
 from services.kvstore.manifests import ManifestStore
 from services.kvstore.metrics import KVStoreMetrics
-from services.kvstore.metrics_http import serve_metrics
 from services.kvstore.peers.data_plane import ChunkServer
 from services.kvstore.pool.copies import lazy_torch
 from services.kvstore.pool.data_path import EnginePoolPath
@@ -26,6 +25,7 @@ from services.kvstore.tiers import build_tiers
 from shared.aio import freeze_startup_heap
 from shared.cpus import pin_process
 from shared.grpc_server import serve_grpc
+from shared.metrics_http import Render, serve_metrics
 from shared.proto import kvstore_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ async def run(config: KVStoreConfig, stop: asyncio.Event | None = None) -> None:
         )
         if config.metrics_port:
             mport = await stack.enter_async_context(
-                serve_metrics(metrics, config.host, config.metrics_port)
+                serve_metrics(_render(metrics), config.host, config.metrics_port)
             )
             log.info("metrics on http://%s:%d/metrics", config.host, mport)
         tiers = ", ".join(t.name for t in store.tiers)
@@ -111,3 +111,10 @@ async def run(config: KVStoreConfig, stop: asyncio.Event | None = None) -> None:
         log.info("kvstore shutting down")
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.remove_signal_handler(sig)
+
+
+def _render(metrics: KVStoreMetrics) -> Render:
+    async def render() -> bytes:
+        return metrics.render()
+
+    return render

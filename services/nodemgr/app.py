@@ -10,9 +10,11 @@ from services.nodemgr.config import NodeManagerConfig
 from services.nodemgr.engine_link import EngineLink
 from services.nodemgr.grpc_service import NodeManagerServicer
 from services.nodemgr.kvstore_probe import KVStoreProbe
+from services.nodemgr.metrics import NodeMgrMetrics
 from services.nodemgr.prefetcher import Prefetcher
 from services.nodemgr.registration import Registrar
 from shared.grpc_server import serve_grpc
+from shared.metrics_http import serve_metrics
 from shared.proto import nodemgr_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -34,8 +36,9 @@ async def start(config: NodeManagerConfig, stack: AsyncExitStack) -> asyncio.Tas
         if registrar is not None:
             registrar.engine_failed(detail)
 
+    metrics = NodeMgrMetrics()
     prefetcher = Prefetcher(config.kvstore_address, config.prefetch_timeout_s,
-                            engine=engine.stub)
+                            engine=engine.stub, metrics=metrics)
     stack.push_async_callback(prefetcher.close)
     servicer = NodeManagerServicer(config.node_id, engine, config.kvstore_address, engine_failed,
                                    prefetcher)
@@ -64,6 +67,15 @@ async def start(config: NodeManagerConfig, stack: AsyncExitStack) -> asyncio.Tas
         engine_stall_s=config.engine_stall_s,
     )
     beats = asyncio.create_task(registrar.run(), name="registrar")
+    if config.metrics_port:
+        metrics.watch(lambda: _state(registrar, servicer))
+
+        async def render() -> bytes:
+            return metrics.render()
+
+        mport = await stack.enter_async_context(
+            serve_metrics(render, config.host, config.metrics_port))
+        log.info("metrics on http://%s:%d/metrics", config.host, mport)
 
     async def stop_beats() -> None:
         beats.cancel()
@@ -85,3 +97,9 @@ async def run(config: NodeManagerConfig) -> None:
     async with AsyncExitStack() as stack:
         beats = await start(config, stack)
         await beats
+
+
+def _state(registrar: Registrar, servicer: NodeManagerServicer) -> dict[str, float]:
+    return {"generations_in_flight": float(servicer.in_flight),
+            "problem": 1.0 if registrar.problem else 0.0,
+            "degraded": 1.0 if registrar.degraded else 0.0}

@@ -11,6 +11,7 @@ from shared.config import opt
 class NodeManagerConfig:
     host: str = opt("127.0.0.1", "address the NodeManager gRPC server binds to")
     port: int = opt(50052, "NodeManager gRPC port (0 = pick a free port)", min=0, max=65535)
+    metrics_port: int = opt(0, "Prometheus /metrics HTTP port (0 = off)", min=0, max=65535)
     advertise_address: str = opt("", "host:port the scheduler should dial; default host:port")
     node_id: str = opt("node-0", "unique id of this node in the cluster")
     scheduler_address: str = opt("127.0.0.1:50051", "Scheduler gRPC address")

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 import grpc
 
 from services.nodemgr.channels import fast_channel
+from services.nodemgr.metrics import NodeMgrMetrics
 from shared.proto import engine_pb2, engine_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -47,10 +49,12 @@ class Advice:
 
 class Prefetcher:
     def __init__(self, kvstore_address: str, timeout_s: float, concurrency: int = 4,
-                 engine: engine_pb2_grpc.EngineStub | None = None) -> None:
+                 engine: engine_pb2_grpc.EngineStub | None = None,
+                 metrics: NodeMgrMetrics | None = None) -> None:
         self.channel = fast_channel(kvstore_address) if kvstore_address else None
         self.stub = kvstore_pb2_grpc.KVStoreStub(self.channel) if self.channel else None
         self.engine = engine
+        self.metrics = metrics or NodeMgrMetrics()
         self.timeout_s = timeout_s
         self._gate = asyncio.Semaphore(concurrency)
         self._running: dict[str, asyncio.Task[None]] = {}
@@ -62,6 +66,7 @@ class Prefetcher:
         """Start prefetching; False when this node has no kvstore to prefetch into."""
         if self.stub is None:
             return False
+        self.metrics.advisories.labels("received").inc()
         old = self._running.pop(advice.advisory_id, None)
         if old is not None:
             old.cancel()
@@ -81,6 +86,8 @@ class Prefetcher:
         engine (its device blocks are freed, or first to purge when ``expired``); whether
         a prefetch was still running."""
         advice = self._advice.pop(advisory_id, None)
+        if advice is not None:
+            self.metrics.advisories.labels("expired" if expired else "invalidated").inc()
         if advice is not None and self._by_session.get(
                 (advice.tenant, advice.session_id)) == advisory_id:
             del self._by_session[(advice.tenant, advice.session_id)]
@@ -98,6 +105,8 @@ class Prefetcher:
     def followed(self, tenant: str, session_id: str) -> None:
         """A request of the session came: its advisory is over (the engine knows already)."""
         aid = self._by_session.pop((tenant, session_id), None)
+        if aid is not None:
+            self.metrics.advisories.labels("followed").inc()
         if aid is not None:
             self._advice.pop(aid, None)
 
@@ -124,12 +133,17 @@ class Prefetcher:
             wait_tokens=a.kv_tokens,
         )
         async with self._gate:
+            t0 = time.monotonic()
             try:
                 reply = await self.stub.PrefetchSession(request, timeout=self.timeout_s)
             except grpc.aio.AioRpcError as e:
                 log.warning("prefetch for advisory %s (session %s) failed: %s %s",
                             a.advisory_id, a.session_id, e.code().name, e.details())
+                self.metrics.prefetch_hops.labels("dram", "error").inc()
                 return
+            self.metrics.dram_seconds.observe(time.monotonic() - t0)
+        self.metrics.prefetch_hops.labels("dram", "found" if reply.found else "none").inc()
+        self.metrics.prefetch_bytes.inc(reply.bytes)
         if reply.found:
             log.info("advisory %s: session %s prefetched into DRAM (%d chunks, %d bytes%s)",
                      a.advisory_id, a.session_id, reply.chunks, reply.bytes,
@@ -152,7 +166,9 @@ class Prefetcher:
         except grpc.aio.AioRpcError as e:
             log.warning("device prefetch for advisory %s failed: %s %s", a.advisory_id,
                         e.code().name, e.details())
+            self.metrics.prefetch_hops.labels("device", "error").inc()
             return
+        self.metrics.prefetch_hops.labels("device", "started" if reply.blocks else "none").inc()
         if reply.blocks:
             log.info("advisory %s: session %s going into device memory (%d blocks a layer)",
                      a.advisory_id, a.session_id, reply.blocks)

@@ -121,6 +121,7 @@ class _Timing:
         # (labelled at the first token: a model name nobody serves never becomes a label)
         self.ttft = functools.partial(metrics.ttft.labels, model)
         self.itl = functools.partial(metrics.itl.labels, model)
+        self.generated = functools.partial(metrics.tokens.labels, model)
         self.start = time.monotonic()
         self.first = False
         self.last: dict[int, float] = {}
@@ -128,6 +129,7 @@ class _Timing:
     def tokens(self, index: int, count: int) -> None:
         if count <= 0:
             return
+        self.generated().inc(count)
         now = time.monotonic()
         if not self.first:
             self.first = True

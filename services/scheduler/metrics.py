@@ -36,6 +36,9 @@ class SchedulerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.tokens = Counter(
+            "overture_generated_tokens", "tokens generated, by model", ["model"], registry=r
+        )
         self.in_flight = Gauge(
             "overture_requests_in_flight", "generation requests being served", registry=r
         )
