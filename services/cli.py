@@ -30,6 +30,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from services.deploy_commands import add_deploy_parsers
 from services.models.catalog import DEFAULT_MODEL, PACKAGED, ModelNotFound
 from services.models.commands import add_models_parser, model_folder
 from services.models.commands import cmd_models as models_command
@@ -385,6 +386,7 @@ def _parser() -> argparse.ArgumentParser:
     sec = cmds.add_parser("secret", help="print a new random cluster secret (for "
                           "OVERTURE_CLUSTER__SECRET or cluster.secret_file)")
     sec.set_defaults(func=cmd_secret)
+    add_deploy_parsers(cmds)
     for name in SERVICES:
         cmds.add_parser(
             name, help=f"run the {name} service (see overture {name} --help)", add_help=False
