@@ -80,7 +80,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=args.timeout)
         except grpc.RpcError as e:
-            print(f"unhealthy: {e.code().name}", file=sys.stderr)  # type: ignore[attr-defined]
+            print(f"unhealthy: {e.code().name}", file=sys.stderr)
             return 1
     return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
 
