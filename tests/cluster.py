@@ -171,9 +171,16 @@ class Cluster:
                 p.popen.wait()
 
 
-def _spawn(cluster: Cluster, name: str, argv: list[str]) -> None:
+def _spawn(cluster: Cluster, name: str, argv: list[str],
+           env_only: dict[str, str] | None = None) -> None:
+    """Start ``argv`` as process ``name``; with ``env_only`` its OVERTURE_* settings are
+    those alone (none inherited from this process)."""
     log = cluster.log_dir / f"{name}.log"
     env = dict(os.environ, PYTHONPATH=str(REPO), OVERTURE_LOG_LEVEL="INFO")
+    if env_only is not None:
+        env = {k: v for k, v in env.items()
+               if not k.startswith("OVERTURE_") or k == "OVERTURE_LOG_LEVEL"}
+        env.update(env_only)
     with open(log, "wb") as out:
         popen = subprocess.Popen(
             argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True

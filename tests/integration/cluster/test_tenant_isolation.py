@@ -43,7 +43,8 @@ def _chat(cluster: Cluster, key: dict, session: str, user: str, system: str = SY
 
 def _serve_only(cluster: Cluster, node: str) -> None:
     for n in ("node0", "node1"):
-        status, _ = cluster.post_as(OPS, f"/admin/nodes/{n}/{'undrain' if n == node else 'drain'}")
+        action = "undrain" if n == node else "drain"
+        status, _ = cluster.post_as(OPS, f"/admin/nodes/{n}/{action}")
         assert status == 200
 
 
