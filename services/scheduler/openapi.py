@@ -86,6 +86,11 @@ def _generation(chat: bool, limits: Limits) -> dict[str, Any]:
         "responses": {"200": ok, **_ERRORS}}}
 
 
+def _page(media: str, why: str) -> dict[str, Any]:
+    return {"get": {"security": [], "responses": {"200": {
+        "description": why, "content": {media: {"schema": _STR}}}}}}
+
+
 def openapi_document(limits: Limits) -> dict[str, Any]:
     health = {"get": {"security": [], "responses": {
         "200": _json({"type": "object"}, "up"), "503": _json({"type": "object"}, "not ready")}}}
@@ -114,6 +119,8 @@ def openapi_document(limits: Limits) -> dict[str, Any]:
             "/readyz": health,
             "/openapi.json": {"get": {"security": [], "responses": {
                 "200": _json({"type": "object"}, "this document")}}},
+            "/": _page("text/html", "the demo chat page"),
+            "/static/overture-widget.js": _page("text/javascript", "the chat widget (ES module)"),
             **_operator_routes(),
         },
     }
