@@ -18,7 +18,6 @@ import uuid
 from typing import Annotated, TypedDict
 
 from langgraph.graph import END, START, StateGraph
-
 from overture_client import Overture
 from overture_client.langgraph_adapter import LangGraphAdvisor
 
@@ -34,7 +33,7 @@ class State(TypedDict):
 
 
 def build(client: Overture, run: str, max_tokens: int) -> object:
-    def agent(name: str):  # noqa: ANN202  (a node function)
+    def agent(name: str):
         def node(state: State) -> dict:
             history = [{"role": "system", "content": ROLES[name]},
                        {"role": "user", "content": state["task"]},
