@@ -31,6 +31,13 @@ class Chat:
         return [(i, body) for i, (m, url, body) in enumerate(self.requests)
                 if m == method and path in url]
 
+    def wait_calls(self, method: str, path: str, count: int, timeout_s: float = 10.0) -> None:
+        """Until ``count`` such requests were made (polled: no fixed sleeps)."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.calls(method, path)) < count:
+            assert time.monotonic() < deadline, (method, path, count, self.requests)
+            self.page.wait_for_timeout(50)
+
     def send(self, text: str) -> None:
         self.page.fill("#input", "")
         self.page.type("#input", text, delay=15)
@@ -78,7 +85,8 @@ def _text(s: str) -> str:
 
 def test_typing_advises_once_and_the_answer_streams_in(chat: Chat) -> None:
     chat.page.type("#input", "Tell me about the sea, please.", delay=25)
-    chat.page.wait_for_timeout(400)
+    chat.wait_calls("POST", "/v1/advisory", 1)
+    chat.page.wait_for_timeout(300)  # (and no second one comes)
     advised = chat.calls("POST", "/v1/advisory")
     assert len(advised) == 1, chat.requests
     sent = json.loads(advised[0][1])
@@ -98,16 +106,15 @@ def test_typing_advises_once_and_the_answer_streams_in(chat: Chat) -> None:
 
 def test_a_cleared_or_abandoned_draft_invalidates_its_advisory(chat: Chat) -> None:
     chat.page.type("#input", "a draft", delay=20)
-    chat.page.wait_for_timeout(400)
-    assert len(chat.calls("POST", "/v1/advisory")) == 1
+    chat.wait_calls("POST", "/v1/advisory", 1)
+    chat.page.wait_for_function("() => window.overtureWidget.advisoryId !== null")
     chat.page.fill("#input", "")
     chat.page.dispatch_event("#input", "input")
-    chat.page.wait_for_timeout(300)
-    assert len(chat.calls("DELETE", "/v1/advisory/")) == 1
+    chat.wait_calls("DELETE", "/v1/advisory/", 1)
     chat.page.type("#input", "another", delay=20)  # a new advisory, left alone 1.5 s
-    chat.page.wait_for_timeout(2200)
+    chat.wait_calls("POST", "/v1/advisory", 2)
+    chat.wait_calls("DELETE", "/v1/advisory/", 2)
     assert len(chat.calls("POST", "/v1/advisory")) == 2
-    assert len(chat.calls("DELETE", "/v1/advisory/")) == 2
 
 
 def test_the_second_turn_reuses_the_session_and_a_reload_keeps_it(chat: Chat) -> None:
