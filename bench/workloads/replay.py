@@ -1,0 +1,149 @@
+"""Replay a trace against a running cluster, as its users would: each session's turns in
+order, each advised when its user starts typing and sent when they finish, every time
+shifted by how long the previous answers really took (a user reads an answer only once it
+is there). Spurious advisories are sent and left to expire, unfollowed.
+
+Per request: time to first token, time per output token after it, end to end, output and
+cached tokens, and the node; ``summary`` condenses them (normalized latency: end to end per
+output token, as Symphony §4 reports it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import dataclass
+
+import aiohttp
+
+from bench.workloads.trace import Session, Trace
+
+
+@dataclass(frozen=True)
+class Result:
+    session_id: str
+    turn: int
+    advised: bool
+    priority: int
+    sent_at: float  # seconds since the replay started
+    ttft_s: float
+    e2e_s: float
+    output_tokens: int
+    cached_tokens: int
+    node: str
+    error: str = ""
+
+    @property
+    def tpot_s(self) -> float:
+        return (self.e2e_s - self.ttft_s) / max(1, self.output_tokens - 1)
+
+
+class Replayer:
+    def __init__(self, url: str, model: str, api_key: str | None = None,
+                 time_scale: float = 1.0, max_answer_tokens: int = 1024) -> None:
+        self.url, self.model = url.rstrip("/"), model
+        self.headers = {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
+        self.time_scale = time_scale  # (0.1: ten times faster than people)
+        self.max_answer_tokens = max_answer_tokens
+        self.results: list[Result] = []
+        self.advisories = 0
+
+    async def run(self, trace: Trace) -> list[Result]:
+        self._t0 = time.monotonic()
+        async with aiohttp.ClientSession(headers=self.headers) as http:
+            await asyncio.gather(*(self._session(http, s) for s in trace.sessions))
+        return self.results
+
+    async def _at(self, t: float) -> None:
+        delay = t * self.time_scale - (time.monotonic() - self._t0)
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+    async def _advise(self, http: aiohttp.ClientSession, s: Session) -> None:
+        body = {"session_id": s.session_id, "model": self.model, "priority": s.priority}
+        async with http.post(self.url + "/v1/advisory", json=body) as r:
+            await r.read()
+            self.advisories += r.status == 202
+
+    async def _session(self, http: aiohttp.ClientSession, s: Session) -> None:
+        history: list[dict[str, str]] = []
+        shift = 0.0  # how much later than the trace assumed the answers came
+        for at in s.spurious_at:  # (abandoned drafts: advised, never sent)
+            asyncio.get_running_loop().create_task(self._later_advise(http, s, at))
+        for i, turn in enumerate(s.turns):
+            if turn.advisory_at is not None:
+                await self._at(turn.advisory_at + shift)
+                await self._advise(http, s)
+            await self._at(turn.request_at + shift)
+            history.append({"role": "user", "content": turn.text})
+            result, answer = await self._turn(http, s, i, turn.answer_tokens, history,
+                                              turn.advisory_at is not None)
+            self.results.append(result)
+            history.append({"role": "assistant", "content": answer})
+            # The trace assumed the answer was there at once: later turns move by its time.
+            shift += result.e2e_s / self.time_scale
+
+    async def _later_advise(self, http: aiohttp.ClientSession, s: Session, at: float) -> None:
+        await self._at(at)
+        await self._advise(http, s)
+
+    async def _turn(self, http: aiohttp.ClientSession, s: Session, index: int, tokens: int,
+                    history: list[dict[str, str]], advised: bool) -> tuple[Result, str]:
+        body = {"model": self.model, "messages": history, "stream": True,
+                "stream_options": {"include_usage": True}, "temperature": 0,
+                "ignore_eos": True, "max_tokens": min(tokens, self.max_answer_tokens),
+                "priority": s.priority}
+        sent = time.monotonic()
+        ttft, parts, usage, node, error = None, [], {}, "", ""
+        try:
+            async with http.post(self.url + "/v1/chat/completions", json=body,
+                                 headers={"X-Session-Id": s.session_id}) as r:
+                node = r.headers.get("X-Overture-Node", "")
+                if r.status != 200:
+                    error = f"{r.status} {(await r.text())[:200]}"
+                else:
+                    async for raw in r.content:
+                        line = raw.decode().strip()
+                        if not line.startswith("data:") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[5:])
+                        for c in chunk.get("choices") or []:
+                            if c.get("delta", {}).get("content"):
+                                ttft = ttft if ttft is not None else time.monotonic() - sent
+                                parts.append(c["delta"]["content"])
+                        usage = chunk.get("usage") or usage
+        except aiohttp.ClientError as e:
+            error = str(e)
+        e2e = time.monotonic() - sent
+        result = Result(s.session_id, index, advised, s.priority, sent - self._t0,
+                        ttft if ttft is not None else e2e, e2e,
+                        int(usage.get("completion_tokens", 0)),
+                        int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)),
+                        node, error)
+        return result, "".join(parts)
+
+
+def summary(results: list[Result]) -> dict[str, float]:
+    ok = [r for r in results if not r.error]
+    if not ok:
+        return {"requests": float(len(results)), "errors": float(len(results))}
+
+    def pct(values: list[float], p: float) -> float:
+        values = sorted(values)
+        return values[min(len(values) - 1, int(p * len(values)))]
+
+    ttft = [r.ttft_s for r in ok]
+    span = max(r.sent_at + r.e2e_s for r in ok) - min(r.sent_at for r in ok)
+    return {
+        "requests": float(len(results)), "errors": float(len(results) - len(ok)),
+        "ttft_p50_s": statistics.median(ttft), "ttft_p95_s": pct(ttft, 0.95),
+        "tpot_mean_s": statistics.mean(r.tpot_s for r in ok),
+        "normalized_latency_s": statistics.mean(r.e2e_s / max(1, r.output_tokens)
+                                                for r in ok),
+        "requests_per_s": len(ok) / span if span > 0 else 0.0,
+        "cached_tokens_mean": statistics.mean(r.cached_tokens for r in ok),
+    }
