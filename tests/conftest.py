@@ -1,5 +1,21 @@
-"""Every test runs inside the test cluster's secret (``tests/internal.py``)."""
+"""Every test runs inside the test cluster's secret (``tests/internal.py``), and the tests
+that start real services share one tiny demo model (float32, written once per session)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
 
 from tests.internal import use_test_secret
 
 use_test_secret()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from services.engine.model import write_demo_model
+
+    path = tmp_path_factory.mktemp("models") / "demo-tiny"
+    write_demo_model(path, size="tiny", seed=0)
+    return path

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import json
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.scheduler.errors import invalid
+from services.scheduler.errors import ApiError, invalid
 
 
 def _got(v: Any) -> str:
@@ -25,14 +26,16 @@ def _got(v: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-class Node:
+class Node(ABC):
     doc: str = ""
 
+    @abstractmethod
     def check(self, v: Any, param: str) -> Any:
-        raise NotImplementedError
+        """``v`` as the server uses it, or a 400 ``ApiError`` naming ``param``."""
 
+    @abstractmethod
     def schema(self) -> dict[str, Any]:
-        raise NotImplementedError
+        """This node as JSON Schema."""
 
     def _described(self, s: dict[str, Any]) -> dict[str, Any]:
         """``s`` with this node's description and default (where it has them)."""
@@ -51,47 +54,43 @@ def is_number(v: Any) -> bool:
 
 
 @dataclass
-class Int(Node):
-    lo: int
-    hi: int
-    doc: str = ""
-    default: int | None = None
-
-    def check(self, v: Any, param: str) -> int:
-        if isinstance(v, float) and v.is_integer():
-            v = int(v)
-        if not is_int(v):
-            raise invalid(f"'{param}' must be an integer, got {_got(v)}", param, "invalid_type")
-        if not self.lo <= v <= self.hi:
-            raise invalid(f"'{param}' must be between {self.lo} and {self.hi}, got {v}",
-                          param, "out_of_range")
-        return int(v)
-
-    def schema(self) -> dict[str, Any]:
-        return self._described({"type": "integer", "minimum": self.lo, "maximum": self.hi})
-
-
-@dataclass
 class Num(Node):
+    """A number in [lo, hi] (``lo_open``: (lo, hi]); with ``integer``, a whole one (2.0 is
+    taken as 2)."""
+
     lo: float
     hi: float
     doc: str = ""
     default: float | None = None
-    lo_open: bool = False  # lo itself is not allowed
+    lo_open: bool = False
+    integer: bool = False
 
-    def check(self, v: Any, param: str) -> float:
-        if not is_number(v):
-            raise invalid(f"'{param}' must be a number, got {_got(v)}", param, "invalid_type")
+    def check(self, v: Any, param: str) -> Any:
+        if self.integer and isinstance(v, float) and v.is_integer():
+            v = int(v)
+        if not (is_int(v) if self.integer else is_number(v)):
+            kind = "an integer" if self.integer else "a number"
+            raise invalid(f"'{param}' must be {kind}, got {_got(v)}", param, "invalid_type")
         if not (self.lo < v if self.lo_open else self.lo <= v) or v > self.hi:
-            bounds = (f"in ({self.lo:g}, {self.hi:g}]" if self.lo_open
-                      else f"between {self.lo:g} and {self.hi:g}")
+            lo, hi = _bound(self.lo), _bound(self.hi)
+            bounds = f"in ({lo}, {hi}]" if self.lo_open else f"between {lo} and {hi}"
             raise invalid(f"'{param}' must be {bounds}, got {v}", param, "out_of_range")
-        return float(v)
+        return int(v) if self.integer else float(v)
 
     def schema(self) -> dict[str, Any]:
-        s: dict[str, Any] = {"type": "number", "maximum": self.hi}
+        s: dict[str, Any] = {"type": "integer" if self.integer else "number",
+                             "maximum": self.hi}
         s["exclusiveMinimum" if self.lo_open else "minimum"] = self.lo
         return self._described(s)
+
+
+def Int(lo: int, hi: int, doc: str = "", default: int | None = None) -> Num:
+    """A whole number in [lo, hi]."""
+    return Num(lo, hi, doc, default, integer=True)
+
+
+def _bound(x: float) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
 
 
 @dataclass
@@ -184,7 +183,7 @@ class AnyOf(Node):
         for option in self.options:
             try:
                 return option.check(v, param)
-            except Exception:
+            except ApiError:  # (not this shape: try the next)
                 continue
         raise invalid(f"'{param}' must be {self.expected}", param, "invalid_type")
 

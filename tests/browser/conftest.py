@@ -1,5 +1,7 @@
 """The widget in real Chromium (Debian's package, driven by Playwright through its
-``executable_path``) against a real one-node cluster with the tiny demo model."""
+``executable_path``) against a real one-node cluster with the tiny demo model. Without
+chromium these tests fail; ``make test`` installs it, or where it cannot (not root, no
+apt) leaves them out with one loud line saying how to install it."""
 
 from __future__ import annotations
 
@@ -19,15 +21,6 @@ ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from services.engine.model import write_demo_model
-
-    path = tmp_path_factory.mktemp("models") / "demo-tiny"
-    write_demo_model(path, size="tiny", seed=0)
-    return path
-
-
-@pytest.fixture(scope="session")
 def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     with start_cluster(tmp_path_factory.mktemp("browser"), tiny_model) as c:
         yield c
@@ -36,8 +29,8 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 @pytest.fixture(scope="session")
 def browser() -> Iterator[object]:
     if CHROMIUM is None:
-        pytest.skip("\n\n*** BROWSER TESTS SKIPPED: no chromium. Install Debian's package: "
-                    "apt-get install chromium (make test does this when run as root) ***\n")
+        pytest.fail("no chromium: install Debian's package (apt-get install chromium; "
+                    "make test does this when it runs as root)")
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:

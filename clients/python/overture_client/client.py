@@ -96,25 +96,48 @@ class _Calls:
         """Headers that put an ``openai`` client's request into ``session_id``."""
         return {"X-Session-Id": session_id}
 
-    def chat_body(self, messages: Sequence[dict[str, Any]], model: str | None,
-                  stream: bool, params: dict[str, Any]) -> dict[str, Any]:
+    def chat_request(self, messages: Sequence[dict[str, Any]], session_id: str | None,
+                     model: str | None, stream: bool, params: dict[str, Any]
+                     ) -> dict[str, Any]:
+        """The keyword arguments of a chat completion call (recorded as a request)."""
         body: dict[str, Any] = {"messages": list(messages), **params}
         if model or self.model:
             body["model"] = model or self.model
         if stream:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
-        return body
+        self.record("request", session_id or "")
+        return {"url": self.base_url + "/v1/chat/completions",
+                "headers": self.headers(session_id), "json": body}
 
-    def advise_body(self, session_id: str, model: str | None, expected_arrival_s: float,
-                    priority: int, successors: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    def advise_request(self, session_id: str, model: str | None, expected_arrival_s: float,
+                       priority: int, successors: Sequence[dict[str, Any]]
+                       ) -> dict[str, Any]:
         body: dict[str, Any] = {"session_id": session_id, "model": model or self.model,
                                 "expected_arrival_s": max(0.0, expected_arrival_s)}
         if priority:
             body["priority"] = priority
         if successors:
             body["successors"] = [{"model": model or self.model, **s} for s in successors]
-        return body
+        return {"url": self.base_url + "/v1/advisory", "headers": self.headers(), "json": body}
+
+    def advised(self, r: httpx.Response) -> Advisory:
+        _raise_for(r)
+        adv = _advisory(r.json())
+        self.record_advisory(adv)
+        return adv
+
+    def invalidate_request(self, advisory_id: str) -> dict[str, Any]:
+        return {"url": f"{self.base_url}/v1/advisory/{advisory_id}",
+                "headers": self.headers()}
+
+    def invalidated(self, r: httpx.Response, advisory_id: str, session_id: str) -> bool:
+        """Whether it was still pending (a followed or expired one is gone already)."""
+        self.record("invalidate", session_id, advisory_id)
+        if r.status_code == 404:
+            return False
+        _raise_for(r)
+        return True
 
     def record(self, kind: str, session_id: str, detail: str = "") -> None:
         self.events.append(Event(kind, session_id, time.monotonic(), detail))
@@ -168,19 +191,14 @@ class Overture(_Calls):
 
     def chat(self, messages: Sequence[dict[str, Any]], *, session_id: str | None = None,
              model: str | None = None, **params: Any) -> ChatResult:
-        self.record("request", session_id or "")
         started = time.monotonic()
-        r = self.http.post(self.base_url + "/v1/chat/completions",
-                           headers=self.headers(session_id),
-                           json=self.chat_body(messages, model, False, params))
+        r = self.http.post(**self.chat_request(messages, session_id, model, False, params))
         return self.result(r, started)
 
     def chat_stream(self, messages: Sequence[dict[str, Any]], *, session_id: str | None = None,
                     model: str | None = None, **params: Any) -> Iterator[str]:
-        self.record("request", session_id or "")
-        with self.http.stream("POST", self.base_url + "/v1/chat/completions",
-                              headers=self.headers(session_id),
-                              json=self.chat_body(messages, model, True, params)) as r:
+        call = self.chat_request(messages, session_id, model, True, params)
+        with self.http.stream("POST", **call) as r:
             if r.status_code >= 400:
                 r.read()
                 _raise_for(r)
@@ -193,23 +211,13 @@ class Overture(_Calls):
 
     def advise(self, session_id: str, model: str | None = None, expected_arrival_s: float = 0.0,
                priority: int = 0, successors: Sequence[dict[str, Any]] = ()) -> Advisory:
-        r = self.http.post(self.base_url + "/v1/advisory", headers=self.headers(),
-                           json=self.advise_body(session_id, model, expected_arrival_s,
-                                                 priority, successors))
-        _raise_for(r)
-        adv = _advisory(r.json())
-        self.record_advisory(adv)
-        return adv
+        return self.advised(self.http.post(**self.advise_request(
+            session_id, model, expected_arrival_s, priority, successors)))
 
     def invalidate(self, advisory_id: str, session_id: str = "") -> bool:
         """Whether it was still pending (a followed or expired one is gone already)."""
-        r = self.http.delete(f"{self.base_url}/v1/advisory/{advisory_id}",
-                             headers=self.headers())
-        self.record("invalidate", session_id, advisory_id)
-        if r.status_code == 404:
-            return False
-        _raise_for(r)
-        return True
+        r = self.http.delete(**self.invalidate_request(advisory_id))
+        return self.invalidated(r, advisory_id, session_id)
 
 
 class AsyncOverture(_Calls):
@@ -231,20 +239,16 @@ class AsyncOverture(_Calls):
 
     async def chat(self, messages: Sequence[dict[str, Any]], *, session_id: str | None = None,
                    model: str | None = None, **params: Any) -> ChatResult:
-        self.record("request", session_id or "")
         started = time.monotonic()
-        r = await self.http.post(self.base_url + "/v1/chat/completions",
-                                 headers=self.headers(session_id),
-                                 json=self.chat_body(messages, model, False, params))
+        r = await self.http.post(**self.chat_request(messages, session_id, model, False,
+                                                     params))
         return self.result(r, started)
 
     async def chat_stream(self, messages: Sequence[dict[str, Any]], *,
                           session_id: str | None = None, model: str | None = None,
                           **params: Any) -> AsyncIterator[str]:
-        self.record("request", session_id or "")
-        async with self.http.stream("POST", self.base_url + "/v1/chat/completions",
-                                    headers=self.headers(session_id),
-                                    json=self.chat_body(messages, model, True, params)) as r:
+        call = self.chat_request(messages, session_id, model, True, params)
+        async with self.http.stream("POST", **call) as r:
             if r.status_code >= 400:
                 await r.aread()
                 _raise_for(r)
@@ -258,19 +262,9 @@ class AsyncOverture(_Calls):
     async def advise(self, session_id: str, model: str | None = None,
                      expected_arrival_s: float = 0.0, priority: int = 0,
                      successors: Sequence[dict[str, Any]] = ()) -> Advisory:
-        r = await self.http.post(self.base_url + "/v1/advisory", headers=self.headers(),
-                                 json=self.advise_body(session_id, model, expected_arrival_s,
-                                                       priority, successors))
-        _raise_for(r)
-        adv = _advisory(r.json())
-        self.record_advisory(adv)
-        return adv
+        return self.advised(await self.http.post(**self.advise_request(
+            session_id, model, expected_arrival_s, priority, successors)))
 
     async def invalidate(self, advisory_id: str, session_id: str = "") -> bool:
-        r = await self.http.delete(f"{self.base_url}/v1/advisory/{advisory_id}",
-                                   headers=self.headers())
-        self.record("invalidate", session_id, advisory_id)
-        if r.status_code == 404:
-            return False
-        _raise_for(r)
-        return True
+        r = await self.http.delete(**self.invalidate_request(advisory_id))
+        return self.invalidated(r, advisory_id, session_id)
