@@ -90,8 +90,8 @@ async def _watch_nodes(registry: NodeRegistry, period_s: float) -> None:
         for node_id in left:
             node = registry.get(node_id)
             why = (
-                node.load.problem
-                if node and node.load.problem
+                node.load.problem if node and node.load.problem
+                else "drained" if node and node.drained
                 else "missed heartbeats or unreachable"
             )
             log.warning("node %s left rotation: %s", node_id, why)

@@ -40,6 +40,8 @@ from shared.proto import common_pb2, nodemgr_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+HOLDER_SLACK = 3.0  # heartbeat timeouts a session's KV holder may be late and still be asked
+
 
 class NodeChannels:
     """One gRPC channel per node address, opened on first use and closed at shutdown."""
@@ -266,8 +268,15 @@ class Dispatcher:
         if place is None or place.node_id == node.node_id or not self.policy.moves_kv:
             return request
         holder = self.registry.get(place.node_id)
-        if holder is None or not holder.info.kvstore_address or not self.registry.alive(holder):
+        if holder is None or not holder.info.kvstore_address:
             return request  # the serving node looks in its own tiers and S3
+        # A holder whose heartbeat is merely late (a busy host) is still asked: a wrong
+        # guess costs one bounded peer lookup, a skipped live holder a recomputed history.
+        if not self.registry.alive(holder, slack=HOLDER_SLACK):
+            log.info("the KV of a session is on node %s, silent for %.1fs or unreachable: "
+                     "node %s looks in its own tiers and S3", holder.node_id,
+                     self.registry.silent_s(holder), node.node_id)
+            return request
         tokens = place.turn_tokens or place.saved_tokens
         return wire.with_kv_source(request, holder.info.kvstore_address, tokens)
 

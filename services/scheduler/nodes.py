@@ -180,9 +180,14 @@ class NodeRegistry:
 
     # -- queries ------------------------------------------------------------------------
 
-    def alive(self, node: Node) -> bool:
-        """Beating and reachable: it can serve its peers' pulls (even when drained)."""
-        return self.clock() - node.last_beat <= self.timeout and not node.suspended
+    def alive(self, node: Node, slack: float = 1.0) -> bool:
+        """Beating (within ``slack`` heartbeat timeouts) and reachable: it can serve its
+        peers' pulls (even when drained)."""
+        return self.clock() - node.last_beat <= self.timeout * slack and not node.suspended
+
+    def silent_s(self, node: Node) -> float:
+        """Seconds since the node's last heartbeat."""
+        return self.clock() - node.last_beat
 
     def in_rotation(self, node: Node) -> bool:
         return self.alive(node) and not node.load.problem and not node.drained

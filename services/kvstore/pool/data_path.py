@@ -236,6 +236,8 @@ class EnginePoolPath:
             return first, [], False
         m.labels("hit" if answer.chunks else "miss").inc()
         if not answer.chunks:
+            log.info("peer %s holds nothing of the session past block %d (asked for %d "
+                     "tokens saved)", req.peer_address, first, wait)
             return first, [], True
         keys: list[list[str]] = [[] for _ in range(req.num_layers)]
         spans = []

@@ -98,7 +98,9 @@ def test_turns_alternating_between_nodes_reuse_their_history(
             turns = [line for line in metrics.splitlines()
                      if line.startswith("overture_turns_total")]
             assert after == before + 1, (f"turn {i + 1} pulled nothing (cached {cached}; "
-                                         f"{turns})\n{cluster.logs(80)}")
+                                         f"{turns}; the scheduler's view: "
+                                         f"{cluster.get('/admin/sessions/alternating')[1]}; "
+                                         f"{cluster.get('/readyz')[1]})\n{cluster.logs(80)}")
     assert served == ["node1", "node0"] * 3
     status, where = cluster.get("/admin/sessions/alternating")
     assert status == 200 and where["node"] == "node0", where

@@ -170,3 +170,23 @@ async def test_the_baseline_policies_move_no_kv(policy: str) -> None:
         sent = c.engines[1].requests[-1]
         assert node == "node1" and sent.kv_source == ""  # nothing is pulled across
         assert sent.no_reuse == (policy == "recompute")
+
+
+async def test_a_holder_whose_heartbeat_is_late_is_still_named(two: MiniCluster) -> None:
+    # A busy host's heartbeat comes late: its kvstore is still asked (one bounded lookup)
+    # rather than recomputing the session's history; one silent for long is not.
+    from services.scheduler.dispatch import HOLDER_SLACK
+    from services.scheduler.sessions import SessionPlace
+    from shared.proto import common_pb2
+
+    d, reg = two.scheduler.state.dispatcher, two.scheduler.state.registry
+    holder, serving = reg.get("node0"), reg.get("node1")
+    assert holder is not None and serving is not None
+    place = SessionPlace("node0", turn_tokens=50)
+    request = common_pb2.GenerateRequest()
+    # (synchronous from here: no heartbeat can land between setting the beat and asking)
+    holder.last_beat = reg.clock() - reg.timeout * 1.5
+    assert not reg.alive(holder)
+    assert d._for_node(request, serving, place).kv_source == "127.0.0.1:7000"
+    holder.last_beat = reg.clock() - reg.timeout * (HOLDER_SLACK + 1)
+    assert d._for_node(request, serving, place).kv_source == ""
