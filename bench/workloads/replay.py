@@ -140,6 +140,7 @@ def summary(results: list[Result]) -> dict[str, float]:
     span = max(r.sent_at + r.e2e_s for r in ok) - min(r.sent_at for r in ok)
     return {
         "requests": float(len(results)), "errors": float(len(results) - len(ok)),
+        "ttft_mean_s": statistics.mean(ttft),
         "ttft_p50_s": statistics.median(ttft), "ttft_p95_s": pct(ttft, 0.95),
         "tpot_mean_s": statistics.mean(r.tpot_s for r in ok),
         "normalized_latency_s": statistics.mean(r.e2e_s / max(1, r.output_tokens)

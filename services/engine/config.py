@@ -52,6 +52,15 @@ class OffloadConfig:
         0.002, "fixed cost of one load (RPC round trips) in the load-or-recompute estimate",
         min=0.0,
     )
+    cooperative: bool = opt(
+        True, "prefetched blocks give way to running requests (Symphony §3.4); false is an "
+        "ablation: they stay until their request comes or the advisory ends"
+    )
+    purge_order: str = opt(
+        "layers", "layers: prefetch fills and purges lower layers of every advised session "
+        "before higher layers of any (§3.4); sessions (an ablation): whole sessions, the "
+        "least recently advised purged first", choices=("layers", "sessions"),
+    )
     prefetch_join_s: float = opt(
         1.0, "a request whose prefix an advisory is loading into the device waits this long "
         "at most for that load instead of loading the KV again", min=0.0, max=30.0,

@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 
 FOLLOWED, EXPIRED, INVALIDATED, REPLACED = "followed", "expired", "invalidated", "replaced"
 DEVICE_PREFETCHED, DEVICE_PARTIAL = "device_prefetched", "device_partial"
+LAYERS, SESSIONS = "layers", "sessions"  # purge (and fill) orders
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,15 @@ class _Advised:
 
 class DevicePrefetch:
     def __init__(self, kv: BlockTables, block_bytes: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, cooperative: bool = True,
+                 purge_order: str = LAYERS) -> None:
         self.kv = kv
+        # Ablations (Symphony §4.5): without cooperation prefetched blocks are never given
+        # back to running requests nor kept out of their next step's way; ``SESSIONS``
+        # fills and purges whole sessions (least recently advised first) instead of
+        # lower layers of every session before higher layers of any.
+        self.cooperative = cooperative
+        self.purge_order = purge_order
         self.pool = kv.pool
         self.block_bytes = block_bytes
         self.clock = clock
@@ -111,8 +119,9 @@ class DevicePrefetch:
         self.reserve: Callable[[], int] = lambda: 0
         # (tenant, session) of the requests in the engine now.
         self.live_sessions: Callable[[], Collection[tuple[str, str]]] = lambda: ()
-        self.pool.reclaimer = self.reclaim
-        self.pool.reclaimable = self.reclaimable
+        if cooperative:
+            self.pool.reclaimer = self.reclaim
+            self.pool.reclaimable = self.reclaimable
 
     # ---- orders from the event loop -----------------------------------------------------
     def add(self, order: PrefetchOrder) -> None:
@@ -205,19 +214,25 @@ class DevicePrefetch:
         # Free memory ran out for sessions that take only free blocks: none of them gets a
         # higher layer now. Straight-to-device ones (evicting the cache) go on.
         free_ran_out = False
-        reserve = self.reserve()
-        for layer in range(self.kv.num_layers):
-            for s in want:
-                if len(s.held) + len(granted.get(id(s), [])) != layer or (
-                        free_ran_out and not s.order.straight):
+        reserve = self.reserve() if self.cooperative else 0
+        layers = range(self.kv.num_layers)
+        if self.purge_order == LAYERS:
+            order = [(layer, s) for layer in layers for s in want]
+        else:
+            order = [(layer, s) for s in want for layer in layers]
+        busy_layer = -1
+        for layer, s in order:
+            if layer == busy_layer or len(s.held) + len(granted.get(id(s), [])) != layer or (
+                    free_ran_out and not s.order.straight):
+                continue
+            got = self._grant(s, layer, set(granted), reserve)
+            if got is None:
+                if s.order.straight:
+                    busy_layer = layer  # not even by eviction: the device is busy
                     continue
-                got = self._grant(s, layer, set(granted), reserve)
-                if got is None:
-                    if s.order.straight:
-                        break  # not even by eviction: the device is busy
-                    free_ran_out = True
-                    continue
-                granted.setdefault(id(s), []).append(got)
+                free_ran_out = True
+                continue
+            granted.setdefault(id(s), []).append(got)
         for s in want:
             if id(s) in granted:
                 self._start(s, granted[id(s)])
@@ -244,8 +259,12 @@ class DevicePrefetch:
             # Purge only when that makes the room: a purge in vain would be reloaded by
             # its session next step, to be purged again.
             prio, straight = s.order.priority, s.order.straight
-            if need <= room() + self._purgeable(layer, prio, straight, busy):
-                self._purge(need - room(), layer, prio, straight, busy)
+            above, spared = layer, busy
+            if self.purge_order == SESSIONS:  # any layer of a less recently advised one
+                above, spared = -1, busy | {id(o) for o in self.sessions.values()
+                                            if o.advised_at >= s.advised_at}
+            if need <= room() + self._purgeable(above, prio, straight, spared):
+                self._purge(need - room(), above, prio, straight, spared)
         if need > room():
             self.pool.free(adopted)
             return None
@@ -351,7 +370,11 @@ class DevicePrefetch:
                     and may_go(s) and frees_some(s)]
             if not tops:
                 break
-            s = min(tops, key=lambda s: (-(len(s.held) - 1), s.order.priority, s.advised_at))
+            if self.purge_order == LAYERS:
+                s = min(tops, key=lambda s: (-(len(s.held) - 1), s.order.priority,
+                                             s.advised_at))
+            else:  # whole sessions, the least recently advised first
+                s = min(tops, key=lambda s: (s.order.priority, s.advised_at))
             layer = len(s.held) - 1
             blocks = s.held.pop()
             self.purged_by_layer[layer] += len(blocks)

@@ -61,6 +61,8 @@ class KVStoreOffload(Offload):
         prefill_prior_s_per_token: float,
         pool_on_cpu: bool = True,
         block_bytes: int = 0,
+        cooperative: bool = True,
+        purge_order: str = "layers",
     ) -> None:
         super().__init__()
         self.kv = kv
@@ -82,7 +84,8 @@ class KVStoreOffload(Offload):
         self._job_ids = itertools.count()
         self._restore_threads = 0  # intra-op threads to restore after an overlapped step
         self._loading: list[Sequence] = []  # this step's loads, from forward to settle
-        self.prefetch = DevicePrefetch(kv, block_bytes)
+        self.prefetch = DevicePrefetch(kv, block_bytes, cooperative=cooperative,
+                                       purge_order=purge_order)
         self.prefetch.start_load = self._start_prefetch_load
         self.prefetch.release_lease = self._release_lease
         self.prefetch.reserve = self._reserve
@@ -387,6 +390,8 @@ def offload_for(config: EngineConfig, kv: BlockTables, scheduler: Scheduler,
         prefill_prior_s_per_token=config.offload.prefill_s_per_token,
         pool_on_cpu=torch.device(config.device).type == "cpu",
         block_bytes=block_bytes,
+        cooperative=config.offload.cooperative,
+        purge_order=config.offload.purge_order,
     )
 
 

@@ -354,3 +354,55 @@ def test_no_purge_in_vain(book) -> None:
         assert not jobs
     assert d.purged_by_layer == [0, 0, 2, 2]
     d.pool.check_integrity()
+
+
+@pytest.fixture
+def ablated() -> Iterator:
+    """A book like ``book``'s with the ablation knobs given."""
+    pools = []
+
+    def make(**knobs) -> tuple[DevicePrefetch, list[LoadJob], Clock]:
+        pools.append(pool := make_pool(num_pages=4))  # 16 blocks
+        kv = BlockTables(BlockAllocator(pool), LAYERS, BLOCK_SIZE)
+        clock = Clock()
+        d = DevicePrefetch(kv, 1024, clock, **knobs)
+        jobs: list[LoadJob] = []
+        d.start_load = jobs.append
+        return d, jobs, clock
+
+    yield make
+    for pool in pools:
+        pool.close()
+
+
+def test_without_cooperation_running_requests_cannot_take_prefetched_blocks(ablated) -> None:
+    # The §4.5 ablation: the same full pool as above, but a running request finds no
+    # block (it would wait) instead of purging a prefetched layer.
+    d, jobs, clock = ablated(cooperative=False)
+    d.add(order("old", 2))
+    clock.now += 1
+    d.add(order("new", 2))
+    d.begin_step()
+    finish(jobs)
+    d.begin_step()
+    assert d.resident_layers("t", "old") == d.resident_layers("t", "new") == 4
+    assert d.pool.allocate(2) is None
+    assert d.purged_by_layer == [0] * LAYERS
+
+
+def test_the_sessions_order_fills_and_purges_whole_sessions(ablated) -> None:
+    d, jobs, clock = ablated(purge_order="sessions")
+    d.add(order("a", 3))
+    d.begin_step()
+    finish(jobs)
+    d.begin_step()
+    clock.now += 1
+    d.add(order("b", 3))  # the newer session takes all of its layers from the older one
+    for _ in range(5):
+        d.begin_step()
+        finish(jobs)
+    assert (d.resident_layers("t", "a"), d.resident_layers("t", "b")) == (1, 4)
+    assert d.purged_by_layer == [0, 3, 3, 3]
+    d.pool.allocate(4)  # running requests: the least recently advised session first
+    assert (d.resident_layers("t", "a"), d.resident_layers("t", "b")) == (0, 4)
+    assert d.purged_by_layer == [3, 3, 3, 3]

@@ -1,0 +1,151 @@
+"""Reproduce the Symphony evaluation (§4) on this machine: a local 2-node cluster started
+with ``overture up`` per variant (each engine on its own core, the random-weight ``small``
+model, a device budget small enough for memory pressure) replays the same ShareGPT-shaped
+traces (``bench/workloads``) against the policies (recompute, sticky, balanced) and the
+ablations, then sweeps missed and spurious advisories on ``balanced``. Writes
+``bench/results/<run>/report.md`` with tables and plots, and ``results.json``.
+
+    python -m bench.run_eval --quick            # under 10 minutes
+    python -m bench.run_eval --profile full     # more users and sessions, longer
+
+With ``--sim CALIBRATION`` it also simulates the same traces (``bench/sim``) and reports
+the simulated TTFT and TPOT beside the measured ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from bench.eval.measure import Measured, imbalance, measure, tagged
+from bench.eval.profiles import BALANCED, PROFILES, Profile, Variant
+from bench.eval.report import write_report
+from bench.overload import Cluster
+from bench.workloads.replay import summary
+from bench.workloads.trace import Trace, build_trace
+
+RESULTS = Path(__file__).resolve().parent / "results"
+WARMUP_USERS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One replay: a trace of ``users`` with these advisory knobs on ``variant``."""
+
+    variant: Variant
+    users: int
+    missed: float = 0.0
+    spurious: float = 0.0
+
+    @property
+    def tag(self) -> str:
+        return f"{self.variant.name}-u{self.users}-m{self.missed:g}-s{self.spurious:g}"
+
+
+def jobs_of(profile: Profile) -> list[Job]:
+    jobs = [Job(v, u) for v in profile.variants for u in profile.users]
+    if BALANCED in profile.variants:
+        jobs += [Job(BALANCED, profile.high_load, missed=m) for m in profile.missed]
+        jobs += [Job(BALANCED, profile.high_load, spurious=s) for s in profile.spurious]
+    return jobs
+
+
+def trace_of(profile: Profile, job: Job, seed: int) -> Trace:
+    return build_trace(users=job.users, sessions_per_user=profile.sessions_per_user,
+                       seed=seed, mean_gap_s=profile.mean_gap_s, cv=profile.gap_cv,
+                       missed=job.missed, spurious=job.spurious,
+                       max_user=profile.max_user_tokens, max_answer=profile.max_answer_tokens)
+
+
+def record(job: Job, m: Measured, wall_s: float) -> dict[str, Any]:
+    return {
+        "variant": job.variant.name, "label": job.variant.label, "users": job.users,
+        "missed": job.missed, "spurious": job.spurious, "wall_s": wall_s,
+        "summary": summary(m.results), "imbalance": imbalance(m.load),
+        "turns_by_source": m.turns_by_source, "prefetch_bytes": m.prefetch_bytes,
+        "advisories": m.advisories, "load": m.load,
+        "requests": [dataclasses.asdict(r) for r in m.results],
+    }
+
+
+def run(profile: Profile, run_dir: Path, seed: int, ready_timeout: float) -> list[dict]:
+    jobs = jobs_of(profile)
+    records: list[dict] = []
+    bar = tqdm(total=len(jobs), desc="replays", unit="replay", file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="overture-eval-") as tmp:
+        for variant in profile.variants:
+            mine = [j for j in jobs if j.variant == variant]
+            config = Path(tmp) / f"{variant.name}.yaml"
+            config.write_text(variant.config(profile.device_memory_bytes))
+            workdir = Path(tmp) / variant.name
+            workdir.mkdir()
+            bar.set_postfix_str(f"starting {variant.name}")
+            with Cluster(workdir, "divided", ["--config", str(config)], ready_timeout,
+                         label=variant.name) as cluster:
+                # A first replay warms the engines (allocator pages, kernels): not measured.
+                warm = tagged(trace_of(profile, Job(variant, WARMUP_USERS), seed + 1), "warm")
+                asyncio.run(measure(cluster.url, cluster.model, warm, profile.time_scale,
+                                    profile.max_answer_tokens))
+                for job in mine:
+                    bar.set_postfix_str(job.tag)
+                    trace = tagged(trace_of(profile, job, seed), job.tag)
+                    t0 = time.monotonic()
+                    m = asyncio.run(measure(cluster.url, cluster.model, trace,
+                                            profile.time_scale, profile.max_answer_tokens))
+                    records.append(record(job, m, time.monotonic() - t0))
+                    bar.update()
+                    errors = sum(1 for r in m.results if r.error)
+                    if errors:
+                        tqdm.write(f"{job.tag}: {errors} of {len(m.results)} requests failed "
+                                   f"(first: {next(r.error for r in m.results if r.error)})",
+                                   file=sys.stderr)
+    bar.close()
+    (run_dir / "results.json").write_text(json.dumps(
+        {"profile": dataclasses.asdict(profile), "seed": seed, "records": records}, indent=1))
+    return records
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", choices=sorted(PROFILES), default="full")
+    ap.add_argument("--quick", action="store_true", help="the quick profile (< 10 min)")
+    ap.add_argument("--run", default="", help="results folder name [default: date-profile]")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--variants", nargs="*", default=None, help="only these variants")
+    ap.add_argument("--sim", default="", help="a bench/sim calibration JSON: also simulate")
+    ap.add_argument("--report-only", action="store_true",
+                    help="rewrite the report of an earlier --run from its results.json")
+    ap.add_argument("--ready-timeout", type=float, default=600.0)
+    args = ap.parse_args(argv)
+    profile = PROFILES["quick" if args.quick else args.profile]
+    if args.variants:
+        profile = dataclasses.replace(profile, variants=tuple(
+            v for v in profile.variants if v.name in args.variants))
+    run_dir = RESULTS / (args.run or f"{time.strftime('%Y%m%d-%H%M')}-{profile.name}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    if args.report_only:
+        records = json.loads((run_dir / "results.json").read_text())["records"]
+    else:
+        records = run(profile, run_dir, args.seed, args.ready_timeout)
+    sim = None
+    if args.sim:
+        from bench.eval.sim_check import simulate_jobs
+
+        sim = simulate_jobs(profile, args.seed, Path(args.sim), records)
+    report = write_report(run_dir, profile, records, sim)
+    print(report.read_text())
+    print(f"[{time.monotonic() - t0:.0f} s] report: {report}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""The evaluation runner's parts without a cluster: each variant's config is one the
+services accept, the jobs cover policies, ablations and sweeps, load imbalance is max over
+median, and the report computes the goals from the records and draws its figures."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import yaml
+
+from bench.eval.measure import imbalance, tagged
+from bench.eval.profiles import ABLATIONS, POLICIES, QUICK
+from bench.eval.report import goals, write_report
+from bench.run_eval import jobs_of, trace_of
+from bench.workloads.replay import Result
+from services.engine.config import EngineConfig
+from services.scheduler.config import SchedulerConfig
+from shared.config import build
+
+
+def test_every_variant_s_config_is_accepted_by_the_services() -> None:
+    seen = set()
+    for v in (*POLICIES, *ABLATIONS):
+        tree = yaml.safe_load(v.config(48 << 20))
+        engine = build(EngineConfig, tree["engine"])
+        scheduler = build(SchedulerConfig, tree["scheduler"])
+        assert engine.device_memory_bytes == 48 << 20
+        seen.add((scheduler.policy, engine.offload.mode, engine.offload.cooperative,
+                  engine.offload.purge_order))
+    assert len(seen) == 6  # every variant differs from every other
+    assert ("balanced", "whole_prefix", True, "layers") in seen
+    assert ("balanced", "layerwise", False, "layers") in seen
+    assert ("balanced", "layerwise", True, "sessions") in seen
+
+
+def test_jobs_cover_the_policies_the_ablations_and_both_sweeps() -> None:
+    jobs = jobs_of(QUICK)
+    assert {j.variant.name for j in jobs} == {v.name for v in QUICK.variants}
+    assert sorted(j.missed for j in jobs if j.missed) == list(QUICK.missed)
+    assert sorted(j.spurious for j in jobs if j.spurious) == list(QUICK.spurious)
+    assert len({j.tag for j in jobs}) == len(jobs)
+    # The same seed gives every variant the same sessions.
+    a, b = (trace_of(QUICK, j, 1) for j in jobs[:2])
+    assert [t.user_tokens for s in a.sessions for t in s.turns] == [
+        t.user_tokens for s in b.sessions for t in s.turns]
+    assert all(s.session_id.startswith("x-") for s in tagged(a, "x").sessions)
+
+
+def test_imbalance_is_max_over_median_of_time_averaged_load() -> None:
+    even = [(0.0, {"n0": 2, "n1": 2}), (1.0, {"n0": 1, "n1": 1})]
+    assert imbalance(even) == 1.0
+    skewed = [(0.0, {"n0": 6, "n1": 1, "n2": 2}), (1.0, {"n0": 6, "n1": 1, "n2": 2})]
+    assert imbalance(skewed) == 3.0
+    assert imbalance([]) == 1.0
+
+
+def _record(variant: str, latency: float, users: int = 10, missed: float = 0.0,
+            spurious: float = 0.0, load: float = 1.0) -> dict:
+    req = Result("s", 0, True, 0, 0.0, latency, latency * 10, 10, 0, "node0")
+    return {"variant": variant, "label": variant, "users": users, "missed": missed,
+            "spurious": spurious, "wall_s": 1.0,
+            "summary": {"requests": 1.0, "errors": 0.0, "ttft_mean_s": latency,
+                        "ttft_p95_s": latency, "tpot_mean_s": latency,
+                        "normalized_latency_s": latency, "requests_per_s": 1.0,
+                        "cached_tokens_mean": 0.0},
+            "imbalance": load, "turns_by_source": {"device": 1.0}, "prefetch_bytes": {},
+            "advisories": 1, "requests": [dataclasses.asdict(req)],
+            "load": [(0.0, {"node0": 1, "node1": 1})]}
+
+
+def test_the_report_states_each_goal_as_measured(tmp_path: Path) -> None:
+    records = [_record("balanced", 0.010, load=1.1), _record("recompute", 0.030),
+               _record("sticky", 0.012, load=2.8),
+               _record("balanced", 0.0105, missed=0.1), _record("balanced", 0.011, missed=1.0),
+               _record("balanced", 0.0109, spurious=0.6),
+               *[_record(v.name, 0.02) for v in ABLATIONS]]
+    lines = "\n".join(goals(QUICK, records))
+    assert "| 3.00× | met |" in lines  # vs recompute
+    assert "| 1.20× | **missed** |" in lines  # vs sticky
+    assert "Overture 1.10, sticky 2.80 | met" in lines
+    assert "+5.0% | met" in lines  # 10% missed
+    assert "**missed**" in lines.splitlines()[-1]  # 60% spurious: 8% slower
+    report = write_report(tmp_path / "run", QUICK, records)
+    text = report.read_text()
+    assert "## Ablations" in text and "| 100% |" in text
+    for fig in ("fig11_policies", "fig15_load", "fig17_ablations", "fig19_missed",
+                "fig20_spurious"):
+        png = tmp_path / "run" / f"{fig}.png"
+        assert png.read_bytes()[:4] == b"\x89PNG", fig
