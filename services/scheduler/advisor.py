@@ -24,12 +24,13 @@ from services.scheduler.advisories import (
     AdvisoryBook,
     TooManyAdvisories,
 )
+from services.scheduler.advisory_placement import AdvisoryPlacement
 from services.scheduler.advisory_throttle import AdvisoryThrottle
 from services.scheduler.dispatch import NodeChannels
 from services.scheduler.errors import ApiError
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.nodes import Node, NodeRegistry
-from services.scheduler.policy import Policy, RouteRequest
+from services.scheduler.policy import Policy
 from services.scheduler.sessions import SessionDirectory
 from shared.proto import nodemgr_pb2
 
@@ -57,6 +58,7 @@ class Advisor:
         self.channels = channels
         self.sessions = sessions
         self.metrics = metrics
+        self.placement = AdvisoryPlacement(book, registry, policy, sessions)
         self._calls: set[asyncio.Task[None]] = set()
 
     def check_throttle(self, tenant: str, count: int = 1) -> None:
@@ -78,46 +80,36 @@ class Advisor:
 
     def advise(self, tenant: str, asked: AdviceAsked) -> Advisory:
         """Choose the node, record the advisory and start the node's prefetch."""
-        place = self.sessions.where(tenant, asked.session_id)
-        route = RouteRequest(asked.model, asked.session_id, tenant, asked.priority,
-                             holder=place.node_id if place else "")
-        healthy = [n for n in self.registry.healthy(asked.model) if not self.registry.behind(n)]
-        node = self.policy.choose(healthy or self.registry.healthy(asked.model), route)
-        if node is None:
-            raise ApiError(503, f"no healthy node serves model '{asked.model}' now",
-                           code="no_healthy_node")
         try:
-            adv, ended = self.book.add(tenant, asked.session_id, asked.model, node.node_id,
-                                       asked.priority, asked.expected_arrival_s)
+            placed = self.placement.place(tenant, asked.session_id, asked.model,
+                                          asked.priority, asked.expected_arrival_s)
         except TooManyAdvisories:
             raise ApiError(429, "this tenant has too many pending advisories",
                            code="too_many_advisories", headers={"Retry-After": "1"}) from None
+        if placed is None:
+            raise ApiError(503, f"no healthy node serves model '{asked.model}' now",
+                           code="no_healthy_node")
+        adv, node = placed.advisory, placed.node
         self.metrics.advisories.labels("received").inc()
-        for old, how in ended:
+        for old, how in placed.ended:
             # (replaced on the same node: the new advisory's prefetch renews the session's)
             self._ended(old, how, tell_node=old.node_id != node.node_id)
-        source, source_node = "", ""
-        kv_tokens = place.turn_tokens or place.saved_tokens if place is not None else 0
-        if place is not None and place.node_id != node.node_id:
-            holder = self.registry.get(place.node_id)
-            if holder is not None and self.registry.alive(holder):
-                source, source_node = holder.info.kvstore_address, holder.node_id
         if not self.policy.prefetches:  # (a baseline: the advisory is only recorded)
             return adv
-        if asked.priority > 0:
-            self.registry.advised_priority(node.node_id, +1)
+        source = placed.source
         self._call(node, "Advise", nodemgr_pb2.AdviseRequest(
             advisory_id=adv.advisory_id, tenant=tenant, session_id=asked.session_id,
-            model=asked.model, kv_source=source, kv_tokens=kv_tokens, priority=asked.priority,
+            model=asked.model, kv_source=source.info.kvstore_address if source else "",
+            kv_tokens=placed.kv_tokens, priority=asked.priority,
             ttl_s=max(0.0, adv.expires_at - self.book.clock()),
             straight_to_device=self.policy.straight_to_device and asked.priority > 0))
         log.info("advisory %s: session %s of %s goes to %s (KV %s)", adv.advisory_id,
                  asked.session_id, tenant, node.node_id,
-                 f"from {source_node}" if source else "from its tiers or S3")
+                 f"from {source.node_id}" if source else "from its tiers or S3")
         return adv
 
     def invalidate(self, tenant: str, advisory_id: str) -> Advisory:
-        adv = self.book.invalidate(tenant, advisory_id)
+        adv = self.placement.invalidate(tenant, advisory_id)
         if adv is None:
             raise ApiError(404, f"no pending advisory '{advisory_id}' (unknown, expired, "
                            "followed, or another tenant's)", param="advisory_id",
@@ -129,10 +121,9 @@ class Advisor:
         """The node an advised request goes to ("" when its session had no advisory, or
         it lapsed: a late request is routed as if unadvised, and not held against its
         tenant)."""
-        adv, how = self.book.follow(tenant, session_id)
+        adv, how = self.placement.follow(tenant, session_id)
         if adv is None:
             return ""
-        self._placed_ended(adv)
         if how != FOLLOWED:
             self.metrics.advisories.labels(how).inc()
             return ""
@@ -142,23 +133,17 @@ class Advisor:
         return adv.node_id
 
     def sweep(self) -> None:
-        for adv in self.book.sweep():
+        for adv in self.placement.sweep():
             self._ended(adv, EXPIRED)
 
     def _ended(self, adv: Advisory, how: str, tell_node: bool = True) -> None:
         self.metrics.advisories.labels(how).inc()
-        self._placed_ended(adv)
         if how == EXPIRED:
             self.throttle.outcome(adv.tenant, False)
         node = self.registry.get(adv.node_id)
         if node is not None and self.policy.prefetches and tell_node:
             self._call(node, "Invalidate", nodemgr_pb2.InvalidateRequest(
                 advisory_id=adv.advisory_id, expired=how == EXPIRED))
-
-    def _placed_ended(self, adv: Advisory) -> None:
-        """A high-priority advisory no longer counts on its node (``priority`` spreads)."""
-        if adv.priority > 0 and self.policy.prefetches:
-            self.registry.advised_priority(adv.node_id, -1)
 
     def _call(self, node: Node, method: str, request: object) -> None:
         """Send ``request`` to the node in the background (a slow node delays no client)."""

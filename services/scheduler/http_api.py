@@ -310,6 +310,7 @@ async def readyz(request: web.Request) -> web.Response:
                 "running": n.load.running,
                 "waiting": n.load.waiting,
                 "routed": n.routed,
+                "advised": n.advised,
             }
             for n in reg.all()
         },

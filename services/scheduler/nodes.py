@@ -67,6 +67,7 @@ class Node:
     drained: bool = False  # an operator stopped new requests to it (it still serves pulls)
     behind_until: float = 0.0  # it refused a request as overloaded: skipped until then
     advised_priority: int = 0  # pending high-priority advisories placed here
+    advised: int = 0  # pending advisories of any priority placed here: requests to come
     generation: int = 0  # bumps on every registration, so late news of an old one is ignored
 
     @property
@@ -79,6 +80,12 @@ class Node:
     def score(self) -> int:
         """Load as the policy sees it: engine work plus what the scheduler has in flight."""
         return self.load.running + self.load.waiting + self.routed
+
+    def expected(self) -> int:
+        """Load expected when advised requests arrive: ``score`` plus the advisories placed
+        here and not yet followed (each is a request on its way, Symphony §3.3). Placing
+        by ``score`` alone sends every advisory made while a node is idle to that node."""
+        return self.score() + self.advised
 
 
 class NodeRegistry:
@@ -172,6 +179,11 @@ class NodeRegistry:
         node = self._nodes.get(node_id)
         if node is not None:
             node.advised_priority = max(0, node.advised_priority + delta)
+
+    def advised_pending(self, node_id: str, delta: int) -> None:
+        node = self._nodes.get(node_id)
+        if node is not None:
+            node.advised = max(0, node.advised + delta)
 
     def end(self, node_id: str) -> None:
         node = self._nodes.get(node_id)

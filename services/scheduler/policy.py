@@ -50,7 +50,8 @@ class Policy(Protocol):
 class BalancedPolicy:
     """A request that follows an advisory goes to the node the advisory chose (its KV is
     being prefetched there) while that node can take it. Otherwise (and for advisories):
-    least loaded (running + waiting + routed); ties: the node holding the session's KV,
+    least loaded by the load expected at arrival (running + waiting + routed + advisories
+    pending there, ``Node.expected``); ties: the node holding the session's KV,
     then fewest routed, then least recently used (Symphony §3.3: load before locality)."""
 
     name = "balanced"
@@ -64,8 +65,8 @@ class BalancedPolicy:
             for n in nodes:
                 if n.node_id == request.advised:
                     return n
-        return min(nodes, key=lambda n: (n.score(), n.node_id != request.holder, n.routed,
-                                         n.last_routed, n.node_id))
+        return min(nodes, key=lambda n: (n.expected(), n.node_id != request.holder,
+                                         n.routed, n.last_routed, n.node_id))
 
 
 class PriorityPolicy(BalancedPolicy):
@@ -82,7 +83,7 @@ class PriorityPolicy(BalancedPolicy):
     def choose(self, nodes: Sequence[Node], request: RouteRequest) -> Node | None:
         if not nodes or request.priority <= 0 or request.advised:
             return super().choose(nodes, request)
-        return min(nodes, key=lambda n: (n.advised_priority, n.score(),
+        return min(nodes, key=lambda n: (n.advised_priority, n.expected(),
                                          n.node_id != request.holder, n.routed,
                                          n.last_routed, n.node_id))
 

@@ -255,3 +255,33 @@ async def test_a_tenant_whose_advisories_go_unused_is_throttled(two) -> None:
     # Requests themselves are never throttled by this.
     status, _, _ = await call(c, "POST", "/v1/chat/completions", CHAT, {"X-Session-Id": "x"})
     assert status == 200
+
+
+async def test_advisories_made_while_the_nodes_idle_are_spread_and_counted_until_they_end(
+    two,
+) -> None:
+    # Placing by the load of the moment sent every advisory of an idle cluster to the
+    # same node (its requests then all came there): each pending advisory counts as a
+    # request on its way until it is followed, invalidated or expires.
+    c, _ = two
+    reg = c.scheduler.state.registry
+    nodes, ids = [], []
+    for i in range(6):
+        status, adv, _ = await call(c, "POST", "/v1/advisory",
+                                    {"session_id": f"idle{i}", "model": "demo"})
+        assert status == 202
+        nodes.append(adv["node"])
+        ids.append(adv["advisory_id"])
+    assert sorted(nodes) == ["node0"] * 3 + ["node1"] * 3, nodes
+    assert [reg.get(n).advised for n in ("node0", "node1")] == [3, 3]
+    status, _, headers = await call(c, "POST", "/v1/chat/completions", CHAT,
+                                    {"X-Session-Id": "idle0"})
+    assert status == 200 and headers["X-Overture-Node"] == nodes[0]  # followed
+    assert (await call(c, "DELETE", f"/v1/advisory/{ids[1]}"))[0] == 200  # invalidated
+    again, _, _ = await call(c, "POST", "/v1/advisory",  # replaces idle2's
+                             {"session_id": "idle2", "model": "demo"})
+    assert again == 202
+    pending = {"node0": 0, "node1": 0}
+    for i, n in enumerate(nodes[3:], 3):
+        pending[n] += 1
+    assert sum(reg.get(n).advised for n in pending) == sum(pending.values()) + 1

@@ -1,0 +1,1 @@
+"""A discrete-event simulator of an Overture cluster (see README.md)."""

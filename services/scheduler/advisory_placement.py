@@ -1,0 +1,93 @@
+"""Where advisories go and what they count for, without I/O (Symphony §3.3, §3.6).
+
+An advisory is a request on its way: the node is chosen by the same policy as a request,
+and until the advisory is followed, invalidated, replaced or expires it counts on that
+node (``Node.advised``), so advisories made while the cluster is idle spread instead of
+all choosing the node that looks least loaded now. The ``Advisor`` adds the calls to the
+nodes, the metrics and the throttle; ``bench/sim`` drives this class on a simulated clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.scheduler.advisories import Advisory, AdvisoryBook
+from services.scheduler.nodes import Node, NodeRegistry
+from services.scheduler.policy import Policy, RouteRequest
+from services.scheduler.sessions import SessionDirectory, SessionPlace
+
+
+@dataclass(frozen=True)
+class Placed:
+    advisory: Advisory
+    node: Node
+    ended: list[tuple[Advisory, str]]  # the advisories it ended (replaced, crowded out)
+    place: SessionPlace | None  # where the session's KV is, if known
+    source: Node | None  # the node to pull the KV from (None: the chosen node's own tiers)
+
+    @property
+    def kv_tokens(self) -> int:
+        """The session's last turn as the scheduler knows it (0: unknown)."""
+        p = self.place
+        return (p.turn_tokens or p.saved_tokens) if p is not None else 0
+
+
+class AdvisoryPlacement:
+    """Event-loop only (or one simulated clock)."""
+
+    def __init__(self, book: AdvisoryBook, registry: NodeRegistry, policy: Policy,
+                 sessions: SessionDirectory) -> None:
+        self.book = book
+        self.registry = registry
+        self.policy = policy
+        self.sessions = sessions
+
+    def place(self, tenant: str, session_id: str, model: str, priority: int = 0,
+              expected_arrival_s: float = 0.0) -> Placed | None:
+        """Choose the node and record the advisory; None when no node serves ``model``.
+        Raises ``TooManyAdvisories`` when the tenant has its share pending."""
+        place = self.sessions.where(tenant, session_id)
+        route = RouteRequest(model, session_id, tenant, priority,
+                             holder=place.node_id if place else "")
+        healthy = [n for n in self.registry.healthy(model) if not self.registry.behind(n)]
+        node = self.policy.choose(healthy or self.registry.healthy(model), route)
+        if node is None:
+            return None
+        adv, ended = self.book.add(tenant, session_id, model, node.node_id, priority,
+                                   expected_arrival_s)
+        for old, _ in ended:
+            self._count(old, -1)
+        self._count(adv, +1)
+        source = None
+        if place is not None and place.node_id != node.node_id:
+            holder = self.registry.get(place.node_id)
+            if holder is not None and self.registry.alive(holder):
+                source = holder
+        return Placed(adv, node, ended, place, source)
+
+    def follow(self, tenant: str, session_id: str) -> tuple[Advisory | None, str]:
+        """The session's advisory, ended by its request (see ``AdvisoryBook.follow``)."""
+        adv, how = self.book.follow(tenant, session_id)
+        if adv is not None:
+            self._count(adv, -1)
+        return adv, how
+
+    def invalidate(self, tenant: str, advisory_id: str) -> Advisory | None:
+        adv = self.book.invalidate(tenant, advisory_id)
+        if adv is not None:
+            self._count(adv, -1)
+        return adv
+
+    def sweep(self) -> list[Advisory]:
+        """The advisories that expired unfollowed, ended."""
+        lapsed = self.book.sweep()
+        for adv in lapsed:
+            self._count(adv, -1)
+        return lapsed
+
+    def _count(self, adv: Advisory, delta: int) -> None:
+        if not self.policy.prefetches:  # (a baseline: advisories are only recorded)
+            return
+        self.registry.advised_pending(adv.node_id, delta)
+        if adv.priority > 0:  # (``priority`` spreads these)
+            self.registry.advised_priority(adv.node_id, delta)
