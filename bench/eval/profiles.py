@@ -76,4 +76,10 @@ FULL = Profile(
     max_answer_tokens=64, mean_gap_s=6.0, gap_cv=2.0, time_scale=0.05,
     device_memory_bytes=64 * MIB, missed=(0.1, 0.3, 0.5, 1.0), spurious=(0.2, 0.4, 0.6),
 )
-PROFILES = {p.name: p for p in (QUICK, FULL)}
+# The policies only, at rising load (Figure 11's x axis), on the quick workload.
+LOAD = Profile(
+    name="load", users=(10, 20, 30), sessions_per_user=1, max_user_tokens=160,
+    max_answer_tokens=40, mean_gap_s=4.0, gap_cv=2.0, time_scale=0.03,
+    device_memory_bytes=48 * MIB, missed=(), spurious=(), variants=POLICIES,
+)
+PROFILES = {p.name: p for p in (QUICK, LOAD, FULL)}

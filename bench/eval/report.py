@@ -39,16 +39,17 @@ def _ms(x: float | None) -> str:
 def _row(r: Record, first: str) -> str:
     s = r["summary"]
     src = ", ".join(f"{k} {v:g}" for k, v in sorted(r["turns_by_source"].items()))
-    return (f"| {first} | {s.get('requests', 0):.0f} | {s.get('errors', 0):.0f} | "
+    return (f"| {first} | {s.get('requests', 0):.0f} ({s.get('retried', 0):.0f}) | "
+            f"{s.get('errors', 0):.0f} | "
             f"{_ms(s.get('ttft_mean_s'))} | {_ms(s.get('ttft_p95_s'))} | "
             f"{_ms(s.get('tpot_mean_s'))} | {_ms(s.get('normalized_latency_s'))} | "
             f"{s.get('requests_per_s', 0):.2f} | {r['imbalance']:.2f} | "
             f"{s.get('cached_tokens_mean', 0):.0f} | {src} |")
 
 
-HEADER = ("| {} | requests | errors | TTFT mean ms | TTFT p95 ms | TPOT mean ms | "
-          "normalized latency ms/token | requests/s | max/median load | cached tokens "
-          "mean | turns by KV source |\n|" + " --- |" * 11)
+HEADER = ("| {} | requests (retried after a 429) | errors | TTFT mean ms | TTFT p95 ms | "
+          "TPOT mean ms | normalized latency ms/token | requests/s | max/median load | "
+          "cached tokens mean | turns by KV source |\n|" + " --- |" * 11)
 
 
 def _ratio(num: Record | None, den: Record | None, key: str) -> float | None:
@@ -97,15 +98,22 @@ def _plot_policies(profile: Profile, records: list[Record], out: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     keys = [("tpot_mean_s", "TPOT mean (ms)"), ("ttft_mean_s", "TTFT mean (ms)"),
             ("normalized_latency_s", "normalized latency (ms/token)")]
+    one_load = len(profile.users) == 1  # (bars: one point per line says little)
     for ax, (key, title) in zip(axes, keys, strict=True):
-        for v in POLICIES:
+        for i, v in enumerate(POLICIES):
             pts = [(u, r["summary"].get(key, 0) * 1000) for u in profile.users
                    if (r := _find(records, v.name, u)) is not None]
-            if pts:
+            if pts and one_load:
+                ax.bar(i, pts[0][1], label=v.label, color=f"C{i}")
+            elif pts:
                 ax.plot(*zip(*pts, strict=True), marker="o", label=v.label)
-        ax.set_xlabel("active users")
+        if one_load:
+            ax.set_xticks([])
+            ax.set_xlabel(f"{profile.users[0]} active users")
+        else:
+            ax.set_xlabel("active users")
         ax.set_title(title)
-        ax.grid(alpha=0.3)
+        ax.grid(alpha=0.3, axis="y")
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "fig11_policies.png", dpi=110)

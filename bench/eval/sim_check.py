@@ -35,7 +35,8 @@ class SimRow:
 def simulate_jobs(profile: Profile, seed: int, calibration: Path,
                   records: list[dict[str, Any]]) -> list[SimRow]:
     from bench.run_eval import Job, trace_of
-    from bench.sim import Calibration, simulate
+    from bench.sim.cluster import simulate
+    from bench.sim.costs import Calibration
     from bench.workloads.replay import summary
 
     cal = Calibration.load(calibration)
@@ -52,6 +53,8 @@ def simulate_jobs(profile: Profile, seed: int, calibration: Path,
                            max_answer_tokens=profile.max_answer_tokens, seed=seed)
             sim = summary(out.results)
             real = rec["summary"]
+            if "ttft_mean_s" not in real or "ttft_mean_s" not in sim:
+                continue  # (a replay that served nothing, or an older results.json)
             rows.append(SimRow(v.name, u, real["ttft_mean_s"], sim["ttft_mean_s"],
                                real["tpot_mean_s"], sim["tpot_mean_s"]))
     return rows

@@ -34,6 +34,7 @@ class Result:
     cached_tokens: int
     node: str
     error: str = ""
+    retries: int = 0  # 429s (every node at capacity) waited out before it was served
 
     @property
     def tpot_s(self) -> float:
@@ -42,13 +43,15 @@ class Result:
 
 class Replayer:
     def __init__(self, url: str, model: str, api_key: str | None = None,
-                 time_scale: float = 1.0, max_answer_tokens: int = 1024) -> None:
+                 time_scale: float = 1.0, max_answer_tokens: int = 1024,
+                 max_retries: int = 30) -> None:
         self.url, self.model = url.rstrip("/"), model
         self.headers = {"Content-Type": "application/json"}
         if api_key:
             self.headers["Authorization"] = f"Bearer {api_key}"
         self.time_scale = time_scale  # (0.1: ten times faster than people)
         self.max_answer_tokens = max_answer_tokens
+        self.max_retries = max_retries
         self.results: list[Result] = []
         self.advisories = 0
 
@@ -98,14 +101,22 @@ class Replayer:
                 "ignore_eos": True, "max_tokens": min(tokens, self.max_answer_tokens),
                 "priority": s.priority}
         sent = time.monotonic()
-        ttft, parts, usage, node, error = None, [], {}, "", ""
+        ttft, parts, usage, node, error, retries = None, [], {}, "", "", 0
         try:
-            async with http.post(self.url + "/v1/chat/completions", json=body,
-                                 headers={"X-Session-Id": s.session_id}) as r:
-                node = r.headers.get("X-Overture-Node", "")
-                if r.status != 200:
-                    error = f"{r.status} {(await r.text())[:200]}"
-                else:
+            while True:
+                async with http.post(self.url + "/v1/chat/completions", json=body,
+                                     headers={"X-Session-Id": s.session_id}) as r:
+                    if r.status == 429 and retries < self.max_retries:
+                        # At capacity: wait as told and send again, as OpenAI clients do
+                        # (the wait counts in this request's latency).
+                        retries += 1
+                        await r.read()
+                        await asyncio.sleep(_retry_after(r.headers.get("Retry-After")))
+                        continue
+                    node = r.headers.get("X-Overture-Node", "")
+                    if r.status != 200:
+                        error = f"{r.status} {(await r.text())[:200]}"
+                        break
                     async for raw in r.content:
                         line = raw.decode().strip()
                         if not line.startswith("data:") or line == "data: [DONE]":
@@ -116,6 +127,7 @@ class Replayer:
                                 ttft = ttft if ttft is not None else time.monotonic() - sent
                                 parts.append(c["delta"]["content"])
                         usage = chunk.get("usage") or usage
+                    break
         except aiohttp.ClientError as e:
             error = str(e)
         e2e = time.monotonic() - sent
@@ -123,8 +135,16 @@ class Replayer:
                         ttft if ttft is not None else e2e, e2e,
                         int(usage.get("completion_tokens", 0)),
                         int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)),
-                        node, error)
+                        node, error, retries)
         return result, "".join(parts)
+
+
+def _retry_after(value: str | None) -> float:
+    """Seconds a 429 asks to wait (1 when absent or not a number of seconds)."""
+    try:
+        return min(60.0, max(0.0, float(value or 1)))
+    except ValueError:
+        return 1.0
 
 
 def summary(results: list[Result]) -> dict[str, float]:
@@ -147,4 +167,5 @@ def summary(results: list[Result]) -> dict[str, float]:
                                                 for r in ok),
         "requests_per_s": len(ok) / span if span > 0 else 0.0,
         "cached_tokens_mean": statistics.mean(r.cached_tokens for r in ok),
+        "retried": float(sum(r.retries > 0 for r in ok)),
     }

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.scheduler.advisories import Advisory, AdvisoryBook
-from services.scheduler.nodes import Node, NodeRegistry
+from services.scheduler.nodes import HOLDER_SLACK, Node, NodeRegistry
 from services.scheduler.policy import Policy, RouteRequest
 from services.scheduler.sessions import SessionDirectory, SessionPlace
 
@@ -61,7 +61,7 @@ class AdvisoryPlacement:
         source = None
         if place is not None and place.node_id != node.node_id:
             holder = self.registry.get(place.node_id)
-            if holder is not None and self.registry.alive(holder):
+            if holder is not None and self.registry.alive(holder, slack=HOLDER_SLACK):
                 source = holder
         return Placed(adv, node, ended, place, source)
 

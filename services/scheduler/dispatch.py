@@ -29,7 +29,7 @@ import grpc
 from services.scheduler import wire
 from services.scheduler.errors import ApiError, from_grpc
 from services.scheduler.metrics import SchedulerMetrics
-from services.scheduler.nodes import Node, NodeRegistry
+from services.scheduler.nodes import HOLDER_SLACK, Node, NodeRegistry
 from services.scheduler.policy import Policy, RouteRequest
 from services.scheduler.sessions import SessionDirectory, SessionPlace
 
@@ -39,8 +39,6 @@ from shared.grpc_server import insecure_channel
 from shared.proto import common_pb2, nodemgr_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-HOLDER_SLACK = 3.0  # heartbeat timeouts a session's KV holder may be late and still be asked
 
 
 class NodeChannels:
@@ -270,8 +268,7 @@ class Dispatcher:
         holder = self.registry.get(place.node_id)
         if holder is None or not holder.info.kvstore_address:
             return request  # the serving node looks in its own tiers and S3
-        # A holder whose heartbeat is merely late (a busy host) is still asked: a wrong
-        # guess costs one bounded peer lookup, a skipped live holder a recomputed history.
+        # (a holder whose heartbeat is merely late, a busy host, is still asked)
         if not self.registry.alive(holder, slack=HOLDER_SLACK):
             log.info("the KV of a session is on node %s, silent for %.1fs or unreachable: "
                      "node %s looks in its own tiers and S3", holder.node_id,

@@ -88,6 +88,12 @@ class Node:
         return self.score() + self.advised
 
 
+# Heartbeat timeouts a session's KV holder may be late and still be named as the source
+# of its KV: a wrong guess costs one bounded peer lookup, a skipped live holder a
+# recomputed history.
+HOLDER_SLACK = 3.0
+
+
 class NodeRegistry:
     """Registered nodes keyed by id. Not thread-safe: used from the event loop only."""
 
@@ -112,6 +118,9 @@ class NodeRegistry:
             last_beat=now,
             routed=old.routed if old else 0,
             drained=old.drained if old else False,  # a restarted drained node stays drained
+            # (its pending advisories are still in the book: they end, and uncount, later)
+            advised_priority=old.advised_priority if old else 0,
+            advised=old.advised if old else 0,
             generation=self._generation,
         )
         self._nodes[info.node_id] = node

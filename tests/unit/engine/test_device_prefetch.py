@@ -86,6 +86,18 @@ def layers_in(job: LoadJob, blocks: int) -> list[int]:
             if any(b != SKIP for b in job.block_ids[ly * blocks:(ly + 1) * blocks])]
 
 
+def advise_old_then_new(d: DevicePrefetch, jobs: list[LoadJob], clock: Clock) -> None:
+    """Sessions "old" then "new" advised a second apart, each on 2 blocks: every layer
+    of both lands and fills the 16 blocks."""
+    d.add(order("old", 2))
+    clock.now += 1
+    d.add(order("new", 2))
+    d.begin_step()
+    finish(jobs)
+    d.begin_step()
+    assert d.resident_layers("t", "old") == d.resident_layers("t", "new") == 4
+
+
 def test_plenty_of_memory_puts_every_layer_on_device(book) -> None:
     d, jobs, _ = book
     d.add(order("a", 2))
@@ -120,13 +132,7 @@ def test_lower_layers_of_every_session_before_higher_layers_of_any(book) -> None
 
 def test_running_requests_purge_later_layers_first_then_least_recently_advised(book) -> None:
     d, jobs, clock = book
-    d.add(order("old", 2))
-    clock.now += 1
-    d.add(order("new", 2))
-    d.begin_step()
-    finish(jobs)
-    d.begin_step()
-    assert d.resident_layers("t", "old") == d.resident_layers("t", "new") == 4  # 16 blocks
+    advise_old_then_new(d, jobs, clock)  # 16 blocks
     got = d.pool.allocate(2)  # a running request needs memory: the pool is full
     assert got is not None
     assert (d.resident_layers("t", "old"), d.resident_layers("t", "new")) == (3, 4)
@@ -379,13 +385,7 @@ def test_without_cooperation_running_requests_cannot_take_prefetched_blocks(abla
     # The §4.5 ablation: the same full pool as above, but a running request finds no
     # block (it would wait) instead of purging a prefetched layer.
     d, jobs, clock = ablated(cooperative=False)
-    d.add(order("old", 2))
-    clock.now += 1
-    d.add(order("new", 2))
-    d.begin_step()
-    finish(jobs)
-    d.begin_step()
-    assert d.resident_layers("t", "old") == d.resident_layers("t", "new") == 4
+    advise_old_then_new(d, jobs, clock)
     assert d.pool.allocate(2) is None
     assert d.purged_by_layer == [0] * LAYERS
 
