@@ -117,6 +117,13 @@ class Advisor:
         self._ended(adv, INVALIDATED)
         return adv
 
+    def advised(self, tenant: str, session_id: str) -> str:
+        """The node the session's pending advisory chose ("": none, or it lapsed). The
+        advisory stays pending until ``follow``: a request refused before it found a node
+        (every node at capacity) leaves it for the client's retry."""
+        adv = self.book.pending_for(tenant, session_id)
+        return adv.node_id if adv is not None else ""
+
     def follow(self, tenant: str, session_id: str) -> str:
         """The node an advised request goes to ("" when its session had no advisory, or
         it lapsed: a late request is routed as if unadvised, and not held against its

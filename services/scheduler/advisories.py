@@ -95,6 +95,11 @@ class AdvisoryBook:
             return None
         return adv
 
+    def pending_for(self, tenant: str, session_id: str) -> Advisory | None:
+        """The session's pending advisory, if still in time (it stays pending)."""
+        advisory_id = self._by_session.get((tenant, session_id))
+        return self.get(tenant, advisory_id) if advisory_id is not None else None
+
     def invalidate(self, tenant: str, advisory_id: str) -> Advisory | None:
         adv = self.get(tenant, advisory_id)
         if adv is not None:

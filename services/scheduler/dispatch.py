@@ -164,11 +164,11 @@ class Dispatcher:
         )
 
     def advised_node(self, tenant: str, session_id: str) -> str:
-        """The node the session's pending advisory chose, ending it as followed ("": no
-        advisory). Asked once per request, whatever its number of choices."""
+        """The node the session's pending advisory chose ("": no advisory). It ends, as
+        followed, once a node takes the request (``generate``)."""
         if self.advisor is None or not session_id:
             return ""
-        return self.advisor.follow(tenant, session_id)
+        return self.advisor.advised(tenant, session_id)
 
     async def generate(
         self, request: common_pb2.GenerateRequest, route: RouteRequest
@@ -185,6 +185,9 @@ class Dispatcher:
         behind: set[str] = set()  # nodes that refused this request as overloaded
         while True:
             node = await self.pick(route, frozenset(behind))
+            if self.advisor is not None and route.session_id:
+                # (once per request: the other choices of an n > 1 request find it ended)
+                self.advisor.follow(route.tenant, route.session_id)
             self.registry.begin(node.node_id)
             call = self.channels.stub(node.info.address).Generate(
                 self._for_node(request, node, place), timeout=self.settings.request_timeout_s

@@ -268,7 +268,8 @@ async def test_advisories_made_while_the_nodes_idle_are_spread_and_counted_until
     nodes, ids = [], []
     for i in range(6):
         status, adv, _ = await call(c, "POST", "/v1/advisory",
-                                    {"session_id": f"idle{i}", "model": "demo"})
+                                    {"session_id": f"idle{i}", "model": "demo",
+                                     "expected_arrival_s": 30})
         assert status == 202
         nodes.append(adv["node"])
         ids.append(adv["advisory_id"])
@@ -279,7 +280,35 @@ async def test_advisories_made_while_the_nodes_idle_are_spread_and_counted_until
     assert status == 200 and headers["X-Overture-Node"] == nodes[0]  # followed
     assert (await call(c, "DELETE", f"/v1/advisory/{ids[1]}"))[0] == 200  # invalidated
     again, _, _ = await call(c, "POST", "/v1/advisory",  # replaces idle2's
-                             {"session_id": "idle2", "model": "demo"})
+                             {"session_id": "idle2", "model": "demo",
+                              "expected_arrival_s": 30})
     assert again == 202
     # Pending now: idle3, idle4, idle5 and idle2's replacement.
     assert sum(reg.get(n).advised for n in ("node0", "node1")) == 4
+
+
+async def test_a_request_no_node_takes_leaves_its_advisory_for_the_retry(two) -> None:
+    # Refused before any node took it (none in rotation here; every node at capacity is
+    # the same path), the request does not use up its advisory: the client's retry
+    # follows it to the node holding the prefetched KV.
+    c, _ = two
+    status, adv, _ = await call(c, "POST", "/v1/advisory",  # (outlives the 0.5 s wait)
+                                {"session_id": "r1", "model": "demo", "expected_arrival_s": 30})
+    assert status == 202
+    for n in ("node0", "node1"):
+        assert (await call(c, "POST", f"/admin/nodes/{n}/drain"))[0] == 200
+    status, body, _ = await call(c, "POST", "/v1/chat/completions", CHAT, {"X-Session-Id": "r1"})
+    assert status == 503, body
+    book = c.scheduler.state.dispatcher.advisor.book
+    assert book.pending_for("default", "r1") is not None
+    for n in ("node0", "node1"):
+        assert (await call(c, "POST", f"/admin/nodes/{n}/undrain"))[0] == 200
+    other = "node1" if adv["node"] == "node0" else "node0"
+    c.scheduler.state.registry.begin(adv["node"])  # busier: only the advisory sends it there
+    status, _, headers = await call(c, "POST", "/v1/chat/completions", CHAT,
+                                    {"X-Session-Id": "r1"})
+    c.scheduler.state.registry.end(adv["node"])
+    assert status == 200 and headers["X-Overture-Node"] == adv["node"] != other
+    assert book.pending_for("default", "r1") is None
+    metrics = await (await c.http.get(c.url + "/metrics")).text()
+    assert 'overture_advisories_total{event="followed"} 1.0' in metrics
