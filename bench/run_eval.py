@@ -131,10 +131,14 @@ def main(argv: list[str] | None = None) -> None:
         profile = dataclasses.replace(profile, variants=tuple(
             v for v in profile.variants if v.name in args.variants))
     run_dir = RESULTS / (args.run or f"{time.strftime('%Y%m%d-%H%M')}-{profile.name}")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if not args.report_only:
+        run_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     if args.report_only:
-        records = json.loads((run_dir / "results.json").read_text())["records"]
+        saved = run_dir / "results.json"
+        if not saved.is_file():
+            ap.error(f"--report-only: no results.json in {run_dir} (run it first)")
+        records = json.loads(saved.read_text())["records"]
     else:
         records = run(profile, run_dir, args.seed, args.ready_timeout)
     sim = None

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import random
 import statistics
 import tempfile
@@ -31,6 +30,7 @@ import numpy as np
 from bench.eval.profiles import BALANCED, QUICK
 from bench.overload import Cluster
 from bench.sim.costs import Calibration
+from bench.workloads.replay import stream_chat
 from bench.workloads.trace import WORDS
 
 PROMPTS = (32, 160, 400, 800)  # words (about as many tokens)
@@ -42,25 +42,12 @@ DECODE_TOKENS = 48
 async def _one(http: aiohttp.ClientSession, url: str, model: str, text: str,
                max_tokens: int) -> tuple[float, float, int, int]:
     """(TTFT, end to end, prompt tokens, output tokens) of one streamed request."""
-    body = {"model": model, "messages": [{"role": "user", "content": text}], "stream": True,
-            "stream_options": {"include_usage": True}, "max_tokens": max_tokens,
-            "ignore_eos": True, "temperature": 0}
-    t0 = time.monotonic()
-    ttft, usage = None, {}
-    async with http.post(url + "/v1/chat/completions", json=body) as r:
-        assert r.status == 200, await r.text()
-        async for raw in r.content:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            if ttft is None and any(c.get("delta", {}).get("content")
-                                    for c in chunk.get("choices") or []):
-                ttft = time.monotonic() - t0
-            usage = chunk.get("usage") or usage
-    e2e = time.monotonic() - t0
-    return (ttft or e2e, e2e, int(usage.get("prompt_tokens", 0)),
-            int(usage.get("completion_tokens", 0)))
+    got = await stream_chat(http, url, {
+        "model": model, "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0})
+    if got.error:
+        raise RuntimeError(f"calibration request failed: {got.error}")
+    return got.ttft_s, got.e2e_s, got.prompt_tokens, got.completion_tokens
 
 
 async def measure(url: str, model: str, rng: random.Random

@@ -14,7 +14,7 @@ import asyncio
 import json
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 
@@ -96,47 +96,83 @@ class Replayer:
 
     async def _turn(self, http: aiohttp.ClientSession, s: Session, index: int, tokens: int,
                     history: list[dict[str, str]], advised: bool) -> tuple[Result, str]:
-        body = {"model": self.model, "messages": history, "stream": True,
-                "stream_options": {"include_usage": True}, "temperature": 0,
+        body = {"model": self.model, "messages": history, "temperature": 0,
                 "ignore_eos": True, "max_tokens": min(tokens, self.max_answer_tokens),
                 "priority": s.priority}
         sent = time.monotonic()
-        ttft, parts, usage, node, error, retries = None, [], {}, "", "", 0
-        try:
-            while True:
-                async with http.post(self.url + "/v1/chat/completions", json=body,
-                                     headers={"X-Session-Id": s.session_id}) as r:
-                    if r.status == 429 and retries < self.max_retries:
-                        # At capacity: wait as told and send again, as OpenAI clients do
-                        # (the wait counts in this request's latency).
-                        retries += 1
-                        await r.read()
-                        await asyncio.sleep(_retry_after(r.headers.get("Retry-After")))
-                        continue
-                    node = r.headers.get("X-Overture-Node", "")
-                    if r.status != 200:
-                        error = f"{r.status} {(await r.text())[:200]}"
-                        break
-                    async for raw in r.content:
-                        line = raw.decode().strip()
-                        if not line.startswith("data:") or line == "data: [DONE]":
-                            continue
-                        chunk = json.loads(line[5:])
-                        for c in chunk.get("choices") or []:
-                            if c.get("delta", {}).get("content"):
-                                ttft = ttft if ttft is not None else time.monotonic() - sent
-                                parts.append(c["delta"]["content"])
-                        usage = chunk.get("usage") or usage
-                    break
-        except aiohttp.ClientError as e:
-            error = str(e)
-        e2e = time.monotonic() - sent
+        got = await stream_chat(http, self.url, body, {"X-Session-Id": s.session_id},
+                                self.max_retries)
         result = Result(s.session_id, index, advised, s.priority, sent - self._t0,
-                        ttft if ttft is not None else e2e, e2e,
-                        int(usage.get("completion_tokens", 0)),
-                        int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)),
-                        node, error, retries)
-        return result, "".join(parts)
+                        got.ttft_s, got.e2e_s, got.completion_tokens, got.cached_tokens,
+                        got.node, got.error, got.retries)
+        return result, got.text
+
+
+@dataclass
+class Streamed:
+    """One streamed chat completion as its client saw it."""
+
+    ttft_s: float = 0.0  # to the first content (the whole call when none came)
+    e2e_s: float = 0.0
+    text: str = ""
+    usage: dict = field(default_factory=dict)
+    node: str = ""
+    error: str = ""  # "" when it was served
+    retries: int = 0
+
+    @property
+    def completion_tokens(self) -> int:
+        return int(self.usage.get("completion_tokens", 0))
+
+    @property
+    def prompt_tokens(self) -> int:
+        return int(self.usage.get("prompt_tokens", 0))
+
+    @property
+    def cached_tokens(self) -> int:
+        return int((self.usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+
+
+async def stream_chat(http: aiohttp.ClientSession, url: str, body: dict,
+                      headers: dict[str, str] | None = None, max_retries: int = 0
+                      ) -> Streamed:
+    """POST ``body`` as a streamed chat completion (usage included) and time it. A 429
+    (every node at capacity) is waited out (``Retry-After``) and sent again, up to
+    ``max_retries`` times, as OpenAI clients do; the wait counts in the latency."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    out, parts = Streamed(), []
+    sent = time.monotonic()
+    ttft = None
+    try:
+        while True:
+            async with http.post(url + "/v1/chat/completions", json=body,
+                                 headers=headers or {}) as r:
+                if r.status == 429 and out.retries < max_retries:
+                    out.retries += 1
+                    await r.read()
+                    await asyncio.sleep(_retry_after(r.headers.get("Retry-After")))
+                    continue
+                out.node = r.headers.get("X-Overture-Node", "")
+                if r.status != 200:
+                    out.error = f"{r.status} {(await r.text())[:200]}"
+                    break
+                async for raw in r.content:
+                    line = raw.decode().strip()
+                    if not line.startswith("data:") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[5:])
+                    for c in chunk.get("choices") or []:
+                        if c.get("delta", {}).get("content"):
+                            ttft = ttft if ttft is not None else time.monotonic() - sent
+                            parts.append(c["delta"]["content"])
+                    out.usage = chunk.get("usage") or out.usage
+                break
+    except aiohttp.ClientError as e:
+        out.error = str(e)
+    out.e2e_s = time.monotonic() - sent
+    out.ttft_s = ttft if ttft is not None else out.e2e_s
+    out.text = "".join(parts)
+    return out
 
 
 def _retry_after(value: str | None) -> float:
