@@ -24,9 +24,44 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A function call in an assistant message or in the output; ``arguments`` is JSON."""
+
+    id: str
+    name: str
+    arguments: str
+    index: int = 0  # its position among the output's calls (streamed deltas)
+
+
+@dataclass(frozen=True)
 class ChatMessage:
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls
+    tool_call_id: str = ""  # a tool result: the call it answers
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class Guidance:
+    """The tools a prompt offers and the shape the output must take (tools/, structured/).
+
+    ``tool_choice``: "none" | "auto" | "required" | "function:<name>";
+    ``response_format``: "" | "json_object" | "json_schema" (with ``json_schema``)."""
+
+    tools: tuple[dict, ...] = ()  # OpenAI function tools: {"type": "function", "function"}
+    tool_choice: str = "auto"
+    parallel_tool_calls: bool = True
+    response_format: str = ""
+    json_schema: dict | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not self.tools and not self.response_format
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 @dataclass(frozen=True)
@@ -46,6 +81,7 @@ class GenerateRequest:
     kv_source: str = ""  # the kvstore holding the session's KV when not this node's
     kv_source_tokens: int = 0  # the length of the turn saved there
     no_reuse: bool = False  # reuse no KV (device cache or kvstore) and save none (baseline)
+    guidance: Guidance = field(default_factory=Guidance)
 
 
 @dataclass(frozen=True)
@@ -61,6 +97,7 @@ class GenerateOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     prompt_token_ids: tuple[int, ...] = ()
     kv_from: str = ""  # the first piece: "device", "local", "peer", "s3" or "recompute"
+    tool_calls: tuple[ToolCall, ...] = ()  # calls completed in this piece
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ from .api_types import EngineStatus, GenerateOutput, GenerateRequest, ModelInfo,
 from .config import EngineConfig
 from .engine_core import EngineCore
 from .errors import INVALID_ARGUMENT, UNAVAILABLE, EngineError
+from .guidance import ModelGuidance
 from .loading import load_for
 from .offload.device_prefetch import PrefetchOrder
 from .offload.kvstore_client import KVStoreClient
@@ -64,6 +65,7 @@ class AsyncEngine(WorkerLoop):
         self.config = config
         self._loaded = loaded
         self._core: EngineCore | None = None
+        self._guidance: ModelGuidance | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._loop_task: asyncio.Task | None = None
         self._inbox: deque[tuple[str, Any]] = deque()
@@ -105,6 +107,9 @@ class AsyncEngine(WorkerLoop):
                 self._executor = None
                 raise
         self._core = await self._in_worker(EngineCore, self.config, self._loaded)
+        self._guidance = ModelGuidance(
+            self._loaded.tokenizer, self._loaded.config.vocab_size,
+            self._loaded.config.eos_token_ids, self.config.tool_parser)
         self._snapshot = await self._in_worker(self._core.status)
         await self._start_reuse()
         self._loop_task = asyncio.create_task(self._step_loop(), name="engine-step-loop")
@@ -183,6 +188,7 @@ class AsyncEngine(WorkerLoop):
             vocab_size=self._loaded.config.vocab_size,
             max_model_len=core.max_model_len,
             fingerprint=self._loaded.fingerprint,
+            guidance=self._guidance,
         )
         rid = prepared.request_id
         if rid in self._queues:

@@ -112,6 +112,10 @@ class EngineConfig:
         "empty = all; `overture up` gives each node its share"
     )
     seed: int = opt(0, "global seed for requests that give none", min=0)
+    tool_parser: str = opt(
+        "", "tool-call format (hermes | llama3_json | mistral); '' = from the chat template",
+        choices=("", "hermes", "llama3_json", "mistral"),
+    )
     debug_checks: bool = opt(False, "check KV allocator integrity after every step (slow)")
     offload: OffloadConfig = sub(
         OffloadConfig, "KV kept off the device: the node's kvstore and how it is reused"

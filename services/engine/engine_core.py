@@ -20,7 +20,7 @@ import torch
 
 from shared.config import ConfigError
 
-from .api_types import EngineStatus, GenerateOutput, ModelInfo
+from .api_types import EngineStatus, GenerateOutput, ModelInfo, ToolCall
 from .config import EngineConfig
 from .errors import RESOURCE_EXHAUSTED, EngineError
 from .kvcache.block_allocator import BlockAllocator
@@ -31,10 +31,12 @@ from .model_runner import ModelRunner
 from .offload.base import NullOffload, Offload
 from .offload.device_prefetch import PrefetchOrder
 from .offload.planner import ReusePlan
-from .output_state import ABORT, OutputState
+from .output_state import ABORT, STOP, OutputState
 from .sampling import make_generator
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .structured import Constraint
+from .tools import ToolCallStream
 from .validation import PreparedRequest
 
 log = logging.getLogger(__name__)
@@ -57,6 +59,8 @@ class _Live:
     output: OutputState
     generator: torch.Generator
     sent_prompt: bool = False
+    constraint: Constraint | None = None  # the grammar its tokens must follow
+    tool_stream: ToolCallStream | None = None  # splits tool calls from content
 
 
 def context_limit(
@@ -140,7 +144,8 @@ class EngineCore:
         seq.offload.plan = self.offload.accept(plan)
         detok = IncrementalDetokenizer(self.loaded.tokenizer, req.prompt_token_ids)
         out = OutputState(detok, req.sampling, mc.eos_token_ids, req.max_output_tokens)
-        self._live[req.request_id] = _Live(seq, out, make_generator(seed))
+        self._live[req.request_id] = _Live(seq, out, make_generator(seed),
+                                           constraint=req.constraint, tool_stream=req.tool_stream)
         self.scheduler.add(seq)
 
     def prefetch(self, order: PrefetchOrder) -> None:
@@ -204,13 +209,23 @@ class EngineCore:
         if not due:
             return []
         lives = [self._live[s.request_id] for s in due]
-        tokens = self.runner.sample(logits, rows, due, [lv.generator for lv in lives])
+        width = logits.shape[-1]
+        masks = [lv.constraint.allowed(width) if lv.constraint else None for lv in lives]
+        tokens = self.runner.sample(logits, rows, due, [lv.generator for lv in lives], masks)
         return [self._append(lv, t) for lv, t in zip(lives, tokens, strict=True)]
 
     def _append(self, live: _Live, token: int) -> GenerateOutput:
         seq = live.seq
         seq.token_ids.append(token)
         live.output.add(token)
+        c = live.constraint
+        if c is not None and live.output.finish_reason is None:
+            if not c.advance(token):
+                log.warning("request %s: grammar refused token %d: %s", seq.request_id,
+                            token, c.error)
+                live.output.finish(STOP)
+            elif c.done:  # the grammar is complete: nothing may follow
+                live.output.finish(STOP)
         if live.output.finish_reason is not None:
             self.offload.finished(seq)
             self.scheduler.finish(seq)
@@ -221,14 +236,26 @@ class EngineCore:
         seq = live.seq
         first = not live.sent_prompt
         live.sent_prompt = True
+        text = live.output.take_text()
+        calls: tuple[ToolCall, ...] = ()
+        if live.tool_stream is not None:
+            text, found = live.tool_stream.feed(text)
+            if live.output.finish_reason is not None:
+                tail, more = live.tool_stream.finish()
+                text, found = text + tail, found + more
+            calls = tuple(found)
+        finish = live.output.finish_reason
+        if finish == STOP and live.tool_stream is not None and live.tool_stream.num_calls:
+            finish = "tool_calls"
         return GenerateOutput(
             request_id=seq.request_id,
-            text=live.output.take_text(),
+            text=text,
+            tool_calls=calls,
             token_ids=tuple(tokens),
             prompt_tokens=seq.num_prompt_tokens,
             completion_tokens=seq.num_output_tokens,
             cached_tokens=seq.num_cached_tokens or 0,
-            finish_reason=live.output.finish_reason,
+            finish_reason=finish,
             prompt_token_ids=tuple(seq.prompt_token_ids) if first else (),
             kv_from=_kv_from(seq) if first else "",
         )

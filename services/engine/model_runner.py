@@ -81,7 +81,9 @@ class ModelRunner:
         rows: list[int],
         seqs: list[Sequence],
         generators: list[torch.Generator],
+        masks: list[torch.Tensor | None] | None = None,
     ) -> list[int]:
-        """Sample one token for each of ``seqs`` from ``logits[rows]``."""
+        """Sample one token for each of ``seqs`` from ``logits[rows]``; ``masks[i]``, when
+        given, is the bool mask of the tokens sequence ``i`` may take (a grammar's)."""
         sub = logits[torch.tensor(rows)] if len(rows) != logits.shape[0] else logits
-        return self.sampler.sample(sub.cpu(), [s.sampling for s in seqs], generators)
+        return self.sampler.sample(sub.cpu(), [s.sampling for s in seqs], generators, masks)

@@ -45,8 +45,16 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator],
+        masks: Sequence[torch.Tensor | None] | None = None,
     ) -> list[int]:
-        """logits (S, V) float32."""
+        """logits (S, V) float32; ``masks[i]`` (V,) bool, when not None: the tokens row
+        ``i`` may take. Only masked rows are touched (a copy), so the other rows sample
+        exactly what they would in a batch without constraints."""
+        if masks is not None and any(m is not None for m in masks):
+            logits = logits.clone()
+            for i, m in enumerate(masks):
+                if m is not None and bool(m.any()):
+                    logits[i].masked_fill_(~m, float("-inf"))
         out = logits.argmax(dim=-1).tolist()
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if not rows:

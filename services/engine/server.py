@@ -33,7 +33,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     ) -> AsyncIterator[common_pb2.GenerateChunk]:
         """Stream chunks. A cancelled call cancels this handler; the generator's clean-up
         then aborts the request and frees its blocks."""
-        req = wire.request_from_proto(request)
+        try:
+            req = wire.request_from_proto(request)
+        except EngineError as e:
+            await context.abort(wire.STATUS_CODES[e.code], e.message)
         keepalive = common_pb2.GenerateChunk(request_id=req.request_id, keepalive=True)
         outputs = self.engine.generate(req)
         nxt: asyncio.Future | None = None

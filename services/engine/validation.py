@@ -5,11 +5,17 @@ from __future__ import annotations
 import math
 import uuid
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from shared.hashing import hash_seed
 
 from .api_types import GenerateRequest, SamplingParams
 from .errors import INVALID_ARGUMENT, NOT_FOUND, EngineError
+
+if TYPE_CHECKING:
+    from .guidance import ModelGuidance
+    from .structured import Constraint
+    from .tools import ToolCallStream
 
 
 @dataclass(frozen=True)
@@ -25,13 +31,16 @@ class PreparedRequest:
     kv_source: str = ""  # see GenerateRequest
     kv_source_tokens: int = 0
     no_reuse: bool = False
+    constraint: Constraint | None = None  # the grammar the output must follow
+    tool_stream: ToolCallStream | None = None  # lifts tool calls out of the output
 
 
 def _bad(message: str) -> EngineError:
     return EngineError(INVALID_ARGUMENT, message)
 
 
-def tokenize(req: GenerateRequest, tokenizer) -> list[int]:
+def tokenize(req: GenerateRequest, tokenizer, guidance: ModelGuidance | None = None
+             ) -> list[int]:
     given = [x is not None for x in (req.prompt, req.messages, req.prompt_token_ids)]
     if sum(given) != 1:
         raise _bad("give exactly one of prompt, messages, prompt_token_ids")
@@ -42,9 +51,11 @@ def tokenize(req: GenerateRequest, tokenizer) -> list[int]:
     try:
         if req.prompt is not None:
             return tokenizer.encode_prompt(req.prompt)
-        msgs = [{"role": m.role, "content": m.content} for m in req.messages or ()]
-        if not msgs:
+        if not req.messages:
             raise _bad("messages is empty")
+        if guidance is not None:
+            return guidance.prompt_ids(req)
+        msgs = [{"role": m.role, "content": m.content} for m in req.messages]
         return tokenizer.encode_chat(msgs, add_generation_prompt=req.add_generation_prompt)
     except EngineError:
         raise
@@ -78,6 +89,7 @@ def prepare(
     vocab_size: int,
     max_model_len: int,
     fingerprint: str,
+    guidance: ModelGuidance | None = None,
 ) -> PreparedRequest:
     """Validate ``req`` against the model and the context limit; raise EngineError."""
     if req.model and req.model != model_name:
@@ -85,7 +97,9 @@ def prepare(
             NOT_FOUND, f"model {req.model!r} is not served here; this engine serves {model_name!r}"
         )
     check_sampling(req.sampling, vocab_size)
-    ids = tokenize(req, tokenizer)
+    if guidance is None and not req.guidance.empty:
+        raise _bad("tools and response_format need a model with a tokenizer for them")
+    ids = tokenize(req, tokenizer, guidance)
     if not ids:
         raise _bad("the prompt is empty")
     bad = [t for t in ids if not 0 <= t < vocab_size]
@@ -116,4 +130,6 @@ def prepare(
         kv_source=req.kv_source,
         kv_source_tokens=req.kv_source_tokens,
         no_reuse=req.no_reuse,
+        constraint=guidance.constraint(req.guidance) if guidance else None,
+        tool_stream=guidance.output_stream(req.guidance) if guidance else None,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import grpc
@@ -14,10 +15,19 @@ from .api_types import (
     EngineStatus,
     GenerateOutput,
     GenerateRequest,
+    Guidance,
     PrefetchStats,
     SamplingParams,
+    ToolCall,
 )
-from .errors import INTERNAL, INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE
+from .errors import (
+    INTERNAL,
+    INVALID_ARGUMENT,
+    NOT_FOUND,
+    RESOURCE_EXHAUSTED,
+    UNAVAILABLE,
+    EngineError,
+)
 from .offload.jobs import LoadJob, PoolGeometry, SaveJob
 from .offload.save_log import SavedSession
 
@@ -56,13 +66,34 @@ def request_from_proto(r: common_pb2.GenerateRequest) -> GenerateRequest:
         "kv_source": r.kv_source,
         "kv_source_tokens": r.kv_source_tokens,
         "no_reuse": r.no_reuse,
+        "guidance": guidance_from_proto(r.guidance),
     }
     if kind == common_pb2.GenerateRequest.CHAT:
-        msgs = tuple(ChatMessage(m.role, m.content) for m in r.messages)
+        msgs = tuple(
+            ChatMessage(m.role, m.content,
+                        tuple(ToolCall(c.id, c.name, c.arguments) for c in m.tool_calls),
+                        m.tool_call_id, m.name)
+            for m in r.messages)
         return GenerateRequest(messages=msgs, **base)
     if kind == common_pb2.GenerateRequest.TOKEN_IDS:
         return GenerateRequest(prompt_token_ids=tuple(r.prompt_token_ids), **base)
     return GenerateRequest(prompt=r.prompt, **base)
+
+
+def guidance_from_proto(g: common_pb2.Guidance) -> Guidance:
+    """The scheduler sends checked JSON; a malformed field is a bad request all the same."""
+    try:
+        tools = tuple(json.loads(g.tools_json)) if g.tools_json else ()
+        schema = json.loads(g.json_schema) if g.json_schema else None
+    except ValueError as e:
+        raise EngineError(INVALID_ARGUMENT, f"guidance: malformed JSON: {e}") from None
+    return Guidance(
+        tools=tools,
+        tool_choice=g.tool_choice or "auto",
+        parallel_tool_calls=g.parallel_tool_calls,
+        response_format=g.response_format,
+        json_schema=schema,
+    )
 
 
 def chunk_to_proto(o: GenerateOutput) -> common_pb2.GenerateChunk:
@@ -76,6 +107,8 @@ def chunk_to_proto(o: GenerateOutput) -> common_pb2.GenerateChunk:
         finish_reason=o.finish_reason or "",
         cached_tokens=o.cached_tokens,
         kv_from=o.kv_from,
+        tool_calls=[common_pb2.ToolCallDelta(index=c.index, id=c.id, name=c.name,
+                                             arguments=c.arguments) for c in o.tool_calls],
     )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from services.scheduler.errors import invalid
-from services.scheduler.schema import AnyOf, Bool, Int, ListOf, Node, Num, Obj, Str
+from services.scheduler.schema import AnyOf, Bool, Int, JsonObject, ListOf, Node, Num, Obj, Str
 
 if TYPE_CHECKING:
     from services.scheduler.validation import Limits
@@ -47,8 +47,53 @@ TEXT_PART = Obj({"type": Str(enum=("text",)), "text": Str()}, required=("type", 
 CONTENT = AnyOf([Str(), ListOf(TEXT_PART, what='{"type": "text", "text": string} parts')],
                 "a string or a list of text parts",
                 "the message's text (null only for an assistant message)")
+FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+
+
+def function_name_rule(value: str, param: str) -> str:
+    if not all(c.isascii() and (c.isalnum() or c in "_.-") for c in value):
+        raise invalid(f"'{param}' may hold only letters, digits, '_', '.' and '-'", param,
+                      "invalid_value")
+    return value
+
+
+FUNCTION_NAME = Str("a function's name", min_len=1, max_len=64, pattern=FUNCTION_NAME_PATTERN,
+                    rule=function_name_rule)
+TOOL_CALL = Obj({
+    "id": Str(),
+    "type": Str(enum=("function",)),
+    "function": Obj({"name": FUNCTION_NAME, "arguments": Str("the arguments as JSON text")},
+                    required=("name", "arguments")),
+}, required=("function",))
 MESSAGE = Obj({"role": Str(enum=ROLES, doc="'developer' is read as 'system'"),
-               "content": CONTENT, "name": Str()}, required=("role",))
+               "content": CONTENT, "name": Str(),
+               "tool_calls": ListOf(TOOL_CALL, what="tool call objects",
+                                    doc="an assistant's calls"),
+               "tool_call_id": Str(doc="a tool message: the call it answers")},
+              required=("role",))
+FUNCTION = Obj({
+    "name": FUNCTION_NAME,
+    "description": Str(),
+    "parameters": JsonObject("the arguments' JSON schema"),
+    "strict": Bool(default=False),
+}, required=("name",))
+TOOL = Obj({"type": Str(enum=("function",)), "function": FUNCTION}, required=("type", "function"))
+MAX_TOOLS = 128
+TOOLS = ListOf(TOOL, max_items=MAX_TOOLS, what="tool objects",
+               doc="functions the model may call (rendered by its chat template)")
+TOOL_CHOICE = AnyOf([
+    Str(enum=("none", "auto", "required")),
+    Obj({"type": Str(enum=("function",)),
+         "function": Obj({"name": FUNCTION_NAME}, required=("name",))},
+        required=("type", "function")),
+], '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+    "required and a named function are enforced while sampling")
+RESPONSE_FORMAT = Obj({
+    "type": Str(enum=("text", "json_object", "json_schema")),
+    "json_schema": Obj({"name": Str(min_len=1), "description": Str(),
+                        "schema": JsonObject("the JSON schema the output follows"),
+                        "strict": Bool(default=False)}, required=("name",)),
+}, required=("type",), doc="json_object and json_schema are enforced while sampling")
 STOP = AnyOf([Str(min_len=1), ListOf(Str(min_len=1), min_items=1, max_items=MAX_STOP)],
              f"a non-empty string or a list of at most {MAX_STOP} of them",
              "text that ends a choice (not included in it)")
@@ -79,12 +124,16 @@ def _sampling(limits: Limits, chat: bool) -> dict[str, Node]:
     if chat:
         fields["max_completion_tokens"] = Int(1, limits.max_tokens, "as max_tokens (wins)")
         fields["add_generation_prompt"] = Bool(default=True)
+        fields["tools"] = TOOLS
+        fields["tool_choice"] = TOOL_CHOICE
+        fields["parallel_tool_calls"] = Bool(default=True)
+    fields["response_format"] = RESPONSE_FORMAT
     return fields
 
 
-UNSUPPORTED = ("logprobs, top_logprobs, tools, functions, non-zero presence_penalty or "
-               "frequency_penalty, response_format other than text, best_of > 1 (and echo, "
-               "suffix for completions) are refused with 400 unsupported_parameter; other "
+UNSUPPORTED = ("logprobs, top_logprobs, functions (the old form of tools), non-zero "
+               "presence_penalty or frequency_penalty, best_of > 1 (and echo, suffix and "
+               "tools for completions) are refused with 400 unsupported_parameter; other "
                "unknown fields are ignored")
 
 

@@ -31,6 +31,7 @@ from services.scheduler.openai_format import (
     new_id,
     sse,
     stream_chunk,
+    tool_call_deltas,
     usage_chunk,
 )
 from services.scheduler.openapi import openapi_document
@@ -204,18 +205,27 @@ def _chunk_events(
             )
         )
         prompt_ids = None
-    if chunk.text or chunk.token_ids or chunk.finish_reason:
+    parts = [part for call in chunk.tool_calls for part in tool_call_deltas(call)]
+    finish = chunk.finish_reason or None
+    if chunk.text or chunk.token_ids or (finish and not parts):
         out.append(
             stream_chunk(
                 env,
                 st.index,
                 text=chunk.text,
-                finish_reason=chunk.finish_reason or None,
+                finish_reason=None if parts else finish,
                 token_ids=chunk.token_ids if ids else None,
                 prompt_token_ids=prompt_ids,
                 include_usage=req.include_usage,
             )
         )
+    # Tool calls after the text of the same piece, then the finish on its own (as OpenAI).
+    for part in parts:
+        out.append(stream_chunk(env, st.index, tool_calls=part,
+                                include_usage=req.include_usage))
+    if parts and finish:
+        out.append(stream_chunk(env, st.index, finish_reason=finish,
+                                include_usage=req.include_usage))
     return out
 
 

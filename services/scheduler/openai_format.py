@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.scheduler.request import Endpoint
-from services.scheduler.wire import Chunk
+from services.scheduler.wire import Chunk, ToolCallOut
 
 SSE_DONE = b"data: [DONE]\n\n"
 _OBJECT = {"chat": "chat.completion", "completion": "text_completion"}
@@ -39,10 +39,12 @@ class ChoiceState:
     completion_tokens: int = 0
     cached_tokens: int = 0
     finish_reason: str | None = None
+    tool_calls: list[ToolCallOut] = field(default_factory=list)
 
     def add(self, chunk: Chunk) -> None:
         if chunk.text:
             self.text.append(chunk.text)
+        self.tool_calls.extend(chunk.tool_calls)
         self.token_ids.extend(chunk.token_ids)
         if chunk.prompt_token_ids:
             self.prompt_token_ids = chunk.prompt_token_ids
@@ -108,8 +110,10 @@ def stream_chunk(
     token_ids: tuple[int, ...] | None = None,
     prompt_token_ids: tuple[int, ...] | None = None,
     include_usage: bool = False,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """One streamed chunk for choice ``index`` (a role header, a text delta or the finish)."""
+    """One streamed chunk for choice ``index`` (a role header, a text delta, tool call
+    deltas or the finish)."""
     if env.endpoint == "chat":
         delta: dict[str, Any] = {}
         if role:
@@ -117,6 +121,8 @@ def stream_chunk(
             delta["content"] = ""
         if text:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice: dict[str, Any] = {"index": index, "delta": delta}
     else:
         choice = {"index": index, "text": text}
@@ -128,6 +134,20 @@ def stream_chunk(
         choice["prompt_token_ids"] = list(prompt_token_ids)
     extra = {"usage": None} if include_usage else {}
     return env.wrap(_CHUNK_OBJECT[env.endpoint], [choice], **extra)
+
+
+def tool_call_deltas(call: ToolCallOut) -> list[list[dict[str, Any]]]:
+    """A call as OpenAI streams it: its id and name first, then its arguments."""
+    return [
+        [{"index": call.index, "id": call.id, "type": "function",
+          "function": {"name": call.name, "arguments": ""}}],
+        [{"index": call.index, "function": {"arguments": call.arguments}}],
+    ]
+
+
+def tool_calls_json(calls: list[ToolCallOut]) -> list[dict[str, Any]]:
+    return [{"id": c.id, "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
 
 
 def usage_chunk(env: Envelope, states: list[ChoiceState]) -> dict[str, Any]:
@@ -142,10 +162,11 @@ def full_response(
     for s in sorted(states, key=lambda s: s.index):
         text = "".join(s.text)
         if env.endpoint == "chat":
-            choice: dict[str, Any] = {
-                "index": s.index,
-                "message": {"role": "assistant", "content": text},
-            }
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if s.tool_calls:
+                message["tool_calls"] = tool_calls_json(s.tool_calls)
+                message["content"] = text or None
+            choice: dict[str, Any] = {"index": s.index, "message": message}
         else:
             choice = {"index": s.index, "text": text}
         choice["logprobs"] = None

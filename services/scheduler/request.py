@@ -10,9 +10,38 @@ InputKind = Literal["chat", "text", "tokens"]
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A function call: an assistant's in the history, or one the model made."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text
+
+
+@dataclass(frozen=True)
 class Message:
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str = ""
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class Guidance:
+    """Tools offered and the output's required shape (engine: guidance.py).
+
+    ``tool_choice``: "none" | "auto" | "required" | "function:<name>"."""
+
+    tools_json: str = ""  # the OpenAI tool list as JSON; "" = no tools
+    tool_choice: str = "auto"
+    parallel_tool_calls: bool = True
+    response_format: str = ""  # "" | "json_object" | "json_schema"
+    json_schema: str = ""  # JSON text of the schema for "json_schema"
+
+    @property
+    def has_tools(self) -> bool:
+        return bool(self.tools_json)
 
 
 @dataclass(frozen=True)
@@ -61,6 +90,7 @@ class ApiRequest:
     tenant: str = "default"
     priority: int = 0
     add_generation_prompt: bool = True
+    guidance: Guidance = Guidance()
 
     def choices(self) -> list[Choice]:
         """Prompt-major fan-out: choice ``p * n + j`` is sample ``j`` of prompt ``p``.

@@ -192,6 +192,21 @@ class AnyOf(Node):
 
 
 @dataclass
+class JsonObject(Node):
+    """Any JSON object, kept whole (a JSON schema, a function's parameters)."""
+
+    doc: str = ""
+
+    def check(self, v: Any, param: str) -> dict[str, Any]:
+        if not isinstance(v, dict):
+            raise invalid(f"'{param}' must be an object", param, "invalid_type")
+        return v
+
+    def schema(self) -> dict[str, Any]:
+        return self._described({"type": "object"})
+
+
+@dataclass
 class Obj(Node):
     fields: Mapping[str, Node]
     required: Sequence[str] = ()

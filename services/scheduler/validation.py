@@ -21,7 +21,15 @@ from services.scheduler.api_schema import (
     session_field,
 )
 from services.scheduler.errors import ApiError, invalid
-from services.scheduler.request import ApiRequest, Endpoint, Message, Prompt, Sampling
+from services.scheduler.request import (
+    ApiRequest,
+    Endpoint,
+    Guidance,
+    Message,
+    Prompt,
+    Sampling,
+    ToolCall,
+)
 from services.scheduler.schema import Obj, is_int, is_number
 
 
@@ -95,7 +103,7 @@ def _unsupported(body: dict[str, Any], endpoint: Endpoint) -> None:
     checks = [
         ("logprobs", bool(body.get("logprobs"))),
         ("top_logprobs", bool(body.get("top_logprobs"))),
-        ("tools", bool(body.get("tools"))),
+        ("tools", endpoint == "completion" and bool(body.get("tools"))),
         ("functions", bool(body.get("functions"))),
         ("echo", endpoint == "completion" and bool(body.get("echo"))),
         ("suffix", endpoint == "completion" and bool(body.get("suffix"))),
@@ -104,13 +112,6 @@ def _unsupported(body: dict[str, Any], endpoint: Endpoint) -> None:
     for key in ("presence_penalty", "frequency_penalty"):
         v = body.get(key)
         checks.append((key, v is not None and (not is_number(v) or v != 0)))
-    fmt = body.get("response_format")
-    checks.append(
-        (
-            "response_format",
-            fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"),
-        )
-    )
     for key, bad in checks:
         if bad:
             raise invalid(f"'{key}' is not supported by this server", key, "unsupported_parameter")
@@ -125,14 +126,61 @@ def _messages(msgs: list[dict[str, Any]]) -> tuple[Message, ...]:
     out = []
     for i, m in enumerate(msgs):
         role, content = m["role"], m.get("content")
-        if content is None and role != "assistant":
+        calls = m.get("tool_calls") or []
+        if content is None and not (role == "assistant"):
             raise invalid(f"'messages[{i}].content' is required", f"messages[{i}].content",
                           "missing_required_parameter")
+        if calls and role != "assistant":
+            raise invalid(f"'messages[{i}].tool_calls' is only for assistant messages",
+                          f"messages[{i}].tool_calls", "invalid_value")
+        if role == "tool" and not m.get("tool_call_id"):
+            raise invalid(f"'messages[{i}].tool_call_id' is required for a tool message",
+                          f"messages[{i}].tool_call_id", "missing_required_parameter")
         if isinstance(content, list):
             content = "\n".join(part["text"] for part in content)
         # OpenAI's "developer" is the system message of the templates models ship with.
-        out.append(Message("system" if role == "developer" else role, content or ""))
+        out.append(Message(
+            "system" if role == "developer" else role, content or "",
+            tool_calls=tuple(ToolCall(c.get("id", ""), c["function"]["name"],
+                                      c["function"]["arguments"]) for c in calls),
+            tool_call_id=m.get("tool_call_id", "") if role == "tool" else "",
+            name=m.get("name", "")))
     return tuple(out)
+
+
+def guidance(v: dict[str, Any]) -> Guidance:
+    """Tools, tool_choice and response_format of a checked body (chat or Responses)."""
+    tools = v.get("tools") or []
+    names = [t["function"]["name"] for t in tools]
+    if len(set(names)) != len(names):
+        raise invalid("'tools' names a function twice", "tools", "invalid_value")
+    choice = v.get("tool_choice", "auto")
+    if isinstance(choice, dict):
+        name = choice["function"]["name"]
+        if name not in names:
+            raise invalid(f"'tool_choice' names {name!r}, which is not among 'tools'",
+                          "tool_choice", "invalid_value")
+        choice = f"function:{name}"
+    elif choice == "required" and not tools:
+        raise invalid("'tool_choice' is 'required' but no 'tools' are given", "tool_choice",
+                      "invalid_value")
+    fmt = v.get("response_format") or {"type": "text"}
+    kind = "" if fmt["type"] == "text" else fmt["type"]
+    schema = ""
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if spec is None or spec.get("schema") is None:
+            raise invalid("'response_format.json_schema.schema' is required for type "
+                          "json_schema", "response_format.json_schema.schema",
+                          "missing_required_parameter")
+        schema = json.dumps(spec["schema"])
+    return Guidance(
+        tools_json=json.dumps(tools) if tools else "",
+        tool_choice=choice if tools else "none",
+        parallel_tool_calls=v.get("parallel_tool_calls", True),
+        response_format=kind,
+        json_schema=schema,
+    )
 
 
 def _prompts(p: str | list[Any]) -> tuple[Prompt, ...]:
@@ -200,6 +248,7 @@ def validate(
         tenant=tenant,
         priority=v.get("priority", 0),
         add_generation_prompt=v.get("add_generation_prompt", True),
+        guidance=guidance(v),
     )
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.scheduler.nodes import Load, ModelSpec, NodeInfo
-from services.scheduler.request import ApiRequest, Choice
+from services.scheduler.request import ApiRequest, Choice, Guidance, Message
 from shared.proto import common_pb2, scheduler_pb2
 
 GenerateProto = common_pb2.GenerateRequest  # what run_choices hands the dispatcher
@@ -25,6 +25,17 @@ class Chunk:
     cached_tokens: int = 0
     kv_from: str = ""  # the first chunk: where the prompt's KV came from
     node: str = ""  # the node that produced it (set by the dispatcher)
+    tool_calls: tuple[ToolCallOut, ...] = ()  # calls completed in this piece
+
+
+@dataclass(frozen=True)
+class ToolCallOut:
+    """A tool call the model made, whole; ``index`` is its place among the choice's calls."""
+
+    index: int
+    id: str
+    name: str
+    arguments: str
 
 
 def node_info(msg: scheduler_pb2.RegisterNodeRequest) -> NodeInfo:
@@ -66,6 +77,8 @@ def chunk(msg: common_pb2.GenerateChunk, node: str = "") -> Chunk:
         completion_tokens=msg.completion_tokens,
         finish_reason=msg.finish_reason,
         cached_tokens=msg.cached_tokens,
+        tool_calls=tuple(ToolCallOut(c.index, c.id, c.name, c.arguments)
+                         for c in msg.tool_calls),
     )
 
 
@@ -99,12 +112,27 @@ def generate_request(
         tenant=req.tenant,
         input_kind=_KINDS[p.kind],
         prompt=p.text,
-        messages=[common_pb2.ChatMessage(role=m.role, content=m.content) for m in p.messages],
+        messages=[_message(m) for m in p.messages],
         prompt_token_ids=list(p.token_ids),
         sampling=sampling,
         priority=req.priority,
         add_generation_prompt=req.add_generation_prompt,
+        guidance=_guidance(req.guidance),
     )
+
+
+def _message(m: Message) -> common_pb2.ChatMessage:
+    return common_pb2.ChatMessage(
+        role=m.role, content=m.content, tool_call_id=m.tool_call_id, name=m.name,
+        tool_calls=[common_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
+                    for c in m.tool_calls])
+
+
+def _guidance(g: Guidance) -> common_pb2.Guidance:
+    return common_pb2.Guidance(
+        tools_json=g.tools_json, tool_choice=g.tool_choice,
+        parallel_tool_calls=g.parallel_tool_calls, response_format=g.response_format,
+        json_schema=g.json_schema)
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,12 @@ class ChatTemplate:
         self.bos_token = bos_token
         self.eos_token = eos_token
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise ChatTemplateError("chat messages must be a list of objects")
         for i, m in enumerate(messages):
@@ -51,6 +56,7 @@ class ChatTemplate:
             return self._template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
+                tools=tools,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
             )
@@ -58,5 +64,5 @@ class ChatTemplate:
             raise
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template failed to render: {exc}") from exc
-        except (TypeError, KeyError, AttributeError, IndexError) as exc:
+        except (TypeError, KeyError, AttributeError, IndexError, ValueError) as exc:
             raise ChatTemplateError(f"chat template failed on these messages: {exc}") from exc

@@ -50,6 +50,7 @@ class Tokenizer:
         # None: let tokenizer.json's post-processor decide, as transformers does.
         add_bos = config.get("add_bos_token")
         self.add_bos: bool | None = None if add_bos is None else bool(add_bos)
+        self.template_source = template
         self._template = (
             ChatTemplate(template, self.bos_token or "", self.eos_token or "") if template else None
         )
@@ -78,6 +79,14 @@ class Tokenizer:
             raise LoaderError(f"{cfg_path}: {exc}") from exc
         return tokenizer
 
+    def to_json(self) -> str:
+        """tokenizer.json as text (the grammar library builds its token trie from it)."""
+        return self._tok.to_str()
+
+    def token_id(self, text: str) -> int | None:
+        """The id of a token spelled ``text`` exactly (an added/special token), if any."""
+        return self._tok.token_to_id(text)
+
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
@@ -95,20 +104,26 @@ class Tokenizer:
         return ids
 
     def render_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         if self._template is None:
             raise ChatTemplateError(
                 "this model has no chat template (tokenizer_config.json "
                 "has no 'chat_template'); use a plain completion instead"
             )
-        return self._template.render(messages, add_generation_prompt)
+        return self._template.render(messages, add_generation_prompt, tools)
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         # The template writes the special tokens itself (e.g. bos_token): do not add again.
-        text = self.render_chat(messages, add_generation_prompt)
+        text = self.render_chat(messages, add_generation_prompt, tools)
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pytest
 
 from services.scheduler.errors import ApiError
@@ -84,9 +85,19 @@ def test_body_must_be_an_object(raw: bytes) -> None:
         (chat(priority="high"), "priority"),
         (chat(return_token_ids="yes"), "return_token_ids"),
         (chat(logprobs=True), "logprobs"),
-        (chat(tools=[{"type": "function"}]), "tools"),
+        (chat(tools=[{"type": "function"}]), "tools[0].function"),
+        (chat(tools=[{"type": "function", "function": {"name": "a b"}}]), "tools[0].function.name"),
+        (chat(tool_choice="required"), "tool_choice"),
+        (chat(tool_choice="sometimes"), "tool_choice"),
+        (chat(functions=[{"name": "f"}]), "functions"),
+        (chat(messages=[{"role": "tool", "content": "x"}]), "messages[0].tool_call_id"),
+        (chat(messages=[{"role": "user", "content": "x", "tool_calls": [
+            {"type": "function", "function": {"name": "f", "arguments": "{}"}}]}]),
+         "messages[0].tool_calls"),
         (chat(presence_penalty=0.5), "presence_penalty"),
-        (chat(response_format={"type": "json_object"}), "response_format"),
+        (chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+         "response_format.json_schema.schema"),
+        (chat(response_format={"type": "yaml"}), "response_format.type"),
     ],
 )
 def test_chat_errors(body: dict, param: str) -> None:
@@ -191,3 +202,33 @@ def test_completion_prompt_forms_fan_out_prompt_major() -> None:
     assert [p.kind for p in req.prompts] == ["text", "tokens"]
     assert [(c.index, c.prompt_index) for c in req.choices()] == [(0, 0), (1, 0), (2, 1), (3, 1)]
     assert validate({"prompt": [1, 2, 3]}, "completion", LIMITS).prompts[0].token_ids == (1, 2, 3)
+
+
+def test_tools_and_formats_become_guidance() -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    req = validate(chat(tools=[tool], tool_choice={"type": "function", "function": {"name": "f"}},
+                        parallel_tool_calls=False), "chat", LIMITS)
+    g = req.guidance
+    assert json.loads(g.tools_json) == [tool]
+    assert g.tool_choice == "function:f" and not g.parallel_tool_calls
+    assert validate(chat(), "chat", LIMITS).guidance.tool_choice == "none"
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}}
+    g = validate(chat(response_format=fmt), "chat", LIMITS).guidance
+    assert g.response_format == "json_schema" and json.loads(g.json_schema) == {"type": "integer"}
+    assert validate(chat(response_format={"type": "text"}), "chat", LIMITS).guidance.response_format == ""
+
+
+def test_assistant_tool_calls_and_tool_results_are_kept() -> None:
+    msgs = [
+        {"role": "developer", "content": "be brief"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "3"}]},
+    ]
+    (prompt,) = validate(chat(messages=msgs), "chat", LIMITS).prompts
+    dev, asst, tool = prompt.messages
+    assert dev.role == "system"
+    assert asst.content == "" and asst.tool_calls[0].name == "f"
+    assert asst.tool_calls[0].arguments == '{"a": 1}' and asst.tool_calls[0].id == "call_1"
+    assert tool.tool_call_id == "call_1" and tool.content == "3"
