@@ -21,6 +21,7 @@ from services.scheduler.keys import key_book
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.nodes import NodeRegistry
 from services.scheduler.policy import make_policy
+from services.scheduler.responses import ResponseStore
 from services.scheduler.sessions import SessionDirectory
 from services.scheduler.tenant_limits import TenantLimits
 from services.scheduler.validation import Limits
@@ -76,6 +77,7 @@ def build_state(
         keys=key_book(config),
         max_body_bytes=config.max_body_bytes,
         advisor=advisor,
+        responses=ResponseStore(config.responses_ttl_s, config.responses_max),
     )
 
 

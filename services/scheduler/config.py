@@ -82,6 +82,11 @@ class SchedulerConfig:
     advisory_throttle_rate: float = opt(
         1.0, "advisories per second a throttled tenant may still send (burst: 5)", min=0.01,
     )
+    responses_ttl_s: float = opt(
+        3600.0, "stored Responses API responses (previous_response_id) live this long",
+        min=1)
+    responses_max: int = opt(10_000, "stored responses per tenant (least recently used "
+                             "dropped)", min=1)
     max_n: int = opt(8, "largest `n`; each choice is a separate generation", min=1, max=64)
     max_prompts: int = opt(8, "most prompts in one /v1/completions request", min=1, max=64)
     default_max_tokens: int = opt(

@@ -36,6 +36,7 @@ from services.scheduler.openai_format import (
 )
 from services.scheduler.openapi import openapi_document
 from services.scheduler.request import ApiRequest, Endpoint
+from services.scheduler.responses import ResponseStore, add_responses_routes
 from services.scheduler.static_pages import add_static_routes
 from services.scheduler.tenant_limits import TenantLimits
 from services.scheduler.validation import (
@@ -61,6 +62,7 @@ class ApiState:
     tenants: TenantLimits = field(default_factory=lambda: TenantLimits(0, 0, 0))
     body_timeout_s: float = 30.0
     advisor: Advisor = field(default=None)  # type: ignore[assignment]  # (set by build_state)
+    responses: ResponseStore = field(default_factory=lambda: ResponseStore(3600.0, 10_000))
 
 
 STATE = web.AppKey("state", ApiState)
@@ -116,7 +118,7 @@ async def read_body(state: ApiState, request: web.Request) -> bytes:
                        f"{state.body_timeout_s:g} s", code="body_timeout") from None
 
 
-class _Timing:
+class Timing:
     """TTFT per request and inter-token latency per choice."""
 
     def __init__(self, metrics: SchedulerMetrics, model: str) -> None:
@@ -167,7 +169,7 @@ async def _generate_in_flight(request: web.Request, state: ApiState, req: ApiReq
                               endpoint: Endpoint, model: str) -> web.StreamResponse:
     env = Envelope(endpoint, new_id(endpoint), model)
     states = {c.index: ChoiceState(c.index, c.prompt_index) for c in req.choices()}
-    timing = _Timing(state.metrics, model)
+    timing = Timing(state.metrics, model)
     state.metrics.in_flight.inc()
     try:
         async with aclosing(run_choices(state.dispatcher, req, model, env.id)) as events:
@@ -234,7 +236,7 @@ async def _stream(
     req: ApiRequest,
     env: Envelope,
     states: dict[int, ChoiceState],
-    timing: _Timing,
+    timing: Timing,
     events: AsyncIterator[tuple[int, Chunk]],
 ) -> web.StreamResponse:
     # Wait for the first chunk before sending headers, so that failures before any output
@@ -360,5 +362,6 @@ def build_app(state: ApiState) -> web.Application:
     app.router.add_get("/openapi.json", openapi)
     add_admin_routes(app)
     add_advisory_routes(app)
+    add_responses_routes(app)
     add_static_routes(app)
     return app

@@ -41,10 +41,31 @@ def tool_names(tools: tuple[dict, ...]) -> list[str]:
     return [t["function"]["name"] for t in tools]
 
 
+def closed(schema: Any) -> Any:
+    """``schema`` with objects that list their properties closed to others, unless they
+    say otherwise: a function takes the parameters it declares (JSON Schema's default of
+    open objects lets a forced call write extra keys the function cannot take)."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (closed(v) if k in _NESTED_LISTS or k == "items" else v)
+           for k, v in schema.items()}
+    for key in ("properties", "$defs", "definitions", "patternProperties"):
+        if isinstance(schema.get(key), dict):
+            out[key] = {k: closed(v) for k, v in schema[key].items()}
+    if "properties" in schema and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
+_NESTED_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+
+
 def call_schema(tool: dict, args_key: str) -> dict:
     """JSON schema of one call object ``{"name": <const>, <args_key>: <parameters>}``."""
     fn = tool["function"]
-    params = fn.get("parameters") or {"type": "object", "properties": {}}
+    params = closed(fn.get("parameters") or {"type": "object", "properties": {}})
     return {
         "type": "object",
         "properties": {"name": {"const": fn["name"]}, args_key: params},

@@ -113,8 +113,8 @@ def test_auto_and_none_leave_text_as_content(client: openai.OpenAI) -> None:
 
 
 def test_streamed_tool_calls_match_the_whole_response(client: openai.OpenAI) -> None:
-    kwargs = dict(model="demo-tiny", messages=ASK, tools=[WEATHER], tool_choice="required",
-                  temperature=1.0, seed=7, max_tokens=200, parallel_tool_calls=False)
+    kwargs = {"model": "demo-tiny", "messages": ASK, "tools": [WEATHER], "tool_choice": "required",
+                  "temperature": 1.0, "seed": 7, "max_tokens": 200, "parallel_tool_calls": False}
     whole = client.chat.completions.create(**kwargs)
     stream = client.chat.completions.create(**kwargs, stream=True)
     names: dict[int, str] = {}
@@ -166,13 +166,13 @@ def test_developer_role_and_bad_tool_requests(client: openai.OpenAI) -> None:
         messages=[{"role": "developer", "content": "Be brief."}, *ASK])
     assert r.choices[0].message.role == "assistant"
     bad = [
-        dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}),
-        dict(tool_choice="required"),
-        dict(tools=[WEATHER, WEATHER]),
-        dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]),
-        dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
-        dict(response_format={"type": "json_schema",
-                              "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}),
+        {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        {"tool_choice": "required"},
+        {"tools": [WEATHER, WEATHER]},
+        {"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+        {"response_format": {"type": "json_schema",
+                              "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
     ]
     for extra in bad:
         with pytest.raises(openai.BadRequestError) as e:

@@ -123,3 +123,18 @@ def test_written_calls_parse_back(family: str) -> None:
     assert content == ""
     assert [(c.name, args(c)) for c in parsed] == [("get_weather", {"city": "Bergen"}),
                                                    ("get_time", {"zone": 9})]
+
+
+def test_forced_call_arguments_take_only_declared_parameters() -> None:
+    from services.engine.tools.formats import closed
+
+    schema = {"type": "object", "properties": {
+        "a": {"type": "object", "properties": {"x": {"type": "integer"}}},
+        "b": {"anyOf": [{"type": "object", "properties": {}}, {"type": "null"}]},
+        "c": {"type": "object", "properties": {}, "additionalProperties": True}}}
+    out = closed(schema)
+    assert out["additionalProperties"] is False
+    assert out["properties"]["a"]["additionalProperties"] is False
+    assert out["properties"]["b"]["anyOf"][0]["additionalProperties"] is False
+    assert out["properties"]["c"]["additionalProperties"] is True
+    assert "additionalProperties" not in schema  # (the caller's schema is left alone)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+
 import pytest
 
 from services.scheduler.errors import ApiError
@@ -215,7 +216,8 @@ def test_tools_and_formats_become_guidance() -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}}
     g = validate(chat(response_format=fmt), "chat", LIMITS).guidance
     assert g.response_format == "json_schema" and json.loads(g.json_schema) == {"type": "integer"}
-    assert validate(chat(response_format={"type": "text"}), "chat", LIMITS).guidance.response_format == ""
+    text = validate(chat(response_format={"type": "text"}), "chat", LIMITS)
+    assert text.guidance.response_format == ""
 
 
 def test_assistant_tool_calls_and_tool_results_are_kept() -> None:
