@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from services.scheduler.api_schema import ADVISORY
+from services.scheduler.responses.schema import responses_body
 from services.scheduler.validation import Limits, body_schema
 
 _INT = {"type": "integer"}
@@ -26,12 +27,18 @@ USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "t
          "properties": {"prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT,
                         "prompt_tokens_details": {"type": "object", "properties": {
                             "cached_tokens": _INT}}}}
-_FINISH = {"type": "string", "enum": ["stop", "length", "abort"]}
+_FINISH = {"type": "string", "enum": ["stop", "length", "abort", "tool_calls"]}
+TOOL_CALLS = {"type": "array", "items": {
+    "type": "object", "required": ["id", "type", "function"], "properties": {
+        "id": _STR, "type": {"const": "function"}, "function": {
+            "type": "object", "required": ["name", "arguments"],
+            "properties": {"name": _STR, "arguments": _STR}}}}}
 
 
 def _completion(chat: bool) -> dict[str, Any]:
     out = ({"message": {"type": "object", "required": ["role", "content"], "properties": {
-        "role": {"const": "assistant"}, "content": _STR}}} if chat else {"text": _STR})
+        "role": {"const": "assistant"}, "content": {"type": ["string", "null"]},
+        "tool_calls": TOOL_CALLS}}} if chat else {"text": _STR})
     choice = {"type": "object", "required": ["index", "finish_reason", *out],
               "properties": {"index": _INT, "finish_reason": _FINISH, "logprobs": {
                   "type": "null"}, "token_ids": _TOKEN_IDS, "prompt_token_ids": _TOKEN_IDS,
@@ -58,6 +65,22 @@ ADVISED = {**_ADVISED, "required": [*_ADVISED["required"], "successors"],
                           "successors": {"type": "array", "items": _ADVISED}}}
 DELETED = {"type": "object", "required": ["id", "object", "deleted"], "properties": {
     "id": _STR, "object": {"const": "advisory"}, "deleted": {"const": True}}}
+_ITEM = {"type": "object", "required": ["id", "type", "status"], "properties": {
+    "id": _STR, "type": {"enum": ["message", "function_call"]}, "status": _STR,
+    "role": {"const": "assistant"}, "content": {"type": "array"}, "call_id": _STR,
+    "name": _STR, "arguments": _STR}}
+RESPONSE = {"type": "object", "required": ["id", "object", "created_at", "status", "model",
+                                           "output"],
+            "properties": {"id": _STR, "object": {"const": "response"}, "created_at": _INT,
+                           "status": {"enum": ["completed", "incomplete", "in_progress",
+                                               "failed"]},
+                           "model": _STR, "output": {"type": "array", "items": _ITEM},
+                           "previous_response_id": {"type": ["string", "null"]},
+                           "session_id": _STR,
+                           "usage": {"type": ["object", "null"], "properties": {
+                               "input_tokens": _INT, "output_tokens": _INT,
+                               "total_tokens": _INT}}}}
+_RESPONSE_ID = [{"name": "response_id", "in": "path", "required": True, "schema": _STR}]
 
 _ERRORS = {str(code): {"description": why, "content": {"application/json": {"schema": ERROR}}}
            for code, why in ((400, "malformed request"), (401, "missing or unknown API key"),
@@ -115,6 +138,19 @@ def openapi_document(limits: Limits) -> dict[str, Any]:
                 "parameters": [{"name": "advisory_id", "in": "path", "required": True,
                                 "schema": _STR}],
                 "responses": {"200": _json(DELETED, "invalidated"), **_ERRORS}}},
+            "/v1/responses": {"post": {
+                "summary": "OpenAI Responses API (text and function tools)",
+                "parameters": [{"name": "X-Session-Id", "in": "header", "required": False,
+                                "schema": {"type": "string", "maxLength": 256}}],
+                "requestBody": {"required": True, "content": {"application/json": {
+                    "schema": responses_body(limits).schema()}}},
+                "responses": {"200": _json(RESPONSE, "the response (with stream: "
+                                           "server-sent Responses events)"), **_ERRORS}}},
+            "/v1/responses/{response_id}": {
+                "get": {"parameters": _RESPONSE_ID,
+                        "responses": {"200": _json(RESPONSE, "a stored response"), **_ERRORS}},
+                "delete": {"parameters": _RESPONSE_ID, "responses": {
+                    "200": _json({"type": "object"}, "deleted"), **_ERRORS}}},
             "/healthz": health,
             "/readyz": health,
             "/openapi.json": {"get": {"security": [], "responses": {
