@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Annotated
 
 import openai
 import pytest
 from pydantic import Field
 
-from tests.cluster import Cluster, start_cluster
+from tests.cluster import Cluster
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather now.",
            "parameters": {"type": "object",
@@ -22,18 +20,6 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Weather no
            "strict": True}
 
 Small = Annotated[int, Field(ge=0, le=99)]  # (a random model writes long numbers otherwise)
-
-
-@pytest.fixture(scope="module")
-def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with start_cluster(tmp_path_factory.mktemp("cluster"), tiny_model) as c:
-        yield c
-
-
-@pytest.fixture
-def client(cluster: Cluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", timeout=120,
-                         max_retries=0)
 
 
 def test_a_previous_response_chain_reuses_its_kv(client: openai.OpenAI,

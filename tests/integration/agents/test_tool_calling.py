@@ -5,14 +5,12 @@ enforced while sampling, not because the model knows better."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 
 import jsonschema
 import openai
 import pytest
 
-from tests.cluster import Cluster, start_cluster
+from tests.cluster import Cluster
 
 WEATHER = {
     "type": "function",
@@ -48,18 +46,6 @@ SCHEMA = {
     "required": ["name", "age", "tags", "ok"],
     "additionalProperties": False,
 }
-
-
-@pytest.fixture(scope="module")
-def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with start_cluster(tmp_path_factory.mktemp("cluster"), tiny_model) as c:
-        yield c
-
-
-@pytest.fixture
-def client(cluster: Cluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", timeout=120,
-                         max_retries=0)
 
 
 def _check_weather_args(arguments: str) -> None:
