@@ -27,6 +27,9 @@ USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "t
          "properties": {"prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT,
                         "prompt_tokens_details": {"type": "object", "properties": {
                             "cached_tokens": _INT}}}}
+# One server-sent event as a client parses it (``data`` holds a JSON object or [DONE]).
+SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "data": _STR, "event": _STR, "id": _STR, "retry": _INT}}
 _FINISH = {"type": "string", "enum": ["stop", "length", "abort", "tool_calls"]}
 TOOL_CALLS = {"type": "array", "items": {
     "type": "object", "required": ["id", "type", "function"], "properties": {
@@ -95,11 +98,17 @@ def _json(schema: dict[str, Any], why: str) -> dict[str, Any]:
     return {"description": why, "content": {"application/json": {"schema": schema}}}
 
 
+def _streamed(schema: dict[str, Any], why: str) -> dict[str, Any]:
+    """JSON, or server-sent events with ``stream: true``."""
+    ok = _json(schema, why)
+    ok["content"]["text/event-stream"] = {"schema": SSE_EVENT}
+    return ok
+
+
 def _generation(chat: bool, limits: Limits) -> dict[str, Any]:
     endpoint = "chat" if chat else "completion"
-    ok = _json(_completion(chat), "the completion (with stream: server-sent events of "
-               "chunks, then data: [DONE])")
-    ok["content"]["text/event-stream"] = {"schema": _STR}
+    ok = _streamed(_completion(chat), "the completion (with stream: server-sent events of "
+                   "chunks, then data: [DONE])")
     return {"post": {
         "summary": "OpenAI chat completion" if chat else "OpenAI completion",
         "parameters": [{"name": "X-Session-Id", "in": "header", "required": False,
@@ -144,8 +153,8 @@ def openapi_document(limits: Limits) -> dict[str, Any]:
                                 "schema": {"type": "string", "maxLength": 256}}],
                 "requestBody": {"required": True, "content": {"application/json": {
                     "schema": responses_body(limits).schema()}}},
-                "responses": {"200": _json(RESPONSE, "the response (with stream: "
-                                           "server-sent Responses events)"), **_ERRORS}}},
+                "responses": {"200": _streamed(RESPONSE, "the response (with stream: "
+                                               "server-sent Responses events)"), **_ERRORS}}},
             "/v1/responses/{response_id}": {
                 "get": {"parameters": _RESPONSE_ID,
                         "responses": {"200": _json(RESPONSE, "a stored response"), **_ERRORS}},
