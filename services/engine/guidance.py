@@ -65,4 +65,4 @@ class ModelGuidance:
     def output_stream(self, g: Guidance) -> ToolCallStream | None:
         if not g.parses_tool_calls:
             return None
-        return ToolCallStream(self.format, tool_names(g.tools))
+        return ToolCallStream(self.format, tool_names(g.tools), g.parallel_tool_calls)

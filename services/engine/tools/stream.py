@@ -17,9 +17,10 @@ from .formats import ToolFormat
 
 
 class ToolCallStream:
-    def __init__(self, fmt: ToolFormat, names: list[str]) -> None:
+    def __init__(self, fmt: ToolFormat, names: list[str], parallel: bool = True) -> None:
         self._fmt = fmt
         self._names = names
+        self._parallel = parallel  # False: calls after the first are dropped
         self._buf = ""
         self._in_call = False
         self._at_start = True  # nothing but whitespace seen yet
@@ -99,6 +100,8 @@ class ToolCallStream:
             self._emit(self._opened + block + tail, content)
             return
         for c in parsed:
+            if self.num_calls and not self._parallel:
+                return
             calls.append(ToolCall(c.id, c.name, c.arguments, self.num_calls))
             self.num_calls += 1
 

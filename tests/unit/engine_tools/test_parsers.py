@@ -138,3 +138,12 @@ def test_forced_call_arguments_take_only_declared_parameters() -> None:
     assert out["properties"]["b"]["anyOf"][0]["additionalProperties"] is False
     assert out["properties"]["c"]["additionalProperties"] is True
     assert "additionalProperties" not in schema  # (the caller's schema is left alone)
+
+
+def test_without_parallel_calls_only_the_first_is_kept() -> None:
+    text = ('<tool_call>{"name": "get_time", "arguments": {"zone": 1}}</tool_call>\n'
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "X"}}</tool_call>')
+    s = ToolCallStream(FORMATS["hermes"], NAMES, parallel=False)
+    content, calls = s.feed(text)
+    tail, more = s.finish()
+    assert [c.name for c in calls + more] == ["get_time"] and content + tail == ""
