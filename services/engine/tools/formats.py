@@ -33,7 +33,10 @@ def dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(ITEM_SEP, KEY_SEP))
 
 
-def new_call_id() -> str:
+def new_call_id(family: str = "") -> str:
+    """OpenAI-style ``call_…``; Mistral's templates insist on 9 letters and digits."""
+    if family == "mistral":
+        return uuid.uuid4().hex[:9]
     return "call_" + uuid.uuid4().hex[:24]
 
 
@@ -164,7 +167,7 @@ class ToolFormat:
             args = _load(args)
         if not isinstance(args, dict):
             return None
-        return ToolCall(new_call_id(), o["name"], dumps(args))
+        return ToolCall(new_call_id(self.name), o["name"], dumps(args))
 
 
 def _load(text: str) -> Any:

@@ -96,6 +96,7 @@ def test_mistral(pieces: int) -> None:
             '{"name": "get_time", "arguments": {"zone": 0}}]')
     content, calls = parse("mistral", text, pieces)
     assert content == "Sure." and [c.name for c in calls] == NAMES
+    assert all(len(c.id) == 9 and c.id.isalnum() for c in calls)  # (its templates check)
     # [TOOL_CALLS] is a special token the detokenizer drops: a leading array is calls too
     _, calls = parse("mistral", '[{"name": "get_time", "arguments": {"zone": 5}}]', pieces)
     assert args(calls[0]) == {"zone": 5}
