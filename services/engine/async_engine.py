@@ -39,6 +39,8 @@ from typing import Any, Self
 
 import torch
 
+from shared.device_ledger import DeviceLedger
+
 from .admission import Admission, Entering
 from .api_types import EngineStatus, GenerateOutput, GenerateRequest, ModelInfo, ReuseStats
 from .config import EngineConfig
@@ -46,6 +48,7 @@ from .engine_core import EngineCore
 from .errors import INVALID_ARGUMENT, UNAVAILABLE, EngineError
 from .guidance import ModelGuidance
 from .loading import load_for
+from .model_slot import ModelSlot, idle_status
 from .offload.device_prefetch import PrefetchOrder
 from .offload.kvstore_client import KVStoreClient
 from .offload.lookup import PrefixLookup, connect_offload
@@ -58,7 +61,7 @@ log = logging.getLogger(__name__)
 
 
 
-class AsyncEngine(WorkerLoop):
+class AsyncEngine(WorkerLoop, ModelSlot):
     def __init__(self, config: EngineConfig, loaded: Any = None) -> None:
         """Cheap: nothing is loaded or started until ``start()``. ``loaded`` (a LoadedModel)
         skips loading ``config.model_path``."""
@@ -66,6 +69,8 @@ class AsyncEngine(WorkerLoop):
         self._loaded = loaded
         self._core: EngineCore | None = None
         self._guidance: ModelGuidance | None = None
+        self._ledger: DeviceLedger | None = None  # the node's shared budget (device_ledger)
+        self._weights_held = 0
         self._executor: ThreadPoolExecutor | None = None
         self._loop_task: asyncio.Task | None = None
         self._inbox: deque[tuple[str, Any]] = deque()
@@ -90,13 +95,15 @@ class AsyncEngine(WorkerLoop):
 
     # ---- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
+        """Start the worker; load and serve ``config.model_path`` if given. Without one the
+        engine waits in its node's pool for ``activate`` (Prism §5.2)."""
         self._stopping = False
         if self.config.threads:
             torch.set_num_threads(self.config.threads)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         # OpenMP settings are per calling thread: give the worker the same intra-op team.
         await self._in_worker(torch.set_num_threads, torch.get_num_threads())
-        if self._loaded is None:
+        if self._loaded is None and (self.config.model_path or not self.config.pool):
             # Loaded in the worker as well: each thread that runs parallel torch ops keeps its
             # own OpenMP team, and with more team threads than cores libgomp stops spinning
             # between parallel regions; that doubled one-row decode steps on 2 cores.
@@ -106,7 +113,24 @@ class AsyncEngine(WorkerLoop):
                 self._executor.shutdown(wait=False)
                 self._executor = None
                 raise
-        self._core = await self._in_worker(EngineCore, self.config, self._loaded)
+        if self.config.device_ledger:
+            self._ledger = DeviceLedger(self.config.device_ledger)
+            self._ledger.join()
+        if self._loaded is not None:
+            await self._serve_loaded()
+        else:
+            log.info("engine started without a model: waiting for one to be activated")
+
+    async def _serve_loaded(self) -> None:
+        """Build the core (its KV pool laid out for the loaded model), attach the kvstore,
+        start stepping. With a node ledger the weights are counted first."""
+        self._hold_weights()
+        try:
+            self._core = await self._in_worker(EngineCore, self.config, self._loaded,
+                                               self._ledger)
+        except BaseException:
+            self._release_weights()
+            raise
         self._guidance = ModelGuidance(
             self._loaded.tokenizer, self._loaded.config.vocab_size,
             self._loaded.config.eos_token_ids, self.config.tool_parser)
@@ -115,7 +139,7 @@ class AsyncEngine(WorkerLoop):
         self._loop_task = asyncio.create_task(self._step_loop(), name="engine-step-loop")
         info = self._core.model_info
         log.info(
-            "engine started: %s, context %d, KV pool %d blocks of %d bytes at %s",
+            "engine serving %s: context %d, KV pool %d blocks of %d bytes at %s",
             info.name,
             info.max_model_len,
             self._core.pool.num_blocks,
@@ -123,7 +147,7 @@ class AsyncEngine(WorkerLoop):
             self._core.pool.name,
         )
 
-    async def stop(self) -> None:
+    async def _stop_serving(self, why: str) -> None:
         self._stopping = True  # ends the worker's stepping run after its current step
         if self._loop_task is not None:
             self._loop_task.cancel()
@@ -134,13 +158,23 @@ class AsyncEngine(WorkerLoop):
             await self._connector.close()
             self._connector = self._coordinator = None
         for q in self._queues.values():
-            q.put_nowait(EngineError(UNAVAILABLE, "the engine is shutting down"))
+            q.put_nowait(EngineError(UNAVAILABLE, why))
+        if self._executor is not None and self._core is not None:
+            await self._in_worker(self._core.close)
+        self._core = None
+        self._inbox.clear()
+        self._stopping = False
+
+    async def stop(self) -> None:
+        await self._stop_serving("the engine is shutting down")
+        self._release_weights()
+        if self._ledger is not None:
+            self._ledger.close()
+            self._ledger = None
+        self._stopping = True
         if self._executor is not None:
-            if self._core is not None:
-                await self._in_worker(self._core.close)
             self._executor.shutdown(wait=True)
             self._executor = None
-        self._core = None
 
     async def __aenter__(self) -> Self:
         await self.start()
@@ -151,7 +185,8 @@ class AsyncEngine(WorkerLoop):
 
     def _require_core(self) -> EngineCore:
         if self._core is None or self._loop_task is None:
-            raise EngineError(UNAVAILABLE, "the engine is not running")
+            raise EngineError(UNAVAILABLE, "no model is active in this engine" if
+                              self._executor is not None else "the engine is not running")
         return self._core
 
     @property
@@ -259,7 +294,10 @@ class AsyncEngine(WorkerLoop):
     async def status(self, max_wait_s: float | None = None) -> EngineStatus:
         """The core's counters after the queued adds and aborts. With ``max_wait_s``, when
         the worker is busy longer than that (a long forward pass), the snapshot of the last
-        step instead: liveness and load must not wait for the model."""
+        step instead: liveness and load must not wait for the model. An engine without a
+        model (waiting in its node's pool) answers with no model and no pool."""
+        if self._core is None and self._executor is not None:
+            return idle_status(self.config)
         core = self._require_core()
         if max_wait_s is None:
             fresh: asyncio.Future[EngineStatus] = asyncio.ensure_future(self._fresh_status(core))

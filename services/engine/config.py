@@ -83,6 +83,13 @@ class EngineConfig:
         1 << 30, "device-memory budget for the KV pool (on CPU it stands in for HBM)", min=1 << 20
     )
     page_bytes: int = opt(2 << 20, "KV capacity grows and shrinks in pages of this size", min=4096)
+    pool: bool = opt(
+        False, "start without a model and wait for one to be activated (a node's engine "
+        "pool, Prism §5.2); model_path, if given, is served first all the same")
+    device_ledger: str = opt(
+        "", "the node's shared device-memory ledger (a file the nodemgr creates): KV pages "
+        "and weights count against one budget with the node's other engines; '' = "
+        "device_memory_bytes is this engine's own")
     max_num_seqs: int = opt(64, "most sequences running in one step", min=1, max=4096)
     max_num_batched_tokens: int = opt(
         512, "token budget per step (prefill chunks + decodes)", min=1, max=1 << 20

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.config import ConfigError
+from shared.device_ledger import DeviceLedger
 
 from .api_types import EngineStatus, GenerateOutput, ModelInfo, ToolCall
 from .config import EngineConfig
@@ -40,6 +41,11 @@ from .tools import ToolCallStream
 from .validation import PreparedRequest
 
 log = logging.getLogger(__name__)
+
+# With a node's shared budget, a request that cannot get pages waits for the nodemgr to
+# reclaim them from idle engines, retrying every BUDGET_RETRY_S, for BUDGET_WAIT_S at most.
+BUDGET_RETRY_S = 0.05
+BUDGET_WAIT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -73,7 +79,8 @@ def context_limit(
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel,
+                 ledger: DeviceLedger | None = None) -> None:
         mc = loaded.config
         self.config = config
         self.loaded = loaded
@@ -85,6 +92,7 @@ class EngineCore:
             budget_bytes=config.device_memory_bytes,
             page_bytes=config.page_bytes,
             device=config.device,
+            ledger=ledger,
         )
         self.blocks = BlockAllocator(self.pool)
         self.kv = BlockTables(self.blocks, mc.num_layers, config.block_size)
@@ -111,6 +119,9 @@ class EngineCore:
         # Nothing can run until the kvstore gives pinned/parked blocks back: idle until then
         # (an unpin, a new request or an abort clears it) instead of spinning.
         self._stalled = False
+        # The node's other engines hold its shared budget (device ledger): retry at this
+        # monotonic time, after the broker had a chance to reclaim pages (0.0: not waiting).
+        self.budget_retry_at = 0.0
         self._arrivals = itertools.count()
         self._seeds = random.Random(config.seed)
         self.model_info = ModelInfo(
@@ -126,6 +137,7 @@ class EngineCore:
     def add(self, req: PreparedRequest, plan: ReusePlan | None = None) -> None:
         """Queue a request; ``plan`` says which stored prefix to load at admission."""
         self._stalled = False
+        self.budget_retry_at = 0.0
         mc = self.loaded.config
         seed = req.sampling.seed if req.sampling.seed is not None else self._seeds.getrandbits(63)
         seq = Sequence(
@@ -173,7 +185,8 @@ class EngineCore:
         return [o for rid in list(self._live) if (o := self.abort(rid)) is not None]
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() and not self._stalled
+        return (self.scheduler.has_work() and not self._stalled
+                and time.monotonic() >= self.budget_retry_at)
 
     def unpin(self, job_id: int | None, ok: bool = True) -> None:
         """A save was answered (``ok``: it stored its chunks), or, with None, a load RPC
@@ -269,6 +282,10 @@ class EngineCore:
             self._stalled = True
             return []  # blocks come back when the kvstore answers
         seq = self.scheduler.waiting[0]
+        if self.pool.shares_budget and time.monotonic() - seq.waiting_since < BUDGET_WAIT_S:
+            # Other engines of the node hold the budget: the broker reclaims idle ones'.
+            self.budget_retry_at = time.monotonic() + BUDGET_RETRY_S
+            return []
         self._live.pop(seq.request_id, None)
         self.offload.dropped(seq)
         self.scheduler.finish(seq)

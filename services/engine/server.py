@@ -106,3 +106,30 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         except EngineError as e:
             await context.abort(wire.STATUS_CODES[e.code], e.message)
             raise  # unreachable: abort raises
+
+    async def Activate(
+        self, request: engine_pb2.ActivateRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.ActivateReply:
+        started = time.perf_counter()
+        try:
+            info = await self.engine.activate(request.model_path, request.served_model_name)
+        except EngineError as e:
+            await context.abort(wire.STATUS_CODES[e.code], e.message)
+            raise  # unreachable: abort raises
+        return engine_pb2.ActivateReply(model=info.to_proto(),
+                                        seconds=time.perf_counter() - started)
+
+    async def Evict(
+        self, request: engine_pb2.EvictRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.EvictReply:
+        return engine_pb2.EvictReply(evicted=await self.engine.evict())
+
+    async def ShrinkKV(
+        self, request: engine_pb2.ShrinkKVRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.ShrinkKVReply:
+        try:
+            pages = await self.engine.shrink_kv(max(0, request.max_pages))
+        except EngineError as e:
+            await context.abort(wire.STATUS_CODES[e.code], e.message)
+            raise  # unreachable: abort raises
+        return engine_pb2.ShrinkKVReply(pages=pages)

@@ -110,6 +110,10 @@ class WorkerLoop:
             busy = True
             while busy:
                 busy = await loop.run_in_executor(self._executor, self._run_steps, loop)
+            core = self._core
+            if core is not None and core.budget_retry_at:  # waiting for the node's budget
+                loop.call_at(loop.time() + max(0.0, core.budget_retry_at - time.monotonic()),
+                             self._wake.set)
 
     def _run_steps(self, loop: asyncio.AbstractEventLoop) -> bool:
         """(worker thread) step while there is work, posting each step's outputs to the

@@ -20,6 +20,7 @@ import torch
 
 from services.engine.device import PoolMemory, allocate_pool_memory
 from shared.config import ConfigError
+from shared.device_ledger import DeviceLedger
 from shared.kv_layout import block_bytes
 
 log = logging.getLogger(__name__)
@@ -43,8 +44,12 @@ class DeviceMemory:
         budget_bytes: int,
         page_bytes: int,
         device: str = "cpu",
+        ledger: DeviceLedger | None = None,
     ) -> None:
+        """``ledger``: the node's shared device budget; a page is committed only when the
+        ledger grants it (the budget then bounds every engine of the node together)."""
         self.block_size = block_size
+        self._ledger = ledger
         self.dtype = dtype
         self.block_bytes = block_bytes_for(block_size, num_kv_heads, head_dim, dtype)
         self.blocks_per_page = max(1, page_bytes // self.block_bytes)
@@ -71,12 +76,22 @@ class DeviceMemory:
         return self._memory.name
 
     @property
+    def shares_budget(self) -> bool:
+        """Whether pages come from the node's shared budget (which others may hold)."""
+        return self._ledger is not None
+
+    @property
     def num_committed_blocks(self) -> int:
         return self.num_committed_pages * self.blocks_per_page
 
     @property
     def num_uncommitted_blocks(self) -> int:
-        return self.num_blocks - self.num_committed_blocks
+        """Blocks of pages that could be committed now: within this pool's reservation and,
+        with a node ledger, within what the node's budget has left."""
+        local = self.num_blocks - self.num_committed_blocks
+        if self._ledger is None:
+            return local
+        return min(local, self._ledger.free_bytes() // self.page_span * self.blocks_per_page)
 
     def is_committed(self, page: int) -> bool:
         return self._committed[page]
@@ -92,7 +107,11 @@ class DeviceMemory:
         or the memory cannot be had."""
         for page, committed in enumerate(self._committed):
             if not committed:
+                if self._ledger is not None and not self._ledger.take(self.page_span):
+                    return None  # the node's budget is held by other engines
                 if not self._memory.commit(page * self.page_span, self.page_span):
+                    if self._ledger is not None:
+                        self._ledger.give(self.page_span)
                     return None
                 self._committed[page] = True
                 self.num_committed_pages += 1
@@ -110,6 +129,8 @@ class DeviceMemory:
         if not self._committed[page]:
             raise ValueError(f"KV page {page} is not committed")
         self._memory.release(page * self.page_span, self.page_span)
+        if self._ledger is not None:
+            self._ledger.give(self.page_span)
         self._committed[page] = False
         self.num_committed_pages -= 1
         log.debug(
@@ -121,4 +142,7 @@ class DeviceMemory:
         return self._memory.resident_bytes()
 
     def close(self) -> None:
+        if self._ledger is not None:
+            self._ledger.give(self.num_committed_pages * self.page_span)
+            self.num_committed_pages = 0
         self._memory.close()

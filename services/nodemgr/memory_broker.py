@@ -1,0 +1,73 @@
+"""The node's memory broker (Prism §5.1): one device budget (the node's device ledger,
+``shared/device_ledger.py``) shared by the node's engines, pages granted on demand and
+taken back from idle engines when a busy one waits for them.
+
+Engines take pages from the ledger themselves as their KV grows (no round trip here), so
+whoever needs memory now gets what is free. What the broker adds is reclaiming: an engine
+that went idle keeps its committed pages (its prefix cache) until asked; when another
+engine has requests waiting, every idle engine is asked to release the pages that hold no
+running KV (``ShrinkKV``). Its sessions' KV is in the kvstore, so nothing is lost but a
+local copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+ALL_PAGES = 1 << 40
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    """What the broker knows of one engine of the node."""
+
+    name: str
+    running: int
+    waiting: int
+    committed_blocks: int
+
+
+def to_reclaim(engines: Sequence[EngineMemory]) -> list[str]:
+    """The engines to take pages back from now: the idle ones holding pages, when another
+    engine has requests waiting."""
+    if not any(e.waiting for e in engines):
+        return []
+    return [e.name for e in engines
+            if not e.running and not e.waiting and e.committed_blocks > 0]
+
+
+class MemoryBroker:
+    """Polls the engines' load every ``interval_s`` and reclaims for the waiting ones."""
+
+    def __init__(self, poll: Callable[[], Awaitable[list[EngineMemory]]],
+                 shrink: Callable[[str, int], Awaitable[int]], interval_s: float = 0.1
+                 ) -> None:
+        self._poll = poll
+        self._shrink = shrink
+        self.interval_s = interval_s
+        self.reclaimed_pages = 0
+
+    async def balance(self) -> int:
+        """One round: pages reclaimed."""
+        engines = await self._poll()
+        got = 0
+        for name in to_reclaim(engines):
+            pages = await self._shrink(name, ALL_PAGES)
+            if pages:
+                log.info("took %d KV pages back from idle engine %s", pages, name)
+            got += pages
+        self.reclaimed_pages += got
+        return got
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.balance()
+            except Exception:  # (an engine down is the registrar's to report)
+                log.debug("memory broker round failed", exc_info=True)
+            await asyncio.sleep(self.interval_s)

@@ -1,0 +1,177 @@
+"""One device-memory budget per node, shared by the node's engines (Prism §5.1, kvcached).
+
+Every engine of a node maps the same small ledger file and records in it, before the fact,
+the device bytes it commits: KV pages as its pool grows, its model's weights when it
+activates one. A commit the ledger cannot grant fails like an exhausted pool (the request
+waits or is preempted), so the engines together never hold more than the budget, whichever
+of them needs the memory now. The nodemgr, the node's memory broker, reads the ledger
+(bytes per engine, bytes free) to reclaim pages from idle engines for busy ones and to
+evict idle models when an activation needs room.
+
+    file (64-byte records):  header: magic, budget bytes | slot 0 | slot 1 | ... | slot 31
+    slot:  pid, kv bytes, weight bytes, label (32 bytes of the model's name)
+
+Updates hold an exclusive ``flock`` on the file (a few microseconds); a slot of a process
+that no longer exists is taken over, its bytes forgotten, so a crashed engine leaks nothing.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+MAGIC = 0x4F56_4C45_4447_0001  # "OVLEDG" v1
+RECORD = 64
+SLOTS = 32
+_HEADER = struct.Struct("<QQ")  # magic, budget
+_SLOT = struct.Struct("<qQQ32s")  # pid, kv bytes, weight bytes, label
+SIZE = RECORD * (1 + SLOTS)
+
+
+class LedgerError(RuntimeError):
+    """The ledger file is missing, not a ledger, or full."""
+
+
+@dataclass(frozen=True)
+class Holder:
+    pid: int
+    label: str
+    kv_bytes: int
+    weight_bytes: int
+
+
+def create_ledger(path: str | Path, budget_bytes: int) -> Path:
+    """Write an empty ledger for a node budget of ``budget_bytes`` (replacing any)."""
+    p = Path(path)
+    tmp = p.with_name(p.name + f".{os.getpid()}.tmp")
+    data = bytearray(SIZE)
+    _HEADER.pack_into(data, 0, MAGIC, budget_bytes)
+    tmp.write_bytes(bytes(data))
+    tmp.replace(p)
+    return p
+
+
+class DeviceLedger:
+    """This process's view of the node's ledger; ``join`` claims a slot to record in."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        try:
+            self._fd = os.open(self.path, os.O_RDWR)
+        except OSError as e:
+            raise LedgerError(f"device ledger {self.path}: {e.strerror}") from None
+        try:
+            self._map = mmap.mmap(self._fd, SIZE)
+        except (OSError, ValueError) as e:
+            os.close(self._fd)
+            raise LedgerError(f"device ledger {self.path}: cannot map: {e}") from None
+        magic, budget = _HEADER.unpack_from(self._map, 0)
+        self.budget_bytes = int(budget)
+        if magic != MAGIC:
+            self.close()
+            raise LedgerError(f"{self.path} is not a device ledger")
+        self._slot: int | None = None
+
+    # ---- reading (no lock: each field is one aligned 8-byte word) ------------------------
+    def holders(self) -> list[Holder]:
+        out = []
+        for i in range(SLOTS):
+            pid, kv, weights, label = _SLOT.unpack_from(self._map, RECORD * (1 + i))
+            if pid > 0:
+                out.append(Holder(pid, label.rstrip(b"\0").decode(errors="replace"), kv, weights))
+        return out
+
+    def used_bytes(self) -> int:
+        return sum(h.kv_bytes + h.weight_bytes for h in self.holders())
+
+    def free_bytes(self) -> int:
+        return max(0, self.budget_bytes - self.used_bytes())
+
+    # ---- this process's slot ------------------------------------------------------------
+    def join(self, label: str = "") -> None:
+        """Claim a slot (one of a process that is gone, if no slot is empty). Several
+        engines in one process each join with their own ``DeviceLedger``."""
+        with self._locked():
+            for i in range(SLOTS):
+                pid = struct.unpack_from("<q", self._map, RECORD * (1 + i))[0]
+                if pid <= 0 or not _alive(pid):
+                    _SLOT.pack_into(self._map, RECORD * (1 + i), os.getpid(), 0, 0,
+                                    label.encode()[:32])
+                    self._slot = i
+                    return
+        raise LedgerError(f"device ledger {self.path}: all {SLOTS} slots are taken")
+
+    def label(self, label: str) -> None:
+        pid, kv, weights, _ = self._mine()
+        with self._locked():
+            _SLOT.pack_into(self._map, self._offset(), pid, kv, weights, label.encode()[:32])
+
+    def take(self, nbytes: int, weights: bool = False) -> bool:
+        """Record ``nbytes`` more held by this process if the budget has them; whether."""
+        with self._locked():
+            if self.used_bytes() + nbytes > self.budget_bytes:
+                return False
+            self._add(nbytes, weights)
+            return True
+
+    def give(self, nbytes: int, weights: bool = False) -> None:
+        with self._locked():
+            self._add(-nbytes, weights)
+
+    def mine(self) -> Holder:
+        pid, kv, weights, label = self._mine()
+        return Holder(pid, label.rstrip(b"\0").decode(errors="replace"), kv, weights)
+
+    def leave(self) -> None:
+        """Forget everything this process holds and free its slot."""
+        if self._slot is not None:
+            with self._locked():
+                _SLOT.pack_into(self._map, self._offset(), 0, 0, 0, b"")
+            self._slot = None
+
+    def close(self) -> None:
+        self.leave()
+        self._map.close()
+        os.close(self._fd)
+
+    # ---- internals ----------------------------------------------------------------------
+    def _offset(self) -> int:
+        if self._slot is None:
+            raise LedgerError("join the ledger before recording in it")
+        return RECORD * (1 + self._slot)
+
+    def _mine(self) -> tuple[int, int, int, bytes]:
+        pid, kv, weights, label = _SLOT.unpack_from(self._map, self._offset())
+        return pid, kv, weights, label
+
+    def _add(self, nbytes: int, weights: bool) -> None:
+        pid, kv, w, label = self._mine()
+        if weights:
+            w = max(0, w + nbytes)
+        else:
+            kv = max(0, kv + nbytes)
+        _SLOT.pack_into(self._map, self._offset(), pid, kv, w, label)
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
