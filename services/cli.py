@@ -27,6 +27,7 @@ import runpy
 import shutil
 import socket
 import sys
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -88,6 +89,8 @@ def cluster_specs(
     dtype: str | None,
     config: str | None,
     served_name: str = "",
+    more_models: tuple[tuple[str, str], ...] = (),
+    ledgers: list[Path] | None = None,
     host: str = "127.0.0.1",
     state_dir: Path | None = None,
     s3: S3ServerSpec | None = None,
@@ -98,7 +101,9 @@ def cluster_specs(
     With ``state_dir`` each node's kvstore keeps its SSD tier in ``state_dir/<node>/``;
     with ``s3`` that server is started first and every kvstore uses it; with ``cores``
     node i's engine and kvstore run on ``cores[i]`` only; ``anonymous``: the scheduler
-    serves without API keys (on loopback)."""
+    serves without API keys (on loopback). ``more_models`` ((folder, served name) each):
+    every node also runs an engine for each, all of a node's engines sharing one device
+    budget through its ledger in ``ledgers[i]`` (Prism §5.1)."""
     grpc_port = free_port(host)
     specs = []
     if s3 is not None:
@@ -115,41 +120,49 @@ def cluster_specs(
     ]
     for i in range(nodes):
         node_id = f"node{i}"
-        kv, eng, nm = free_port(host), free_port(host), free_port(host)
-        engine_flags: dict[str, object] = {
-            "host": host, "port": eng, "model_path": model_path,
-            "offload.kvstore_address": f"{host}:{kv}",
-        }
-        if dtype:
-            engine_flags["dtype"] = dtype
-        if served_name:
-            engine_flags["served_model_name"] = served_name
+        kv, nm = free_port(host), free_port(host)
+        engines: list[str] = []
         kv_flags: dict[str, object] = {"host": host, "port": kv, "node_id": node_id}
         if s3 is not None:
             kv_flags.update(s3.kvstore_flags())
         if cores is not None and cores[i]:
-            engine_flags["cpus"] = kv_flags["cpus"] = format_cpus(cores[i])
+            kv_flags["cpus"] = format_cpus(cores[i])
         if state_dir is not None:
             kv_flags["ssd_path"] = str(state_dir / node_id / "kvstore-ssd")
-        specs += [
-            ChildSpec(f"{node_id}.kvstore", service_command("kvstore", kv_flags, config)),
-            ChildSpec(f"{node_id}.engine", service_command("engine", engine_flags, config)),
-            ChildSpec(
-                f"{node_id}.nodemgr",
-                service_command(
-                    "nodemgr",
-                    {
-                        "host": host,
-                        "port": nm,
-                        "node_id": node_id,
-                        "scheduler_address": f"{host}:{grpc_port}",
-                        "engine_address": f"{host}:{eng}",
-                        "kvstore_address": f"{host}:{kv}",
-                    },
-                    config,
-                ),
-            ),
-        ]
+        specs.append(ChildSpec(f"{node_id}.kvstore", service_command("kvstore", kv_flags,
+                                                                      config)))
+        for j, (path, served) in enumerate(((model_path, served_name), *more_models)):
+            eng = free_port(host)
+            engines.append(f"{host}:{eng}")
+            engine_flags: dict[str, object] = {
+                "host": host, "port": eng, "model_path": path,
+                "offload.kvstore_address": f"{host}:{kv}",
+            }
+            if dtype:
+                engine_flags["dtype"] = dtype
+            if served:
+                engine_flags["served_model_name"] = served
+            if cores is not None and cores[i]:
+                engine_flags["cpus"] = format_cpus(cores[i])
+            if ledgers:
+                engine_flags["device_ledger"] = str(ledgers[i])
+            name = f"{node_id}.engine" + (f"{j}" if j else "")
+            specs.append(ChildSpec(name, service_command("engine", engine_flags, config)))
+        nm_flags: dict[str, object] = {
+            "host": host,
+            "port": nm,
+            "node_id": node_id,
+            "scheduler_address": f"{host}:{grpc_port}",
+            "kvstore_address": f"{host}:{kv}",
+        }
+        if len(engines) == 1:
+            nm_flags["engine_address"] = engines[0]
+        else:
+            nm_flags["engine_addresses"] = ",".join(engines)
+        if ledgers:
+            nm_flags["device_ledger"] = str(ledgers[i])
+        specs.append(ChildSpec(f"{node_id}.nodemgr",
+                               service_command("nodemgr", nm_flags, config)))
     return specs, f"http://{host}:{http_port}"
 
 
@@ -195,8 +208,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"overture up: {e}", file=sys.stderr)
         return 2
     try:
-        model, served = _model(
-            args, dtype or str(_yaml_section_value(args.config, "engine", "dtype")))
+        dt = dtype or str(_yaml_section_value(args.config, "engine", "dtype"))
+        chosen = [_model(args, dt, spec) for spec in (args.model or [None])]
     except (ModelNotFound, ModelPrepareError) as e:
         print(f"overture up: {e}", file=sys.stderr)
         return 2
@@ -213,6 +226,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     if anonymous:
         print("overture up: no API keys configured: the public API is anonymous (every "
               "caller is tenant 'default') and bound to 127.0.0.1")
+    (model, served), more = chosen[0], tuple(
+        (str(Path(m).resolve()), name) for m, name in chosen[1:])
+    ledgers = node_ledgers(args.nodes, args.node_memory) if more else None
+    if more:
+        print(f"{len(chosen)} models on every node, sharing {args.node_memory >> 20} MiB of "
+              "device memory a node", flush=True)
     specs, url = cluster_specs(
         anonymous=anonymous,
         s3=s3,
@@ -221,12 +240,27 @@ def cmd_up(args: argparse.Namespace) -> int:
         model_path=str(Path(model).resolve()),
         dtype=dtype,
         served_name=served,
+        more_models=more,
+        ledgers=ledgers,
         config=args.config,
         # The SSD tier is on by default, under .overture/<node>/, unless the YAML places it.
         state_dir=None if _yaml_section_value(args.config, "kvstore", "ssd_path") else STATE_DIR,
         cores=_node_cores(args),
     )
-    return asyncio.run(supervise(specs, url, args.nodes, args.ready_timeout))
+    try:
+        return asyncio.run(supervise(specs, url, args.nodes, args.ready_timeout))
+    finally:
+        for ledger in ledgers or ():
+            ledger.unlink(missing_ok=True)
+
+
+def node_ledgers(nodes: int, budget_bytes: int) -> list[Path]:
+    """A fresh device ledger per node (in shared memory), for its engines to share."""
+    from shared.device_ledger import create_ledger
+
+    tag = uuid.uuid4().hex[:8]
+    return [create_ledger(Path("/dev/shm") / f"overture-ledger-node{i}-{tag}", budget_bytes)
+            for i in range(nodes)]
 
 
 def _has_api_keys(config: str | None) -> bool:
@@ -259,14 +293,15 @@ def _node_cores(args: argparse.Namespace) -> list[tuple[int, ...]] | None:
     return shares
 
 
-def _model(args: argparse.Namespace, dtype: str) -> tuple[str, str]:
-    """(folder, served name) to serve: ``--model`` (a folder, a .gguf file or a packaged
-    model, prepared on first use), the demo model of ``--size``, or the packaged default.
-    A prepared model is served under its own name, not its folder's (which says dtype)."""
-    if args.model is None and args.size is not None:
+def _model(args: argparse.Namespace, dtype: str, spec: str | None) -> tuple[str, str]:
+    """(folder, served name) to serve: ``spec`` (one ``--model``: a folder, a .gguf file or
+    a packaged model, prepared on first use), the demo model of ``--size``, or the packaged
+    default. A prepared model is served under its own name, not its folder's (which says
+    dtype)."""
+    if spec is None and args.size is not None:
         return str(ensure_demo_model(args.size)), ""
-    spec = args.model or DEFAULT_MODEL
-    if args.model is None:
+    if spec is None:
+        spec = DEFAULT_MODEL
         print(f"serving {DEFAULT_MODEL} (pass --model or --size to choose another)",
               flush=True)
     folder = model_folder(spec, dtype, DEMO_DIR)
@@ -275,6 +310,12 @@ def _model(args: argparse.Namespace, dtype: str) -> tuple[str, str]:
     if spec.lower().endswith(".gguf"):
         return str(folder), slug(Path(spec).name)
     return str(folder), ""
+
+
+def _size(text: str) -> int:
+    from shared.config import parse_size
+
+    return parse_size(text)
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -338,9 +379,19 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=None, help="public HTTP port [default: 8000]")
     up.add_argument(
         "--model",
+        action="append",
         default=None,
         help="a packaged model's name, a .gguf file (converted once into .overture/models) "
-        f"or a local Hugging Face folder [default: {DEFAULT_MODEL}, prepared on first run]",
+        f"or a local Hugging Face folder [default: {DEFAULT_MODEL}, prepared on first run]; "
+        "repeat it to serve several models, an engine each on every node, sharing the "
+        "node's device memory",
+    )
+    up.add_argument(
+        "--node-memory",
+        type=_size,
+        default=2 << 30,
+        help="device memory a node's engines share when it serves several models (weights "
+        "and KV) [default: 2GiB]",
     )
     up.add_argument(
         "--size",

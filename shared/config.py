@@ -98,7 +98,7 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
             if isinstance(value, bool):
                 raise ValueError(value)
             if isinstance(value, str):
-                return int(_parse_size(value))
+                return int(parse_size(value))
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError(value)
             return int(value)
@@ -136,7 +136,7 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
 _SIZE_SUFFIX = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
-def _parse_size(text: str) -> int:
+def parse_size(text: str) -> int:
     """Accept plain ints and byte sizes like ``512MiB``, ``2G``, ``64k``."""
     t = text.strip().lower().replace("_", "")
     for suffix in ("ib", "b"):

@@ -19,6 +19,7 @@ from pathlib import Path
 from services.cli import free_port, service_command
 from services.s3_server import s3_server_spec, wait_ready
 from shared import internal_auth
+from shared.device_ledger import create_ledger
 from shared.proto import engine_pb2, engine_pb2_grpc
 from tests.internal import sync_channel, use_test_secret
 
@@ -145,7 +146,7 @@ class Cluster:
         """Wait until every engine has attached its KV pool to its node's kvstore (an
         engine serves before that, without KV reuse)."""
         deadline = time.monotonic() + timeout
-        engines = [p for p in self.procs.values() if p.name.endswith(".engine")]
+        engines = [p for p in self.procs.values() if ".engine" in p.name]
         while not all("KV pool attached" in p.tail(400) for p in engines):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"engines not attached within {timeout:g}s\n{self.logs()}")
@@ -202,11 +203,14 @@ def start_cluster(
     s3: bool = False,
     ssd: bool = False,
     ready_timeout: float = 180.0,
+    more_models: tuple[Path, ...] = (),
+    node_memory: int = 0,
 ) -> Iterator[Cluster]:
     """Run scheduler + ``nodes`` × (kvstore, engine, nodemgr); stop them all on exit.
     With ``ssd`` each kvstore has an SSD tier under ``work_dir``. With ``s3`` a SeaweedFS
     server (as ``overture up`` runs it) is every kvstore's S3 tier;
-    it is started first and stopped last."""
+    it is started first and stopped last. ``more_models``: every node also runs an engine
+    for each, its engines sharing ``node_memory`` bytes through a device ledger."""
     if internal_auth.current() is None:  # (a benchmark, outside the test suite)
         use_test_secret()
     log_dir = work_dir / "logs"
@@ -252,21 +256,29 @@ def start_cluster(
                     **(kvstore_flags or {}),
                 }),
             )
-            _spawn(
-                cluster,
-                f"{node}.engine",
-                service_command(
-                    "engine",
-                    {
-                        "host": HOST,
-                        "port": eng,
-                        "model_path": model_path,
-                        "dtype": dtype,
-                        "offload.kvstore_address": f"{HOST}:{kv}",
-                        **(engine_flags or {}),
-                    },
-                ),
-            )
+            ledger = ({"device_ledger": create_ledger(work_dir / f"{node}.ledger", node_memory)}
+                      if more_models else {})
+            engines = [f"{HOST}:{eng}"]
+            for j, path in enumerate((model_path, *more_models)):
+                port = eng if j == 0 else free_port()
+                if j:
+                    engines.append(f"{HOST}:{port}")
+                _spawn(
+                    cluster,
+                    f"{node}.engine" + (str(j) if j else ""),
+                    service_command(
+                        "engine",
+                        {
+                            "host": HOST,
+                            "port": port,
+                            "model_path": path,
+                            "dtype": dtype,
+                            "offload.kvstore_address": f"{HOST}:{kv}",
+                            **ledger,
+                            **(engine_flags or {}),
+                        },
+                    ),
+                )
             _spawn(
                 cluster,
                 f"{node}.nodemgr",
@@ -277,8 +289,9 @@ def start_cluster(
                         "port": nm,
                         "node_id": node,
                         "scheduler_address": f"{HOST}:{grpc_port}",
-                        "engine_address": f"{HOST}:{eng}",
+                        "engine_addresses": ",".join(engines),
                         "kvstore_address": f"{HOST}:{kv}",
+                        **ledger,
                         **NODEMGR_FLAGS,
                         **(nodemgr_flags or {}),
                     },

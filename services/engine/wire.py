@@ -134,6 +134,7 @@ def status_to_proto(
         blocks_free=s.blocks_free,
         blocks_used=s.blocks_used,
         blocks_evictable=s.blocks_evictable,
+        blocks_committed=s.blocks_committed,
         running=s.running,
         waiting=s.waiting,
         device_budget_bytes=s.device_budget_bytes,

@@ -7,15 +7,16 @@ import logging
 from contextlib import AsyncExitStack
 
 from services.nodemgr.config import NodeManagerConfig
-from services.nodemgr.engine_link import EngineLink
+from services.nodemgr.engine_set import EngineSet, UnknownModel
 from services.nodemgr.grpc_service import NodeManagerServicer
 from services.nodemgr.kvstore_probe import KVStoreProbe
+from services.nodemgr.memory_broker import EngineMemory, MemoryBroker
 from services.nodemgr.metrics import NodeMgrMetrics
 from services.nodemgr.prefetcher import Prefetcher
 from services.nodemgr.registration import Registrar
 from shared.grpc_server import serve_grpc
 from shared.metrics_http import serve_metrics
-from shared.proto import nodemgr_pb2_grpc
+from shared.proto import engine_pb2, engine_pb2_grpc, nodemgr_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,8 @@ async def start(config: NodeManagerConfig, stack: AsyncExitStack) -> asyncio.Tas
     Returns the registrar's task (owned by ``stack``). Raises ``EngineUnavailable`` when the
     engine is not ready within ``engine_wait_s``.
     """
-    engine = EngineLink(config.engine_address, config.engine_status_timeout_s)
+    engine = EngineSet(config.engine_addresses or [config.engine_address],
+                       config.engine_status_timeout_s)
     stack.push_async_callback(engine.close)
     registrar: Registrar | None = None
     kvstore = KVStoreProbe(config.kvstore_address, config.kvstore_probe_timeout_s)
@@ -38,7 +40,7 @@ async def start(config: NodeManagerConfig, stack: AsyncExitStack) -> asyncio.Tas
 
     metrics = NodeMgrMetrics()
     prefetcher = Prefetcher(config.kvstore_address, config.prefetch_timeout_s,
-                            engine=engine.stub, metrics=metrics)
+                            engines=lambda model: _stub_for(engine, model), metrics=metrics)
     stack.push_async_callback(prefetcher.close)
     servicer = NodeManagerServicer(config.node_id, engine, config.kvstore_address, engine_failed,
                                    prefetcher)
@@ -51,7 +53,7 @@ async def start(config: NodeManagerConfig, stack: AsyncExitStack) -> asyncio.Tas
         )
     )
     address = config.advertise_address or f"{config.host}:{server.port}"
-    log.info("waiting for the engine at %s", config.engine_address)
+    log.info("waiting for the engine at %s", engine.address)
     snap = await engine.wait_ready(config.engine_wait_s)
     registrar = Registrar(
         node_id=config.node_id,
@@ -67,6 +69,17 @@ async def start(config: NodeManagerConfig, stack: AsyncExitStack) -> asyncio.Tas
         engine_stall_s=config.engine_stall_s,
     )
     beats = asyncio.create_task(registrar.run(), name="registrar")
+    if config.device_ledger:
+        broker = MemoryBroker(lambda: _engine_memory(engine),
+                              lambda name, pages: _shrink(engine, name, pages),
+                              config.broker_interval_s)
+        balancing = asyncio.create_task(broker.run(), name="memory-broker")
+
+        async def stop_broker() -> None:
+            balancing.cancel()
+            await asyncio.gather(balancing, return_exceptions=True)
+
+        stack.push_async_callback(stop_broker)
     if config.metrics_port:
         metrics.watch(lambda: _state(registrar, servicer))
 
@@ -86,7 +99,7 @@ async def start(config: NodeManagerConfig, stack: AsyncExitStack) -> asyncio.Tas
         "nodemgr %s ready on %s (engine %s, models %s)",
         config.node_id,
         address,
-        config.engine_address,
+        engine.address,
         ", ".join(m.name for m in snap.models),
     )
     return beats
@@ -97,6 +110,28 @@ async def run(config: NodeManagerConfig) -> None:
     async with AsyncExitStack() as stack:
         beats = await start(config, stack)
         await beats
+
+
+async def _engine_memory(engines: EngineSet) -> list[EngineMemory]:
+    out = []
+    for link in engines.links:
+        st = await link.raw_status()
+        out.append(EngineMemory(link.address, st.running, st.waiting, st.blocks_committed))
+    return out
+
+
+async def _shrink(engines: EngineSet, address: str, pages: int) -> int:
+    link = next(link for link in engines.links if link.address == address)
+    reply = await link.stub.ShrinkKV(engine_pb2.ShrinkKVRequest(max_pages=pages),
+                                     timeout=link.status_timeout_s)
+    return int(reply.pages)
+
+
+def _stub_for(engines: EngineSet, model: str) -> engine_pb2_grpc.EngineStub | None:
+    try:
+        return engines.for_model(model).stub
+    except UnknownModel:
+        return None
 
 
 def _state(registrar: Registrar, servicer: NodeManagerServicer) -> dict[str, float]:

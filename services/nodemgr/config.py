@@ -16,6 +16,13 @@ class NodeManagerConfig:
     node_id: str = opt("node-0", "unique id of this node in the cluster")
     scheduler_address: str = opt("127.0.0.1:50051", "Scheduler gRPC address")
     engine_address: str = opt("127.0.0.1:50053", "this node's Engine gRPC address")
+    engine_addresses: list[str] = opt(
+        [], "the node's engines when it serves several models, one engine each (replaces "
+        "engine_address)")
+    device_ledger: str = opt(
+        "", "the node's device-memory ledger its engines share (engine.device_ledger): "
+        "with it the nodemgr reclaims idle engines' KV pages for busy ones")
+    broker_interval_s: float = opt(0.1, "how often the memory broker looks", min=0.01)
     kvstore_address: str = opt("127.0.0.1:50054", "this node's KVStore gRPC address")
     heartbeat_interval_s: float = opt(1.0, "seconds between heartbeats", min=0.05, max=60)
     engine_wait_s: float = opt(300.0, "how long to wait for the engine at start-up", min=1)

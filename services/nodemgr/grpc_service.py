@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from services.nodemgr import wire
-from services.nodemgr.engine_link import EngineLink, EngineUnavailable
+from services.nodemgr.engine_set import EngineSet, EngineUnavailable, UnknownModel
 from services.nodemgr.prefetcher import Advice, Prefetcher
 from shared.proto import common_pb2, nodemgr_pb2, nodemgr_pb2_grpc
 
@@ -20,7 +20,7 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
     def __init__(
         self,
         node_id: str,
-        engine: EngineLink,
+        engine: EngineSet,
         kvstore_address: str,
         on_engine_unavailable: Callable[[str], None],
         prefetcher: Prefetcher | None = None,
@@ -44,7 +44,13 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
         if self.prefetcher is not None:
             self.prefetcher.followed(request.tenant, request.session_id)
         remaining = context.time_remaining()
-        call = self.engine.stub.Generate(request, timeout=remaining)
+        try:
+            link = self.engine.for_model(request.model)
+        except UnknownModel:
+            self.in_flight -= 1
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"model {request.model!r} is not served on this node")
+        call = link.stub.Generate(request, timeout=remaining)
         try:
             async for chunk in call:
                 yield chunk
@@ -75,7 +81,7 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
                                 "advisory_id and session_id are required")
         advice = Advice(request.advisory_id, request.tenant, request.session_id,
                         request.kv_source, request.priority, request.ttl_s,
-                        request.straight_to_device, request.kv_tokens)
+                        request.straight_to_device, request.kv_tokens, request.model)
         accepted = self.prefetcher is not None and self.prefetcher.advise(advice)
         return nodemgr_pb2.AdviseReply(accepted=accepted)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -45,15 +46,17 @@ class Advice:
     ttl_s: float = 0.0  # the advisory's time to live (0: the engine's default)
     straight_to_device: bool = False
     kv_tokens: int = 0  # the session's last turn's length: its save is waited for
+    model: str = ""  # the model it will use: its engine takes the KV ("": the first)
 
 
 class Prefetcher:
     def __init__(self, kvstore_address: str, timeout_s: float, concurrency: int = 4,
-                 engine: engine_pb2_grpc.EngineStub | None = None,
+                 engines: Callable[[str], engine_pb2_grpc.EngineStub | None] | None = None,
                  metrics: NodeMgrMetrics | None = None) -> None:
+        """``engines``: the engine stub of a model (None: that device hop is skipped)."""
         self.channel = fast_channel(kvstore_address) if kvstore_address else None
         self.stub = kvstore_pb2_grpc.KVStoreStub(self.channel) if self.channel else None
-        self.engine = engine
+        self._engines = engines or (lambda model: None)
         self.metrics = metrics or NodeMgrMetrics()
         self.timeout_s = timeout_s
         self._gate = asyncio.Semaphore(concurrency)
@@ -91,7 +94,7 @@ class Prefetcher:
         if advice is not None and self._by_session.get(
                 (advice.tenant, advice.session_id)) == advisory_id:
             del self._by_session[(advice.tenant, advice.session_id)]
-        if advice is not None and self.engine is not None:
+        if advice is not None and self._engines(advice.model) is not None:
             end = self._end_on_engine(advice, expired)
             t = asyncio.create_task(end, name=f"end-prefetch-{advice.session_id}")
             self._tasks.add(t)
@@ -111,9 +114,10 @@ class Prefetcher:
             self._advice.pop(aid, None)
 
     async def _end_on_engine(self, a: Advice, expired: bool) -> None:
-        assert self.engine is not None
+        engine = self._engines(a.model)
+        assert engine is not None
         try:
-            await self.engine.EndPrefetch(engine_pb2.EndPrefetchRequest(
+            await engine.EndPrefetch(engine_pb2.EndPrefetchRequest(
                 tenant=a.tenant, session_id=a.session_id, expired=expired),
                 timeout=ENGINE_CALL_S)
         except grpc.aio.AioRpcError as e:
@@ -156,10 +160,11 @@ class Prefetcher:
     async def _into_device(self, a: Advice) -> None:
         """Hop 2: the engine takes the session's KV from the kvstore into free device
         blocks (it may hold the session already even when hop 1 found nothing new)."""
-        if self.engine is None:
+        engine = self._engines(a.model)
+        if engine is None:
             return
         try:
-            reply = await self.engine.Prefetch(engine_pb2.PrefetchRequest(
+            reply = await engine.Prefetch(engine_pb2.PrefetchRequest(
                 tenant=a.tenant, session_id=a.session_id, priority=a.priority,
                 ttl_s=a.ttl_s, straight_to_device=a.straight_to_device),
                 timeout=ENGINE_CALL_S)

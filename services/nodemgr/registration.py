@@ -20,7 +20,7 @@ import grpc
 
 from services.nodemgr import wire
 from services.nodemgr.channels import fast_channel
-from services.nodemgr.engine_link import EngineLink, EngineUnavailable
+from services.nodemgr.engine_set import EngineSet, EngineUnavailable
 from services.nodemgr.kvstore_probe import KVStoreProbe
 from shared.proto import scheduler_pb2_grpc
 
@@ -35,7 +35,7 @@ class Registrar:
         address: str,
         kvstore_address: str,
         scheduler_address: str,
-        engine: EngineLink,
+        engine: EngineSet,
         models: tuple[wire.ModelInfo, ...],
         interval_s: float,
         backoff_max_s: float,
@@ -57,9 +57,6 @@ class Registrar:
         self.problem = ""
         self.degraded = ""
         self._poke = asyncio.Event()
-        # The newest engine save the scheduler acknowledged: each beat carries the ones
-        # after it, so a beat lost with a broken stream is sent again.
-        self.saved_acked = 0
 
     def engine_failed(self, detail: str) -> None:
         """A forwarded call found the engine unreachable: report it in a beat right now."""
@@ -98,7 +95,7 @@ class Registrar:
 
     async def _snapshot(self) -> wire.EngineSnapshot | None:
         try:
-            snap = await self.engine.status(self.saved_acked)
+            snap = await self.engine.status()
         except EngineUnavailable as e:
             if not self.problem:
                 log.error("%s; reporting the node as unable to serve", e)
@@ -144,8 +141,8 @@ class Registrar:
                 if not ack.known:
                     log.info("the scheduler does not know this node; registering again")
                     return
-                if snap is not None:
-                    self.saved_acked = max(self.saved_acked, snap.last_saved)
+                if snap is not None:  # (a beat lost with a broken stream is sent again)
+                    self.engine.acked(snap)
                 try:
                     await asyncio.wait_for(self._poke.wait(), interval)
                 except TimeoutError:

@@ -21,6 +21,7 @@ class EngineSnapshot:
     queue_delay_s: float = 0.0  # how long the oldest queued request has waited
     step_running_s: float = 0.0  # how long the forward step under way has run (0: idle)
     prefetch: common_pb2.PrefetchCounters | None = None  # passed on as it is
+    parts: tuple[EngineSnapshot, ...] = ()  # one per engine of the node (engine_set.py)
 
     @property
     def last_saved(self) -> int:
