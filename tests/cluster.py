@@ -147,7 +147,8 @@ class Cluster:
         engine serves before that, without KV reuse)."""
         deadline = time.monotonic() + timeout
         engines = [p for p in self.procs.values() if ".engine" in p.name]
-        while not all("KV pool attached" in p.tail(400) for p in engines):
+        while not all("KV pool attached" in p.tail(400) or "without a model" in p.tail(400)
+                      for p in engines):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"engines not attached within {timeout:g}s\n{self.logs()}")
             time.sleep(0.1)
@@ -205,12 +206,15 @@ def start_cluster(
     ready_timeout: float = 180.0,
     more_models: tuple[Path, ...] = (),
     node_memory: int = 0,
+    pool_engines: int = 0,
+    models_config: Path | None = None,
 ) -> Iterator[Cluster]:
     """Run scheduler + ``nodes`` × (kvstore, engine, nodemgr); stop them all on exit.
     With ``ssd`` each kvstore has an SSD tier under ``work_dir``. With ``s3`` a SeaweedFS
     server (as ``overture up`` runs it) is every kvstore's S3 tier;
     it is started first and stopped last. ``more_models``: every node also runs an engine
-    for each, its engines sharing ``node_memory`` bytes through a device ledger."""
+    for each, its engines sharing ``node_memory`` bytes through a device ledger; plus
+    ``pool_engines`` empty ones that ``models_config``'s catalogue models activate into."""
     if internal_auth.current() is None:  # (a benchmark, outside the test suite)
         use_test_secret()
     log_dir = work_dir / "logs"
@@ -237,6 +241,7 @@ def start_cluster(
                     "port": http_port,
                     "grpc_port": grpc_port,
                     **SCHEDULER_FLAGS,
+                    **({"models_config": models_config} if models_config else {}),
                     **(scheduler_flags or {}),
                 },
             ),
@@ -257,9 +262,9 @@ def start_cluster(
                 }),
             )
             ledger = ({"device_ledger": create_ledger(work_dir / f"{node}.ledger", node_memory)}
-                      if more_models else {})
+                      if node_memory else {})
             engines = [f"{HOST}:{eng}"]
-            for j, path in enumerate((model_path, *more_models)):
+            for j, path in enumerate((model_path, *more_models, *([None] * pool_engines))):
                 port = eng if j == 0 else free_port()
                 if j:
                     engines.append(f"{HOST}:{port}")
@@ -271,7 +276,7 @@ def start_cluster(
                         {
                             "host": HOST,
                             "port": port,
-                            "model_path": path,
+                            **({"model_path": path} if path else {"pool": "true"}),
                             "dtype": dtype,
                             "offload.kvstore_address": f"{HOST}:{kv}",
                             **ledger,
@@ -292,6 +297,7 @@ def start_cluster(
                         "engine_addresses": ",".join(engines),
                         "kvstore_address": f"{HOST}:{kv}",
                         **ledger,
+                        **({"models_config": models_config} if models_config else {}),
                         **NODEMGR_FLAGS,
                         **(nodemgr_flags or {}),
                     },

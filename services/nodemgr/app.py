@@ -6,6 +6,7 @@ import asyncio
 import logging
 from contextlib import AsyncExitStack
 
+from services.nodemgr.activation import Activator
 from services.nodemgr.config import NodeManagerConfig
 from services.nodemgr.engine_set import EngineSet, UnknownModel
 from services.nodemgr.grpc_service import NodeManagerServicer
@@ -14,8 +15,10 @@ from services.nodemgr.memory_broker import EngineMemory, MemoryBroker
 from services.nodemgr.metrics import NodeMgrMetrics
 from services.nodemgr.prefetcher import Prefetcher
 from services.nodemgr.registration import Registrar
+from services.nodemgr.weight_cache import WeightCache
 from shared.grpc_server import serve_grpc
 from shared.metrics_http import serve_metrics
+from shared.model_catalog import load_catalog
 from shared.proto import engine_pb2, engine_pb2_grpc, nodemgr_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -42,8 +45,15 @@ async def start(config: NodeManagerConfig, stack: AsyncExitStack) -> asyncio.Tas
     prefetcher = Prefetcher(config.kvstore_address, config.prefetch_timeout_s,
                             engines=lambda model: _stub_for(engine, model), metrics=metrics)
     stack.push_async_callback(prefetcher.close)
+    catalog = load_catalog(config.models_config)
+    weights = WeightCache()
+    stack.callback(weights.close)
+    weights.hold(catalog)
+    activator = Activator(engine, catalog, evict_idle_s=config.evict_idle_s,
+                          wait_s=config.activation_wait_s,
+                          on_change=lambda: registrar.models_changed() if registrar else None)
     servicer = NodeManagerServicer(config.node_id, engine, config.kvstore_address, engine_failed,
-                                   prefetcher)
+                                   prefetcher, activator)
     server = await stack.enter_async_context(
         serve_grpc(
             config.host,
@@ -54,7 +64,7 @@ async def start(config: NodeManagerConfig, stack: AsyncExitStack) -> asyncio.Tas
     )
     address = config.advertise_address or f"{config.host}:{server.port}"
     log.info("waiting for the engine at %s", engine.address)
-    snap = await engine.wait_ready(config.engine_wait_s)
+    snap = await engine.wait_ready(config.engine_wait_s, pool=bool(catalog))
     registrar = Registrar(
         node_id=config.node_id,
         address=address,

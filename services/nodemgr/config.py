@@ -23,6 +23,16 @@ class NodeManagerConfig:
         "", "the node's device-memory ledger its engines share (engine.device_ledger): "
         "with it the nodemgr reclaims idle engines' KV pages for busy ones")
     broker_interval_s: float = opt(0.1, "how often the memory broker looks", min=0.01)
+    models_config: str = opt(
+        "", "YAML file whose models: list is the cluster's catalogue: a request for one of "
+        "them that no engine here serves activates it into an empty engine of the node, or "
+        "one whose model is evicted for it")
+    evict_idle_s: float = opt(
+        30.0, "a model idle this long may be evicted when another needs its engine or "
+        "memory (the loosest TTFT SLO first)", min=0)
+    activation_wait_s: float = opt(
+        60.0, "how long a request for an inactive model waits for an engine to be freed "
+        "before it fails", min=0.1)
     kvstore_address: str = opt("127.0.0.1:50054", "this node's KVStore gRPC address")
     heartbeat_interval_s: float = opt(1.0, "seconds between heartbeats", min=0.05, max=60)
     engine_wait_s: float = opt(300.0, "how long to wait for the engine at start-up", min=1)

@@ -40,15 +40,17 @@ class EngineLink:
         """The engine's load, with the session saves numbered above ``saved_after``."""
         return wire.snapshot(await self.raw_status(saved_after))
 
-    async def wait_ready(self, wait_s: float, poll_s: float = 0.2) -> wire.EngineSnapshot:
-        """Poll Status until the engine serves a model; raise after ``wait_s``."""
+    async def wait_ready(self, wait_s: float, poll_s: float = 0.2,
+                         need_model: bool = True) -> wire.EngineSnapshot:
+        """Poll Status until the engine serves a model (``need_model``; else until it
+        answers: an empty engine of the node's pool); raise after ``wait_s``."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         last = "no answer yet"
         while True:
             try:
                 snap = await self.status()
-                if snap.models:
+                if snap.models or not need_model:
                     return snap
                 last = "the engine serves no model yet"
             except EngineUnavailable as e:

@@ -33,9 +33,11 @@ class EngineSet:
         return ", ".join(link.address for link in self.links)
 
     def for_model(self, model: str) -> EngineLink:
-        """The engine serving ``model`` ("" = the node's first engine)."""
+        """The engine serving ``model`` ("" = the node's first engine with a model)."""
         if not model:
-            return self.links[0]
+            busy = [link for link, names in zip(self.links, self._served, strict=True)
+                    if names]
+            return busy[0] if busy else self.links[0]
         for link, names in zip(self.links, self._served, strict=True):
             if model in names:
                 return link
@@ -59,8 +61,11 @@ class EngineSet:
     async def raw_status(self) -> engine_pb2.EngineStatus:
         return await self.links[0].raw_status()
 
-    async def wait_ready(self, wait_s: float) -> wire.EngineSnapshot:
-        await asyncio.gather(*(link.wait_ready(wait_s) for link in self.links))
+    async def wait_ready(self, wait_s: float, pool: bool = False) -> wire.EngineSnapshot:
+        """Every engine answers (and serves a model, unless the node has a ``pool`` of
+        engines that models are activated into)."""
+        await asyncio.gather(*(link.wait_ready(wait_s, need_model=not pool)
+                               for link in self.links))
         return await self.status()
 
     async def close(self) -> None:

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from services.nodemgr import wire
+from services.nodemgr.activation import Activator, CannotActivate
 from services.nodemgr.engine_set import EngineSet, EngineUnavailable, UnknownModel
 from services.nodemgr.prefetcher import Advice, Prefetcher
 from shared.proto import common_pb2, nodemgr_pb2, nodemgr_pb2_grpc
@@ -24,12 +25,14 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
         kvstore_address: str,
         on_engine_unavailable: Callable[[str], None],
         prefetcher: Prefetcher | None = None,
+        activator: Activator | None = None,
     ) -> None:
         self.node_id = node_id
         self.engine = engine
         self.kvstore_address = kvstore_address
         self.on_engine_unavailable = on_engine_unavailable
         self.prefetcher = prefetcher
+        self.activator = activator or Activator(engine, (), evict_idle_s=0.0, wait_s=1.0)
         self.in_flight = 0
 
     async def Generate(
@@ -43,13 +46,17 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
         self.in_flight += 1
         if self.prefetcher is not None:
             self.prefetcher.followed(request.tenant, request.session_id)
-        remaining = context.time_remaining()
+        self.activator.used(request.model)
         try:
-            link = self.engine.for_model(request.model)
+            link = await self.activator.engine_for(request.model)
         except UnknownModel:
             self.in_flight -= 1
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"model {request.model!r} is not served on this node")
+        except CannotActivate as e:
+            self.in_flight -= 1
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        remaining = context.time_remaining()
         call = link.stub.Generate(request, timeout=remaining)
         try:
             async for chunk in call:
@@ -63,6 +70,7 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
         finally:
             call.cancel()
             self.in_flight -= 1
+            self.activator.used(request.model)
 
     async def Status(
         self, request: nodemgr_pb2.NodeStatusRequest, context: grpc.aio.ServicerContext

@@ -58,6 +58,10 @@ class Registrar:
         self.degraded = ""
         self._poke = asyncio.Event()
 
+    def models_changed(self) -> None:
+        """A model was activated or evicted here: register the new list now."""
+        self._poke.set()
+
     def engine_failed(self, detail: str) -> None:
         """A forwarded call found the engine unreachable: report it in a beat right now."""
         self.problem = f"engine unreachable: {detail}"
@@ -129,7 +133,7 @@ class Registrar:
             while True:
                 self._poke.clear()
                 snap, _ = await asyncio.gather(self._snapshot(), self._check_kvstore())
-                if snap is not None and snap.models and snap.models != self.models:
+                if snap is not None and snap.models != self.models:
                     log.info("engine models changed; registering again")
                     self.models = snap.models
                     return

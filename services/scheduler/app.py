@@ -26,6 +26,7 @@ from services.scheduler.sessions import SessionDirectory
 from services.scheduler.tenant_limits import TenantLimits
 from services.scheduler.validation import Limits
 from shared.grpc_server import serve_grpc
+from shared.model_catalog import load_catalog
 from shared.proto import scheduler_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ def build_state(
         sessions,
         metrics,
         advisor,
+        catalog=load_catalog(config.models_config),
     )
     return ApiState(
         registry=registry,

@@ -82,6 +82,9 @@ class SchedulerConfig:
     advisory_throttle_rate: float = opt(
         1.0, "advisories per second a throttled tenant may still send (burst: 5)", min=0.01,
     )
+    models_config: str = opt(
+        "", "YAML file whose models: list is the cluster's model catalogue (models the "
+        "nodes activate on demand; overture up writes one for several --model)")
     responses_ttl_s: float = opt(
         3600.0, "stored Responses API responses (previous_response_id) live this long",
         min=1)

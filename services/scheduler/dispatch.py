@@ -32,6 +32,7 @@ from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.nodes import HOLDER_SLACK, Node, NodeRegistry
 from services.scheduler.policy import Policy, RouteRequest
 from services.scheduler.sessions import SessionDirectory, SessionPlace
+from shared.model_catalog import ModelEntry
 
 if TYPE_CHECKING:
     from services.scheduler.advisor import Advisor
@@ -86,8 +87,11 @@ class Dispatcher:
         sessions: SessionDirectory | None = None,
         metrics: SchedulerMetrics | None = None,
         advisor: Advisor | None = None,
+        catalog: tuple[ModelEntry, ...] = (),
     ) -> None:
         self.registry = registry
+        # Models the cluster may serve though no node runs them now (shared/model_catalog).
+        self.catalog = {m.name: m for m in catalog}
         self.policy = policy
         self.channels = channels
         self.settings = settings
@@ -122,20 +126,26 @@ class Dispatcher:
         deadline = self._loop_time() + self.settings.no_node_wait_s
         while True:
             healthy = self.registry.healthy(route.model)
+            evicted = not healthy and route.model in self.catalog
+            if evicted:  # a catalogue model active nowhere: any node activates it
+                healthy = self.registry.healthy()
             free = [n for n in healthy
                     if n.node_id not in behind and not self.registry.behind(n)]
             if healthy and not free:
                 raise self._overloaded(route.model)
-            node = self.policy.choose(free, route)
+            node = least_kv_pressure(free) if evicted else self.policy.choose(free, route)
             if node is not None:
                 return node
             known = any(n.serves(route.model) for n in self.registry.all())
-            if not known and self.registry.healthy():
+            if not known and route.model not in self.catalog and self.registry.healthy():
                 raise _model_not_found(route.model, self.registry)
             remaining = deadline - self._loop_time()
             if remaining <= 0:
                 raise self._unavailable(route.model)
             await self.registry.wait_changed(remaining)
+
+    def known_model(self, model: str) -> bool:
+        return model in self.catalog or any(n.serves(model) for n in self.registry.all())
 
     def _overloaded(self, model: str) -> ApiError:
         if self.metrics is not None:
@@ -289,3 +299,12 @@ def _model_not_found(model: str, registry: NodeRegistry) -> ApiError:
         param="model",
         code="model_not_found",
     )
+
+
+def least_kv_pressure(nodes: list[Node]) -> Node | None:
+    """The node to activate an evicted model on (Prism §6.2: "the GPU with the lowest KV
+    pressure ratio"): the least work per free KV block, as the nodes last reported."""
+    if not nodes:
+        return None
+    return min(nodes, key=lambda n: ((n.score() + n.advised + 1) / max(n.load.blocks_free, 1),
+                                     n.node_id))

@@ -1,0 +1,161 @@
+"""Bring a catalogue model into one of the node's engines when a request for it arrives
+(Prism §5.2 fast activation, §6.2 eviction and activation).
+
+    request for model m, no engine serves it
+      -> an empty engine of the node's pool, if any
+      -> else evict a model idle for evict_idle_s (not pinned; the one with the loosest TTFT
+         SLO first, then the longest idle) and reuse its engine
+      -> Activate(m) on that engine (weights from the page cache: the weight cache keeps
+         the catalogue's files there); when the node's budget cannot hold m's weights,
+         evict another idle model and try again
+    The request waits through all this (its TTFT counts it) and fails only when nothing
+    can be evicted within wait_s.
+
+One activation per model at a time: requests arriving meanwhile wait for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from services.nodemgr.engine_link import EngineLink
+from services.nodemgr.engine_set import EngineSet, UnknownModel
+from shared.model_catalog import ModelEntry
+from shared.proto import engine_pb2
+
+log = logging.getLogger(__name__)
+
+ACTIVATE_TIMEOUT_S = 120.0
+RETRY_S = 0.1
+
+
+class CannotActivate(RuntimeError):
+    """No engine could be freed for the model in time."""
+
+
+@dataclass
+class EngineView:
+    link: EngineLink
+    model: str  # "" = empty (in the pool)
+    running: int
+    waiting: int
+
+
+def victim(engines: list[EngineView], catalog: dict[str, ModelEntry], idle_since: dict[str, float],
+           now: float, idle_s: float, spare: EngineLink | None = None) -> EngineView | None:
+    """The engine whose model to evict: idle (nothing running or queued) for ``idle_s``,
+    not pinned, not ``spare``; the loosest TTFT SLO first, then the longest idle."""
+    def ok(e: EngineView) -> bool:
+        entry = catalog.get(e.model)
+        return (bool(e.model) and e.link is not spare and not e.running and not e.waiting
+                and not (entry is not None and entry.pin)
+                and now - idle_since.get(e.model, 0.0) >= idle_s)
+
+    slo = {name: m.ttft_slo_s for name, m in catalog.items()}
+    candidates = [e for e in engines if ok(e)]
+    if not candidates:
+        return None
+    return max(candidates, key=lambda e: (slo.get(e.model, 0.0),
+                                          now - idle_since.get(e.model, 0.0)))
+
+
+class Activator:
+    def __init__(self, engines: EngineSet, catalog: tuple[ModelEntry, ...], *,
+                 evict_idle_s: float, wait_s: float,
+                 on_change: Callable[[], None] = lambda: None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.engines = engines
+        self.catalog = {m.name: m for m in catalog}
+        self.evict_idle_s = evict_idle_s
+        self.wait_s = wait_s
+        self.on_change = on_change
+        self._clock = clock
+        self._locks: dict[str, asyncio.Lock] = {}
+        self.last_used: dict[str, float] = {}  # model -> when a request last came for it
+        self.activations: list[tuple[str, float]] = []  # (model, seconds), for metrics
+        self.evictions = 0
+
+    def used(self, model: str) -> None:
+        self.last_used[model] = self._clock()
+
+    async def engine_for(self, model: str) -> EngineLink:
+        """The engine serving ``model``, activating it first if need be. Raises
+        UnknownModel (not in the catalogue) or CannotActivate."""
+        try:
+            return self.engines.for_model(model)
+        except UnknownModel:
+            if model not in self.catalog:
+                raise
+        async with self._locks.setdefault(model, asyncio.Lock()):
+            try:  # (activated by the request before this one)
+                return self.engines.for_model(model)
+            except UnknownModel:
+                pass
+            return await self._activate(self.catalog[model])
+
+    async def _activate(self, entry: ModelEntry) -> EngineLink:
+        deadline = self._clock() + self.wait_s
+        target: EngineLink | None = None
+        while True:
+            views = await self._views()
+            if target is None:
+                empty = [v.link for v in views if not v.model]
+                target = empty[0] if empty else await self._evict_one(views, None)
+            if target is not None:
+                started = self._clock()
+                try:
+                    await target.stub.Activate(engine_pb2.ActivateRequest(
+                        model_path=entry.path, served_model_name=entry.name),
+                        timeout=ACTIVATE_TIMEOUT_S)
+                except grpc.aio.AioRpcError as e:
+                    if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        raise CannotActivate(f"activating {entry.name}: {e.details()}") from None
+                    # The node's budget cannot hold its weights: free another model's.
+                    if await self._evict_one(await self._views(), target) is None \
+                            and self._clock() > deadline:
+                        raise CannotActivate(
+                            f"the node's device memory cannot hold {entry.name} and no "
+                            f"model has been idle {self.evict_idle_s:g}s to evict") from None
+                    await asyncio.sleep(RETRY_S)
+                    continue
+                seconds = self._clock() - started
+                self.activations.append((entry.name, seconds))
+                self.used(entry.name)
+                log.info("activated %s in %.2fs on the engine at %s", entry.name, seconds,
+                         target.address)
+                await self.engines.status()  # (learns what each engine serves now)
+                self.on_change()
+                return target
+            if self._clock() > deadline:
+                raise CannotActivate(f"every engine of this node is busy; none could be freed "
+                                     f"for {entry.name} within {self.wait_s:g}s")
+            await asyncio.sleep(RETRY_S)
+
+    async def _evict_one(self, views: list[EngineView], spare: EngineLink | None
+                         ) -> EngineLink | None:
+        v = victim(views, self.catalog, self.last_used, self._clock(), self.evict_idle_s,
+                   spare)
+        if v is None:
+            return None
+        await v.link.stub.Evict(engine_pb2.EvictRequest(), timeout=ACTIVATE_TIMEOUT_S)
+        self.evictions += 1
+        log.info("evicted %s (idle) from the engine at %s", v.model, v.link.address)
+        await self.engines.status()
+        self.on_change()
+        return v.link
+
+    async def _views(self) -> list[EngineView]:
+        out = []
+        for link in self.engines.links:
+            st = await link.raw_status()
+            model = st.models[0].name if st.models else ""
+            out.append(EngineView(link, model, st.running, st.waiting))
+            if model and model not in self.last_used:
+                self.last_used[model] = 0.0  # (serving since start, never asked: idle)
+        return out
