@@ -7,6 +7,7 @@ import logging
 from contextlib import AsyncExitStack
 
 from services.nodemgr.activation import Activator
+from services.nodemgr.admission import DeadlineAdmission
 from services.nodemgr.config import NodeManagerConfig
 from services.nodemgr.engine_set import EngineSet, UnknownModel
 from services.nodemgr.grpc_service import NodeManagerServicer
@@ -18,7 +19,7 @@ from services.nodemgr.registration import Registrar
 from services.nodemgr.weight_cache import WeightCache
 from shared.grpc_server import serve_grpc
 from shared.metrics_http import serve_metrics
-from shared.model_catalog import load_catalog
+from shared.model_catalog import DEFAULT_TTFT_SLO_S, load_catalog
 from shared.proto import engine_pb2, engine_pb2_grpc, nodemgr_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -52,8 +53,12 @@ async def start(config: NodeManagerConfig, stack: AsyncExitStack) -> asyncio.Tas
     activator = Activator(engine, catalog, evict_idle_s=config.evict_idle_s,
                           wait_s=config.activation_wait_s,
                           on_change=lambda: registrar.models_changed() if registrar else None)
+    admission = DeadlineAdmission(
+        config.admission_depth, config.prefill_tokens_per_s,
+        slo=lambda model: activator.catalog[model].ttft_slo_s
+        if model in activator.catalog else DEFAULT_TTFT_SLO_S)
     servicer = NodeManagerServicer(config.node_id, engine, config.kvstore_address, engine_failed,
-                                   prefetcher, activator)
+                                   prefetcher, activator, admission)
     server = await stack.enter_async_context(
         serve_grpc(
             config.host,

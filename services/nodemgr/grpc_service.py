@@ -3,6 +3,7 @@ advisories (prefetch the advised session's KV) and their invalidations."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 
@@ -10,6 +11,7 @@ import grpc
 
 from services.nodemgr import wire
 from services.nodemgr.activation import Activator, CannotActivate
+from services.nodemgr.admission import DeadlineAdmission, estimate_tokens
 from services.nodemgr.engine_set import EngineSet, EngineUnavailable, UnknownModel
 from services.nodemgr.prefetcher import Advice, Prefetcher
 from shared.proto import common_pb2, nodemgr_pb2, nodemgr_pb2_grpc
@@ -26,6 +28,7 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
         on_engine_unavailable: Callable[[str], None],
         prefetcher: Prefetcher | None = None,
         activator: Activator | None = None,
+        admission: DeadlineAdmission | None = None,
     ) -> None:
         self.node_id = node_id
         self.engine = engine
@@ -33,6 +36,7 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
         self.on_engine_unavailable = on_engine_unavailable
         self.prefetcher = prefetcher
         self.activator = activator or Activator(engine, (), evict_idle_s=0.0, wait_s=1.0)
+        self.admission = admission or DeadlineAdmission()
         self.in_flight = 0
 
     async def Generate(
@@ -56,11 +60,20 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
         except CannotActivate as e:
             self.in_flight -= 1
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        remaining = context.time_remaining()
-        call = link.stub.Generate(request, timeout=remaining)
+        tokens = estimate_tokens(len(request.prompt) + sum(len(m.content)
+                                                           for m in request.messages),
+                                 len(request.prompt_token_ids))
+        call = None
+        # One engine: its own queue orders its requests (and refuses them when behind);
+        # several models: the node's queue orders them across engines by deadline.
+        admission = self.admission if len(self.engine.links) > 1 else None
         try:
-            async for chunk in call:
-                yield chunk
+            async with _slot(admission, request.model, link.address, tokens) as started:
+                call = link.stub.Generate(request, timeout=context.time_remaining())
+                async for chunk in call:
+                    if chunk.token_ids or chunk.finish_reason:
+                        started(chunk.prompt_tokens)
+                    yield chunk
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 log.error("engine unreachable during %s: %s", wire.request_id_of(request),
@@ -68,7 +81,8 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
                 self.on_engine_unavailable(e.details() or "UNAVAILABLE")
             await context.abort(e.code(), e.details() or e.code().name)
         finally:
-            call.cancel()
+            if call is not None:
+                call.cancel()
             self.in_flight -= 1
             self.activator.used(request.model)
 
@@ -99,3 +113,13 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
         found = self.prefetcher is not None and self.prefetcher.invalidate(
             request.advisory_id, request.expired)
         return nodemgr_pb2.InvalidateReply(found=found)
+
+
+@contextlib.asynccontextmanager
+async def _slot(admission: DeadlineAdmission | None, model: str, engine: str, tokens: int
+                ) -> AsyncIterator[Callable[[int], None]]:
+    if admission is None:
+        yield lambda tokens: None
+        return
+    async with admission.slot(model, engine, tokens) as started:
+        yield started

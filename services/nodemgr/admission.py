@@ -1,0 +1,106 @@
+"""Node-local admission by TTFT deadline (Prism §6.3): one queue for all the node's models,
+dispatched to their engines in the order of Algorithm 2 (``deadline_order``).
+
+A request waits here until it is its turn and its engine can start it at once: each engine
+takes at most ``depth`` requests that have not produced their first token yet (more would
+only queue inside the engine, where the node could no longer reorder them). Whenever a
+request arrives or one starts producing, the queue is ordered again: requests that can
+still meet their deadline first (Moore-Hodgson keeps the most of them), then the others,
+which are served all the same.
+
+A request's prefill time is its prompt length (estimated from its text before the engine
+tokenizes it) over its model's chunked-prefill speed, measured here from the requests it
+served (prompt tokens over time to first token), starting from ``default_speed``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from services.nodemgr.deadline_order import Waiting, deadline_order
+
+CHARS_PER_TOKEN = 4.0  # a prompt's length in tokens, estimated from its characters
+SPEED_WEIGHT = 0.3  # EWMA weight of a new prefill-speed sample
+
+
+@dataclass(eq=False)
+class _Ticket:
+    engine: str
+    go: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop()
+                                     .create_future())
+
+
+class DeadlineAdmission:
+    def __init__(self, depth: int = 4, default_speed: float = 2000.0,
+                 slo: Callable[[str], float] = lambda model: 2.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.depth = depth
+        self.default_speed = default_speed
+        self._slo = slo
+        self._clock = clock
+        self.speed: dict[str, float] = {}  # model -> measured prefill tokens/s
+        self._queue: list[Waiting[_Ticket]] = []
+        self._starting: dict[str, int] = {}  # engine -> dispatched, no first token yet
+        self.late = 0  # requests dispatched after their deadline had passed
+
+    @asynccontextmanager
+    async def slot(self, model: str, engine: str, prompt_tokens: int
+                   ) -> AsyncIterator[Callable[[int], None]]:
+        """Wait for the request's turn; yields ``first_token(prompt_tokens)`` to call when
+        its first token arrives (its engine may then start another)."""
+        ticket = _Ticket(engine)
+        arrival = self._clock()
+        w = Waiting(ticket, arrival, self._slo(model), max(1, prompt_tokens),
+                    self.speed.get(model, self.default_speed))
+        self._queue.append(w)
+        started = False
+
+        def first_token(actual_tokens: int) -> None:
+            nonlocal started
+            if started:
+                return
+            started = True
+            elapsed = self._clock() - arrival
+            if actual_tokens > 0 and elapsed > 0:
+                sample = actual_tokens / elapsed
+                old = self.speed.get(model)
+                self.speed[model] = sample if old is None else (
+                    (1 - SPEED_WEIGHT) * old + SPEED_WEIGHT * sample)
+            self._starting[engine] -= 1
+            self._pump()
+
+        try:
+            self._pump()
+            await ticket.go
+            if self._clock() > w.deadline:
+                self.late += 1
+            yield first_token
+        finally:
+            if ticket.go.done() and not ticket.go.cancelled():
+                first_token(0)  # (ended or failed before its first token)
+            else:
+                self._queue.remove(w)
+                ticket.go.cancel()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    def _pump(self) -> None:
+        """Dispatch, in Algorithm 2's order, every request whose engine can start it."""
+        on_time, late = deadline_order(self._queue, self._clock())
+        for w in (*on_time, *late):
+            engine = w.item.engine
+            if self._starting.get(engine, 0) < self.depth:
+                self._starting[engine] = self._starting.get(engine, 0) + 1
+                self._queue.remove(w)
+                w.item.go.set_result(None)
+
+
+def estimate_tokens(chars: int, token_ids: int) -> int:
+    """A request's prompt length before tokenization: its token ids, or its text / 4."""
+    return token_ids or max(1, int(chars / CHARS_PER_TOKEN))

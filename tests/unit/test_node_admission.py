@@ -1,0 +1,88 @@
+"""The nodemgr's admission queue: Algorithm 2's order across models, an engine's depth."""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.nodemgr.admission import DeadlineAdmission, estimate_tokens
+
+SLO = {"fast": 1.0, "slow": 10.0}
+
+
+async def test_dispatch_follows_deadlines_and_engine_depth() -> None:
+    now = [0.0]
+    adm = DeadlineAdmission(depth=1, default_speed=100.0, slo=SLO.__getitem__,
+                            clock=lambda: now[0])
+    order: list[str] = []
+    firsts: dict[str, asyncio.Event] = {}
+
+    async def request(name: str, model: str, tokens: int) -> None:
+        async with adm.slot(model, "engine0", tokens) as first_token:
+            order.append(name)
+            firsts[name] = asyncio.Event()
+            await firsts[name].wait()
+            first_token(tokens)
+
+    r1 = asyncio.create_task(request("r1", "slow", 50))
+    await asyncio.sleep(0)
+    assert order == ["r1"]  # the engine was free
+    r2 = asyncio.create_task(request("r2", "slow", 50))  # deadline 10
+    r3 = asyncio.create_task(request("r3", "fast", 20))  # deadline 1: goes first
+    await asyncio.sleep(0)
+    assert order == ["r1"] and adm.waiting == 2  # depth 1: both wait
+    now[0] = 0.5
+    firsts["r1"].set()
+    await asyncio.sleep(0.01)
+    assert order == ["r1", "r3"]
+    firsts["r3"].set()
+    await asyncio.sleep(0.01)
+    firsts["r2"].set()
+    await asyncio.gather(r1, r2, r3)
+    assert order == ["r1", "r3", "r2"] and adm.waiting == 0
+    assert adm.speed["slow"] > 0  # measured from the requests served
+
+
+async def test_a_request_that_cannot_make_it_yields_to_those_that_can() -> None:
+    now = [0.0]
+    adm = DeadlineAdmission(depth=1, default_speed=10.0, slo={"m": 1.0, "n": 3.0}.__getitem__,
+                            clock=lambda: now[0])
+    order: list[str] = []
+    gate = asyncio.Event()
+
+    async def request(name: str, model: str, tokens: int) -> None:
+        async with adm.slot(model, "e", tokens) as first_token:
+            order.append(name)
+            await gate.wait()
+            first_token(tokens)
+
+    busy = asyncio.create_task(request("busy", "n", 1))
+    await asyncio.sleep(0)
+    # "long" (deadline 1, needs 2 s) cannot make it whatever happens; "short" (deadline 3,
+    # 0.5 s) can: Moore-Hodgson drops "long" from the on-time schedule, it runs after.
+    long = asyncio.create_task(request("long", "m", 20))
+    short = asyncio.create_task(request("short", "n", 5))
+    await asyncio.sleep(0)
+    gate.set()
+    await asyncio.gather(busy, long, short)
+    assert order == ["busy", "short", "long"]
+
+
+async def test_a_cancelled_waiter_leaves_the_queue() -> None:
+    adm = DeadlineAdmission(depth=1)
+    hold = asyncio.Event()
+
+    async def holder() -> None:
+        async with adm.slot("m", "e", 10):
+            await hold.wait()
+
+    t1 = asyncio.create_task(holder())
+    await asyncio.sleep(0)
+    t2 = asyncio.create_task(holder())
+    await asyncio.sleep(0)
+    assert adm.waiting == 1
+    t2.cancel()
+    await asyncio.gather(t2, return_exceptions=True)
+    assert adm.waiting == 0
+    hold.set()
+    await t1
+    assert estimate_tokens(400, 0) == 100 and estimate_tokens(400, 7) == 7
