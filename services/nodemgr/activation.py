@@ -137,6 +137,21 @@ class Activator:
                                      f"for {entry.name} within {self.wait_s:g}s")
             await asyncio.sleep(RETRY_S)
 
+    async def evict(self, model: str) -> bool:
+        """Evict ``model`` from this node if it is idle now (the placement moved it)."""
+        async with self._locks.setdefault(model, asyncio.Lock()):
+            for v in await self._views():
+                if v.model == model and not v.running and not v.waiting:
+                    await v.link.stub.Evict(engine_pb2.EvictRequest(),
+                                            timeout=ACTIVATE_TIMEOUT_S)
+                    self.evictions += 1
+                    log.info("evicted %s (placed elsewhere) from the engine at %s", model,
+                             v.link.address)
+                    await self.engines.status()
+                    self.on_change()
+                    return True
+        return False
+
     async def _evict_one(self, views: list[EngineView], spare: EngineLink | None
                          ) -> EngineLink | None:
         v = victim(views, self.catalog, self.last_used, self._clock(), self.evict_idle_s,

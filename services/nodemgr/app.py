@@ -17,6 +17,7 @@ from services.nodemgr.metrics import NodeMgrMetrics
 from services.nodemgr.prefetcher import Prefetcher
 from services.nodemgr.registration import Registrar
 from services.nodemgr.weight_cache import WeightCache
+from shared.device_ledger import DeviceLedger
 from shared.grpc_server import serve_grpc
 from shared.metrics_http import serve_metrics
 from shared.model_catalog import DEFAULT_TTFT_SLO_S, load_catalog
@@ -32,7 +33,7 @@ async def start(config: NodeManagerConfig, stack: AsyncExitStack) -> asyncio.Tas
     engine is not ready within ``engine_wait_s``.
     """
     engine = EngineSet(config.engine_addresses or [config.engine_address],
-                       config.engine_status_timeout_s)
+                       config.engine_status_timeout_s, _ledger_budget(config.device_ledger))
     stack.push_async_callback(engine.close)
     registrar: Registrar | None = None
     kvstore = KVStoreProbe(config.kvstore_address, config.kvstore_probe_timeout_s)
@@ -125,6 +126,16 @@ async def run(config: NodeManagerConfig) -> None:
     async with AsyncExitStack() as stack:
         beats = await start(config, stack)
         await beats
+
+
+def _ledger_budget(path: str) -> int:
+    if not path:
+        return 0
+    ledger = DeviceLedger(path)
+    try:
+        return ledger.budget_bytes
+    finally:
+        ledger.close()
 
 
 async def _engine_memory(engines: EngineSet) -> list[EngineMemory]:

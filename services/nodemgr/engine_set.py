@@ -21,12 +21,16 @@ class UnknownModel(LookupError):
 
 
 class EngineSet:
-    def __init__(self, addresses: list[str], status_timeout_s: float) -> None:
+    def __init__(self, addresses: list[str], status_timeout_s: float,
+                 shared_budget: int = 0) -> None:
+        """``shared_budget``: the node's device ledger's budget, which its engines share
+        (0: each engine's own budget adds up)."""
         if not addresses:
             raise ValueError("a node needs at least one engine")
         self.links = [EngineLink(a, status_timeout_s) for a in addresses]
         self._acked = [0] * len(self.links)
         self._served: list[tuple[str, ...]] = [()] * len(self.links)  # model names per link
+        self.shared_budget = shared_budget
 
     @property
     def address(self) -> str:
@@ -51,7 +55,10 @@ class EngineSet:
         parts = await asyncio.gather(*(link.status(acked) for link, acked
                                        in zip(self.links, self._acked, strict=True)))
         self._served = [tuple(m.name for m in p.models) for p in parts]
-        return merge(list(parts))
+        snap = merge(list(parts))
+        if self.shared_budget:
+            snap = dataclasses.replace(snap, device_budget_bytes=self.shared_budget)
+        return snap
 
     def acked(self, snap: wire.EngineSnapshot) -> None:
         """The scheduler took ``snap``'s saves: do not report them again."""
@@ -86,6 +93,7 @@ def merge(parts: list[wire.EngineSnapshot]) -> wire.EngineSnapshot:
         step_running_s=max(p.step_running_s for p in parts),
         prefetch=_merge_prefetch([p.prefetch for p in parts if p.prefetch is not None]),
         parts=tuple(parts),
+        device_budget_bytes=sum(p.device_budget_bytes for p in parts),
     )
 
 

@@ -115,6 +115,22 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
         return nodemgr_pb2.InvalidateReply(found=found)
 
 
+    async def ActivateModel(
+        self, request: nodemgr_pb2.ModelRequest, context: grpc.aio.ServicerContext
+    ) -> nodemgr_pb2.ModelReply:
+        try:
+            await self.activator.engine_for(request.model)
+        except (UnknownModel, CannotActivate) as e:
+            return nodemgr_pb2.ModelReply(done=False, detail=str(e) or "not in the catalogue")
+        return nodemgr_pb2.ModelReply(done=True)
+
+    async def EvictModel(
+        self, request: nodemgr_pb2.ModelRequest, context: grpc.aio.ServicerContext
+    ) -> nodemgr_pb2.ModelReply:
+        done = await self.activator.evict(request.model)
+        return nodemgr_pb2.ModelReply(done=done, detail="" if done else "busy or not here")
+
+
 @contextlib.asynccontextmanager
 async def _slot(admission: DeadlineAdmission | None, model: str, engine: str, tokens: int
                 ) -> AsyncIterator[Callable[[int], None]]:

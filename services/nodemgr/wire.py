@@ -22,6 +22,7 @@ class EngineSnapshot:
     step_running_s: float = 0.0  # how long the forward step under way has run (0: idle)
     prefetch: common_pb2.PrefetchCounters | None = None  # passed on as it is
     parts: tuple[EngineSnapshot, ...] = ()  # one per engine of the node (engine_set.py)
+    device_budget_bytes: int = 0
 
     @property
     def last_saved(self) -> int:
@@ -40,6 +41,7 @@ def snapshot(msg: engine_pb2.EngineStatus) -> EngineSnapshot:
         queue_delay_s=msg.queue_delay_s,
         step_running_s=msg.step_running_s,
         prefetch=msg.prefetch if msg.HasField("prefetch") else None,
+        device_budget_bytes=msg.device_budget_bytes,
     )
 
 
@@ -67,6 +69,7 @@ def heartbeat(
         msg.blocks_free = snap.blocks_free
         msg.blocks_total = snap.blocks_total
         msg.saved.extend(snap.saved)
+        msg.device_budget_bytes = snap.device_budget_bytes
         if snap.prefetch is not None:
             msg.prefetch.CopyFrom(snap.prefetch)
     return msg

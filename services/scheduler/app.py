@@ -20,6 +20,7 @@ from services.scheduler.http_server import HardenedRunner
 from services.scheduler.keys import key_book
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.nodes import NodeRegistry
+from services.scheduler.placement_loop import PlacementLoop
 from services.scheduler.policy import make_policy
 from services.scheduler.responses import ResponseStore
 from services.scheduler.sessions import SessionDirectory
@@ -154,6 +155,18 @@ async def start(config: SchedulerConfig, stack: AsyncExitStack) -> Running:
         await state.advisor.close()
 
     stack.push_async_callback(stop_advisor)
+    catalog = tuple(state.dispatcher.catalog.values())
+    if catalog and config.placement_interval_s > 0:
+        placement = PlacementLoop(registry, channels, catalog, state.dispatcher.rates,
+                                  config.placement_tau)
+        placing = asyncio.create_task(placement.run(config.placement_interval_s),
+                                      name="model-placement")
+
+        async def stop_placement() -> None:
+            placing.cancel()
+            await asyncio.gather(placing, return_exceptions=True)
+
+        stack.push_async_callback(stop_placement)
     return Running(http_port, grpc_server.port, state)
 
 

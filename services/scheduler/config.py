@@ -85,6 +85,12 @@ class SchedulerConfig:
     models_config: str = opt(
         "", "YAML file whose models: list is the cluster's model catalogue (models the "
         "nodes activate on demand; overture up writes one for several --model)")
+    placement_interval_s: float = opt(
+        10.0, "how often models are placed onto nodes by KV pressure (Prism Algorithm 1; "
+        "with a model catalogue and two nodes or more); 0 = never", min=0)
+    placement_tau: float = opt(
+        0.5, "Algorithm 1's migration threshold τ: a model moves only when the KV pressure "
+        "(SLO-weighted requests/s per GiB of free device memory) drops by more", min=0)
     responses_ttl_s: float = opt(
         3600.0, "stored Responses API responses (previous_response_id) live this long",
         min=1)

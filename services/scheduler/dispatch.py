@@ -29,6 +29,7 @@ import grpc
 from services.scheduler import wire
 from services.scheduler.errors import ApiError, from_grpc
 from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.model_rates import ModelRates
 from services.scheduler.nodes import HOLDER_SLACK, Node, NodeRegistry
 from services.scheduler.policy import Policy, RouteRequest
 from services.scheduler.sessions import SessionDirectory, SessionPlace
@@ -92,6 +93,7 @@ class Dispatcher:
         self.registry = registry
         # Models the cluster may serve though no node runs them now (shared/model_catalog).
         self.catalog = {m.name: m for m in catalog}
+        self.rates = ModelRates()  # requests per model (the placement's r_j)
         self.policy = policy
         self.channels = channels
         self.settings = settings
@@ -189,6 +191,7 @@ class Dispatcher:
         node forwards to its engine.
         """
         retries = self.settings.unavailable_retries
+        self.rates.record(route.model)
         place = self.sessions.where(route.tenant, route.session_id) if route.session_id else None
         if place is not None:
             route = dataclasses.replace(route, holder=place.node_id)

@@ -52,6 +52,7 @@ class Load:
     prefetch_wasted_bytes: int = 0
     prefetch_purged_by_layer: tuple[int, ...] = ()
     prefetch_sessions: int = 0
+    device_budget_bytes: int = 0  # the node's device memory (model placement's capacity)
 
 
 @dataclass

@@ -63,6 +63,7 @@ def load(msg: scheduler_pb2.HeartbeatMsg) -> Load:
         prefetch_wasted_bytes=msg.prefetch.wasted_bytes,
         prefetch_purged_by_layer=tuple(msg.prefetch.purged_blocks_by_layer),
         prefetch_sessions=msg.prefetch.sessions,
+        device_budget_bytes=msg.device_budget_bytes,
     )
 
 
