@@ -22,6 +22,7 @@ from collections.abc import Awaitable
 
 from services.kvstore.errors import TierUnavailable
 from services.kvstore.manifests import ManifestStore, manifest_key
+from services.kvstore.manifests.manifest import scoped_session
 from services.kvstore.peers.pull import PullResult, pull_session
 
 log = logging.getLogger(__name__)
@@ -36,11 +37,15 @@ async def prefetch_session(
     timeout_s: float = 10.0,
     wait_tokens: int = 0,
     wait_s: float = 2.0,
+    model_fp: str = "",
 ) -> PullResult:
     """Bring ``tenant/session_id`` into DRAM; what was found, fetched and missing.
     ``wait_tokens``: the length of the session's last turn, whose save may still be
     running where it was served (the peer, or here): that node waits for it, up to
-    ``wait_s``, so an advisory sent the moment a turn ends fetches the whole turn."""
+    ``wait_s``, so an advisory sent the moment a turn ends fetches the whole turn.
+    ``model_fp``: the model whose KV of the session is meant ("": ``session_id`` is the
+    name this kvstore gave it)."""
+    session_id = scoped_session(session_id, model_fp)
     manifest_key(tenant, session_id)  # the caller's input (ChunkFormatError)
     deleted_before = manifests.deletions(tenant, session_id)
     if peer:

@@ -134,6 +134,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 await self.manifests.saves.wait(sid, request.wait_tokens,
                                                 self.pool_path.peer_wait_s, turn=True)
             m = await self.manifests.newest_manifest(*sid)
+            if m is None and not request.model_fp:  # (any model's, when it names none)
+                for scoped in self.manifests.model_scopes(*sid):
+                    m = m or await self.manifests.newest_manifest(sid[0], scoped)
         except ChunkFormatError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return wire.manifest_reply(m)
@@ -176,17 +179,21 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         for k in q.keys:
             n += await self.store.delete(k, tiers)
         if q.session_id:
-            tenant, sid = q.tenant, q.session_id
-            if everywhere:  # the session is gone, not just evicted from faster tiers
-                await self.manifests.forget(tenant, sid)
-            try:
-                m = await self.manifests.get_manifest(tenant, sid)
-                if m is not None and q.with_chunks:
-                    for k in m.chunk_keys():
-                        n += await self.store.delete(k, tiers)
-                n += await self.manifests.delete_manifest(tenant, sid, tiers)
-            except ChunkFormatError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            tenant = q.tenant
+            # Without a model: the session under every model this node knows it for.
+            names = [q.session_id] + ([] if request.session.model_fp else
+                                      self.manifests.model_scopes(tenant, q.session_id))
+            for sid in names:
+                if everywhere:  # the session is gone, not just evicted from faster tiers
+                    await self.manifests.forget(tenant, sid)
+                try:
+                    m = await self.manifests.get_manifest(tenant, sid)
+                    if m is not None and q.with_chunks:
+                        for k in m.chunk_keys():
+                            n += await self.store.delete(k, tiers)
+                    n += await self.manifests.delete_manifest(tenant, sid, tiers)
+                except ChunkFormatError as e:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return wire.delete_reply(n)
 
     async def PrefetchSession(

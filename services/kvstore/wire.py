@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.kvstore.manifests.manifest import Manifest
+from services.kvstore.manifests.manifest import Manifest, scoped_session
 from services.kvstore.pool.attach import PoolGeometry
 from services.kvstore.pool.types import (
     FindRequest,
@@ -176,7 +176,7 @@ class ChunksQuery:
 
 
 def chunks_query(p: pb.GetChunksRequest) -> ChunksQuery:
-    return ChunksQuery(tuple(p.keys), p.session.tenant, p.session.session_id, p.window,
+    return ChunksQuery(tuple(p.keys), *session_of(p.session), p.window,
                        p.first_layer, p.last_layer if p.has_last_layer else None)
 
 
@@ -260,8 +260,9 @@ def session_ref(tenant: str, session_id: str, wait_tokens: int = 0) -> pb.Manife
 
 
 def session_of(p: pb.ManifestRef) -> tuple[str, str]:
-    """(tenant, session_id)."""
-    return p.tenant, p.session_id
+    """(tenant, the session's name here): scoped by ``model_fp`` when the caller names the
+    model (a peer names a session by the name this kvstore gave it)."""
+    return p.tenant, scoped_session(p.session_id, p.model_fp)
 
 
 def manifest_reply(m: Manifest | None) -> pb.ManifestReply:
@@ -298,7 +299,7 @@ class DeleteQuery:
 
 
 def delete_query(p: pb.DeleteRequest) -> DeleteQuery:
-    return DeleteQuery(tuple(p.keys), tuple(p.tiers), p.session.tenant, p.session.session_id,
+    return DeleteQuery(tuple(p.keys), tuple(p.tiers), *session_of(p.session),
                        p.with_chunks)
 
 

@@ -45,7 +45,8 @@ async def start(config: NodeManagerConfig, stack: AsyncExitStack) -> asyncio.Tas
 
     metrics = NodeMgrMetrics()
     prefetcher = Prefetcher(config.kvstore_address, config.prefetch_timeout_s,
-                            engines=lambda model: _stub_for(engine, model), metrics=metrics)
+                            engines=lambda model: _stub_for(engine, model), metrics=metrics,
+                            fingerprint=engine.fingerprint)
     stack.push_async_callback(prefetcher.close)
     catalog = load_catalog(config.models_config)
     weights = WeightCache()

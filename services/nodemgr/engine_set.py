@@ -31,6 +31,7 @@ class EngineSet:
         self._acked = [0] * len(self.links)
         self._served: list[tuple[str, ...]] = [()] * len(self.links)  # model names per link
         self.shared_budget = shared_budget
+        self._fingerprints: dict[str, str] = {}
 
     @property
     def address(self) -> str:
@@ -55,10 +56,17 @@ class EngineSet:
         parts = await asyncio.gather(*(link.status(acked) for link, acked
                                        in zip(self.links, self._acked, strict=True)))
         self._served = [tuple(m.name for m in p.models) for p in parts]
+        self._fingerprints = {m.name: m.fingerprint for p in parts for m in p.models}
         snap = merge(list(parts))
         if self.shared_budget:
             snap = dataclasses.replace(snap, device_budget_bytes=self.shared_budget)
         return snap
+
+    def fingerprint(self, model: str) -> str:
+        """The fingerprint of a model served here ("": the first one's; "" if unknown)."""
+        if not model:
+            return next(iter(self._fingerprints.values()), "")
+        return self._fingerprints.get(model, "")
 
     def acked(self, snap: wire.EngineSnapshot) -> None:
         """The scheduler took ``snap``'s saves: do not report them again."""

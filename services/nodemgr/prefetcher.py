@@ -52,11 +52,14 @@ class Advice:
 class Prefetcher:
     def __init__(self, kvstore_address: str, timeout_s: float, concurrency: int = 4,
                  engines: Callable[[str], engine_pb2_grpc.EngineStub | None] | None = None,
-                 metrics: NodeMgrMetrics | None = None) -> None:
-        """``engines``: the engine stub of a model (None: that device hop is skipped)."""
+                 metrics: NodeMgrMetrics | None = None,
+                 fingerprint: Callable[[str], str] = lambda model: "") -> None:
+        """``engines``: the engine stub of a model (None: that device hop is skipped);
+        ``fingerprint``: a model's fingerprint (the kvstore keeps a manifest per model)."""
         self.channel = fast_channel(kvstore_address) if kvstore_address else None
         self.stub = kvstore_pb2_grpc.KVStoreStub(self.channel) if self.channel else None
         self._engines = engines or (lambda model: None)
+        self._fingerprint = fingerprint
         self.metrics = metrics or NodeMgrMetrics()
         self.timeout_s = timeout_s
         self._gate = asyncio.Semaphore(concurrency)
@@ -132,7 +135,8 @@ class Prefetcher:
         assert self.stub is not None
         request = kvstore_pb2.PrefetchSessionRequest(
             session=kvstore_pb2.ManifestRef(tenant=a.tenant or DEFAULT_TENANT,
-                                            session_id=a.session_id),
+                                            session_id=a.session_id,
+                                            model_fp=self._fingerprint(a.model)),
             peer_address=a.kv_source,
             wait_tokens=a.kv_tokens,
         )

@@ -113,6 +113,15 @@ class Manifest:
                                    ) from None
 
 
+def scoped_session(session_id: str, model_fp: str) -> str:
+    """The session's name inside the kvstore: one per model (a session that switches model
+    keeps each model's manifest; DESIGN's keys carry the model, so must its manifests).
+    A name already scoped, or given without a model (a peer naming what it holds), stays."""
+    if not session_id or not model_fp:
+        return session_id
+    return f"{session_id}@{model_fp[:16]}"
+
+
 def manifest_key(tenant: str, session_id: str) -> str:
     if (not tenant or "/" in tenant or not session_id or "/" in session_id
             or len(tenant) > MAX_NAME_CHARS or len(session_id) > MAX_NAME_CHARS):

@@ -217,6 +217,12 @@ class ManifestStore:
         newest = self._newest.get((tenant, session_id))
         return newest if newest is not None else await self.get_manifest(tenant, session_id)
 
+    def model_scopes(self, tenant: str, session_id: str) -> list[str]:
+        """The per-model names (``scoped_session``) of the session saved here and still
+        remembered: what a caller naming the session without its model means."""
+        prefix = session_id + "@"
+        return [s for t, s in self._latest if t == tenant and s.startswith(prefix)]
+
     def latest(self, tenant: str, session_id: str) -> SavedSequence | None:
         """The session's latest saved sequence, if still remembered."""
         return self._latest.get((tenant, session_id))

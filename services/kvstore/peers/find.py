@@ -18,6 +18,7 @@ import grpc
 
 from services.kvstore import wire
 from services.kvstore.manifests import ManifestStore
+from services.kvstore.manifests.manifest import scoped_session
 from services.kvstore.peers.links import PeerLinks
 from services.kvstore.pool.attach import PoolError
 from services.kvstore.pool.leases import Lease, LeaseTable
@@ -112,7 +113,7 @@ async def answer_peer(
         raise PoolError(
             f"first_block {req.first_block} is past the {len(req.block_hashes)} block hashes")
     waited = 0.0
-    sid = (req.tenant, req.session_id)
+    sid = (req.tenant, scoped_session(req.session_id, req.model_fp))
     if req.session_id and req.wait_tokens:
         waited = await manifests.saves.wait(sid, req.wait_tokens, wait_s)
         store.metrics.peer_wait_seconds.observe(waited)

@@ -26,6 +26,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from services.kvstore.manifests import ManifestStore
+from services.kvstore.manifests.manifest import scoped_session
 from services.kvstore.pool.leases import Lease
 from services.kvstore.store import TieredStore
 from services.kvstore.tiers.base import Tier
@@ -184,6 +185,7 @@ async def known_sequences(
     never the manifest)."""
     if not session_id:
         return Known()
+    session_id = scoped_session(session_id, model_fp)
     out: list[tuple[bytes, ...]] = []
     latest = manifests.latest(tenant, session_id)
     if latest is not None and latest.model_fp == model_fp:

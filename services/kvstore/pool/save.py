@@ -17,6 +17,7 @@ import asyncio
 from collections.abc import Container
 
 from services.kvstore.manifests import Manifest, ManifestStore, manifest_key
+from services.kvstore.manifests.manifest import scoped_session
 from services.kvstore.manifests.manifest_store import SavedSequence
 from services.kvstore.pool.attach import MappedPool, PoolError, PoolRegistry
 from services.kvstore.pool.copies import encode_from_pool, to_the_end
@@ -51,9 +52,10 @@ async def save_from_pool(
     pool.check_block_ids(list(req.block_ids))
     # Everything about the request is checked before anything is stored or remembered.
     chunk_key(req.tenant, req.model_fp, b"\0", layers - 1)  # the names (ChunkFormatError)
-    if req.session_id:
-        manifest_key(req.tenant, req.session_id)  # (ChunkFormatError)
-    sid = (req.tenant, req.session_id)
+    session = scoped_session(req.session_id, req.model_fp)
+    if session:
+        manifest_key(req.tenant, session)  # (ChunkFormatError)
+    sid = (req.tenant, session)
     if not (req.session_id and nb):
         return await _save_chunks(store, pool, req, bpc, pulled)
     with manifests.saves.saving(sid):  # a peer asking for this session waits for us
@@ -70,7 +72,7 @@ async def _save_chunks(
     kv = pool.kv  # keep our view alive for the whole call
     nb, fb, layers = len(req.block_hashes), req.first_block, req.num_layers
     n = nb - fb
-    sid = (req.tenant, req.session_id)
+    sid = (req.tenant, scoped_session(req.session_id, req.model_fp))
     deleted_before = manifests.deletions(*sid) if manifests is not None else None
     jobs: list[tuple[ChunkMeta, list[int]]] = []
     skipped = 0
@@ -90,7 +92,7 @@ async def _save_chunks(
         store.metrics.pool_bytes_saved.inc(len(ids) * pool.geometry.block_bytes)
     if manifests is not None:  # (a session deleted while this save ran stays deleted)
         manifest = Manifest(
-            req.tenant, req.session_id, req.model_fp, req.block_hashes, req.token_count,
+            req.tenant, sid[1], req.model_fp, req.block_hashes, req.token_count,
             layers, bpc,
         )
         seq = SavedSequence(req.model_fp, req.block_hashes, req.token_count, req.num_layers)

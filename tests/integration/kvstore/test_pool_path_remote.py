@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from services.kvstore.config import KVStoreConfig
+from services.kvstore.manifests.manifest import scoped_session
 from services.kvstore.metrics import KVStoreMetrics
 from services.kvstore.pool.data_path import EnginePoolPath
 from services.kvstore.pool.types import LoadRequest, LookupRequest, SaveRequest
@@ -68,7 +69,8 @@ async def test_lookup_and_load_from_s3_then_via_manifest_after_restart(
         await dp.save(SaveRequest(pid, TENANT, "chat", MODEL, hs[:40], 40 * 16, 0,
                                   tuple(ids(0, 40, SRC, STRIDE)), LAYERS))
         await dp.wait_manifests()  # written once every chunk is durable in S3
-        assert (await dp.manifests.get_manifest(TENANT, "chat")).block_hashes == hs[:40]
+        m = await dp.manifests.get_manifest(TENANT, scoped_session("chat", MODEL))
+        assert m is not None and m.block_hashes == hs[:40]
         for tier in store.tiers[:2]:  # drop DRAM and SSD: only S3 is left
             for key in tier._index.keys():
                 await tier.delete(key)

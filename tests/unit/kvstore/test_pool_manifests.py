@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from services.kvstore.manifests import manifest_store as manifest_store_mod
+from services.kvstore.manifests.manifest import scoped_session
 from services.kvstore.metrics import KVStoreMetrics
 from services.kvstore.pool import save as pool_path_mod
 from services.kvstore.pool.data_path import EnginePoolPath
@@ -80,14 +81,15 @@ async def superseded_while_writing(pool) -> AsyncIterator[tuple[GatedManifests, 
 
 async def test_a_deleted_session_stays_deleted_with_an_older_manifest_still_writing(pool) -> None:
     async with superseded_while_writing(pool) as (remote, _store, dp):
-        deleting = asyncio.create_task(dp.forget(TENANT, "s"))
+        deleting = asyncio.create_task(dp.forget(TENANT, scoped_session("s", MODEL)))
         await asyncio.sleep(0.05)
         assert not deleting.done()  # it waits for the write under way ...
         remote.gate.set()
         await deleting
-        await dp.manifests.delete_manifest(TENANT, "s")  # ... so the caller's delete comes last
+        # ... so the caller's delete comes last
+        await dp.manifests.delete_manifest(TENANT, scoped_session("s", MODEL))
         await dp.wait_manifests()
-        assert await dp.manifests.get_manifest(TENANT, "s") is None
+        assert await dp.manifests.get_manifest(TENANT, scoped_session("s", MODEL)) is None
 
 
 async def test_the_newest_manifest_is_the_one_that_stays(pool) -> None:
@@ -95,7 +97,7 @@ async def test_the_newest_manifest_is_the_one_that_stays(pool) -> None:
         await asyncio.sleep(0.1)  # the newer one is durable and waits for the older write
         remote.gate.set()
         await dp.wait_manifests()
-        m = await dp.manifests.get_manifest(TENANT, "s")
+        m = await dp.manifests.get_manifest(TENANT, scoped_session("s", MODEL))
         assert m is not None and len(m.block_hashes) == 40
 
 
@@ -115,15 +117,15 @@ async def test_a_session_deleted_while_a_save_runs_is_not_brought_back(
         pid, _ = await dp.attach(geometry(pool))
         saving = asyncio.create_task(dp.save(request(pid, hashes(20))))
         await asyncio.sleep(0.05)  # copying blocks
-        await dp.forget(TENANT, "s")
-        await dp.manifests.delete_manifest(TENANT, "s")
+        await dp.forget(TENANT, scoped_session("s", MODEL))
+        await dp.manifests.delete_manifest(TENANT, scoped_session("s", MODEL))
         await saving
         await dp.wait_manifests()
-        assert await dp.manifests.get_manifest(TENANT, "s") is None
+        assert await dp.manifests.get_manifest(TENANT, scoped_session("s", MODEL)) is None
         assert (TENANT, "s") not in dp.manifests._latest
         await dp.save(request(pid, hashes(20)))  # a save after the delete is remembered
         await dp.wait_manifests()
-        assert await dp.manifests.get_manifest(TENANT, "s") is not None
+        assert await dp.manifests.get_manifest(TENANT, scoped_session("s", MODEL)) is not None
 
 
 async def test_a_refused_save_stores_and_remembers_nothing(pool) -> None:
@@ -149,6 +151,31 @@ async def test_remembered_sequences_are_bounded_by_their_hashes(
         for i in range(4):  # 16 hashes each, nothing to copy (first_block = all)
             await dp.save(request(pid, hashes(16, tag=f"t{i}"), session=f"s{i}",
                                   first_block=16, block_ids=()))
-        assert list(dp.manifests._latest) == [(TENANT, "s1"), (TENANT, "s2"), (TENANT, "s3")]
+        assert list(dp.manifests._latest) == [(TENANT, scoped_session(f"s{i}", MODEL))
+                                              for i in (1, 2, 3)]
         assert dp.manifests._latest_hashes == 48
         await dp.wait_manifests()
+
+
+async def test_one_session_under_two_models_keeps_a_manifest_each(pool) -> None:
+    """A session that switches model (Prism: models share nodes) keeps each model's
+    manifest; saving under one does not overwrite the other's."""
+    other = make_pool()
+    try:
+        store = TieredStore([DramTier(1 << 24)], KVStoreMetrics())
+        async with store, EnginePoolPath(store, CHUNK_TOKENS) as dp:
+            pid_a, _ = await dp.attach(geometry(pool))
+            pid_b, _ = await dp.attach(geometry(other, model_fp="fp1"))
+            hs_a, hs_b = hashes(32, tag="a"), hashes(16, tag="b")
+            await dp.save(request(pid_a, hs_a, session="chat"))
+            await dp.save(request(pid_b, hs_b, session="chat", model_fp="fp1",
+                                  block_ids=tuple(ids(0, 16, 0, 64))))
+            await dp.wait_manifests()
+            a = await dp.manifests.get_manifest(TENANT, scoped_session("chat", MODEL))
+            b = await dp.manifests.get_manifest(TENANT, scoped_session("chat", "fp1"))
+            assert a is not None and a.model_fp == MODEL and a.block_hashes == hs_a
+            assert b is not None and b.model_fp == "fp1" and b.block_hashes == hs_b
+            assert sorted(dp.manifests.model_scopes(TENANT, "chat")) == sorted(
+                [scoped_session("chat", MODEL), scoped_session("chat", "fp1")])
+    finally:
+        other.close()

@@ -163,17 +163,18 @@ async def test_an_advisory_s_prefetch_waits_for_the_turn_s_save(tmp_path: Path) 
         await asyncio.sleep(0.05)
         turn = 40 * BLOCK + 4  # (the save records the tokens with KV: all but the last)
         r = await prefetch_session(b.path.manifests, TENANT, "sess", a.address,
-                                   wait_tokens=turn)
+                                   wait_tokens=turn, model_fp=MODEL)
         await saving
         assert r.found and r.chunks == 3 * LAYERS and not r.missing, r
         # Without the turn's length the peer answers at once, with what it has.
-        r = await prefetch_session(b.path.manifests, TENANT, "other", a.address)
+        r = await prefetch_session(b.path.manifests, TENANT, "other", a.address, model_fp=MODEL)
         assert not r.found
         # Served here: this node's own save in flight is waited for the same way.
         fill(b.pool, ids(0, 40, SRC, STRIDE), seed=6)
         saving = asyncio.create_task(save(b.path, b.pid, hs, session="here"))
         await asyncio.sleep(0.05)
-        r = await prefetch_session(b.path.manifests, TENANT, "here", wait_tokens=turn)
+        r = await prefetch_session(b.path.manifests, TENANT, "here", wait_tokens=turn,
+                                   model_fp=MODEL)
         await saving
         assert r.found and not r.missing, r
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.kvstore.manifests.manifest import scoped_session
 from services.kvstore.metrics import KVStoreMetrics
 from services.kvstore.pool.attach import PoolError
 from services.kvstore.pool.data_path import EnginePoolPath
@@ -123,7 +124,8 @@ async def test_lookup_and_load_from_ssd_after_dram_is_dropped(path: EnginePoolPa
     saved = pool.kv_cache.clone()
     await save(path, pid, hs)
     await durable(path)
-    assert (await path.manifests.get_manifest(TENANT, "sess")).block_hashes == hs
+    m = await path.manifests.get_manifest(TENANT, scoped_session("sess", MODEL))
+    assert m is not None and m.block_hashes == hs
     for key in path.store.dram._index.keys():
         await path.store.dram.delete(key)
     r = await lookup(path, hs)
@@ -267,12 +269,12 @@ async def test_a_session_delete_leaves_no_manifest_behind(tmp_path: Path, pool, 
         fill(pool, ids(0, 20, SRC, STRIDE), seed=17)
         await save(dp, pid, hs, session="gone")
         await asyncio.wait_for(remote.entered.wait(), 5)
-        forgetting = asyncio.create_task(dp.forget(TENANT, "gone"))
+        forgetting = asyncio.create_task(dp.forget(TENANT, scoped_session("gone", MODEL)))
         await asyncio.sleep(0.05)
         assert forgetting.done() == (phase == "waiting")  # a write under way is waited for
         remote.gate.set()
         await asyncio.wait_for(forgetting, 5)
-        await dp.manifests.delete_manifest(TENANT, "gone", [])
+        await dp.manifests.delete_manifest(TENANT, scoped_session("gone", MODEL), [])
         await dp.wait_manifests()
         await asyncio.sleep(0.05)
-        assert await dp.manifests.get_manifest(TENANT, "gone") is None
+        assert await dp.manifests.get_manifest(TENANT, scoped_session("gone", MODEL)) is None
