@@ -91,6 +91,7 @@ def cluster_specs(
     served_name: str = "",
     more_models: tuple[tuple[str, str], ...] = (),
     ledgers: list[Path] | None = None,
+    models_config: str | None = None,
     host: str = "127.0.0.1",
     state_dir: Path | None = None,
     s3: S3ServerSpec | None = None,
@@ -161,6 +162,8 @@ def cluster_specs(
             nm_flags["engine_addresses"] = ",".join(engines)
         if ledgers:
             nm_flags["device_ledger"] = str(ledgers[i])
+        if models_config:
+            nm_flags["models_config"] = models_config
         specs.append(ChildSpec(f"{node_id}.nodemgr",
                                service_command("nodemgr", nm_flags, config)))
     return specs, f"http://{host}:{http_port}"
@@ -229,6 +232,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     (model, served), more = chosen[0], tuple(
         (str(Path(m).resolve()), name) for m, name in chosen[1:])
     ledgers = node_ledgers(args.nodes, args.node_memory) if more else None
+    catalog = _catalog_file(args.config, [(str(Path(m).resolve()), name or Path(m).name)
+                                          for m, name in chosen]) if more else args.config
     if more:
         print(f"{len(chosen)} models on every node, sharing {args.node_memory >> 20} MiB of "
               "device memory a node", flush=True)
@@ -242,6 +247,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         served_name=served,
         more_models=more,
         ledgers=ledgers,
+        models_config=catalog if catalog and _has_catalog(catalog) else None,
         config=args.config,
         # The SSD tier is on by default, under .overture/<node>/, unless the YAML places it.
         state_dir=None if _yaml_section_value(args.config, "kvstore", "ssd_path") else STATE_DIR,
@@ -252,6 +258,25 @@ def cmd_up(args: argparse.Namespace) -> int:
     finally:
         for ledger in ledgers or ():
             ledger.unlink(missing_ok=True)
+
+
+def _has_catalog(path: str) -> bool:
+    """Whether the YAML file lists a model catalogue (``models:``)."""
+    from shared.config import load_yaml
+
+    return bool(load_yaml(path).get("models"))
+
+
+def _catalog_file(config: str | None, served: list[tuple[str, str]]) -> str:
+    """The model catalogue for ``overture up``: the config's ``models:`` list when it has
+    one, else the --model flags with the default SLOs (written under .overture/)."""
+    from shared.model_catalog import ModelEntry, write_catalog
+
+    if config and _has_catalog(config):
+        return config
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    return str(write_catalog(STATE_DIR / "models.yaml",
+                             [ModelEntry(name, path) for path, name in served]))
 
 
 def node_ledgers(nodes: int, budget_bytes: int) -> list[Path]:
@@ -341,6 +366,15 @@ def _interruptible(
 def cmd_demo_model(args: argparse.Namespace) -> int:
     from services.engine.model import write_demo_model
 
+    if args.several:
+        # Several models of each size (different seeds) for trying multi-model serving:
+        # overture up --model DIR/tiny-1 --model DIR/small-1 ...
+        for size in args.size.split(","):
+            for seed in range(1, args.several + 1):
+                path = Path(args.path) / f"{size}-{seed}"
+                write_demo_model(path, size=size, seed=seed)
+                print(f"wrote the {size} demo model (seed {seed}) to {path}")
+        return 0
     write_demo_model(Path(args.path), size=args.size, seed=args.seed)
     print(f"wrote the {args.size} demo model to {args.path}")
     return 0
@@ -431,7 +465,10 @@ def _parser() -> argparse.ArgumentParser:
     add_models_parser(cmds).set_defaults(func=_interruptible(cmd_models))
     dm = cmds.add_parser("demo-model", help="write a random-weight demo model and tokenizer")
     dm.add_argument("path", help="folder to write")
-    dm.add_argument("--size", default="tiny", choices=("tiny", "small"), help="[default: tiny]")
+    dm.add_argument("--size", default="tiny", help="tiny or small; with --several, a comma "
+                    "list (tiny,small) [default: tiny]")
+    dm.add_argument("--several", type=int, default=0, metavar="N",
+                    help="write N models of each --size into PATH/<size>-<seed> instead")
     dm.add_argument("--seed", type=int, default=0, help="weight seed [default: 0]")
     dm.set_defaults(func=_interruptible(cmd_demo_model))
     sec = cmds.add_parser("secret", help="print a new random cluster secret (for "

@@ -197,10 +197,15 @@ class CudaMemory:
         self.tensor = torch.empty(0, dtype=torch.uint8)
 
 
-def allocate_pool_memory(device: str, nbytes: int) -> PoolMemory:
-    """The pool memory for ``device`` ("cpu" or "cuda[:n]")."""
+def allocate_pool_memory(device: str, nbytes: int, elastic: bool = False) -> PoolMemory:
+    """The pool memory for ``device`` ("cpu" or "cuda[:n]"); ``elastic`` on CUDA: pages
+    backed on demand with the virtual memory API (``cuda_vmm.py``, untested: no GPU here)."""
     if device == "cpu":
         return SharedMemoryFile(nbytes)
     if device.startswith("cuda"):
+        if elastic:
+            from .cuda_vmm import CudaVmmMemory  # lazy: cuda-python only where CUDA is
+
+            return CudaVmmMemory(nbytes, device)
         return CudaMemory(nbytes, device)
     raise ValueError(f"unknown device {device!r}; known: cpu, cuda")

@@ -26,6 +26,7 @@ import grpc
 
 from services.nodemgr.engine_link import EngineLink
 from services.nodemgr.engine_set import EngineSet, UnknownModel
+from services.nodemgr.metrics import NodeMgrMetrics
 from shared.model_catalog import ModelEntry
 from shared.proto import engine_pb2
 
@@ -69,13 +70,15 @@ class Activator:
     def __init__(self, engines: EngineSet, catalog: tuple[ModelEntry, ...], *,
                  evict_idle_s: float, wait_s: float,
                  on_change: Callable[[], None] = lambda: None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 metrics: NodeMgrMetrics | None = None) -> None:
         self.engines = engines
         self.catalog = {m.name: m for m in catalog}
         self.evict_idle_s = evict_idle_s
         self.wait_s = wait_s
         self.on_change = on_change
         self._clock = clock
+        self.metrics = metrics or NodeMgrMetrics()
         self._locks: dict[str, asyncio.Lock] = {}
         self.last_used: dict[str, float] = {}  # model -> when a request last came for it
         self.activations: list[tuple[str, float]] = []  # (model, seconds), for metrics
@@ -126,6 +129,8 @@ class Activator:
                     continue
                 seconds = self._clock() - started
                 self.activations.append((entry.name, seconds))
+                self.metrics.activations.labels(entry.name).inc()
+                self.metrics.activation_seconds.labels(entry.name).observe(seconds)
                 self.used(entry.name)
                 log.info("activated %s in %.2fs on the engine at %s", entry.name, seconds,
                          target.address)
@@ -145,6 +150,7 @@ class Activator:
                     await v.link.stub.Evict(engine_pb2.EvictRequest(),
                                             timeout=ACTIVATE_TIMEOUT_S)
                     self.evictions += 1
+                    self.metrics.evictions.labels(model).inc()
                     log.info("evicted %s (placed elsewhere) from the engine at %s", model,
                              v.link.address)
                     await self.engines.status()
@@ -160,6 +166,7 @@ class Activator:
             return None
         await v.link.stub.Evict(engine_pb2.EvictRequest(), timeout=ACTIVATE_TIMEOUT_S)
         self.evictions += 1
+        self.metrics.evictions.labels(v.model).inc()
         log.info("evicted %s (idle) from the engine at %s", v.model, v.link.address)
         await self.engines.status()
         self.on_change()

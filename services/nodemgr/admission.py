@@ -30,6 +30,7 @@ SPEED_WEIGHT = 0.3  # EWMA weight of a new prefill-speed sample
 @dataclass(eq=False)
 class _Ticket:
     engine: str
+    model: str = ""
     go: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop()
                                      .create_future())
 
@@ -52,7 +53,7 @@ class DeadlineAdmission:
                    ) -> AsyncIterator[Callable[[int], None]]:
         """Wait for the request's turn; yields ``first_token(prompt_tokens)`` to call when
         its first token arrives (its engine may then start another)."""
-        ticket = _Ticket(engine)
+        ticket = _Ticket(engine, model)
         arrival = self._clock()
         w = Waiting(ticket, arrival, self._slo(model), max(1, prompt_tokens),
                     self.speed.get(model, self.default_speed))
@@ -89,6 +90,9 @@ class DeadlineAdmission:
     @property
     def waiting(self) -> int:
         return len(self._queue)
+
+    def queued(self, model: str) -> int:
+        return sum(1 for w in self._queue if w.item.model == model)
 
     def _pump(self) -> None:
         """Dispatch, in Algorithm 2's order, every request whose engine can start it."""

@@ -54,7 +54,8 @@ async def start(config: NodeManagerConfig, stack: AsyncExitStack) -> asyncio.Tas
     weights.hold(catalog)
     activator = Activator(engine, catalog, evict_idle_s=config.evict_idle_s,
                           wait_s=config.activation_wait_s,
-                          on_change=lambda: registrar.models_changed() if registrar else None)
+                          on_change=lambda: registrar.models_changed() if registrar else None,
+                          metrics=metrics)
     admission = DeadlineAdmission(
         config.admission_depth, config.prefill_tokens_per_s,
         slo=lambda model: activator.catalog[model].ttft_slo_s
@@ -98,7 +99,9 @@ async def start(config: NodeManagerConfig, stack: AsyncExitStack) -> asyncio.Tas
 
         stack.push_async_callback(stop_broker)
     if config.metrics_port:
-        metrics.watch(lambda: _state(registrar, servicer))
+        metrics.watch(lambda: {**_state(registrar, servicer), **_budget(config.device_ledger)})
+        metrics.watch_models(lambda: _models_state(engine, activator, admission,
+                                                   config.device_ledger))
 
         async def render() -> bytes:
             return metrics.render()
@@ -127,6 +130,39 @@ async def run(config: NodeManagerConfig) -> None:
     async with AsyncExitStack() as stack:
         beats = await start(config, stack)
         await beats
+
+
+def _budget(path: str) -> dict[str, float]:
+    """The node's device budget and what is free of it (with a shared ledger)."""
+    if not path:
+        return {}
+    ledger = DeviceLedger(path)
+    try:
+        return {"device_budget_bytes": float(ledger.budget_bytes),
+                "device_free_bytes": float(ledger.free_bytes())}
+    finally:
+        ledger.close()
+
+
+def _models_state(engine: EngineSet, activator: Activator, admission: DeadlineAdmission,
+                  ledger_path: str) -> list[tuple[str, dict[str, float]]]:
+    """Per model: active here, device bytes it holds (KV, weights), requests queued."""
+    active = {m.name for m in (engine.last.models if engine.last else ())}
+    held: dict[str, tuple[int, int]] = {}
+    if ledger_path:
+        ledger = DeviceLedger(ledger_path)
+        try:
+            for h in ledger.holders():
+                kv, w = held.get(h.label, (0, 0))
+                held[h.label] = (kv + h.kv_bytes, w + h.weight_bytes)
+        finally:
+            ledger.close()
+    out = []
+    for name in sorted(active | set(activator.catalog)):
+        kv, w = held.get(name, (0, 0))
+        out.append((name, {"active": float(name in active), "kv_bytes": float(kv),
+                           "weight_bytes": float(w), "queued": float(admission.queued(name))}))
+    return out
 
 
 def _ledger_budget(path: str) -> int:

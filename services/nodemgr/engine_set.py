@@ -32,6 +32,7 @@ class EngineSet:
         self._served: list[tuple[str, ...]] = [()] * len(self.links)  # model names per link
         self.shared_budget = shared_budget
         self._fingerprints: dict[str, str] = {}
+        self.last: wire.EngineSnapshot | None = None  # the newest status (metrics)
 
     @property
     def address(self) -> str:
@@ -58,6 +59,7 @@ class EngineSet:
         self._served = [tuple(m.name for m in p.models) for p in parts]
         self._fingerprints = {m.name: m.fingerprint for p in parts for m in p.models}
         snap = merge(list(parts))
+        self.last = snap
         if self.shared_budget:
             snap = dataclasses.replace(snap, device_budget_bytes=self.shared_budget)
         return snap

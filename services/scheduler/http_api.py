@@ -120,16 +120,35 @@ async def read_body(state: ApiState, request: web.Request) -> bytes:
 
 
 class Timing:
-    """TTFT per request and inter-token latency per choice."""
+    """TTFT per request and inter-token latency per choice; with the model's SLOs (the
+    catalogue's), whether the request met them (``done``)."""
 
-    def __init__(self, metrics: SchedulerMetrics, model: str) -> None:
+    def __init__(self, metrics: SchedulerMetrics, model: str,
+                 slo: ModelEntry | None = None) -> None:
         # (labelled at the first token: a model name nobody serves never becomes a label)
         self.ttft = functools.partial(metrics.ttft.labels, model)
         self.itl = functools.partial(metrics.itl.labels, model)
         self.generated = functools.partial(metrics.tokens.labels, model)
+        self.attained = functools.partial(metrics.slo_attained.labels, model)
+        self.slo = slo
         self.start = time.monotonic()
         self.first = False
+        self.first_at = 0.0
         self.last: dict[int, float] = {}
+        self.count: dict[int, int] = {}
+        self.began: dict[int, float] = {}
+
+    def done(self) -> None:
+        """The request ended: count whether it met its model's TTFT and TPOT SLOs."""
+        if self.slo is None or not self.first:
+            return
+        ttft = self.first_at - self.start
+        self.attained("ttft", "yes" if ttft <= self.slo.ttft_slo_s else "no").inc()
+        tpots = [(self.last[i] - self.began[i]) / (n - 1)
+                 for i, n in self.count.items() if n > 1]
+        if tpots:
+            ok = max(tpots) <= self.slo.tpot_slo_s
+            self.attained("tpot", "yes" if ok else "no").inc()
 
     def tokens(self, index: int, count: int) -> None:
         if count <= 0:
@@ -138,7 +157,10 @@ class Timing:
         now = time.monotonic()
         if not self.first:
             self.first = True
+            self.first_at = now
             self.ttft().observe(now - self.start)
+        self.began.setdefault(index, now)
+        self.count[index] = self.count.get(index, 0) + count
         prev = self.last.get(index)
         if prev is not None:
             gap = (now - prev) / count
@@ -170,7 +192,7 @@ async def _generate_in_flight(request: web.Request, state: ApiState, req: ApiReq
                               endpoint: Endpoint, model: str) -> web.StreamResponse:
     env = Envelope(endpoint, new_id(endpoint), model)
     states = {c.index: ChoiceState(c.index, c.prompt_index) for c in req.choices()}
-    timing = Timing(state.metrics, model)
+    timing = Timing(state.metrics, model, state.dispatcher.catalog.get(model))
     state.metrics.in_flight.inc()
     try:
         async with aclosing(run_choices(state.dispatcher, req, model, env.id)) as events:
@@ -187,6 +209,7 @@ async def _generate_in_flight(request: web.Request, state: ApiState, req: ApiReq
                 headers={NODE_HEADER: ",".join(nodes)} if nodes else None,
             )
     finally:
+        timing.done()
         state.metrics.in_flight.dec()
 
 

@@ -98,6 +98,9 @@ class SchedulerMetrics:
             buckets=(0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 20, 30, 60), registry=r,
         )
         self.healthy_nodes = Gauge("overture_healthy_nodes", "nodes in rotation", registry=r)
+        self.slo_attained = Counter(
+            "overture_slo_requests", "requests of catalogue models by whether they met the "
+            "model's SLO (slo: ttft, tpot; met: yes, no)", ["model", "slo", "met"], registry=r)
         self.turns = Counter(
             "overture_turns",
             "generations by where their prompt's KV was: device (the serving node's device "

@@ -46,8 +46,10 @@ class PlacementLoop:
         demands = []
         for name, entry in self.catalog.items():
             running = [n.node_id for n in nodes if n.serves(name) and n.node_id in capacity]
-            if not running:
-                continue  # (evicted: activated on demand where the pressure is lowest)
+            if len(running) != 1:
+                # Evicted: activated on demand where the pressure is lowest. On several
+                # nodes: replicas the operator started (Algorithm 1 places one copy).
+                continue
             demands.append(ModelDemand(name, self.rates.rate(name), self._weights[name],
                                        entry.ttft_slo_s, current=running[0]))
         # τ is given per GiB of device memory (KVPR is per byte here).

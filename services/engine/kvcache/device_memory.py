@@ -63,7 +63,9 @@ class DeviceMemory:
             )
         self.budget_bytes = budget_bytes
         self.num_blocks = self.num_pages * self.blocks_per_page
-        self._memory: PoolMemory = allocate_pool_memory(device, self.num_pages * self.page_span)
+        # (on CUDA, pages are backed on demand only when the node shares its budget)
+        self._memory: PoolMemory = allocate_pool_memory(
+            device, self.num_pages * self.page_span, elastic=ledger is not None)
         self.kv_cache = self._memory.tensor.view(dtype).view(
             self.num_blocks, 2, block_size, num_kv_heads, head_dim
         )  # (num_blocks, 2, block_size, kv_heads, head_dim)

@@ -83,7 +83,7 @@ async def _run(request: web.Request, state: ApiState, req: ApiRequest, v: dict[s
     from services.scheduler.http_api import NODE_HEADER, Timing
 
     st = ChoiceState(0, 0)
-    timing = Timing(state.metrics, model)
+    timing = Timing(state.metrics, model, state.dispatcher.catalog.get(model))
     state.metrics.in_flight.inc()
     try:
         async with aclosing(run_choices(state.dispatcher, req, model, rid)) as events:
@@ -98,6 +98,7 @@ async def _run(request: web.Request, state: ApiState, req: ApiRequest, v: dict[s
             body = _finished(state, req, v, rid, model, st, conversation)
             return web.json_response(body, headers={NODE_HEADER: node} if node else None)
     finally:
+        timing.done()
         state.metrics.in_flight.dec()
 
 
