@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import tempfile
@@ -180,6 +181,9 @@ def report(results: list[Result], loads: list[float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # Every system runs several engines on a node's cores: none may spin between steps
+    # (what the engine does by itself once it shares a device ledger; see its __main__).
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--loads", default="2,4,8,16", help="requests/s over the cluster")
     ap.add_argument("--phase-s", type=float, default=15.0, help="seconds a model stays hot")

@@ -8,7 +8,7 @@ of them needs the memory now. The nodemgr, the node's memory broker, reads the l
 (bytes per engine, bytes free) to reclaim pages from idle engines for busy ones and to
 evict idle models when an activation needs room.
 
-    file (64-byte records):  header: magic, budget bytes | slot 0 | slot 1 | ... | slot 31
+    file (64-byte records):  header: magic, budget, bytes used | slot 0 | ... | slot 31
     slot:  pid, kv bytes, weight bytes, label (32 bytes of the model's name)
 
 Updates hold an exclusive ``flock`` on the file (a few microseconds); a slot of a process
@@ -29,7 +29,9 @@ from pathlib import Path
 MAGIC = 0x4F56_4C45_4447_0001  # "OVLEDG" v1
 RECORD = 64
 SLOTS = 32
-_HEADER = struct.Struct("<QQ")  # magic, budget
+_HEADER = struct.Struct("<QQq")  # magic, budget, bytes used by all slots
+_USED = struct.Struct("<q")
+_USED_AT = 16
 _SLOT = struct.Struct("<qQQ32s")  # pid, kv bytes, weight bytes, label
 SIZE = RECORD * (1 + SLOTS)
 
@@ -51,7 +53,7 @@ def create_ledger(path: str | Path, budget_bytes: int) -> Path:
     p = Path(path)
     tmp = p.with_name(p.name + f".{os.getpid()}.tmp")
     data = bytearray(SIZE)
-    _HEADER.pack_into(data, 0, MAGIC, budget_bytes)
+    _HEADER.pack_into(data, 0, MAGIC, budget_bytes, 0)
     tmp.write_bytes(bytes(data))
     tmp.replace(p)
     return p
@@ -62,6 +64,7 @@ class DeviceLedger:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self._slot: int | None = None
         try:
             self._fd = os.open(self.path, os.O_RDWR)
         except OSError as e:
@@ -71,12 +74,11 @@ class DeviceLedger:
         except (OSError, ValueError) as e:
             os.close(self._fd)
             raise LedgerError(f"device ledger {self.path}: cannot map: {e}") from None
-        magic, budget = _HEADER.unpack_from(self._map, 0)
+        magic, budget, _ = _HEADER.unpack_from(self._map, 0)
         self.budget_bytes = int(budget)
         if magic != MAGIC:
             self.close()
             raise LedgerError(f"{self.path} is not a device ledger")
-        self._slot: int | None = None
 
     # ---- reading (no lock: each field is one aligned 8-byte word) ------------------------
     def holders(self) -> list[Holder]:
@@ -88,7 +90,8 @@ class DeviceLedger:
         return out
 
     def used_bytes(self) -> int:
-        return sum(h.kv_bytes + h.weight_bytes for h in self.holders())
+        """One aligned word (engines read it on every allocation decision)."""
+        return int(_USED.unpack_from(self._map, _USED_AT)[0])
 
     def free_bytes(self) -> int:
         return max(0, self.budget_bytes - self.used_bytes())
@@ -101,6 +104,8 @@ class DeviceLedger:
             for i in range(SLOTS):
                 pid = struct.unpack_from("<q", self._map, RECORD * (1 + i))[0]
                 if pid <= 0 or not _alive(pid):
+                    _, kv, weights, _ = _SLOT.unpack_from(self._map, RECORD * (1 + i))
+                    self._add_used(-(kv + weights))  # (what a dead process held is free)
                     _SLOT.pack_into(self._map, RECORD * (1 + i), os.getpid(), 0, 0,
                                     label.encode()[:32])
                     self._slot = i
@@ -132,6 +137,8 @@ class DeviceLedger:
         """Forget everything this process holds and free its slot."""
         if self._slot is not None:
             with self._locked():
+                _, kv, weights, _ = self._mine()
+                self._add_used(-(kv + weights))
                 _SLOT.pack_into(self._map, self._offset(), 0, 0, 0, b"")
             self._slot = None
 
@@ -152,11 +159,17 @@ class DeviceLedger:
 
     def _add(self, nbytes: int, weights: bool) -> None:
         pid, kv, w, label = self._mine()
+        before = kv + w
         if weights:
             w = max(0, w + nbytes)
         else:
             kv = max(0, kv + nbytes)
         _SLOT.pack_into(self._map, self._offset(), pid, kv, w, label)
+        self._add_used(kv + w - before)
+
+    def _add_used(self, delta: int) -> None:
+        used = _USED.unpack_from(self._map, _USED_AT)[0]
+        _USED.pack_into(self._map, _USED_AT, max(0, used + delta))
 
     @contextmanager
     def _locked(self) -> Iterator[None]:

@@ -155,3 +155,13 @@ class EngineStatus:
     step_started: float = 0.0  # time.monotonic() the step under way began (0.0: idle)
     admitted: int = 0  # sequences that left the waiting queue for a seat, since start
     reuse: ReuseStats = field(default_factory=ReuseStats)
+
+
+def merge_outputs(a: GenerateOutput, b: GenerateOutput) -> GenerateOutput:
+    """Two consecutive outputs of one request as one (``b`` the later)."""
+    return GenerateOutput(
+        request_id=a.request_id, text=a.text + b.text, token_ids=a.token_ids + b.token_ids,
+        prompt_tokens=b.prompt_tokens, completion_tokens=b.completion_tokens,
+        cached_tokens=b.cached_tokens or a.cached_tokens, finish_reason=b.finish_reason,
+        prompt_token_ids=a.prompt_token_ids or b.prompt_token_ids,
+        kv_from=a.kv_from or b.kv_from, tool_calls=a.tool_calls + b.tool_calls)

@@ -42,7 +42,14 @@ import torch
 from shared.device_ledger import DeviceLedger
 
 from .admission import Admission, Entering
-from .api_types import EngineStatus, GenerateOutput, GenerateRequest, ModelInfo, ReuseStats
+from .api_types import (
+    EngineStatus,
+    GenerateOutput,
+    GenerateRequest,
+    ModelInfo,
+    ReuseStats,
+    merge_outputs,
+)
 from .config import EngineConfig
 from .engine_core import EngineCore
 from .errors import INVALID_ARGUMENT, UNAVAILABLE, EngineError
@@ -194,16 +201,20 @@ class AsyncEngine(WorkerLoop, ModelSlot):
         return self._require_core().model_info
 
     # ---- requests -----------------------------------------------------------------------
-    async def generate(self, req: GenerateRequest) -> AsyncGenerator[GenerateOutput, None]:
+    async def generate(self, req: GenerateRequest, coalesce: bool = False
+                       ) -> AsyncGenerator[GenerateOutput, None]:
         """Stream a request's outputs. Raises EngineError (before the first output for bad
-        input). Closing or cancelling the iterator early aborts the request."""
+        input). Closing or cancelling the iterator early aborts the request. ``coalesce``:
+        outputs that piled up while the consumer was busy come as one (the gRPC server's
+        stream: under load a message per step and request costs more than the step)."""
         core = self._require_core()
         self._admit()
         entry = self._admission.enter()  # counted as queued until it reaches the inbox
         session = (req.tenant, req.session_id)
         self._active_sessions[session] = self._active_sessions.get(session, 0) + 1
         try:
-            async with contextlib.aclosing(self._generate(core, req, entry)) as outputs:
+            async with contextlib.aclosing(self._generate(core, req, entry, coalesce)
+                                           ) as outputs:
                 async for out in outputs:
                     yield out
         finally:
@@ -213,7 +224,7 @@ class AsyncEngine(WorkerLoop, ModelSlot):
                 self._active_sessions[session] = left
 
     async def _generate(
-        self, core: EngineCore, req: GenerateRequest, entry: Entering
+        self, core: EngineCore, req: GenerateRequest, entry: Entering, coalesce: bool = False
     ) -> AsyncGenerator[GenerateOutput, None]:
         prepared: PreparedRequest = await asyncio.to_thread(
             prepare,
@@ -259,6 +270,11 @@ class AsyncEngine(WorkerLoop, ModelSlot):
             submitted = True
             while not finished:
                 item = await queue.get()
+                if coalesce:  # outputs that queued up while the consumer was busy: one
+                    while not isinstance(item, EngineError) and item.finish_reason is None \
+                            and not queue.empty():
+                        nxt = queue.get_nowait()
+                        item = nxt if isinstance(nxt, EngineError) else merge_outputs(item, nxt)
                 if isinstance(item, EngineError):
                     finished = True
                     raise item

@@ -185,8 +185,9 @@ class EngineCore:
         return [o for rid in list(self._live) if (o := self.abort(rid)) is not None]
 
     def has_work(self) -> bool:
+        # (a wait for the node's budget holds back only an engine with nothing running)
         return (self.scheduler.has_work() and not self._stalled
-                and time.monotonic() >= self.budget_retry_at)
+                and (bool(self.scheduler.running) or time.monotonic() >= self.budget_retry_at))
 
     def unpin(self, job_id: int | None, ok: bool = True) -> None:
         """A save was answered (``ok``: it stored its chunks), or, with None, a load RPC

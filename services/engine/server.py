@@ -38,7 +38,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         except EngineError as e:
             await context.abort(wire.STATUS_CODES[e.code], e.message)
         keepalive = common_pb2.GenerateChunk(request_id=req.request_id, keepalive=True)
-        outputs = self.engine.generate(req)
+        outputs = self.engine.generate(req, coalesce=True)
         nxt: asyncio.Future | None = None
         try:
             while True:

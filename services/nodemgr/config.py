@@ -31,8 +31,9 @@ class NodeManagerConfig:
         30.0, "a model idle this long may be evicted when another needs its engine or "
         "memory (the loosest TTFT SLO first)", min=0)
     admission_depth: int = opt(
-        4, "requests an engine may have started and not yet answered with a first token; "
-        "the others wait in the node's queue, ordered by TTFT deadline (Prism §6.3)", min=1)
+        4, "with several engines: requests an engine may have started and not yet answered "
+        "with a first token, the others waiting in the node's queue ordered by TTFT "
+        "deadline (Prism §6.3); 0 = off (each engine's own queue)", min=0)
     prefill_tokens_per_s: float = opt(
         2000.0, "a model's chunked-prefill speed until measured (for the deadline order)",
         min=1)

@@ -66,7 +66,8 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
         call = None
         # One engine: its own queue orders its requests (and refuses them when behind);
         # several models: the node's queue orders them across engines by deadline.
-        admission = self.admission if len(self.engine.links) > 1 else None
+        admission = (self.admission if len(self.engine.links) > 1 and self.admission.depth
+                     else None)
         try:
             async with _slot(admission, request.model, link.address, tokens) as started:
                 call = link.stub.Generate(request, timeout=context.time_remaining())
