@@ -33,12 +33,15 @@ class EngineMemory:
 
 
 def to_reclaim(engines: Sequence[EngineMemory]) -> list[str]:
-    """The engines to take pages back from now: the idle ones holding pages, when another
-    engine has requests waiting."""
-    if not any(e.waiting for e in engines):
+    """The engines to take pages back from now, when an engine has requests waiting: every
+    other engine holding pages. ``ShrinkKV`` releases only pages without running KV, so a
+    busy engine gives up its free and prefix-cached pages and keeps what it computes with;
+    an idle one gives up all it holds."""
+    waiting = {e.name for e in engines if e.waiting}
+    if not waiting:
         return []
     return [e.name for e in engines
-            if not e.running and not e.waiting and e.committed_blocks > 0]
+            if e.committed_blocks > 0 and (e.name not in waiting or len(waiting) > 1)]
 
 
 class MemoryBroker:
