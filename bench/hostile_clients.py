@@ -24,7 +24,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from services.cli import free_port
+from services.local_cluster import free_port
 from shared.cluster_config import SECRET_ENV, new_secret
 
 REPO = Path(__file__).resolve().parents[1]

@@ -61,7 +61,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script (bench/overload.py), not only with -m
     sys.path.insert(0, str(REPO))
 
-from services.cli import free_port  # noqa: E402
+from services.local_cluster import free_port  # noqa: E402
 
 PHASES = ("overload", "decode")
 OUTCOMES = ("200", "429", "503", "timeout", "error", "other")

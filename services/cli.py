@@ -1,9 +1,9 @@
 """The ``overture`` command.
 
-    overture up [--nodes N] [--port P] [--model PATH] [--dtype D] [--config FILE] [--no-s3]
-                [--cores divided|shared]
+    overture up [--nodes N] [--port P] [--model PATH]... [--node-memory B] [--dtype D]
+                [--config FILE] [--no-s3] [--cores divided|shared]
     overture models list | prepare NAME|FILE.gguf [--dtype D] [--out DIR]
-    overture demo-model PATH [--size tiny|small] [--seed S]
+    overture demo-model PATH [--size tiny|small] [--seed S] [--several N]
     overture scheduler|nodemgr|engine|kvstore [flags]    (one service, in this process)
 
 ``up`` starts the cluster's S3 server (SeaweedFS, the shared durable tier every kvstore
@@ -20,153 +20,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import os
-import random
 import runpy
 import shutil
-import socket
 import sys
-import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from services.deploy_commands import add_deploy_parsers
+from services.local_cluster import catalog_file, cluster_specs, has_catalog, node_ledgers
 from services.models.catalog import DEFAULT_MODEL, PACKAGED, ModelNotFound
 from services.models.commands import add_models_parser, model_folder
 from services.models.commands import cmd_models as models_command
 from services.models.prepare import ModelPrepareError, slug
-from services.s3_server import S3ServerError, S3ServerSpec, bucket_ready, s3_server_spec
-from services.supervisor import ChildSpec, supervise
+from services.s3_server import S3ServerError, s3_server_spec
+from services.supervisor import supervise
 from shared.cpus import available_cpus, divide_cpus, format_cpus
 
 SERVICES = ("scheduler", "nodemgr", "engine", "kvstore")
 STATE_DIR = Path(".overture")
 DEMO_DIR = STATE_DIR / "models"
-
-
-# Ports handed to children come from below the kernel's ephemeral range (32768-60999 on
-# Linux): a port picked there can be taken as the source port of some outgoing connection
-# before the child binds it.
-_PORTS = range(20000, 32000)
-_handed_out: set[int] = set()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the child binds it right after), never one this
-    process handed out before."""
-    for _ in range(64):
-        port = random.choice(_PORTS)
-        if port in _handed_out:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
-    with socket.socket() as s:  # (a crowded range: let the kernel choose)
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def service_command(name: str, flags: dict[str, object], config: str | None = None) -> list[str]:
-    """``python -m services.<name> --config FILE --flag value ...``"""
-    cmd = [sys.executable, "-m", f"services.{name}"]
-    if config:
-        cmd += ["--config", str(config)]
-    for key, value in flags.items():
-        cmd += [f"--{key.replace('_', '-')}", str(value)]
-    return cmd
-
-
-def cluster_specs(
-    *,
-    nodes: int,
-    http_port: int,
-    model_path: str,
-    dtype: str | None,
-    config: str | None,
-    served_name: str = "",
-    more_models: tuple[tuple[str, str], ...] = (),
-    ledgers: list[Path] | None = None,
-    models_config: str | None = None,
-    host: str = "127.0.0.1",
-    state_dir: Path | None = None,
-    s3: S3ServerSpec | None = None,
-    cores: list[tuple[int, ...]] | None = None,
-    anonymous: bool = False,
-) -> tuple[list[ChildSpec], str]:
-    """Commands for a scheduler plus ``nodes`` nodes; returns them and the public URL.
-    With ``state_dir`` each node's kvstore keeps its SSD tier in ``state_dir/<node>/``;
-    with ``s3`` that server is started first and every kvstore uses it; with ``cores``
-    node i's engine and kvstore run on ``cores[i]`` only; ``anonymous``: the scheduler
-    serves without API keys (on loopback). ``more_models`` ((folder, served name) each):
-    every node also runs an engine for each, all of a node's engines sharing one device
-    budget through its ledger in ``ledgers[i]`` (Prism §5.1)."""
-    grpc_port = free_port(host)
-    specs = []
-    if s3 is not None:
-        specs.append(ChildSpec("s3", s3.argv(), functools.partial(bucket_ready, s3),
-                               stop_last=True))
-    specs += [
-        ChildSpec(
-            "scheduler",
-            service_command(
-                "scheduler", {"host": host, "port": http_port, "grpc_port": grpc_port,
-                              **({"anonymous": "true"} if anonymous else {})}, config
-            ),
-        )
-    ]
-    for i in range(nodes):
-        node_id = f"node{i}"
-        kv, nm = free_port(host), free_port(host)
-        engines: list[str] = []
-        kv_flags: dict[str, object] = {"host": host, "port": kv, "node_id": node_id}
-        if s3 is not None:
-            kv_flags.update(s3.kvstore_flags())
-        if cores is not None and cores[i]:
-            kv_flags["cpus"] = format_cpus(cores[i])
-        if state_dir is not None:
-            kv_flags["ssd_path"] = str(state_dir / node_id / "kvstore-ssd")
-        specs.append(ChildSpec(f"{node_id}.kvstore", service_command("kvstore", kv_flags,
-                                                                      config)))
-        for j, (path, served) in enumerate(((model_path, served_name), *more_models)):
-            eng = free_port(host)
-            engines.append(f"{host}:{eng}")
-            engine_flags: dict[str, object] = {
-                "host": host, "port": eng, "model_path": path,
-                "offload.kvstore_address": f"{host}:{kv}",
-            }
-            if dtype:
-                engine_flags["dtype"] = dtype
-            if served:
-                engine_flags["served_model_name"] = served
-            if cores is not None and cores[i]:
-                engine_flags["cpus"] = format_cpus(cores[i])
-            if ledgers:
-                engine_flags["device_ledger"] = str(ledgers[i])
-            name = f"{node_id}.engine" + (f"{j}" if j else "")
-            specs.append(ChildSpec(name, service_command("engine", engine_flags, config)))
-        nm_flags: dict[str, object] = {
-            "host": host,
-            "port": nm,
-            "node_id": node_id,
-            "scheduler_address": f"{host}:{grpc_port}",
-            "kvstore_address": f"{host}:{kv}",
-        }
-        if len(engines) == 1:
-            nm_flags["engine_address"] = engines[0]
-        else:
-            nm_flags["engine_addresses"] = ",".join(engines)
-        if ledgers:
-            nm_flags["device_ledger"] = str(ledgers[i])
-        if models_config:
-            nm_flags["models_config"] = models_config
-        specs.append(ChildSpec(f"{node_id}.nodemgr",
-                               service_command("nodemgr", nm_flags, config)))
-    return specs, f"http://{host}:{http_port}"
 
 
 def ensure_demo_model(size: str, root: Path = DEMO_DIR) -> Path:
@@ -232,8 +105,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     (model, served), more = chosen[0], tuple(
         (str(Path(m).resolve()), name) for m, name in chosen[1:])
     ledgers = node_ledgers(args.nodes, args.node_memory) if more else None
-    catalog = _catalog_file(args.config, [(str(Path(m).resolve()), name or Path(m).name)
-                                          for m, name in chosen]) if more else args.config
+    catalog = catalog_file(args.config, [(str(Path(m).resolve()), name or Path(m).name)
+                                         for m, name in chosen], STATE_DIR) if more else args.config
     if more:
         print(f"{len(chosen)} models on every node, sharing {args.node_memory >> 20} MiB of "
               "device memory a node", flush=True)
@@ -247,7 +120,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         served_name=served,
         more_models=more,
         ledgers=ledgers,
-        models_config=catalog if catalog and _has_catalog(catalog) else None,
+        models_config=catalog if catalog and has_catalog(catalog) else None,
         config=args.config,
         # The SSD tier is on by default, under .overture/<node>/, unless the YAML places it.
         state_dir=None if _yaml_section_value(args.config, "kvstore", "ssd_path") else STATE_DIR,
@@ -258,34 +131,6 @@ def cmd_up(args: argparse.Namespace) -> int:
     finally:
         for ledger in ledgers or ():
             ledger.unlink(missing_ok=True)
-
-
-def _has_catalog(path: str) -> bool:
-    """Whether the YAML file lists a model catalogue (``models:``)."""
-    from shared.config import load_yaml
-
-    return bool(load_yaml(path).get("models"))
-
-
-def _catalog_file(config: str | None, served: list[tuple[str, str]]) -> str:
-    """The model catalogue for ``overture up``: the config's ``models:`` list when it has
-    one, else the --model flags with the default SLOs (written under .overture/)."""
-    from shared.model_catalog import ModelEntry, write_catalog
-
-    if config and _has_catalog(config):
-        return config
-    STATE_DIR.mkdir(parents=True, exist_ok=True)
-    return str(write_catalog(STATE_DIR / "models.yaml",
-                             [ModelEntry(name, path) for path, name in served]))
-
-
-def node_ledgers(nodes: int, budget_bytes: int) -> list[Path]:
-    """A fresh device ledger per node (in shared memory), for its engines to share."""
-    from shared.device_ledger import create_ledger
-
-    tag = uuid.uuid4().hex[:8]
-    return [create_ledger(Path("/dev/shm") / f"overture-ledger-node{i}-{tag}", budget_bytes)
-            for i in range(nodes)]
 
 
 def _has_api_keys(config: str | None) -> bool:

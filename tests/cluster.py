@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.cli import free_port, service_command
+from services.local_cluster import free_port, service_command
 from services.s3_server import s3_server_spec, wait_ready
 from shared import internal_auth
 from shared.device_ledger import create_ledger

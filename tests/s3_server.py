@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from services.cli import free_port as cli_free_port
+from services.local_cluster import free_port as cli_free_port
 from services.s3_server import s3_server_spec, wait_ready
 
 

@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
@@ -37,7 +38,12 @@ RETRY_S = 0.1
 
 
 class CannotActivate(RuntimeError):
-    """No engine could be freed for the model in time."""
+    """No engine could be freed for the model in time (``busy``: retry later), or the
+    model does not load (not ``busy``: its catalogue entry or files are wrong)."""
+
+    def __init__(self, message: str, busy: bool = True) -> None:
+        super().__init__(message)
+        self.busy = busy
 
 
 @dataclass
@@ -103,6 +109,10 @@ class Activator:
             return await self._activate(self.catalog[model])
 
     async def _activate(self, entry: ModelEntry) -> EngineLink:
+        if not (Path(entry.path) / "config.json").is_file():  # (before evicting anything)
+            log.error("catalogue model %s: %s is not a model folder", entry.name, entry.path)
+            raise CannotActivate(f"model {entry.name} cannot be activated: its folder is "
+                                 "missing on this node", busy=False)
         deadline = self._clock() + self.wait_s
         target: EngineLink | None = None
         while True:
@@ -118,7 +128,10 @@ class Activator:
                         timeout=ACTIVATE_TIMEOUT_S)
                 except grpc.aio.AioRpcError as e:
                     if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                        raise CannotActivate(f"activating {entry.name}: {e.details()}") from None
+                        log.error("activating %s from %s failed: %s", entry.name, entry.path,
+                                  e.details())
+                        raise CannotActivate(f"model {entry.name} cannot be activated: "
+                                             f"{e.details()}", busy=False) from None
                     # The node's budget cannot hold its weights: free another model's.
                     if await self._evict_one(await self._views(), target) is None \
                             and self._clock() > deadline:

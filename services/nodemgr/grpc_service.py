@@ -3,9 +3,11 @@ advisories (prefetch the advised session's KV) and their invalidations."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 
@@ -51,39 +53,53 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
         if self.prefetcher is not None:
             self.prefetcher.followed(request.tenant, request.session_id)
         self.activator.used(request.model)
-        try:
-            link = await self.activator.engine_for(request.model)
-        except UnknownModel:
-            self.in_flight -= 1
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"model {request.model!r} is not served on this node")
-        except CannotActivate as e:
-            self.in_flight -= 1
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        tokens = estimate_tokens(len(request.prompt) + sum(len(m.content)
-                                                           for m in request.messages),
-                                 len(request.prompt_token_ids))
+        rid = wire.request_id_of(request)
         call = None
-        # One engine: its own queue orders its requests (and refuses them when behind);
-        # several models: the node's queue orders them across engines by deadline.
-        admission = (self.admission if len(self.engine.links) > 1 and self.admission.depth
-                     else None)
+        slot = entering = None  # the admission slot, and the wait for it
         try:
-            async with _slot(admission, request.model, link.address, tokens) as started:
-                call = link.stub.Generate(request, timeout=context.time_remaining())
-                async for chunk in call:
-                    if chunk.token_ids or chunk.finish_reason:
-                        started(chunk.prompt_tokens)
-                    yield chunk
+            # Activating the model, then the node's deadline queue, may take a while: the
+            # stream sends keepalives meanwhile (a silent one is cut as a stopped node).
+            finding = asyncio.ensure_future(self.activator.engine_for(request.model))
+            async for keepalive in _until_done(finding, rid):
+                yield keepalive
+            try:
+                link = finding.result()
+            except UnknownModel:
+                await context.abort(grpc.StatusCode.NOT_FOUND,
+                                    f"model {request.model!r} is not served on this node")
+            except CannotActivate as e:
+                # busy: retry later (429); a model that cannot load is the server's fault
+                code = (grpc.StatusCode.RESOURCE_EXHAUSTED if e.busy
+                        else grpc.StatusCode.INTERNAL)
+                await context.abort(code, str(e))
+            tokens = estimate_tokens(len(request.prompt) + sum(len(m.content)
+                                                               for m in request.messages),
+                                     len(request.prompt_token_ids))
+            # One engine: its own queue orders its requests (and refuses them when behind);
+            # several models: the node's queue orders them across engines by deadline.
+            admission = (self.admission if len(self.engine.links) > 1
+                         and self.admission.depth else None)
+            slot = _slot(admission, request.model, link.address, tokens)
+            entering = asyncio.ensure_future(slot.__aenter__())
+            async for keepalive in _until_done(entering, rid):
+                yield keepalive
+            started = entering.result()
+            call = link.stub.Generate(request, timeout=context.time_remaining())
+            async for chunk in call:
+                if chunk.token_ids or chunk.finish_reason:
+                    started(chunk.prompt_tokens)
+                yield chunk
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNAVAILABLE:
-                log.error("engine unreachable during %s: %s", wire.request_id_of(request),
-                          e.details())
+                log.error("engine unreachable during %s: %s", rid, e.details())
                 self.on_engine_unavailable(e.details() or "UNAVAILABLE")
             await context.abort(e.code(), e.details() or e.code().name)
         finally:
             if call is not None:
                 call.cancel()
+            if (slot is not None and entering is not None and entering.done()
+                    and not entering.cancelled() and entering.exception() is None):
+                await slot.__aexit__(None, None, None)  # (the slot was taken: give it back)
             self.in_flight -= 1
             self.activator.used(request.model)
 
@@ -140,3 +156,18 @@ async def _slot(admission: DeadlineAdmission | None, model: str, engine: str, to
         return
     async with admission.slot(model, engine, tokens) as started:
         yield started
+
+
+KEEPALIVE_S = 1.0  # well under the scheduler's stream_idle_timeout_s
+
+
+async def _until_done(task: asyncio.Future[Any], request_id: str
+                      ) -> AsyncIterator[common_pb2.GenerateChunk]:
+    """Keepalive chunks every KEEPALIVE_S until ``task`` is done (cancelled with the
+    stream)."""
+    try:
+        while not (await asyncio.wait({task}, timeout=KEEPALIVE_S))[0]:
+            yield common_pb2.GenerateChunk(request_id=request_id, keepalive=True)
+    finally:
+        if not task.done():
+            task.cancel()

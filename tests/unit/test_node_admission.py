@@ -86,3 +86,15 @@ async def test_a_cancelled_waiter_leaves_the_queue() -> None:
     hold.set()
     await t1
     assert estimate_tokens(400, 0) == 100 and estimate_tokens(400, 7) == 7
+
+
+async def test_a_waiting_stream_sends_keepalives(monkeypatch) -> None:
+    """Activation and the deadline queue may hold a request for seconds: the node's stream
+    sends keepalives meanwhile (the scheduler cuts a silent stream as a stopped node)."""
+    from services.nodemgr import grpc_service
+
+    monkeypatch.setattr(grpc_service, "KEEPALIVE_S", 0.02)
+    task = asyncio.ensure_future(asyncio.sleep(0.15))
+    chunks = [c async for c in grpc_service._until_done(task, "r1")]
+    assert len(chunks) >= 4 and all(c.keepalive and c.request_id == "r1" for c in chunks)
+    assert task.done() and not task.cancelled()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from services.cli import free_port
+from services.local_cluster import free_port
 from tests.cluster import REPO, Cluster
 
 
@@ -108,7 +108,7 @@ def test_demo_model_command(tmp_path: Path) -> None:
 
 
 def test_cluster_specs_wire_every_node_to_its_own_services() -> None:
-    from services.cli import cluster_specs
+    from services.local_cluster import cluster_specs
 
     specs, url = cluster_specs(
         nodes=2, http_port=18000, model_path="/models/x", dtype="float32", config="c.yaml"

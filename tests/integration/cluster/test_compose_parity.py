@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from services.cli import free_port
+from services.local_cluster import free_port
 from services.s3_server import S3ServerSpec, bucket_ready
 from tests.cluster import REPO, Cluster, _spawn
 from tests.deploy_files import compose, environment, overture_services

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from services.cli import free_port
+from services.local_cluster import free_port
 from tests.cluster import Cluster, start_cluster
 
 PORTS = {"engine": free_port(), "nodemgr": free_port(), "kvstore": free_port()}

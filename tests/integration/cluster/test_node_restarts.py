@@ -27,9 +27,9 @@ import boto3
 import pytest
 import torch
 
-from services.cli import free_port
 from services.engine.api_types import ChatMessage
 from services.engine.model import LoadedModel, load_model
+from services.local_cluster import free_port
 from tests.cluster import REPO, Cluster
 from tests.integration.reuse.harness import USER_TURNS, reference_transcript
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.cli import free_port
+from services.local_cluster import free_port
 from services.models.catalog import DEFAULT_MODEL, locate
 from services.models.commands import model_folder
 from services.models.prepare import MARKER, ModelPrepareError, prepare_gguf, slug

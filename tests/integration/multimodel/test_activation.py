@@ -47,7 +47,8 @@ def cluster(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
     catalog = write_catalog(work / "models.yaml", [
         ModelEntry("alpha", str(models["alpha"]), ttft_slo_s=1.0),
         ModelEntry("beta", str(models["beta"]), ttft_slo_s=5.0),
-        ModelEntry("gamma", str(models["gamma"]), ttft_slo_s=2.0)])
+        ModelEntry("gamma", str(models["gamma"]), ttft_slo_s=2.0),
+        ModelEntry("broken", str(work / "no-such-model"))])
     with start_cluster(work, models["alpha"], pool_engines=1, models_config=catalog,
                        nodemgr_flags={"evict_idle_s": 0}) as c:
         yield c
@@ -76,14 +77,21 @@ def generate(cluster: Cluster, model: str) -> list[int]:
 
 def test_models_are_activated_on_their_first_request(cluster: Cluster,
                                                      models: dict[str, Path]) -> None:
-    wait_states(cluster, {"alpha": "active", "beta": "evicted", "gamma": "evicted"})
+    wait_states(cluster, {"alpha": "active", "beta": "evicted", "gamma": "evicted",
+                          "broken": "evicted"})
     assert generate(cluster, "beta") == alone(models["beta"])  # into the empty engine
-    wait_states(cluster, {"alpha": "active", "beta": "active", "gamma": "evicted"})
+    wait_states(cluster, {"alpha": "active", "beta": "active", "gamma": "evicted",
+                          "broken": "evicted"})
     # No empty engine left: beta (idle, SLO 5 s) goes before alpha (SLO 1 s).
     assert generate(cluster, "gamma") == alone(models["gamma"])
-    wait_states(cluster, {"alpha": "active", "beta": "evicted", "gamma": "active"})
+    wait_states(cluster, {"alpha": "active", "beta": "evicted", "gamma": "active",
+                          "broken": "evicted"})
     assert generate(cluster, "alpha") == alone(models["alpha"])
     log = cluster.procs["node0.nodemgr"].tail(4000)
     assert "activated beta" in log and "evicted beta" in log
     status, body = cluster.post("/v1/completions", {"model": "nope", "prompt": "x"})
     assert status == 404, body
+    # A catalogue entry whose folder is missing: a server error, and nothing evicted for it.
+    status, body = cluster.post("/v1/completions", {"model": "broken", "prompt": "x"})
+    assert status == 500 and body["error"]["message"], body
+    assert states(cluster)["alpha"] == "active" and states(cluster)["gamma"] == "active"

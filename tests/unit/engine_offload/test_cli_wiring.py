@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.cli import cluster_specs
+from services.local_cluster import cluster_specs
 
 
 def flag(argv: list[str], name: str) -> str:

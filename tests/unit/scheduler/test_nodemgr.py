@@ -7,7 +7,7 @@ from contextlib import AsyncExitStack
 
 import pytest
 
-from services.cli import free_port
+from services.local_cluster import free_port
 from services.nodemgr.app import start as start_nodemgr
 from services.nodemgr.config import NodeManagerConfig
 from services.nodemgr.engine_link import EngineUnavailable
