@@ -10,7 +10,8 @@ which are served all the same.
 
 A request's prefill time is its prompt length (estimated from its text before the engine
 tokenizes it) over its model's chunked-prefill speed, measured here from the requests it
-served (prompt tokens over time to first token), starting from ``default_speed``.
+served (prompt tokens over the time from dispatch to first token), starting from
+``default_speed``.
 """
 
 from __future__ import annotations
@@ -59,13 +60,15 @@ class DeadlineAdmission:
                     self.speed.get(model, self.default_speed))
         self._queue.append(w)
         started = False
+        dispatched = arrival
 
         def first_token(actual_tokens: int) -> None:
             nonlocal started
             if started:
                 return
             started = True
-            elapsed = self._clock() - arrival
+            # From dispatch, not arrival: time spent in this queue is not prefill speed.
+            elapsed = self._clock() - dispatched
             if actual_tokens > 0 and elapsed > 0:
                 sample = actual_tokens / elapsed
                 old = self.speed.get(model)
@@ -77,7 +80,8 @@ class DeadlineAdmission:
         try:
             self._pump()
             await ticket.go
-            if self._clock() > w.deadline:
+            dispatched = self._clock()
+            if dispatched > w.deadline:
                 self.late += 1
             yield first_token
         finally:

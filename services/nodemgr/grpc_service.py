@@ -40,6 +40,7 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
         self.activator = activator or Activator(engine, (), evict_idle_s=0.0, wait_s=1.0)
         self.admission = admission or DeadlineAdmission()
         self.in_flight = 0
+        self._tasks: set[asyncio.Task[None]] = set()  # activations started by advisories
 
     async def Generate(
         self, request: common_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -121,8 +122,38 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
         advice = Advice(request.advisory_id, request.tenant, request.session_id,
                         request.kv_source, request.priority, request.ttl_s,
                         request.straight_to_device, request.kv_tokens, request.model)
-        accepted = self.prefetcher is not None and self.prefetcher.advise(advice)
-        return nodemgr_pb2.AdviseReply(accepted=accepted)
+        if self.prefetcher is None:
+            return nodemgr_pb2.AdviseReply(accepted=False)
+        if self._evicted_here(request.model):
+            # The advised model is in the catalogue but no engine here serves it: activate
+            # it now, as its request would (Prism §6.2), then prefetch the session into it;
+            # the request finds the model loaded and its KV on the way.
+            task = asyncio.create_task(self._activate_then_advise(advice),
+                                       name=f"activate-{request.model}")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return nodemgr_pb2.AdviseReply(accepted=True)
+        return nodemgr_pb2.AdviseReply(accepted=self.prefetcher.advise(advice))
+
+    def _evicted_here(self, model: str) -> bool:
+        if not model or model not in self.activator.catalog:
+            return False
+        try:
+            self.engine.for_model(model)
+        except UnknownModel:
+            return True
+        return False
+
+    async def _activate_then_advise(self, advice: Advice) -> None:
+        self.activator.used(advice.model)  # (advised: not idle, not the next to evict)
+        try:
+            await self.activator.engine_for(advice.model)
+        except (UnknownModel, CannotActivate) as e:
+            log.info("advisory %s: %s not activated (%s); its request will activate it",
+                     advice.advisory_id, advice.model, e)
+            return
+        if self.prefetcher is not None:
+            self.prefetcher.advise(advice)
 
     async def Invalidate(
         self, request: nodemgr_pb2.InvalidateRequest, context: grpc.aio.ServicerContext

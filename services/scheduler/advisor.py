@@ -50,7 +50,7 @@ class AdviceAsked:
 class Advisor:
     def __init__(self, book: AdvisoryBook, throttle: AdvisoryThrottle, registry: NodeRegistry,
                  policy: Policy, channels: NodeChannels, sessions: SessionDirectory,
-                 metrics: SchedulerMetrics) -> None:
+                 metrics: SchedulerMetrics, catalog: frozenset[str] = frozenset()) -> None:
         self.book = book
         self.throttle = throttle
         self.registry = registry
@@ -58,7 +58,7 @@ class Advisor:
         self.channels = channels
         self.sessions = sessions
         self.metrics = metrics
-        self.placement = AdvisoryPlacement(book, registry, policy, sessions)
+        self.placement = AdvisoryPlacement(book, registry, policy, sessions, catalog)
         self._calls: set[asyncio.Task[None]] = set()
 
     def check_throttle(self, tenant: str, count: int = 1) -> None:

@@ -28,9 +28,9 @@ if TYPE_CHECKING:
 
 def _asked(v: dict[str, Any], state: ApiState, where: str) -> AdviceAsked:
     """A checked advisory (or successor) object as the advisor takes it; 404 for a model
-    no node serves."""
+    neither a node serves nor the catalogue lists (an evicted one is activated)."""
     model = v["model"]
-    if not any(n.serves(model) for n in state.registry.all()):
+    if not state.dispatcher.known_model(model):
         known = ", ".join(m.name for m in state.registry.models(healthy_only=False)) or "none"
         raise ApiError(404, f"The model '{model}' does not exist; served models: {known}",
                        param=f"{where}model", code="model_not_found")

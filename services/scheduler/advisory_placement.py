@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.scheduler.advisories import Advisory, AdvisoryBook
-from services.scheduler.nodes import HOLDER_SLACK, Node, NodeRegistry
+from services.scheduler.nodes import HOLDER_SLACK, Node, NodeRegistry, least_kv_pressure
 from services.scheduler.policy import Policy, RouteRequest
 from services.scheduler.sessions import SessionDirectory, SessionPlace
 
@@ -36,11 +36,12 @@ class AdvisoryPlacement:
     """Event-loop only (or one simulated clock)."""
 
     def __init__(self, book: AdvisoryBook, registry: NodeRegistry, policy: Policy,
-                 sessions: SessionDirectory) -> None:
+                 sessions: SessionDirectory, catalog: frozenset[str] = frozenset()) -> None:
         self.book = book
         self.registry = registry
         self.policy = policy
         self.sessions = sessions
+        self.catalog = catalog  # models the cluster may serve though no node runs them now
 
     def place(self, tenant: str, session_id: str, model: str, priority: int = 0,
               expected_arrival_s: float = 0.0) -> Placed | None:
@@ -51,6 +52,11 @@ class AdvisoryPlacement:
                              holder=place.node_id if place else "")
         healthy = [n for n in self.registry.healthy(model) if not self.registry.behind(n)]
         node = self.policy.choose(healthy or self.registry.healthy(model), route)
+        if node is None and model in self.catalog and not self.registry.healthy(model):
+            # A catalogue model active nowhere: the node a request would activate it on
+            # (Prism §6.2, lowest KV pressure) activates it now, then prefetches.
+            node = least_kv_pressure([n for n in self.registry.healthy()
+                                      if not self.registry.behind(n)])
         if node is None:
             return None
         adv, ended = self.book.add(tenant, session_id, model, node.node_id, priority,

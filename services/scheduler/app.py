@@ -43,12 +43,14 @@ def build_state(
     if sessions is None:
         sessions = SessionDirectory(config.sessions_max, config.sessions_ttl_s)
     policy = make_policy(config.policy)
+    catalog = load_catalog(config.models_config)
     advisor = Advisor(
         AdvisoryBook(config.advisory_ttl_s, config.advisories_max,
                      per_tenant=config.advisories_per_tenant),
         AdvisoryThrottle(config.advisory_min_useful, config.advisory_throttle_rate, 5.0,
                          config.advisory_throttle_after),
         registry, policy, channels, sessions, metrics,
+        catalog=frozenset(m.name for m in catalog),
     )
     dispatcher = Dispatcher(
         registry,
@@ -66,7 +68,7 @@ def build_state(
         sessions,
         metrics,
         advisor,
-        catalog=load_catalog(config.models_config),
+        catalog=catalog,
     )
     return ApiState(
         registry=registry,

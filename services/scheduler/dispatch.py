@@ -30,7 +30,7 @@ from services.scheduler import wire
 from services.scheduler.errors import ApiError, from_grpc
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.model_rates import ModelRates
-from services.scheduler.nodes import HOLDER_SLACK, Node, NodeRegistry
+from services.scheduler.nodes import HOLDER_SLACK, Node, NodeRegistry, least_kv_pressure
 from services.scheduler.policy import Policy, RouteRequest
 from services.scheduler.sessions import SessionDirectory, SessionPlace
 from shared.model_catalog import ModelEntry
@@ -302,12 +302,3 @@ def _model_not_found(model: str, registry: NodeRegistry) -> ApiError:
         param="model",
         code="model_not_found",
     )
-
-
-def least_kv_pressure(nodes: list[Node]) -> Node | None:
-    """The node to activate an evicted model on (Prism §6.2: "the GPU with the lowest KV
-    pressure ratio"): the least work per free KV block, as the nodes last reported."""
-    if not nodes:
-        return None
-    return min(nodes, key=lambda n: ((n.score() + n.advised + 1) / max(n.load.blocks_free, 1),
-                                     n.node_id))

@@ -268,3 +268,12 @@ class NodeRegistry:
         # Wake every waiter once, then start a fresh event for the next change.
         self._changed.set()
         self._changed = asyncio.Event()
+
+
+def least_kv_pressure(nodes: list[Node]) -> Node | None:
+    """The node to activate an evicted model on (Prism §6.2: "the GPU with the lowest KV
+    pressure ratio"): the least work per free KV block, as the nodes last reported."""
+    if not nodes:
+        return None
+    return min(nodes, key=lambda n: ((n.score() + n.advised + 1) / max(n.load.blocks_free, 1),
+                                     n.node_id))

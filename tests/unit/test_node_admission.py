@@ -67,6 +67,33 @@ async def test_a_request_that_cannot_make_it_yields_to_those_that_can() -> None:
     assert order == ["busy", "short", "long"]
 
 
+async def test_prefill_speed_is_measured_from_dispatch_not_arrival() -> None:
+    """Time spent waiting in the node's queue is not prefill time: a request that waited 9 s
+    for its turn and then prefilled 100 tokens in 1 s measures 100 tokens/s, not 10."""
+    now = [0.0]
+    adm = DeadlineAdmission(depth=1, default_speed=50.0, clock=lambda: now[0])
+    release = asyncio.Event()
+
+    async def holder() -> None:
+        async with adm.slot("other", "e", 1) as first_token:
+            await release.wait()
+            first_token(0)
+
+    async def measured() -> None:
+        async with adm.slot("m", "e", 100) as first_token:
+            now[0] += 1.0  # its prefill
+            first_token(100)
+
+    t1 = asyncio.create_task(holder())
+    await asyncio.sleep(0)
+    t2 = asyncio.create_task(measured())
+    await asyncio.sleep(0)
+    now[0] = 9.0  # queued behind the holder until now
+    release.set()
+    await asyncio.gather(t1, t2)
+    assert adm.speed["m"] == 100.0
+
+
 async def test_a_cancelled_waiter_leaves_the_queue() -> None:
     adm = DeadlineAdmission(depth=1)
     hold = asyncio.Event()

@@ -95,3 +95,26 @@ def test_models_are_activated_on_their_first_request(cluster: Cluster,
     status, body = cluster.post("/v1/completions", {"model": "broken", "prompt": "x"})
     assert status == 500 and body["error"]["message"], body
     assert states(cluster)["alpha"] == "active" and states(cluster)["gamma"] == "active"
+
+
+def test_an_advisory_for_an_evicted_model_activates_it_before_its_request(
+        cluster: Cluster, models: dict[str, Path]) -> None:
+    """The advisory is the earliest sign of a request: it activates the model (Prism §6.2,
+    on the node a request would pick) and the request then finds it loaded."""
+    wait_states(cluster, {"alpha": "active", "beta": "evicted", "gamma": "active",
+                          "broken": "evicted"})
+    status, body = cluster.post("/v1/advisory", {"session_id": "adv-1", "model": "beta"})
+    assert status == 202 and body["node"] == "node0", body
+    # gamma (idle, SLO 2 s) makes room, not alpha (SLO 1 s); no request has come for beta.
+    wait_states(cluster, {"alpha": "active", "beta": "active", "gamma": "evicted",
+                          "broken": "evicted"})
+    activations = cluster.procs["node0.nodemgr"].tail(4000).count("activated beta")
+    status, body = cluster.post("/v1/completions", {
+        "model": "beta", "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+        "ignore_eos": True, "return_token_ids": True, "session_id": "adv-1"})
+    assert status == 200, (body, cluster.logs())
+    assert body["choices"][0]["token_ids"] == alone(models["beta"])
+    assert cluster.procs["node0.nodemgr"].tail(4000).count("activated beta") == activations
+    # An advisory for a model that is nowhere in the catalogue is still a 404.
+    status, body = cluster.post("/v1/advisory", {"session_id": "adv-2", "model": "nope"})
+    assert status == 404, body
