@@ -66,6 +66,7 @@ class Shape:
     kv_pages: int = 256
     prompt_words: int = 300  # ~1 token each
     gen: int = 96
+    engine_threads: int = 0  # each engine's intra-op threads (0: one per core)
 
 
 @dataclass
@@ -169,16 +170,19 @@ def run_system(system: str, paths: dict[str, Path], loads: list[float], phase_s:
         ModelEntry(n, str(paths[n]), ttft_slo_s=slo[n]) for n in names])
     first, rest = paths[names[0]], tuple(paths[n] for n in names[1:])
     common = {"dtype": "float32", "ready_timeout": 300.0}
+    threads = {"num_threads": shape.engine_threads} if shape.engine_threads else {}
     if system == "prism":
         kw = {"more_models": rest, "node_memory": budget, "models_config": catalog,
-                  "engine_flags": {"page_bytes": PAGE, "device_memory_bytes": kv_room}}
+                  "engine_flags": {"page_bytes": PAGE, "device_memory_bytes": kv_room, **threads}}
     elif system in ("static", "static-dl"):
         kw = {"more_models": rest, "models_config": catalog,
-              "engine_flags": {"page_bytes": PAGE, "device_memory_bytes": kv_room // 4},
+              "engine_flags": {"page_bytes": PAGE, "device_memory_bytes": kv_room // 4,
+                               **threads},
               "nodemgr_flags": {} if system == "static-dl" else {"admission_depth": 0}}
     else:  # swap: one engine a node, the whole budget for the model in it
         kw = {"models_config": catalog, "node_memory": budget,
-                  "engine_flags": {"page_bytes": PAGE, "device_memory_bytes": kv_room},
+                  "engine_flags": {"page_bytes": PAGE, "device_memory_bytes": kv_room,
+                                   **threads},
                   "nodemgr_flags": {"evict_idle_s": 0}}
     out = []
     with start_cluster(work / system, first, nodes=2, **common, **kw) as cluster:
@@ -253,10 +257,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-pages", type=int, default=Shape.kv_pages)
     ap.add_argument("--prompt-words", type=int, default=Shape.prompt_words)
     ap.add_argument("--gen", type=int, default=Shape.gen)
+    ap.add_argument("--engine-threads", type=int, default=Shape.engine_threads)
     args = ap.parse_args(argv)
     loads = [4.0, 8.0] if args.quick else [float(x) for x in args.loads.split(",")]
     phase_s, phases = (8.0, 4) if args.quick else (args.phase_s, args.phases)
-    shape = Shape(args.kv_pages, args.prompt_words, args.gen)
+    shape = Shape(args.kv_pages, args.prompt_words, args.gen, args.engine_threads)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         paths = {name: write_demo_model(work / name, size=size, seed=seed)
