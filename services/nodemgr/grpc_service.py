@@ -40,7 +40,8 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
         self.activator = activator or Activator(engine, (), evict_idle_s=0.0, wait_s=1.0)
         self.admission = admission or DeadlineAdmission()
         self.in_flight = 0
-        self._tasks: set[asyncio.Task[None]] = set()  # activations started by advisories
+        # advisory id -> the activation it started, until that prefetches or the advisory ends
+        self._activating: dict[str, asyncio.Task[None]] = {}
 
     async def Generate(
         self, request: common_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -130,8 +131,10 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
             # the request finds the model loaded and its KV on the way.
             task = asyncio.create_task(self._activate_then_advise(advice),
                                        name=f"activate-{request.model}")
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._activating[advice.advisory_id] = task
+            task.add_done_callback(
+                lambda t: self._activating.pop(advice.advisory_id, None)
+                if self._activating.get(advice.advisory_id) is t else None)
             return nodemgr_pb2.AdviseReply(accepted=True)
         return nodemgr_pb2.AdviseReply(accepted=self.prefetcher.advise(advice))
 
@@ -152,15 +155,17 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
             log.info("advisory %s: %s not activated (%s); its request will activate it",
                      advice.advisory_id, advice.model, e)
             return
-        if self.prefetcher is not None:
+        # (an advisory that ended meanwhile leaves the model active and prefetches nothing)
+        if self.prefetcher is not None and advice.advisory_id in self._activating:
             self.prefetcher.advise(advice)
 
     async def Invalidate(
         self, request: nodemgr_pb2.InvalidateRequest, context: grpc.aio.ServicerContext
     ) -> nodemgr_pb2.InvalidateReply:
+        activating = self._activating.pop(request.advisory_id, None) is not None
         found = self.prefetcher is not None and self.prefetcher.invalidate(
             request.advisory_id, request.expired)
-        return nodemgr_pb2.InvalidateReply(found=found)
+        return nodemgr_pb2.InvalidateReply(found=found or activating)
 
 
     async def ActivateModel(
