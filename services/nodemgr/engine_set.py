@@ -30,6 +30,7 @@ class EngineSet:
         self.links = [EngineLink(a, status_timeout_s) for a in addresses]
         self._acked = [0] * len(self.links)
         self._served: list[tuple[str, ...]] = [()] * len(self.links)  # model names per link
+        self._known = False  # whether a status has told what each engine serves
         self.shared_budget = shared_budget
         self._fingerprints: dict[str, str] = {}
         self.last: wire.EngineSnapshot | None = None  # the newest status (metrics)
@@ -47,9 +48,13 @@ class EngineSet:
         for link, names in zip(self.links, self._served, strict=True):
             if model in names:
                 return link
-        if len(self.links) == 1:  # (it answers NOT_FOUND itself, naming what it serves)
+        if len(self.links) == 1 and not self._known:  # (it answers NOT_FOUND itself)
             return self.links[0]
         raise UnknownModel(model)
+
+    def served(self) -> list[str]:
+        """The names of the models the node's engines serve (as of the last status)."""
+        return [name for names in self._served for name in names]
 
     async def status(self) -> wire.EngineSnapshot:
         """Every engine's status, added up; raises EngineUnavailable if one does not
@@ -57,6 +62,7 @@ class EngineSet:
         parts = await asyncio.gather(*(link.status(acked) for link, acked
                                        in zip(self.links, self._acked, strict=True)))
         self._served = [tuple(m.name for m in p.models) for p in parts]
+        self._known = True
         self._fingerprints = {m.name: m.fingerprint for p in parts for m in p.models}
         snap = merge(list(parts))
         self.last = snap

@@ -67,8 +67,10 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
             try:
                 link = finding.result()
             except UnknownModel:
+                served = ", ".join(repr(m) for m in self.engine.served()) or "none"
                 await context.abort(grpc.StatusCode.NOT_FOUND,
-                                    f"model {request.model!r} is not served on this node")
+                                    f"model {request.model!r} is not served on this node; "
+                                    f"it serves {served}")
             except CannotActivate as e:
                 # busy: retry later (429); a model that cannot load is the server's fault
                 code = (grpc.StatusCode.RESOURCE_EXHAUSTED if e.busy
