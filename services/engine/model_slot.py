@@ -44,6 +44,7 @@ class ModelSlot:
     _executor: ThreadPoolExecutor | None
     _ledger: DeviceLedger | None
     _weights_held: int
+    _switch_lock: asyncio.Lock | None
 
     if TYPE_CHECKING:  # (provided by WorkerLoop and AsyncEngine)
         def _in_worker(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future: ...
@@ -57,33 +58,44 @@ class ModelSlot:
         holds them. The model already active is kept if it is the same, else refused."""
         if self._executor is None:
             raise EngineError(UNAVAILABLE, "the engine is not running")
-        if self._core is not None:
-            if self._loaded is not None and str(self._loaded.path) == str(model_path):
-                return self._core.model_info
-            raise EngineError(INVALID_ARGUMENT, f"{self._core.model_info.name!r} is active "
-                              "here; evict it before activating another model")
-        config = dataclasses.replace(self.config, model_path=model_path,
-                                     served_model_name=served_name)
-        try:
-            loaded = await self._in_worker(load_for, config)
-        except Exception as e:  # (a bad folder is the caller's mistake, not a crash)
-            raise EngineError(INVALID_ARGUMENT, f"cannot load {model_path}: {e}") from None
-        self.config, self._loaded = config, loaded
-        await self._serve_loaded()
-        return self._require_core().model_info
+        async with self._switching():  # (a second caller then finds this one's model)
+            if self._core is not None:
+                if self._loaded is not None and str(self._loaded.path) == str(model_path):
+                    return self._core.model_info
+                raise EngineError(INVALID_ARGUMENT, f"{self._core.model_info.name!r} is "
+                                  "active here; evict it before activating another model")
+            config = dataclasses.replace(self.config, model_path=model_path,
+                                         served_model_name=served_name)
+            try:
+                loaded = await self._in_worker(load_for, config)
+            except Exception as e:  # (a bad folder is the caller's mistake, not a crash)
+                raise EngineError(INVALID_ARGUMENT,
+                                  f"cannot load {model_path}: {e}") from None
+            self.config, self._loaded = config, loaded
+            await self._serve_loaded()
+            return self._require_core().model_info
 
     async def evict(self) -> bool:
         """Stop serving the active model: its requests end (UNAVAILABLE), its KV pool and
         weights are freed; the worker stays for the next ``activate``. Whether one was."""
-        core = self._core
-        if core is None:
-            return False
-        await self._stop_serving("the model was evicted from this engine")
-        self._release_weights()
-        self._loaded = self._guidance = self._snapshot = None
-        await self._in_worker(gc.collect)
-        log.info("evicted %s", core.model_info.name)
-        return True
+        async with self._switching():
+            core = self._core
+            if core is None:
+                return False
+            await self._stop_serving("the model was evicted from this engine")
+            self._release_weights()
+            self._loaded = self._guidance = self._snapshot = None
+            await self._in_worker(gc.collect)
+            log.info("evicted %s", core.model_info.name)
+            return True
+
+    def _switching(self) -> asyncio.Lock:
+        """Held while a model is activated or evicted: two activations of an empty engine
+        at once would both load, and the second would replace the first unreleased."""
+        lock: asyncio.Lock | None = getattr(self, "_switch_lock", None)
+        if lock is None:
+            lock = self._switch_lock = asyncio.Lock()
+        return lock
 
     def _hold_weights(self) -> None:
         """Count the weights against the node's budget (RESOURCE_EXHAUSTED: no room)."""

@@ -89,6 +89,9 @@ class Activator:
         self.last_used: dict[str, float] = {}  # model -> when a request last came for it
         self.activations: list[tuple[str, float]] = []  # (model, seconds), for metrics
         self.evictions = 0
+        # Engines an activation under way has chosen: no other activation may pick them
+        # (one would evict or overwrite the model the other is loading).
+        self._claimed: set[str] = set()
 
     def used(self, model: str) -> None:
         self.last_used[model] = self._clock()
@@ -115,45 +118,63 @@ class Activator:
                                  "missing on this node", busy=False)
         deadline = self._clock() + self.wait_s
         target: EngineLink | None = None
-        while True:
-            views = await self._views()
-            if target is None:
-                empty = [v.link for v in views if not v.model]
-                target = empty[0] if empty else await self._evict_one(views, None)
-            if target is not None:
-                started = self._clock()
-                try:
-                    await target.stub.Activate(engine_pb2.ActivateRequest(
-                        model_path=entry.path, served_model_name=entry.name),
-                        timeout=ACTIVATE_TIMEOUT_S)
-                except grpc.aio.AioRpcError as e:
-                    if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                        log.error("activating %s from %s failed: %s", entry.name, entry.path,
-                                  e.details())
-                        raise CannotActivate(f"model {entry.name} cannot be activated: "
-                                             f"{e.details()}", busy=False) from None
-                    # The node's budget cannot hold its weights: free another model's.
-                    if await self._evict_one(await self._views(), target) is None \
-                            and self._clock() > deadline:
-                        raise CannotActivate(
-                            f"the node's device memory cannot hold {entry.name} and no "
-                            f"model has been idle {self.evict_idle_s:g}s to evict") from None
-                    await asyncio.sleep(RETRY_S)
+        try:
+            while True:
+                views = await self._views()
+                if target is None:
+                    empty = [v.link for v in views
+                             if not v.model and v.link.address not in self._claimed]
+                    if empty:
+                        target = empty[0]
+                        self._claimed.add(target.address)
+                    else:
+                        target = await self._evict_one(views, None, keep_claim=True)
+                if target is not None:
+                    link = await self._load(entry, target, deadline)
+                    if link is not None:
+                        return link
                     continue
-                seconds = self._clock() - started
-                self.activations.append((entry.name, seconds))
-                self.metrics.activations.labels(entry.name).inc()
-                self.metrics.activation_seconds.labels(entry.name).observe(seconds)
-                self.used(entry.name)
-                log.info("activated %s in %.2fs on the engine at %s", entry.name, seconds,
-                         target.address)
-                await self.engines.status()  # (learns what each engine serves now)
-                self.on_change()
-                return target
-            if self._clock() > deadline:
-                raise CannotActivate(f"every engine of this node is busy; none could be freed "
-                                     f"for {entry.name} within {self.wait_s:g}s")
+                if self._clock() > deadline:
+                    raise CannotActivate(f"every engine of this node is busy; none could be "
+                                         f"freed for {entry.name} within {self.wait_s:g}s")
+                await asyncio.sleep(RETRY_S)
+        finally:
+            if target is not None:
+                self._claimed.discard(target.address)
+
+    async def _load(self, entry: ModelEntry, target: EngineLink, deadline: float
+                    ) -> EngineLink | None:
+        """Activate ``entry`` on ``target``; None: its weights did not fit and another
+        model was evicted to make room (or none could be yet): try again."""
+        started = self._clock()
+        try:
+            await target.stub.Activate(engine_pb2.ActivateRequest(
+                model_path=entry.path, served_model_name=entry.name),
+                timeout=ACTIVATE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                log.error("activating %s from %s failed: %s", entry.name, entry.path,
+                          e.details())
+                raise CannotActivate(f"model {entry.name} cannot be activated: "
+                                     f"{e.details()}", busy=False) from None
+            # The node's budget cannot hold its weights: free another model's.
+            if await self._evict_one(await self._views(), target) is None \
+                    and self._clock() > deadline:
+                raise CannotActivate(
+                    f"the node's device memory cannot hold {entry.name} and no "
+                    f"model has been idle {self.evict_idle_s:g}s to evict") from None
             await asyncio.sleep(RETRY_S)
+            return None
+        seconds = self._clock() - started
+        self.activations.append((entry.name, seconds))
+        self.metrics.activations.labels(entry.name).inc()
+        self.metrics.activation_seconds.labels(entry.name).observe(seconds)
+        self.used(entry.name)
+        log.info("activated %s in %.2fs on the engine at %s", entry.name, seconds,
+                 target.address)
+        await self.engines.status()  # (learns what each engine serves now)
+        self.on_change()
+        return target
 
     async def evict(self, model: str) -> bool:
         """Evict ``model`` from this node if it is idle now (the placement moved it)."""
@@ -171,18 +192,30 @@ class Activator:
                     return True
         return False
 
-    async def _evict_one(self, views: list[EngineView], spare: EngineLink | None
-                         ) -> EngineLink | None:
-        v = victim(views, self.catalog, self.last_used, self._clock(), self.evict_idle_s,
+    async def _evict_one(self, views: list[EngineView], spare: EngineLink | None,
+                         keep_claim: bool = False) -> EngineLink | None:
+        """Evict the best victim (``victim``) among the engines no activation has
+        claimed; its engine, or None. The engine is claimed from the moment it is chosen
+        (so that no other activation takes it once empty) and stays claimed with
+        ``keep_claim``, for the caller to load its model into and release."""
+        free = [v for v in views if v.link.address not in self._claimed]
+        v = victim(free, self.catalog, self.last_used, self._clock(), self.evict_idle_s,
                    spare)
         if v is None:
             return None
-        await v.link.stub.Evict(engine_pb2.EvictRequest(), timeout=ACTIVATE_TIMEOUT_S)
-        self.evictions += 1
-        self.metrics.evictions.labels(v.model).inc()
-        log.info("evicted %s (idle) from the engine at %s", v.model, v.link.address)
-        await self.engines.status()
-        self.on_change()
+        self._claimed.add(v.link.address)
+        try:
+            await v.link.stub.Evict(engine_pb2.EvictRequest(), timeout=ACTIVATE_TIMEOUT_S)
+            self.evictions += 1
+            self.metrics.evictions.labels(v.model).inc()
+            log.info("evicted %s (idle) from the engine at %s", v.model, v.link.address)
+            await self.engines.status()
+            self.on_change()
+        except BaseException:
+            self._claimed.discard(v.link.address)
+            raise
+        if not keep_claim:
+            self._claimed.discard(v.link.address)
         return v.link
 
     async def _views(self) -> list[EngineView]:

@@ -3,6 +3,7 @@ and activates another, and each serves what a fresh engine of it serves."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,17 @@ async def test_activating_over_another_model_or_a_bad_folder_is_refused(
             await eng.activate(str(beta))
         assert e.value.code == INVALID_ARGUMENT and "evict" in e.value.message
         assert (await eng.status()).models[0].name == "alpha"
+
+
+async def test_two_activations_at_once_load_one_model(two_models: tuple[Path, Path]) -> None:
+    """Two nodemgr activations racing for one empty engine: the first loads its model, the
+    second then finds it there and is refused; nothing is loaded twice or leaked."""
+    alpha, beta = two_models
+    async with AsyncEngine(config(model_path="", pool=True)) as eng:
+        results = await asyncio.gather(eng.activate(str(alpha)), eng.activate(str(beta)),
+                                       return_exceptions=True)
+        assert results[0].name == "alpha"  # type: ignore[union-attr]
+        assert isinstance(results[1], EngineError) and results[1].code == INVALID_ARGUMENT
+        assert (await eng.status()).models[0].name == "alpha"
+        await idle(eng)
+        assert await eng.evict() and (await eng.status()).models == ()
