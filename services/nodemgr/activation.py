@@ -55,13 +55,16 @@ class EngineView:
 
 
 def victim(engines: list[EngineView], catalog: dict[str, ModelEntry], idle_since: dict[str, float],
-           now: float, idle_s: float, spare: EngineLink | None = None) -> EngineView | None:
+           now: float, idle_s: float, spare: EngineLink | None = None,
+           in_use: frozenset[str] = frozenset()) -> EngineView | None:
     """The engine whose model to evict: idle (nothing running or queued) for ``idle_s``,
-    not pinned, not ``spare``; the loosest TTFT SLO first, then the longest idle."""
+    not pinned, not ``spare``, with no request on its way to it (``in_use``: taken by the
+    node, not yet counted by the engine); the loosest TTFT SLO first, then the longest
+    idle."""
     def ok(e: EngineView) -> bool:
         entry = catalog.get(e.model)
         return (bool(e.model) and e.link is not spare and not e.running and not e.waiting
-                and not (entry is not None and entry.pin)
+                and e.model not in in_use and not (entry is not None and entry.pin)
                 and now - idle_since.get(e.model, 0.0) >= idle_s)
 
     slo = {name: m.ttft_slo_s for name, m in catalog.items()}
@@ -92,9 +95,27 @@ class Activator:
         # Engines an activation under way has chosen: no other activation may pick them
         # (one would evict or overwrite the model the other is loading).
         self._claimed: set[str] = set()
+        self._requests: dict[str, int] = {}  # model -> requests in the node (enter/leave)
 
     def used(self, model: str) -> None:
         self.last_used[model] = self._clock()
+
+    def enter(self, model: str) -> None:
+        """A request for ``model`` is in the node (until ``leave``): its model is not idle,
+        even before its engine counts the request."""
+        self.used(model)
+        self._requests[model] = self._requests.get(model, 0) + 1
+
+    def leave(self, model: str) -> None:
+        self.used(model)
+        left = self._requests.get(model, 0) - 1
+        if left > 0:
+            self._requests[model] = left
+        else:
+            self._requests.pop(model, None)
+
+    def _in_use(self) -> frozenset[str]:
+        return frozenset(self._requests)
 
     async def engine_for(self, model: str) -> EngineLink:
         """The engine serving ``model``, activating it first if need be. Raises
@@ -180,7 +201,8 @@ class Activator:
         """Evict ``model`` from this node if it is idle now (the placement moved it)."""
         async with self._locks.setdefault(model, asyncio.Lock()):
             for v in await self._views():
-                if v.model == model and not v.running and not v.waiting:
+                if (v.model == model and not v.running and not v.waiting
+                        and model not in self._requests):
                     await v.link.stub.Evict(engine_pb2.EvictRequest(),
                                             timeout=ACTIVATE_TIMEOUT_S)
                     self.evictions += 1
@@ -200,7 +222,7 @@ class Activator:
         ``keep_claim``, for the caller to load its model into and release."""
         free = [v for v in views if v.link.address not in self._claimed]
         v = victim(free, self.catalog, self.last_used, self._clock(), self.evict_idle_s,
-                   spare)
+                   spare, self._in_use())
         if v is None:
             return None
         self._claimed.add(v.link.address)

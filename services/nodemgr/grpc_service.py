@@ -54,7 +54,7 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
         self.in_flight += 1
         if self.prefetcher is not None:
             self.prefetcher.followed(request.tenant, request.session_id)
-        self.activator.used(request.model)
+        self.activator.enter(request.model)
         rid = wire.request_id_of(request)
         call = None
         slot = entering = None  # the admission slot, and the wait for it
@@ -105,7 +105,7 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
                     and not entering.cancelled() and entering.exception() is None):
                 await slot.__aexit__(None, None, None)  # (the slot was taken: give it back)
             self.in_flight -= 1
-            self.activator.used(request.model)
+            self.activator.leave(request.model)
 
     async def Status(
         self, request: nodemgr_pb2.NodeStatusRequest, context: grpc.aio.ServicerContext

@@ -77,3 +77,19 @@ async def test_a_second_activation_waits_for_the_engine_the_first_is_loading(tmp
     assert links[0] is links[1] is activator.engines.links[0]
     assert fake.calls == ["activate alpha", "evict alpha", "activate beta"]
     assert fake.most_loading == 1 and fake.model == "beta"
+
+
+async def test_a_model_with_a_request_on_its_way_is_not_evicted(tmp_path: Any) -> None:
+    """A request the node has taken for alpha but its engine does not count yet (it is
+    still on its way): alpha looks idle to the engine, yet is not swapped out under it."""
+    activator, fake = one_engine_node(tmp_path)
+    fake.model = "alpha"
+    fake.gate.set()
+    await activator.engines.status()
+    activator.enter("alpha")
+    swap = asyncio.create_task(activator.engine_for("beta"))
+    await asyncio.sleep(0.35)
+    assert fake.calls == [] and not swap.done()
+    activator.leave("alpha")
+    await asyncio.wait_for(swap, 5.0)
+    assert fake.calls == ["evict alpha", "activate beta"]
