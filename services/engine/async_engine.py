@@ -78,6 +78,8 @@ class AsyncEngine(WorkerLoop, ModelSlot):
         self._guidance: ModelGuidance | None = None
         self._ledger: DeviceLedger | None = None  # the node's shared budget (device_ledger)
         self._weights_held = 0
+        # Held while a model is activated or evicted (model_slot.py): one at a time.
+        self._switch_lock = asyncio.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self._loop_task: asyncio.Task | None = None
         self._inbox: deque[tuple[str, Any]] = deque()

@@ -44,7 +44,8 @@ class ModelSlot:
     _executor: ThreadPoolExecutor | None
     _ledger: DeviceLedger | None
     _weights_held: int
-    _switch_lock: asyncio.Lock | None
+    _switch_lock: asyncio.Lock  # two activations at once would both load, the second
+    # replacing the first unreleased: activate and evict hold it
 
     if TYPE_CHECKING:  # (provided by WorkerLoop and AsyncEngine)
         def _in_worker(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future: ...
@@ -58,7 +59,7 @@ class ModelSlot:
         holds them. The model already active is kept if it is the same, else refused."""
         if self._executor is None:
             raise EngineError(UNAVAILABLE, "the engine is not running")
-        async with self._switching():  # (a second caller then finds this one's model)
+        async with self._switch_lock:  # (a second caller then finds this one's model)
             if self._core is not None:
                 if self._loaded is not None and str(self._loaded.path) == str(model_path):
                     return self._core.model_info
@@ -78,7 +79,7 @@ class ModelSlot:
     async def evict(self) -> bool:
         """Stop serving the active model: its requests end (UNAVAILABLE), its KV pool and
         weights are freed; the worker stays for the next ``activate``. Whether one was."""
-        async with self._switching():
+        async with self._switch_lock:
             core = self._core
             if core is None:
                 return False
@@ -88,14 +89,6 @@ class ModelSlot:
             await self._in_worker(gc.collect)
             log.info("evicted %s", core.model_info.name)
             return True
-
-    def _switching(self) -> asyncio.Lock:
-        """Held while a model is activated or evicted: two activations of an empty engine
-        at once would both load, and the second would replace the first unreleased."""
-        lock: asyncio.Lock | None = getattr(self, "_switch_lock", None)
-        if lock is None:
-            lock = self._switch_lock = asyncio.Lock()
-        return lock
 
     def _hold_weights(self) -> None:
         """Count the weights against the node's budget (RESOURCE_EXHAUSTED: no room)."""
