@@ -71,7 +71,8 @@ class Admission:
             return 0.0
         return sum(n for _, _, n in self._busy) / self._busy_s
 
-    def check(self, queued: int, oldest_waiting_since: float, now: float) -> None:
+    def check(self, queued: int, oldest_waiting_since: float, now: float,
+              bound_delay: bool = True) -> None:
         """Raise EngineError(RESOURCE_EXHAUSTED) when a new request must be refused.
 
         ``queued``: requests ahead of it (waiting in the core's queue or about to enter
@@ -79,14 +80,16 @@ class Admission:
         (0.0: the core's queue is empty). Free seats do not count against the queue:
         under load the per-step token budget, not the seats, is what holds newcomers
         back (admitting more for the free seats made every step, and so every first
-        token, slower)."""
+        token, slower). ``bound_delay=False``: the node's deadline queue already chose
+        when the request starts (it serves late requests after the others, §6.3), so
+        only a full queue refuses it."""
         if queued >= self.max_waiting:
             raise EngineError(
                 RESOURCE_EXHAUSTED,
                 f"the engine queue is full ({self.max_waiting} waiting); retry later",
             )
         bound = self.max_queue_delay_s
-        if not bound or not queued:
+        if not bound or not queued or not bound_delay:
             return
         rate = self.drain_rate(now)
         if rate > 0 and (queued + 1) / rate > bound:

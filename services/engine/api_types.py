@@ -82,6 +82,7 @@ class GenerateRequest:
     kv_source_tokens: int = 0  # the length of the turn saved there
     no_reuse: bool = False  # reuse no KV (device cache or kvstore) and save none (baseline)
     guidance: Guidance = field(default_factory=Guidance)
+    node_admitted: bool = False  # the node's deadline queue started it: no delay refusal
 
 
 @dataclass(frozen=True)

@@ -210,7 +210,7 @@ class AsyncEngine(WorkerLoop, ModelSlot):
         outputs that piled up while the consumer was busy come as one (the gRPC server's
         stream: under load a message per step and request costs more than the step)."""
         core = self._require_core()
-        self._admit()
+        self._admit(bound_delay=not req.node_admitted)
         entry = self._admission.enter()  # counted as queued until it reaches the inbox
         session = (req.tenant, req.session_id)
         self._active_sessions[session] = self._active_sessions.get(session, 0) + 1
@@ -288,13 +288,15 @@ class AsyncEngine(WorkerLoop, ModelSlot):
             if submitted and not finished:
                 self._submit(ABORT, rid)
 
-    def _admit(self) -> None:
-        """Raise RESOURCE_EXHAUSTED when the queue is full or too far behind."""
+    def _admit(self, bound_delay: bool = True) -> None:
+        """Raise RESOURCE_EXHAUSTED when the queue is full or (``bound_delay``) too far
+        behind."""
         snap = self._snapshot
         self._admission.check(
             self._waiting_snapshot + self._pending_adds + self._admission.entering,
             snap.oldest_waiting_since if snap is not None else 0.0,
             time.monotonic(),
+            bound_delay,
         )
 
     async def abort(self, request_id: str) -> bool:

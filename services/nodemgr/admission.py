@@ -6,7 +6,8 @@ takes at most ``depth`` requests that have not produced their first token yet (m
 only queue inside the engine, where the node could no longer reorder them). Whenever a
 request arrives or one starts producing, the queue is ordered again: requests that can
 still meet their deadline first (Moore-Hodgson keeps the most of them), then the others,
-which are served all the same.
+which are served all the same. Past ``max_waiting`` queued requests the node refuses
+new ones (429 upstream): an overload it cannot drain is the cluster's to spread.
 
 A request's prefill time is its prompt length (estimated from its text before the engine
 tokenizes it) over its model's chunked-prefill speed, measured here from the requests it
@@ -28,6 +29,10 @@ CHARS_PER_TOKEN = 4.0  # a prompt's length in tokens, estimated from its charact
 SPEED_WEIGHT = 0.3  # EWMA weight of a new prefill-speed sample
 
 
+class NodeQueueFull(RuntimeError):
+    """The node's queue holds its maximum: retry later (or elsewhere)."""
+
+
 @dataclass(eq=False)
 class _Ticket:
     engine: str
@@ -39,8 +44,10 @@ class _Ticket:
 class DeadlineAdmission:
     def __init__(self, depth: int = 4, default_speed: float = 2000.0,
                  slo: Callable[[str], float] = lambda model: 2.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_waiting: int = 1024
+                 ) -> None:
         self.depth = depth
+        self.max_waiting = max_waiting
         self.default_speed = default_speed
         self._slo = slo
         self._clock = clock
@@ -53,7 +60,11 @@ class DeadlineAdmission:
     async def slot(self, model: str, engine: str, prompt_tokens: int
                    ) -> AsyncIterator[Callable[[int], None]]:
         """Wait for the request's turn; yields ``first_token(prompt_tokens)`` to call when
-        its first token arrives (its engine may then start another)."""
+        its first token arrives (its engine may then start another). Raises
+        NodeQueueFull when ``max_waiting`` requests wait already."""
+        if len(self._queue) >= self.max_waiting:
+            raise NodeQueueFull(f"the node's queue is full ({self.max_waiting} waiting); "
+                                "retry later")
         ticket = _Ticket(engine, model)
         arrival = self._clock()
         w = Waiting(ticket, arrival, self._slo(model), max(1, prompt_tokens),

@@ -34,6 +34,9 @@ class NodeManagerConfig:
         4, "with several engines: requests an engine may have started and not yet answered "
         "with a first token, the others waiting in the node's queue ordered by TTFT "
         "deadline (Prism §6.3); 0 = off (each engine's own queue)", min=0)
+    admission_max_waiting: int = opt(
+        1024, "requests the node's deadline queue holds at most; more are refused (429)",
+        min=1)
     prefill_tokens_per_s: float = opt(
         2000.0, "a model's chunked-prefill speed until measured (for the deadline order)",
         min=1)

@@ -13,7 +13,7 @@ import grpc
 
 from services.nodemgr import wire
 from services.nodemgr.activation import Activator, CannotActivate
-from services.nodemgr.admission import DeadlineAdmission, estimate_tokens
+from services.nodemgr.admission import DeadlineAdmission, NodeQueueFull, estimate_tokens
 from services.nodemgr.engine_set import EngineSet, EngineUnavailable, UnknownModel
 from services.nodemgr.prefetcher import Advice, Prefetcher
 from shared.proto import common_pb2, nodemgr_pb2, nodemgr_pb2_grpc
@@ -87,7 +87,12 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
             entering = asyncio.ensure_future(slot.__aenter__())
             async for keepalive in _until_done(entering, rid):
                 yield keepalive
-            started = entering.result()
+            try:
+                started = entering.result()
+            except NodeQueueFull as e:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            # The node's queue chose when it starts: the engine does not refuse it as late.
+            request.node_admitted = admission is not None
             call = link.stub.Generate(request, timeout=context.time_remaining())
             async for chunk in call:
                 if chunk.token_ids or chunk.finish_reason:

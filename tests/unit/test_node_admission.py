@@ -125,3 +125,29 @@ async def test_a_waiting_stream_sends_keepalives(monkeypatch) -> None:
     chunks = [c async for c in grpc_service._until_done(task, "r1")]
     assert len(chunks) >= 4 and all(c.keepalive and c.request_id == "r1" for c in chunks)
     assert task.done() and not task.cancelled()
+
+
+async def test_a_full_node_queue_refuses_and_the_queue_is_unchanged() -> None:
+    from services.nodemgr.admission import NodeQueueFull
+
+    adm = DeadlineAdmission(depth=1, max_waiting=1)
+    hold = asyncio.Event()
+
+    async def holder() -> None:
+        async with adm.slot("m", "e", 10):
+            await hold.wait()
+
+    running = asyncio.create_task(holder())  # dispatched: not counted as waiting
+    await asyncio.sleep(0)
+    queued = asyncio.create_task(holder())
+    await asyncio.sleep(0)
+    assert adm.waiting == 1
+    try:
+        async with adm.slot("m", "e", 10):
+            raise AssertionError("a request past max_waiting was queued")
+    except NodeQueueFull as e:
+        assert "full (1 waiting)" in str(e)
+    assert adm.waiting == 1
+    hold.set()
+    await asyncio.gather(running, queued)
+    assert adm.waiting == 0

@@ -4,6 +4,7 @@ keepalives, and an engine that is behind refuses new requests instead of queuein
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 
@@ -32,6 +33,9 @@ def test_admission_refuses_a_full_or_late_queue() -> None:
     with pytest.raises(EngineError, match="behind"):
         a.check(1, 98.0, 100.0)
     Admission(max_waiting=3, max_queue_delay_s=0.0).check(1, 1.0, 100.0)  # delay bound off
+    a.check(1, 98.0, 100.0, bound_delay=False)  # the node's queue chose to start it now
+    with pytest.raises(EngineError, match="queue is full"):
+        a.check(3, 98.0, 100.0, bound_delay=False)
 
 
 def test_admission_predicts_the_wait_from_the_drain_rate() -> None:
@@ -103,9 +107,18 @@ async def test_a_queue_that_falls_behind_refuses_newcomers(loaded: LoadedModel) 
         with pytest.raises(EngineError, match="behind") as e:
             await eng.generate(greedy(PROMPTS[2], 4)).__anext__()
         assert e.value.code == "resource_exhausted"
+        # One the node's deadline queue dispatched is queued all the same (Prism §6.3:
+        # the node serves late requests after the others instead of refusing them).
+        admitted = eng.generate(dataclasses.replace(greedy(PROMPTS[2], 2), node_admitted=True))
+        late = asyncio.ensure_future(admitted.__anext__())
+        while not late.done() and (await eng.status()).waiting < 2:
+            await asyncio.sleep(0.005)
+        assert not late.done(), late.exception()  # queued, not refused
         await first.aclose()
         await head
         await second.aclose()
+        await late
+        assert [o async for o in admitted][-1].finish_reason == "length"
         # Caught up: new requests are taken again.
         outs = [o async for o in eng.generate(greedy(PROMPTS[3], 2))]
         assert outs[-1].finish_reason == "length"
