@@ -8,8 +8,13 @@ of them needs the memory now. The nodemgr, the node's memory broker, reads the l
 (bytes per engine, bytes free) to reclaim pages from idle engines for busy ones and to
 evict idle models when an activation needs room.
 
+An engine may also hold a KV *reserve* (Prism §6.3: "reserving a memory buffer per
+engine"): while its KV is below its reserve, the others cannot take the difference. A
+model that turns hot then starts its first requests at once, instead of waiting for the
+broker to take pages back from the model that was hot before.
+
     file (64-byte records):  header: magic, budget, bytes used | slot 0 | ... | slot 31
-    slot:  pid, kv bytes, weight bytes, label (32 bytes of the model's name)
+    slot:  pid, kv bytes, weight bytes, label (32 bytes of the model's name), kv reserve
 
 Updates hold an exclusive ``flock`` on the file (a few microseconds); a slot of a process
 that no longer exists is taken over, its bytes forgotten, so a crashed engine leaks nothing.
@@ -33,6 +38,8 @@ _HEADER = struct.Struct("<QQq")  # magic, budget, bytes used by all slots
 _USED = struct.Struct("<q")
 _USED_AT = 16
 _SLOT = struct.Struct("<qQQ32s")  # pid, kv bytes, weight bytes, label
+_RESERVE = struct.Struct("<Q")  # the slot's last word: its KV reserve
+_RESERVE_AT = _SLOT.size
 SIZE = RECORD * (1 + SLOTS)
 
 
@@ -46,6 +53,7 @@ class Holder:
     label: str
     kv_bytes: int
     weight_bytes: int
+    reserve_bytes: int = 0
 
 
 def create_ledger(path: str | Path, budget_bytes: int) -> Path:
@@ -86,7 +94,8 @@ class DeviceLedger:
         for i in range(SLOTS):
             pid, kv, weights, label = _SLOT.unpack_from(self._map, RECORD * (1 + i))
             if pid > 0:
-                out.append(Holder(pid, label.rstrip(b"\0").decode(errors="replace"), kv, weights))
+                out.append(Holder(pid, label.rstrip(b"\0").decode(errors="replace"), kv, weights,
+                                  self._reserve_of(i)))
         return out
 
     def used_bytes(self) -> int:
@@ -95,6 +104,12 @@ class DeviceLedger:
 
     def free_bytes(self) -> int:
         return max(0, self.budget_bytes - self.used_bytes())
+
+    def available_bytes(self) -> int:
+        """KV this process could take now: the free bytes less what the others' reserves
+        hold back, or, if more, what is free of its own unfilled reserve."""
+        free = self.free_bytes()
+        return max(0, free - self._held_back(), min(free, self._unfilled_own()))
 
     # ---- this process's slot ------------------------------------------------------------
     def join(self, label: str = "") -> None:
@@ -108,6 +123,7 @@ class DeviceLedger:
                     self._add_used(-(kv + weights))  # (what a dead process held is free)
                     _SLOT.pack_into(self._map, RECORD * (1 + i), os.getpid(), 0, 0,
                                     label.encode()[:32])
+                    _RESERVE.pack_into(self._map, RECORD * (1 + i) + _RESERVE_AT, 0)
                     self._slot = i
                     return
         raise LedgerError(f"device ledger {self.path}: all {SLOTS} slots are taken")
@@ -117,10 +133,23 @@ class DeviceLedger:
         with self._locked():
             _SLOT.pack_into(self._map, self._offset(), pid, kv, weights, label.encode()[:32])
 
-    def take(self, nbytes: int, weights: bool = False) -> bool:
-        """Record ``nbytes`` more held by this process if the budget has them; whether."""
+    def reserve(self, nbytes: int) -> None:
+        """Hold back up to ``nbytes`` of KV for this process: while its KV is below that,
+        the others cannot take the difference (0: no reserve). A claim on what is free or
+        freed later, not a grant: the others keep what they hold."""
         with self._locked():
-            if self.used_bytes() + nbytes > self.budget_bytes:
+            _RESERVE.pack_into(self._map, self._offset() + _RESERVE_AT, max(0, nbytes))
+
+    def take(self, nbytes: int, weights: bool = False) -> bool:
+        """Record ``nbytes`` more held by this process if the budget, less the others'
+        reserves, has them; whether. KV within this process's own unfilled reserve needs
+        only free bytes: reserves that add up to more than the budget are filled first
+        come, first served, and never block each other."""
+        with self._locked():
+            used = self.used_bytes() + nbytes
+            own = not weights and nbytes <= self._unfilled_own()
+            if used > self.budget_bytes or (
+                    not own and used + self._held_back() > self.budget_bytes):
                 return False
             self._add(nbytes, weights)
             return True
@@ -140,6 +169,7 @@ class DeviceLedger:
                 _, kv, weights, _ = self._mine()
                 self._add_used(-(kv + weights))
                 _SLOT.pack_into(self._map, self._offset(), 0, 0, 0, b"")
+                _RESERVE.pack_into(self._map, self._offset() + _RESERVE_AT, 0)
             self._slot = None
 
     def close(self) -> None:
@@ -152,6 +182,27 @@ class DeviceLedger:
         if self._slot is None:
             raise LedgerError("join the ledger before recording in it")
         return RECORD * (1 + self._slot)
+
+    def _reserve_of(self, slot: int) -> int:
+        return int(_RESERVE.unpack_from(self._map, RECORD * (1 + slot) + _RESERVE_AT)[0])
+
+    def _held_back(self) -> int:
+        """The others' reserves not yet filled by their KV, of live processes only (one
+        signal-0 probe per reserve: a dead engine's reserve holds nothing back)."""
+        total = 0
+        for i in range(SLOTS):
+            if i == self._slot:
+                continue
+            pid, kv, _, _ = _SLOT.unpack_from(self._map, RECORD * (1 + i))
+            unfilled = self._reserve_of(i) - kv if pid > 0 else 0
+            if unfilled > 0 and _alive(pid):
+                total += unfilled
+        return total
+
+    def _unfilled_own(self) -> int:
+        if self._slot is None:
+            return 0
+        return max(0, self._reserve_of(self._slot) - self._mine()[1])
 
     def _mine(self) -> tuple[int, int, int, bytes]:
         pid, kv, weights, label = _SLOT.unpack_from(self._map, self._offset())

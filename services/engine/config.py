@@ -90,6 +90,10 @@ class EngineConfig:
         "", "the node's shared device-memory ledger (a file the nodemgr creates): KV pages "
         "and weights count against one budget with the node's other engines; '' = "
         "device_memory_bytes is this engine's own")
+    kv_reserve_bytes: int = opt(
+        0, "with a device ledger: KV memory the node's other engines may not take from "
+        "this one while it holds less (Prism §6.3's buffer per engine: a model that turns "
+        "hot starts at once); 0 = none", min=0)
     max_num_seqs: int = opt(64, "most sequences running in one step", min=1, max=4096)
     max_num_batched_tokens: int = opt(
         512, "token budget per step (prefill chunks + decodes)", min=1, max=1 << 20

@@ -93,6 +93,7 @@ class EngineCore:
             page_bytes=config.page_bytes,
             device=config.device,
             ledger=ledger,
+            reserve_bytes=config.kv_reserve_bytes,
         )
         self.blocks = BlockAllocator(self.pool)
         self.kv = BlockTables(self.blocks, mc.num_layers, config.block_size)
@@ -304,8 +305,11 @@ class EngineCore:
 
     # ---- memory and status --------------------------------------------------------------
     def shrink(self, max_pages: int) -> int:
-        """Release up to ``max_pages`` pages of KV memory that hold no running KV."""
-        return self.blocks.shrink(max_pages)
+        """Release up to ``max_pages`` pages of KV memory that hold no running KV, keeping
+        the pool's reserve (pages below it would be held back for this engine anyway: the
+        others could not have them, and its prefix cache would be lost for nothing)."""
+        spare = self.pool.num_committed_pages - self.pool.reserve_pages
+        return self.blocks.shrink(min(max_pages, spare)) if spare > 0 else 0
 
     def status(self) -> EngineStatus:
         b = self.blocks

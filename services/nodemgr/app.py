@@ -147,22 +147,24 @@ def _budget(path: str) -> dict[str, float]:
 
 def _models_state(engine: EngineSet, activator: Activator, admission: DeadlineAdmission,
                   ledger_path: str) -> list[tuple[str, dict[str, float]]]:
-    """Per model: active here, device bytes it holds (KV, weights), requests queued."""
+    """Per model: active here, device bytes it holds (KV, weights) and reserves for its KV,
+    requests queued."""
     active = {m.name for m in (engine.last.models if engine.last else ())}
-    held: dict[str, tuple[int, int]] = {}
+    held: dict[str, tuple[int, int, int]] = {}
     if ledger_path:
         ledger = DeviceLedger(ledger_path)
         try:
             for h in ledger.holders():
-                kv, w = held.get(h.label, (0, 0))
-                held[h.label] = (kv + h.kv_bytes, w + h.weight_bytes)
+                kv, w, r = held.get(h.label, (0, 0, 0))
+                held[h.label] = (kv + h.kv_bytes, w + h.weight_bytes, r + h.reserve_bytes)
         finally:
             ledger.close()
     out = []
     for name in sorted(active | set(activator.catalog)):
-        kv, w = held.get(name, (0, 0))
+        kv, w, r = held.get(name, (0, 0, 0))
         out.append((name, {"active": float(name in active), "kv_bytes": float(kv),
-                           "weight_bytes": float(w), "queued": float(admission.queued(name))}))
+                           "weight_bytes": float(w), "kv_reserve_bytes": float(r),
+                           "queued": float(admission.queued(name))}))
     return out
 
 

@@ -45,9 +45,12 @@ class DeviceMemory:
         page_bytes: int,
         device: str = "cpu",
         ledger: DeviceLedger | None = None,
+        reserve_bytes: int = 0,
     ) -> None:
         """``ledger``: the node's shared device budget; a page is committed only when the
-        ledger grants it (the budget then bounds every engine of the node together)."""
+        ledger grants it (the budget then bounds every engine of the node together).
+        ``reserve_bytes``: of it, what the other engines may not take while this pool
+        holds less (Prism §6.3), kept while the pool lives."""
         self.block_size = block_size
         self._ledger = ledger
         self.dtype = dtype
@@ -71,6 +74,11 @@ class DeviceMemory:
         )  # (num_blocks, 2, block_size, kv_heads, head_dim)
         self._committed = [False] * self.num_pages
         self.num_committed_pages = 0
+        # Whole pages; on a node ledger only (alone, the whole budget is this pool's).
+        self.reserve_pages = min(self.num_pages, -(-reserve_bytes // self.page_span)) \
+            if ledger is not None else 0
+        if ledger is not None:
+            ledger.reserve(self.reserve_pages * self.page_span)
 
     @property
     def name(self) -> str:
@@ -93,7 +101,8 @@ class DeviceMemory:
         local = self.num_blocks - self.num_committed_blocks
         if self._ledger is None:
             return local
-        return min(local, self._ledger.free_bytes() // self.page_span * self.blocks_per_page)
+        return min(local,
+                   self._ledger.available_bytes() // self.page_span * self.blocks_per_page)
 
     def is_committed(self, page: int) -> bool:
         return self._committed[page]
@@ -146,5 +155,6 @@ class DeviceMemory:
     def close(self) -> None:
         if self._ledger is not None:
             self._ledger.give(self.num_committed_pages * self.page_span)
+            self._ledger.reserve(0)
             self.num_committed_pages = 0
         self._memory.close()

@@ -132,3 +132,35 @@ def test_a_live_pool_file_survives_another_engine_starting(tmp_path: Path) -> No
         assert not list(tmp_path.iterdir())
     finally:
         device.SHM_DIR = saved
+
+
+def test_a_pools_reserve_keeps_another_engines_pool_out_of_it(tmp_path: Path) -> None:
+    """Two pools on one node ledger: the one with a reserve can always grow to it; the
+    other cannot take what it holds back; closing the pool drops the reserve."""
+    from shared.device_ledger import DeviceLedger, create_ledger
+
+    page = 4 * 1024  # 4 blocks of 1 KiB
+    ledger_path = create_ledger(tmp_path / "ledger", 4 * page)
+
+    def pool(reserve_pages: int) -> tuple[DeviceMemory, DeviceLedger]:
+        ledger = DeviceLedger(ledger_path)
+        ledger.join()
+        return DeviceMemory(block_size=4, num_kv_heads=1, head_dim=32, dtype=torch.float32,
+                            budget_bytes=4 * page, page_bytes=page, ledger=ledger,
+                            reserve_bytes=reserve_pages * page), ledger
+
+    hot, hot_ledger = pool(0)
+    cold, cold_ledger = pool(2)
+    assert cold.reserve_pages == 2 and hot.reserve_pages == 0
+    assert hot.num_uncommitted_blocks == 2 * 4  # two pages held back for the cold pool
+    assert hot.grow() == 0 and hot.grow() == 1 and hot.grow() is None
+    assert cold.num_uncommitted_blocks == 2 * 4
+    assert cold.grow() == 0 and cold.grow() == 1 and cold.grow() is None  # budget used up
+    cold.release(1)
+    assert hot.grow() is None  # the freed page is cold's reserve
+    assert cold.grow() == 1
+    cold.close()
+    assert hot.grow() == 2 and hot.grow() == 3  # the reserve went with the pool
+    hot.close()
+    for ledger in (hot_ledger, cold_ledger):
+        ledger.close()

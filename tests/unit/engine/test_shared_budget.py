@@ -95,3 +95,31 @@ async def test_a_burst_takes_idle_pages_and_gives_them_back(models: tuple[Path, 
             balancing.cancel()
             ledger.close()
     assert DeviceLedger(path).used_bytes() == 0  # both engines gave everything back
+
+
+async def test_a_reserve_lets_a_model_start_while_another_holds_the_rest(
+        models: tuple[Path, Path], tmp_path: Path) -> None:
+    """Prism §6.3's buffer per engine: B reserves room for a request. A's burst takes all
+    it may (its prefix cache keeps it after), yet B's request then runs at once with no
+    broker to reclaim for it; a reclaim leaves B its reserve; outputs are unchanged."""
+    alpha, beta = models
+    async with AsyncEngine(config(model_path=str(alpha))) as a, \
+            AsyncEngine(config(model_path=str(beta))) as b:
+        want_a, want_b = await burst(a, LONG), await burst(b, LONG[:1])
+        weights = weight_bytes(a._loaded.model) + weight_bytes(b._loaded.model)
+    # Room for 64 KV pages: B's request needs ~39 (4 layers), A's ~17 each.
+    path = create_ledger(tmp_path / "ledger", weights + 64 * PAGE)
+    kw = {"device_memory_bytes": 64 * PAGE, "page_bytes": PAGE, "device_ledger": str(path)}
+    async with AsyncEngine(config(model_path=str(alpha), **kw)) as a, \
+            AsyncEngine(config(model_path=str(beta), kv_reserve_bytes=40 * PAGE, **kw)) as b:
+        ledger = DeviceLedger(path)
+        try:
+            assert await burst(a, LONG) == want_a
+            assert ledger.used_bytes() - weights <= 24 * PAGE  # A stopped at B's reserve
+            assert await asyncio.wait_for(burst(b, LONG[:1]), 10.0) == want_b
+            st = await b.status()
+            held = st.blocks_committed
+            assert await b.shrink_kv(1 << 20) == 0 and held * st.block_bytes <= 40 * PAGE
+            assert (await b.status()).blocks_committed == held  # kept: it is the reserve
+        finally:
+            ledger.close()
