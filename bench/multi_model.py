@@ -21,6 +21,10 @@ per second over the cluster). Three systems serve it:
 - static-dl (an ablation, with ``--systems``): static's fixed shares behind prism's node
   queue ordered by deadline (Algorithm 2): what elastic memory adds by itself.
 
+No system refuses a request for being late: prism serves the ones Algorithm 2 cannot
+save after the others (issue 24), and the baselines' engines queue them as a server of
+their own would (``engine.max_queue_delay_s`` 0), so all three do the same work.
+
 For each system and load: TTFT SLO attainment (the share of requests whose first token
 came within their model's TTFT SLO) and throughput (requests completed per second).
 Goals (issue 24): higher attainment than both baselines at every load; at least 2x the
@@ -72,6 +76,9 @@ class Shape:
     # take one thread per core of it. Eight engines with a team of two each pay a thread
     # wake-up (~60 us) on every parallel op of every step.
     engine_threads: int = 1
+    # prism: KV pages each engine holds back from the others while it has fewer (§6.3's
+    # buffer per engine); 0 = none.
+    kv_reserve_pages: int = 0
 
 
 @dataclass
@@ -176,18 +183,21 @@ def run_system(system: str, paths: dict[str, Path], loads: list[float], phase_s:
     first, rest = paths[names[0]], tuple(paths[n] for n in names[1:])
     common = {"dtype": "float32", "ready_timeout": 300.0}
     threads = {"num_threads": shape.engine_threads} if shape.engine_threads else {}
+    serve_all = {"max_queue_delay_s": 0.0}  # (prism's node queue refuses nothing either)
     if system == "prism":
+        reserve = {"kv_reserve_bytes": shape.kv_reserve_pages * PAGE}
         kw = {"more_models": rest, "node_memory": budget, "models_config": catalog,
-                  "engine_flags": {"page_bytes": PAGE, "device_memory_bytes": kv_room, **threads}}
+              "engine_flags": {"page_bytes": PAGE, "device_memory_bytes": kv_room, **threads,
+                               **reserve}}
     elif system in ("static", "static-dl"):
         kw = {"more_models": rest, "models_config": catalog,
               "engine_flags": {"page_bytes": PAGE, "device_memory_bytes": kv_room // 4,
-                               **threads},
+                               **threads, **serve_all},
               "nodemgr_flags": {} if system == "static-dl" else {"admission_depth": 0}}
     else:  # swap: one engine a node, the whole budget for the model in it
         kw = {"models_config": catalog, "node_memory": budget,
                   "engine_flags": {"page_bytes": PAGE, "device_memory_bytes": kv_room,
-                                   **threads},
+                                   **threads, **serve_all},
                   "nodemgr_flags": {"evict_idle_s": 0}}
     out = []
     with start_cluster(work / system, first, nodes=2, **common, **kw) as cluster:
@@ -271,10 +281,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt-words", type=int, default=Shape.prompt_words)
     ap.add_argument("--gen", type=int, default=Shape.gen)
     ap.add_argument("--engine-threads", type=int, default=Shape.engine_threads)
+    ap.add_argument("--kv-reserve-pages", type=int, default=Shape.kv_reserve_pages)
     args = ap.parse_args(argv)
     loads = [4.0, 8.0] if args.quick else [float(x) for x in args.loads.split(",")]
     phase_s, phases = (8.0, 4) if args.quick else (args.phase_s, args.phases)
-    shape = Shape(args.kv_pages, args.prompt_words, args.gen, args.engine_threads)
+    shape = Shape(args.kv_pages, args.prompt_words, args.gen, args.engine_threads,
+                  args.kv_reserve_pages)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         paths = {name: write_demo_model(work / name, size=size, seed=seed)

@@ -6,8 +6,10 @@ takes at most ``depth`` requests that have not produced their first token yet (m
 only queue inside the engine, where the node could no longer reorder them). Whenever a
 request arrives or one starts producing, the queue is ordered again: requests that can
 still meet their deadline first (Moore-Hodgson keeps the most of them), then the others,
-which are served all the same. Past ``max_waiting`` queued requests the node refuses
-new ones (429 upstream): an overload it cannot drain is the cluster's to spread.
+which are served all the same, after them: when none of the first kind waits, one at a
+time into an engine with nothing else starting (the engines share the node's compute). Past
+``max_waiting`` queued requests the node refuses new ones (429 upstream): an overload it
+cannot drain is the cluster's to spread.
 
 A request's prefill time is its prompt length (estimated from its text before the engine
 tokenizes it) over its model's chunked-prefill speed, measured here from the requests it
@@ -99,7 +101,8 @@ class DeadlineAdmission:
             if ticket.go.done() and not ticket.go.cancelled():
                 first_token(0)  # (ended or failed before its first token)
             else:
-                self._queue.remove(w)
+                if w in self._queue:  # (a pump may have dropped it, cancelled, already)
+                    self._queue.remove(w)
                 ticket.go.cancel()
 
     @property
@@ -110,14 +113,29 @@ class DeadlineAdmission:
         return sum(1 for w in self._queue if w.item.model == model)
 
     def _pump(self) -> None:
-        """Dispatch, in Algorithm 2's order, every request whose engine can start it."""
+        """Dispatch, in Algorithm 2's order, every request of its schedule S whose engine
+        can start it. A request S gave up on is served after the others (§6.3: only S
+        is dispatched): when no request of S waits on the node, one at a time per
+        engine, into an engine with nothing else starting, so that it takes no seat or
+        prefill time from one that can still make its deadline (the engines share the
+        node's compute)."""
+        # A waiter cancelled meanwhile (its client went away) leaves in its own
+        # ``finally``, a loop turn later: never dispatch it (its seat would be lost).
+        self._queue = [w for w in self._queue if not w.item.go.done()]
         on_time, late = deadline_order(self._queue, self._clock())
-        for w in (*on_time, *late):
-            engine = w.item.engine
-            if self._starting.get(engine, 0) < self.depth:
-                self._starting[engine] = self._starting.get(engine, 0) + 1
-                self._queue.remove(w)
-                w.item.go.set_result(None)
+        for w in on_time:
+            if self._starting.get(w.item.engine, 0) < self.depth:
+                self._dispatch(w)
+        if len(self._queue) > len(late):  # (dispatched ones left: S still has waiters)
+            return
+        for w in late:
+            if not self._starting.get(w.item.engine, 0):
+                self._dispatch(w)
+
+    def _dispatch(self, w: Waiting[_Ticket]) -> None:
+        self._starting[w.item.engine] = self._starting.get(w.item.engine, 0) + 1
+        self._queue.remove(w)
+        w.item.go.set_result(None)
 
 
 def estimate_tokens(chars: int, token_ids: int) -> int:

@@ -151,3 +151,66 @@ async def test_a_full_node_queue_refuses_and_the_queue_is_unchanged() -> None:
     hold.set()
     await asyncio.gather(running, queued)
     assert adm.waiting == 0
+
+
+async def test_a_late_request_is_served_after_the_others() -> None:
+    """Only Algorithm 2's schedule S is dispatched while any of it waits; a request S gave
+    up on goes after, one at a time into an engine with nothing else starting."""
+    now = [0.0]
+    adm = DeadlineAdmission(depth=1, default_speed=10.0, slo={"m": 1.0, "n": 5.0}.__getitem__,
+                            clock=lambda: now[0])
+    order: list[str] = []
+    gates = {name: asyncio.Event() for name in ("a", "w", "late1", "late2")}
+
+    async def request(name: str, model: str, engine: str, tokens: int) -> None:
+        async with adm.slot(model, engine, tokens) as first_token:
+            order.append(name)
+            await gates[name].wait()
+            first_token(tokens)
+
+    a = asyncio.create_task(request("a", "n", "e1", 10))  # on time: starts on e1
+    await asyncio.sleep(0)
+    w = asyncio.create_task(request("w", "n", "e1", 10))  # on time, waits for e1
+    # Needs 3 s of prefill against a 1 s SLO: late; e2 is free, yet it waits for w.
+    late1 = asyncio.create_task(request("late1", "m", "e2", 30))
+    late2 = asyncio.create_task(request("late2", "m", "e2", 30))
+    await asyncio.sleep(0)
+    assert order == ["a"] and adm.waiting == 3
+    gates["a"].set()  # e1 takes w: nothing of S waits now
+    await asyncio.sleep(0.01)
+    assert order == ["a", "w", "late1"] and adm.waiting == 1  # one at a time on e2
+    gates["late1"].set()
+    await asyncio.sleep(0.01)
+    assert order == ["a", "w", "late1", "late2"]
+    for g in gates.values():
+        g.set()
+    await asyncio.gather(a, w, late1, late2)
+    assert adm.waiting == 0 and not any(adm._starting.values())
+
+
+async def test_a_waiter_cancelled_just_before_its_turn_is_not_dispatched() -> None:
+    """Its client went away: the pump that runs before its own cleanup must skip it, or
+    its engine would lose a seat for good."""
+    adm = DeadlineAdmission(depth=1)
+    started: list = []
+    done = asyncio.Event()
+
+    async def holder() -> None:
+        async with adm.slot("m", "e", 10) as first_token:
+            started.append(first_token)
+            await done.wait()
+
+    t1 = asyncio.create_task(holder())
+    await asyncio.sleep(0)
+    t2 = asyncio.create_task(holder())
+    await asyncio.sleep(0)
+    assert adm.waiting == 1
+    t2.cancel()  # its ticket is cancelled now, but it leaves the queue a turn later
+    started[0](10)  # t1's first token, in the same turn: a pump
+    await asyncio.gather(t2, return_exceptions=True)
+    assert adm.waiting == 0 and adm._starting == {"e": 0}
+    t3 = asyncio.create_task(holder())  # the seat is free for the next one
+    await asyncio.sleep(0)
+    assert len(started) == 2
+    done.set()
+    await asyncio.gather(t1, t3)
