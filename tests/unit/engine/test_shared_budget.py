@@ -39,6 +39,16 @@ async def burst(eng: AsyncEngine, prompts: list[str]) -> list[list[int]]:
     return [tokens(o) for o in outs]
 
 
+async def alone(models: tuple[Path, Path], for_a: list[str], for_b: list[str]
+                ) -> tuple[list[list[int]], list[list[int]], int]:
+    """What each model produces on an engine of its own (the reference), and the bytes of
+    both models' weights."""
+    async with AsyncEngine(config(model_path=str(models[0]))) as a, \
+            AsyncEngine(config(model_path=str(models[1]))) as b:
+        return (await burst(a, for_a), await burst(b, for_b),
+                weight_bytes(a._loaded.model) + weight_bytes(b._loaded.model))
+
+
 def test_the_broker_reclaims_from_idle_engines_only_for_waiting_ones() -> None:
     busy = EngineMemory("b", running=2, waiting=3, committed_blocks=40)
     idle = EngineMemory("a", running=0, waiting=0, committed_blocks=40)
@@ -53,10 +63,7 @@ def test_the_broker_reclaims_from_idle_engines_only_for_waiting_ones() -> None:
 async def test_a_burst_takes_idle_pages_and_gives_them_back(models: tuple[Path, Path],
                                                             tmp_path: Path) -> None:
     alpha, beta = models
-    async with AsyncEngine(config(model_path=str(alpha))) as a, \
-            AsyncEngine(config(model_path=str(beta))) as b:
-        want_a, want_b = await burst(a, LONG), await burst(b, LONG[:2])
-        weights = weight_bytes(a._loaded.model) + weight_bytes(b._loaded.model)
+    want_a, want_b, weights = await alone(models, LONG, LONG[:2])
     # Room for the weights and 48 KV pages: alpha's burst holds ~40 of them when done
     # (its prefix cache), beta's two requests need ~40 (4 layers): not both at once.
     path = create_ledger(tmp_path / "ledger", weights + 48 * PAGE)
@@ -103,10 +110,7 @@ async def test_a_reserve_lets_a_model_start_while_another_holds_the_rest(
     it may (its prefix cache keeps it after), yet B's request then runs at once with no
     broker to reclaim for it; a reclaim leaves B its reserve; outputs are unchanged."""
     alpha, beta = models
-    async with AsyncEngine(config(model_path=str(alpha))) as a, \
-            AsyncEngine(config(model_path=str(beta))) as b:
-        want_a, want_b = await burst(a, LONG), await burst(b, LONG[:1])
-        weights = weight_bytes(a._loaded.model) + weight_bytes(b._loaded.model)
+    want_a, want_b, weights = await alone(models, LONG, LONG[:1])
     # Room for 64 KV pages: B's request needs ~39 (4 layers), A's ~17 each.
     path = create_ledger(tmp_path / "ledger", weights + 64 * PAGE)
     kw = {"device_memory_bytes": 64 * PAGE, "page_bytes": PAGE, "device_ledger": str(path)}
