@@ -9,9 +9,9 @@ fill but all four could not at once. The trace is bursty: models take turns bein
 per second over the cluster). Three systems serve it:
 
 - prism: every node runs an engine per model, all sharing the node's budget through its
-  device ledger (KV pages on demand, idle engines' pages reclaimed by the memory broker),
-  requests dispatched by TTFT deadline (Algorithm 2), models placed by KV pressure
-  (Algorithm 1).
+  device ledger (KV pages on demand, idle engines' pages reclaimed by the memory broker,
+  a reserve of ``--kv-reserve-pages`` per engine, §6.3), requests dispatched by TTFT
+  deadline (Algorithm 2), models placed by KV pressure (Algorithm 1).
 - static: the same engines, each with a fixed share of the budget (its weights plus a
   quarter of the KV room) and its own first-come-first-served queue, as when each model
   runs its own server with a fixed memory fraction.
@@ -77,8 +77,9 @@ class Shape:
     # wake-up (~60 us) on every parallel op of every step.
     engine_threads: int = 1
     # prism: KV pages each engine holds back from the others while it has fewer (§6.3's
-    # buffer per engine); 0 = none.
-    kv_reserve_pages: int = 0
+    # buffer per engine, part of Prism's policy): room to start a request of either size
+    # (a 4-layer one needs ~25 pages). 0 = none.
+    kv_reserve_pages: int = 24
 
 
 @dataclass
