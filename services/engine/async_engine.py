@@ -315,8 +315,10 @@ class AsyncEngine(WorkerLoop, ModelSlot):
         """The core's counters after the queued adds and aborts. With ``max_wait_s``, when
         the worker is busy longer than that (a long forward pass), the snapshot of the last
         step instead: liveness and load must not wait for the model. An engine without a
-        model (waiting in its node's pool) answers with no model and no pool."""
-        if self._core is None and self._executor is not None:
+        model (waiting in its node's pool) answers with no model and no pool, and so does
+        one between models (an activation or eviction under way): it is not down."""
+        if self._executor is not None and (
+                self._core is None or (self._loop_task is None and self._switch_lock.locked())):
             return idle_status(self.config)
         core = self._require_core()
         if max_wait_s is None:

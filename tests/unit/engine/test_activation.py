@@ -74,3 +74,23 @@ async def test_two_activations_at_once_load_one_model(two_models: tuple[Path, Pa
         assert (await eng.status()).models[0].name == "alpha"
         await idle(eng)
         assert await eng.evict() and (await eng.status()).models == ()
+
+
+async def test_status_answers_while_a_model_is_switched(two_models: tuple[Path, Path]) -> None:
+    """Between models (an activation or eviction under way) the engine answers Status as
+    one without a model; before, it answered UNAVAILABLE and its nodemgr reported the
+    node unable to serve in the middle of every swap."""
+    alpha, _ = two_models
+    async with AsyncEngine(config(model_path="", pool=True)) as eng:
+        seen: list[tuple[str, ...]] = []
+
+        async def poll(task: asyncio.Future) -> None:
+            while not task.done():
+                seen.append(tuple(m.name for m in (await eng.status()).models))
+                await asyncio.sleep(0)
+
+        for switch in (lambda: eng.activate(str(alpha)), eng.evict):
+            task = asyncio.ensure_future(switch())
+            await poll(task)
+            await task
+        assert seen and set(seen) <= {(), ("alpha",)}
