@@ -105,11 +105,14 @@ class DeviceLedger:
     def free_bytes(self) -> int:
         return max(0, self.budget_bytes - self.used_bytes())
 
-    def available_bytes(self) -> int:
-        """KV this process could take now: the free bytes less what the others' reserves
-        hold back, or, if more, what is free of its own unfilled reserve."""
+    def available_bytes(self, weights: bool = False) -> int:
+        """What this process could take now: the free bytes less what the others' reserves
+        hold back, or, for KV, what is free of its own unfilled reserve if that is more
+        (reserves that add up to more than the budget are filled first come, first
+        served, and never block each other)."""
         free = self.free_bytes()
-        return max(0, free - self._held_back(), min(free, self._unfilled_own()))
+        room = free - self._held_back()
+        return max(0, room) if weights else max(0, room, min(free, self._unfilled_own()))
 
     # ---- this process's slot ------------------------------------------------------------
     def join(self, label: str = "") -> None:
@@ -141,15 +144,10 @@ class DeviceLedger:
             _RESERVE.pack_into(self._map, self._offset() + _RESERVE_AT, max(0, nbytes))
 
     def take(self, nbytes: int, weights: bool = False) -> bool:
-        """Record ``nbytes`` more held by this process if the budget, less the others'
-        reserves, has them; whether. KV within this process's own unfilled reserve needs
-        only free bytes: reserves that add up to more than the budget are filled first
-        come, first served, and never block each other."""
+        """Record ``nbytes`` more held by this process if it has them available
+        (``available_bytes``); whether."""
         with self._locked():
-            used = self.used_bytes() + nbytes
-            own = not weights and nbytes <= self._unfilled_own()
-            if used > self.budget_bytes or (
-                    not own and used + self._held_back() > self.budget_bytes):
+            if nbytes > self.available_bytes(weights):
                 return False
             self._add(nbytes, weights)
             return True

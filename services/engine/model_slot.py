@@ -97,7 +97,7 @@ class ModelSlot:
         nbytes = weight_bytes(self._loaded.model)
         self._ledger.label(self._loaded.name)
         if not self._ledger.take(nbytes, weights=True):
-            free = self._ledger.available_bytes()
+            free = self._ledger.available_bytes(weights=True)
             raise EngineError(RESOURCE_EXHAUSTED, f"the node's device budget has "
                               f"{free >> 20} MiB free, {self._loaded.name} needs "
                               f"{nbytes >> 20} MiB for its weights; evict a model first")
