@@ -13,6 +13,7 @@ local copy.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -45,15 +46,23 @@ def to_reclaim(engines: Sequence[EngineMemory]) -> list[str]:
 
 
 class MemoryBroker:
-    """Polls the engines' load every ``interval_s`` and reclaims for the waiting ones."""
+    """Polls the engines' load every ``interval_s``, or sooner when woken (``wake``: a
+    request waits at the node for memory), and reclaims for the waiting ones;
+    ``reclaimed()`` runs after pages came back."""
 
     def __init__(self, poll: Callable[[], Awaitable[list[EngineMemory]]],
-                 shrink: Callable[[str, int], Awaitable[int]], interval_s: float = 0.1
-                 ) -> None:
+                 shrink: Callable[[str, int], Awaitable[int]], interval_s: float = 0.1,
+                 reclaimed: Callable[[], None] = lambda: None) -> None:
         self._poll = poll
         self._shrink = shrink
+        self._reclaimed = reclaimed
         self.interval_s = interval_s
         self.reclaimed_pages = 0
+        self._woken = asyncio.Event()
+
+    def wake(self) -> None:
+        """Look again now (at most every ``interval_s / 5``)."""
+        self._woken.set()
 
     async def balance(self) -> int:
         """One round: pages reclaimed."""
@@ -65,6 +74,8 @@ class MemoryBroker:
                 log.info("took %d KV pages back from idle engine %s", pages, name)
             got += pages
         self.reclaimed_pages += got
+        if got:
+            self._reclaimed()
         return got
 
     async def run(self) -> None:
@@ -73,4 +84,7 @@ class MemoryBroker:
                 await self.balance()
             except Exception:  # (an engine down is the registrar's to report)
                 log.debug("memory broker round failed", exc_info=True)
-            await asyncio.sleep(self.interval_s)
+            await asyncio.sleep(self.interval_s / 5)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._woken.wait(), self.interval_s * 4 / 5)
+            self._woken.clear()
