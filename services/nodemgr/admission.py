@@ -162,9 +162,9 @@ class DeadlineAdmission:
             for w in late:
                 if not self._starting.get(w.item.engine, 0):
                     self._dispatch(w, plan, blocked)
+        if blocked and not self.blocked:
+            self.on_blocked()  # (newly held for memory: reclaim now, not at the next look)
         self.blocked = blocked
-        if blocked:
-            self.on_blocked()
 
     def pump(self) -> None:
         """Dispatch what can start now (after the engines' memory changed)."""

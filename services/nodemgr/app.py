@@ -203,7 +203,8 @@ async def _engine_memory(engines: EngineSet, admission: DeadlineAdmission
                                for link, st in statuses}, asked_at)
         admission.pump()
     return [EngineMemory(link.address, st.running,
-                         st.waiting + admission.blocked.get(link.address, 0), st.blocks_committed)
+                         st.waiting + admission.blocked.get(link.address, 0), st.blocks_committed,
+                         st.blocks_used)
             for link, st in statuses]
 
 

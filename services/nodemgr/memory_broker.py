@@ -31,18 +31,19 @@ class EngineMemory:
     running: int
     waiting: int
     committed_blocks: int
+    used_blocks: int = 0  # holding running KV
 
 
 def to_reclaim(engines: Sequence[EngineMemory]) -> list[str]:
     """The engines to take pages back from now, when an engine has requests waiting: every
-    other engine holding pages. ``ShrinkKV`` releases only pages without running KV, so a
+    other engine holding pages without running KV. ``ShrinkKV`` releases only those, so a
     busy engine gives up its free and prefix-cached pages and keeps what it computes with;
     an idle one gives up all it holds."""
     waiting = {e.name for e in engines if e.waiting}
     if not waiting:
         return []
-    return [e.name for e in engines
-            if e.committed_blocks > 0 and (e.name not in waiting or len(waiting) > 1)]
+    return [e.name for e in engines if e.committed_blocks > e.used_blocks
+            and (e.name not in waiting or len(waiting) > 1)]
 
 
 class MemoryBroker:

@@ -90,14 +90,22 @@ async def test_the_queue_dispatches_only_what_fits_and_in_its_order(tmp_path: Pa
     room = KVRoom(led)
     room.update({"A": engine("a", 0), "B": engine("b", 4)}, asked_at=0.0)
     now = [0.0]
+    wakes = [0]  # the broker woken: when a request is newly held, and when one ends
+
+    def wake() -> None:
+        wakes[0] += 1
+
     adm = DeadlineAdmission(depth=4, default_speed=1e6, slo={"a": 1.0, "b": 5.0}.__getitem__,
-                            clock=lambda: now[0], room=room, growth_tokens=0)
+                            clock=lambda: now[0], room=room, growth_tokens=0, on_blocked=wake)
     order: list[str] = []
+    ends: dict[str, asyncio.Event] = {}
 
     async def request(name: str, model: str, eng: str, tokens: int) -> None:
+        ends[name] = asyncio.Event()
         async with adm.slot(model, eng, tokens) as first_token:
             order.append(name)
             first_token(tokens)
+            await ends[name].wait()
 
     big = asyncio.create_task(request("big", "a", "A", 20 * 16))  # 20 KiB: does not fit
     await asyncio.sleep(0)
@@ -105,10 +113,18 @@ async def test_the_queue_dispatches_only_what_fits_and_in_its_order(tmp_path: Pa
     tiny = asyncio.create_task(request("tiny", "b", "B", 3 * 16))  # 3: B's own spare 4
     await asyncio.sleep(0.01)
     assert order == ["tiny"] and adm.blocked == {"A": 1, "B": 1}
+    assert wakes == [1]  # (held since the first pump: once, not at every pump)
+    ends["tiny"].set()
+    await asyncio.sleep(0.01)
+    assert wakes == [2]  # (its memory may be what they wait for)
     holder.give(60 * KIB)  # that engine's requests ended: 70 KiB free
     adm.pump()
-    await asyncio.gather(big, small, tiny)
+    await asyncio.sleep(0.01)
     assert order == ["tiny", "big", "small"] and adm.blocked == {}
+    for e in ends.values():
+        e.set()
+    await asyncio.gather(big, small, tiny)
+    assert wakes == [2]
     holder.close()
     led.close()
 
