@@ -114,18 +114,6 @@ class DeviceLedger:
         room = free - self._held_back()
         return max(0, room) if weights else max(0, room, min(free, self._unfilled_own()))
 
-    def unfilled_reserves(self) -> dict[str, int]:
-        """Per label, the KV reserves of live holders not yet filled by their KV (what each
-        holds back from the others)."""
-        out: dict[str, int] = {}
-        for i in range(SLOTS):
-            pid, kv, _, label = _SLOT.unpack_from(self._map, RECORD * (1 + i))
-            unfilled = self._reserve_of(i) - kv if pid > 0 else 0
-            if unfilled > 0 and _alive(pid):
-                name = label.rstrip(b"\0").decode(errors="replace")
-                out[name] = out.get(name, 0) + unfilled
-        return out
-
     # ---- this process's slot ------------------------------------------------------------
     def join(self, label: str = "") -> None:
         """Claim a slot (one of a process that is gone, if no slot is empty). Several

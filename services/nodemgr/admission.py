@@ -11,16 +11,10 @@ time into an engine with nothing else starting (the engines share the node's com
 ``max_waiting`` queued requests the node refuses new ones (429 upstream): an overload it
 cannot drain is the cluster's to spread.
 
-With the node's device memory shared (``room``), a request is dispatched only when its KV
-fits too (its prompt and up to ``growth_tokens`` of its output): §6.3 dispatches "up to the
-point where they can execute immediately without causing queuing within the engines'
-local waiting queues". One that does not fit keeps what the node frees for itself: later
-requests in the order then start only within their own engine's spare memory.
-
 A request's prefill time is its prompt length (estimated from its text before the engine
-tokenizes it, at the characters per token its model's requests showed) over its model's
-chunked-prefill speed, measured here from the requests it served (prompt tokens over the
-time from dispatch to first token), starting from ``default_speed``.
+tokenizes it) over its model's chunked-prefill speed, measured here from the requests it
+served (prompt tokens over the time from dispatch to first token), starting from
+``default_speed``.
 """
 
 from __future__ import annotations
@@ -32,10 +26,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from services.nodemgr.deadline_order import Waiting, deadline_order
-from services.nodemgr.kv_room import KVRoom, RoomPlan
 
-CHARS_PER_TOKEN = 4.0  # a prompt's characters per token, until a model's requests show theirs
-SPEED_WEIGHT = 0.3  # EWMA weight of a new prefill-speed (or characters-per-token) sample
+CHARS_PER_TOKEN = 4.0  # a prompt's length in tokens, estimated from its characters
+SPEED_WEIGHT = 0.3  # EWMA weight of a new prefill-speed sample
 
 
 class NodeQueueFull(RuntimeError):
@@ -46,7 +39,6 @@ class NodeQueueFull(RuntimeError):
 class _Ticket:
     engine: str
     model: str = ""
-    kv_tokens: int = 0  # the tokens of KV it needs to start: prompt and some output
     go: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop()
                                      .create_future())
 
@@ -54,13 +46,9 @@ class _Ticket:
 class DeadlineAdmission:
     def __init__(self, depth: int = 4, default_speed: float = 2000.0,
                  slo: Callable[[str], float] = lambda model: 2.0,
-                 clock: Callable[[], float] = time.monotonic, max_waiting: int = 1024,
-                 room: KVRoom | None = None, growth_tokens: int = 128,
-                 on_blocked: Callable[[], None] = lambda: None) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_waiting: int = 1024
+                 ) -> None:
         self.depth = depth
-        self.room = room
-        self.on_blocked = on_blocked  # (a request waits for memory, or one that did ended)
-        self.growth_tokens = growth_tokens
         self.max_waiting = max_waiting
         self.default_speed = default_speed
         self._slo = slo
@@ -69,29 +57,17 @@ class DeadlineAdmission:
         self._queue: list[Waiting[_Ticket]] = []
         self._starting: dict[str, int] = {}  # engine -> dispatched, no first token yet
         self.late = 0  # requests dispatched after their deadline had passed
-        self.chars_per_token: dict[str, float] = {}  # model -> measured
-        self.blocked: dict[str, int] = {}  # engine -> requests its KV did not fit (last round)
-
-    def estimate_tokens(self, model: str, chars: int) -> int:
-        """A prompt's tokens from its characters, before the engine tokenizes it."""
-        return max(1, round(chars / self.chars_per_token.get(model, CHARS_PER_TOKEN)))
 
     @asynccontextmanager
-    async def slot(self, model: str, engine: str, prompt_tokens: int = 0, *,
-                   prompt_chars: int = 0, max_tokens: int = 0
+    async def slot(self, model: str, engine: str, prompt_tokens: int
                    ) -> AsyncIterator[Callable[[int], None]]:
         """Wait for the request's turn; yields ``first_token(prompt_tokens)`` to call when
-        its first token arrives (its engine may then start another). ``prompt_tokens`` 0:
-        estimated from ``prompt_chars``. Raises NodeQueueFull when ``max_waiting``
-        requests wait already."""
+        its first token arrives (its engine may then start another). Raises
+        NodeQueueFull when ``max_waiting`` requests wait already."""
         if len(self._queue) >= self.max_waiting:
             raise NodeQueueFull(f"the node's queue is full ({self.max_waiting} waiting); "
                                 "retry later")
-        from_chars = prompt_tokens <= 0 < prompt_chars
-        if prompt_tokens <= 0:
-            prompt_tokens = self.estimate_tokens(model, prompt_chars)
-        growth = min(max_tokens, self.growth_tokens) if max_tokens > 0 else self.growth_tokens
-        ticket = _Ticket(engine, model, prompt_tokens + growth)
+        ticket = _Ticket(engine, model)
         arrival = self._clock()
         w = Waiting(ticket, arrival, self._slo(model), max(1, prompt_tokens),
                     self.speed.get(model, self.default_speed))
@@ -107,14 +83,10 @@ class DeadlineAdmission:
             # From dispatch, not arrival: time spent in this queue is not prefill speed.
             elapsed = self._clock() - dispatched
             if actual_tokens > 0 and elapsed > 0:
-                _learn(self.speed, model, actual_tokens / elapsed)
-            if from_chars and actual_tokens > 0:
-                _learn(self.chars_per_token, model, prompt_chars / actual_tokens)
-            if self.room is not None:
-                if actual_tokens > 0:
-                    self.room.started(ticket)  # (its KV shows in the next status)
-                else:
-                    self.room.forget(ticket)  # (it ended, or failed, before its first token)
+                sample = actual_tokens / elapsed
+                old = self.speed.get(model)
+                self.speed[model] = sample if old is None else (
+                    (1 - SPEED_WEIGHT) * old + SPEED_WEIGHT * sample)
             self._starting[engine] -= 1
             self._pump()
 
@@ -128,8 +100,6 @@ class DeadlineAdmission:
         finally:
             if ticket.go.done() and not ticket.go.cancelled():
                 first_token(0)  # (ended or failed before its first token)
-                if self.blocked:
-                    self.on_blocked()  # (its memory is free for those waiting)
             else:
                 if w in self._queue:  # (a pump may have dropped it, cancelled, already)
                     self._queue.remove(w)
@@ -153,39 +123,21 @@ class DeadlineAdmission:
         # ``finally``, a loop turn later: never dispatch it (its seat would be lost).
         self._queue = [w for w in self._queue if not w.item.go.done()]
         on_time, late = deadline_order(self._queue, self._clock())
-        plan = self.room.plan() if self.room is not None else None
-        blocked: dict[str, int] = {}
         for w in on_time:
             if self._starting.get(w.item.engine, 0) < self.depth:
-                self._dispatch(w, plan, blocked)
-        if len(self._queue) <= len(late):  # (none of S is left waiting)
-            for w in late:
-                if not self._starting.get(w.item.engine, 0):
-                    self._dispatch(w, plan, blocked)
-        if blocked and not self.blocked:
-            self.on_blocked()  # (newly held for memory: reclaim now, not at the next look)
-        self.blocked = blocked
+                self._dispatch(w)
+        if len(self._queue) > len(late):  # (dispatched ones left: S still has waiters)
+            return
+        for w in late:
+            if not self._starting.get(w.item.engine, 0):
+                self._dispatch(w)
 
-    def pump(self) -> None:
-        """Dispatch what can start now (after the engines' memory changed)."""
-        self._pump()
-
-    def _dispatch(self, w: Waiting[_Ticket], plan: RoomPlan | None,
-                  blocked: dict[str, int]) -> None:
-        engine = w.item.engine
-        if plan is not None and self.room is not None:
-            need = self.room.need_bytes(engine, w.item.kv_tokens)
-            if not plan.fits(engine, need):
-                blocked[engine] = blocked.get(engine, 0) + 1
-                plan.close()  # (what frees up is this one's: none of it for those after)
-                return
-            plan.take(engine, need)
-            self.room.promise(w.item, engine, need)
-        self._starting[engine] = self._starting.get(engine, 0) + 1
+    def _dispatch(self, w: Waiting[_Ticket]) -> None:
+        self._starting[w.item.engine] = self._starting.get(w.item.engine, 0) + 1
         self._queue.remove(w)
         w.item.go.set_result(None)
 
 
-def _learn(ewma: dict[str, float], model: str, sample: float) -> None:
-    old = ewma.get(model)
-    ewma[model] = sample if old is None else (1 - SPEED_WEIGHT) * old + SPEED_WEIGHT * sample
+def estimate_tokens(chars: int, token_ids: int) -> int:
+    """A request's prompt length before tokenization: its token ids, or its text / 4."""
+    return token_ids or max(1, int(chars / CHARS_PER_TOKEN))

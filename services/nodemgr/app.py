@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from contextlib import AsyncExitStack
 
 from services.nodemgr.activation import Activator
@@ -12,7 +11,6 @@ from services.nodemgr.admission import DeadlineAdmission
 from services.nodemgr.config import NodeManagerConfig
 from services.nodemgr.engine_set import EngineSet, UnknownModel
 from services.nodemgr.grpc_service import NodeManagerServicer
-from services.nodemgr.kv_room import EngineKV, KVRoom
 from services.nodemgr.kvstore_probe import KVStoreProbe
 from services.nodemgr.memory_broker import EngineMemory, MemoryBroker
 from services.nodemgr.metrics import NodeMgrMetrics
@@ -58,17 +56,11 @@ async def start(config: NodeManagerConfig, stack: AsyncExitStack) -> asyncio.Tas
                           wait_s=config.activation_wait_s,
                           on_change=lambda: registrar.models_changed() if registrar else None,
                           metrics=metrics)
-    room = None
-    if config.device_ledger:  # (engines sharing the node's memory: dispatch what fits)
-        ledger = DeviceLedger(config.device_ledger)
-        stack.callback(ledger.close)
-        room = KVRoom(ledger)
     admission = DeadlineAdmission(
         config.admission_depth, config.prefill_tokens_per_s,
         slo=lambda model: activator.catalog[model].ttft_slo_s
         if model in activator.catalog else DEFAULT_TTFT_SLO_S,
-        max_waiting=config.admission_max_waiting, room=room,
-        growth_tokens=config.admission_growth_tokens)
+        max_waiting=config.admission_max_waiting)
     servicer = NodeManagerServicer(config.node_id, engine, config.kvstore_address, engine_failed,
                                    prefetcher, activator, admission)
     server = await stack.enter_async_context(
@@ -97,10 +89,9 @@ async def start(config: NodeManagerConfig, stack: AsyncExitStack) -> asyncio.Tas
     )
     beats = asyncio.create_task(registrar.run(), name="registrar")
     if config.device_ledger:
-        broker = MemoryBroker(lambda: _engine_memory(engine, admission),
+        broker = MemoryBroker(lambda: _engine_memory(engine),
                               lambda name, pages: _shrink(engine, name, pages),
-                              config.broker_interval_s, reclaimed=admission.pump)
-        admission.on_blocked = broker.wake
+                              config.broker_interval_s)
         balancing = asyncio.create_task(broker.run(), name="memory-broker")
 
         async def stop_broker() -> None:
@@ -187,25 +178,12 @@ def _ledger_budget(path: str) -> int:
         ledger.close()
 
 
-async def _engine_memory(engines: EngineSet, admission: DeadlineAdmission
-                         ) -> list[EngineMemory]:
-    """The engines' load for the broker (requests the node's queue holds for want of an
-    engine's memory count as waiting in it); their memory for the node's queue, which
-    then dispatches what now fits."""
-    asked_at = time.monotonic()
-    links = list(engines.links)
-    answers = await asyncio.gather(*(link.raw_status() for link in links),
-                                   return_exceptions=True)
-    statuses = [(link, st) for link, st in zip(links, answers, strict=True)
-                if isinstance(st, engine_pb2.EngineStatus)]
-    if admission.room is not None:
-        admission.room.update({link.address: EngineKV.from_status(st)
-                               for link, st in statuses}, asked_at)
-        admission.pump()
-    return [EngineMemory(link.address, st.running,
-                         st.waiting + admission.blocked.get(link.address, 0), st.blocks_committed,
-                         st.blocks_used)
-            for link, st in statuses]
+async def _engine_memory(engines: EngineSet) -> list[EngineMemory]:
+    out = []
+    for link in engines.links:
+        st = await link.raw_status()
+        out.append(EngineMemory(link.address, st.running, st.waiting, st.blocks_committed))
+    return out
 
 
 async def _shrink(engines: EngineSet, address: str, pages: int) -> int:
@@ -224,6 +202,5 @@ def _stub_for(engines: EngineSet, model: str) -> engine_pb2_grpc.EngineStub | No
 
 def _state(registrar: Registrar, servicer: NodeManagerServicer) -> dict[str, float]:
     return {"generations_in_flight": float(servicer.in_flight),
-            "requests_waiting_for_kv": float(sum(servicer.admission.blocked.values())),
             "problem": 1.0 if registrar.problem else 0.0,
             "degraded": 1.0 if registrar.degraded else 0.0}

@@ -37,10 +37,6 @@ class NodeManagerConfig:
     admission_max_waiting: int = opt(
         1024, "requests the node's deadline queue holds at most; more are refused (429)",
         min=1)
-    admission_growth_tokens: int = opt(
-        128, "with a shared device budget, the node's queue dispatches a request only when "
-        "its engine could hold the KV of its prompt and of up to this many output tokens "
-        "(Prism §6.3: no queuing inside the engines)", min=0)
     prefill_tokens_per_s: float = opt(
         2000.0, "a model's chunked-prefill speed until measured (for the deadline order)",
         min=1)

@@ -13,7 +13,7 @@ import grpc
 
 from services.nodemgr import wire
 from services.nodemgr.activation import Activator, CannotActivate
-from services.nodemgr.admission import DeadlineAdmission, NodeQueueFull
+from services.nodemgr.admission import DeadlineAdmission, NodeQueueFull, estimate_tokens
 from services.nodemgr.engine_set import EngineSet, EngineUnavailable, UnknownModel
 from services.nodemgr.prefetcher import Advice, Prefetcher
 from shared.proto import common_pb2, nodemgr_pb2, nodemgr_pb2_grpc
@@ -76,11 +76,14 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
                 code = (grpc.StatusCode.RESOURCE_EXHAUSTED if e.busy
                         else grpc.StatusCode.INTERNAL)
                 await context.abort(code, str(e))
+            tokens = estimate_tokens(len(request.prompt) + sum(len(m.content)
+                                                               for m in request.messages),
+                                     len(request.prompt_token_ids))
             # One engine: its own queue orders its requests (and refuses them when behind);
             # several models: the node's queue orders them across engines by deadline.
             admission = (self.admission if len(self.engine.links) > 1
                          and self.admission.depth else None)
-            slot = _slot(admission, request, link.address)
+            slot = _slot(admission, request.model, link.address, tokens)
             entering = asyncio.ensure_future(slot.__aenter__())
             async for keepalive in _until_done(entering, rid):
                 yield keepalive
@@ -189,15 +192,12 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
 
 
 @contextlib.asynccontextmanager
-async def _slot(admission: DeadlineAdmission | None, request: common_pb2.GenerateRequest,
-                engine: str) -> AsyncIterator[Callable[[int], None]]:
+async def _slot(admission: DeadlineAdmission | None, model: str, engine: str, tokens: int
+                ) -> AsyncIterator[Callable[[int], None]]:
     if admission is None:
         yield lambda tokens: None
         return
-    chars = len(request.prompt) + sum(len(m.content) for m in request.messages)
-    async with admission.slot(request.model, engine, len(request.prompt_token_ids),
-                              prompt_chars=chars,
-                              max_tokens=request.sampling.max_tokens) as started:
+    async with admission.slot(model, engine, tokens) as started:
         yield started
 
 

@@ -13,7 +13,6 @@ local copy.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -31,39 +30,30 @@ class EngineMemory:
     running: int
     waiting: int
     committed_blocks: int
-    used_blocks: int = 0  # holding running KV
 
 
 def to_reclaim(engines: Sequence[EngineMemory]) -> list[str]:
     """The engines to take pages back from now, when an engine has requests waiting: every
-    other engine holding pages without running KV. ``ShrinkKV`` releases only those, so a
+    other engine holding pages. ``ShrinkKV`` releases only pages without running KV, so a
     busy engine gives up its free and prefix-cached pages and keeps what it computes with;
     an idle one gives up all it holds."""
     waiting = {e.name for e in engines if e.waiting}
     if not waiting:
         return []
-    return [e.name for e in engines if e.committed_blocks > e.used_blocks
-            and (e.name not in waiting or len(waiting) > 1)]
+    return [e.name for e in engines
+            if e.committed_blocks > 0 and (e.name not in waiting or len(waiting) > 1)]
 
 
 class MemoryBroker:
-    """Polls the engines' load every ``interval_s``, or sooner when woken (``wake``: a
-    request waits at the node for memory), and reclaims for the waiting ones;
-    ``reclaimed()`` runs after pages came back."""
+    """Polls the engines' load every ``interval_s`` and reclaims for the waiting ones."""
 
     def __init__(self, poll: Callable[[], Awaitable[list[EngineMemory]]],
-                 shrink: Callable[[str, int], Awaitable[int]], interval_s: float = 0.1,
-                 reclaimed: Callable[[], None] = lambda: None) -> None:
+                 shrink: Callable[[str, int], Awaitable[int]], interval_s: float = 0.1
+                 ) -> None:
         self._poll = poll
         self._shrink = shrink
-        self._reclaimed = reclaimed
         self.interval_s = interval_s
         self.reclaimed_pages = 0
-        self._woken = asyncio.Event()
-
-    def wake(self) -> None:
-        """Look again now (at most every ``interval_s / 5``)."""
-        self._woken.set()
 
     async def balance(self) -> int:
         """One round: pages reclaimed."""
@@ -75,8 +65,6 @@ class MemoryBroker:
                 log.info("took %d KV pages back from idle engine %s", pages, name)
             got += pages
         self.reclaimed_pages += got
-        if got:
-            self._reclaimed()
         return got
 
     async def run(self) -> None:
@@ -85,7 +73,4 @@ class MemoryBroker:
                 await self.balance()
             except Exception:  # (an engine down is the registrar's to report)
                 log.debug("memory broker round failed", exc_info=True)
-            await asyncio.sleep(self.interval_s / 5)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._woken.wait(), self.interval_s * 4 / 5)
-            self._woken.clear()
+            await asyncio.sleep(self.interval_s)

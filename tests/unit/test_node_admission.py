@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.nodemgr.admission import DeadlineAdmission
+from services.nodemgr.admission import DeadlineAdmission, estimate_tokens
 
 SLO = {"fast": 1.0, "slow": 10.0}
 
@@ -126,20 +126,7 @@ async def test_a_cancelled_waiter_leaves_the_queue_and_is_never_dispatched() -> 
     assert len(firsts) == 2
     hold.set()
     await asyncio.gather(t1, t4)
-
-
-async def test_a_prompts_length_is_estimated_from_what_its_model_showed() -> None:
-    """Before tokenization a prompt's tokens are its characters / 4, until requests of its
-    model show their own ratio (6 characters a token here); another model keeps 4."""
-    adm = DeadlineAdmission(depth=4)
-    assert adm.estimate_tokens("m", 400) == 100
-    for _ in range(20):
-        async with adm.slot("m", "e", prompt_chars=600) as first_token:
-            first_token(100)
-    assert adm.estimate_tokens("m", 600) == 100 and adm.estimate_tokens("n", 400) == 100
-    async with adm.slot("m", "e", 7, prompt_chars=6000) as first_token:
-        first_token(7)  # (token ids given: nothing to learn from)
-    assert adm.estimate_tokens("m", 600) == 100
+    assert estimate_tokens(400, 0) == 100 and estimate_tokens(400, 7) == 7
 
 
 async def test_a_waiting_stream_sends_keepalives(monkeypatch) -> None:
