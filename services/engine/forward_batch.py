@@ -36,6 +36,10 @@ class ForwardBatch:
     block_tables: list[torch.Tensor]  # per layer: (num_seqs, max_blocks) int64, pad = 0
     slot_mapping: list[torch.Tensor]  # per layer: (T,) int64 flat slot index into the pool
     logits_indices: torch.Tensor  # (num_seqs,) int64 row in T whose logits are wanted
+    # (layers, T) int64: where new token t's K goes in the pool viewed as rows of
+    # (kvh, hd): block * 2 * block_size + offset (its V block_size rows further on). None:
+    # derived from slot_mapping (the runner fills it in; test batches may leave it out).
+    kv_rows: torch.Tensor | None = None
     # Called with a layer index before that layer reads the cache; blocks until reused KV
     # for that layer is resident (layer-wise loading, Symphony §3.4). None = all resident.
     wait_for_layer: Callable[[int], None] | None = None

@@ -10,6 +10,7 @@ built for all layers at once from one (layers, seqs, max_blocks) table tensor.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -18,6 +19,10 @@ from .forward_batch import ForwardBatch
 from .sampling import Sampler
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
+
+# Steps with at most this many (layer, token) slots compute them as Python ints (decodes),
+# larger ones with tensor ops: each torch op costs ~5-10 us on CPU, a Python slot ~0.1 us.
+PYTHON_SLOTS = 512
 
 
 class ModelRunner:
@@ -37,32 +42,52 @@ class ModelRunner:
         starts = [s.num_computed_tokens for s in seqs]
         ids: list[int] = []
         positions: list[int] = []
-        seq_index: list[int] = []
-        for i, (s, start, n) in enumerate(zip(seqs, starts, q_lens, strict=True)):
+        for s, start, n in zip(seqs, starts, q_lens, strict=True):
             ids.extend(s.token_ids[start : start + n])
             positions.extend(range(start, start + n))
-            seq_index.extend([i] * n)
+        num_layers, bs, dev = self.num_layers, self.block_size, self.device
         max_blocks = max(s.num_blocks for s in seqs)
-        rows = [
-            [t + [0] * (max_blocks - len(t)) for t in layer_tables]
-            for layer_tables in zip(*(s.block_tables for s in seqs), strict=True)
-        ]
-        tables = torch.tensor(rows, dtype=torch.int64)  # (layers, seqs, max_blocks)
+        flat: list[int] = []  # (layers, seqs, max_blocks), padded with block 0
+        for layer in range(num_layers):
+            for s in seqs:
+                table = s.block_tables[layer]
+                flat.extend(table)
+                flat.extend([0] * (max_blocks - len(table)))
+        tables = torch.tensor(flat, dtype=torch.int64).view(num_layers, len(seqs), max_blocks)
         pos = torch.tensor(positions, dtype=torch.int64)  # (T,)
-        idx = torch.tensor(seq_index, dtype=torch.int64)  # (T,)
-        bs = self.block_size
-        slots = tables[:, idx, pos // bs] * bs + pos % bs  # (layers, T)
-        ends = torch.tensor(q_lens, dtype=torch.int64).cumsum(0) - 1  # (seqs,)
-        dev = self.device
-        tables, slots = tables.to(dev), slots.to(dev)
+        if len(positions) * num_layers <= PYTHON_SLOTS:
+            # Decode steps: a few slots, cheaper as Python ints than as five tensor ops.
+            slot_list: list[int] = []
+            row_list: list[int] = []
+            for layer in range(num_layers):
+                for s, start, n in zip(seqs, starts, q_lens, strict=True):
+                    table = s.block_tables[layer]
+                    for p in range(start, start + n):
+                        block, offset = divmod(p, bs)
+                        slot_list.append(table[block] * bs + offset)
+                        row_list.append(table[block] * 2 * bs + offset)
+            shape = (num_layers, len(positions))
+            slots = torch.tensor(slot_list, dtype=torch.int64).view(shape)
+            kv_rows = torch.tensor(row_list, dtype=torch.int64).view(shape)
+        else:
+            idx = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(q_lens))
+            blocks = tables[:, idx, pos // bs]  # (layers, T)
+            offsets = pos % bs
+            slots = blocks * bs + offsets
+            kv_rows = blocks * (2 * bs) + offsets
+        ends = list(itertools.accumulate(q_lens))
+        if dev.type != "cpu":
+            tables, slots, pos = tables.to(dev), slots.to(dev), pos.to(dev)
+            kv_rows = kv_rows.to(dev)
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=pos.to(dev),
+            positions=pos,
             q_lens=q_lens,
             kv_lens=[st + n for st, n in zip(starts, q_lens, strict=True)],
             block_tables=list(tables.unbind(0)),
             slot_mapping=list(slots.unbind(0)),
-            logits_indices=ends.to(dev),
+            logits_indices=torch.tensor([e - 1 for e in ends], dtype=torch.int64, device=dev),
+            kv_rows=kv_rows,
         )
 
     def execute(

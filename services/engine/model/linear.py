@@ -23,6 +23,16 @@ weights cold in cache (README). The packed copy replaces the plain weight. Where
 plain one was made at load (a bf16 checkpoint served in float32, fused q/k/v and gate/up)
 that adds no memory; a weight that was a zero-copy view of a float32 checkpoint's file
 mapping becomes anonymous memory instead (its file pages are then only reclaimable cache).
+
+Small float32 weights (the tiny demo models') in an engine with one intra-op thread go to
+MKL (``F.linear``) instead: oneDNN costs ~40 us a call whatever the shape, 3-5x MKL's whole
+call at these shapes (README, "Several models"). A row's result must not depend on how many
+rows share the GEMM (reused KV must equal recomputed KV bit for bit), and MKL computes one
+to three rows with other kernels than four or more: such calls are padded to four rows, and
+each weight shape is checked once, on the loading thread, to give every row the same bits
+at every row count up to a prefill chunk (``small_gemm_rows_invariant``); a shape that
+fails stays on oneDNN. With two threads MKL splits the rows between them and a row's bits
+change with the split, so engines with more threads keep oneDNN.
 """
 
 from __future__ import annotations
@@ -80,6 +90,49 @@ def float32_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> 
     return F.linear(x, w, b)
 
 
+# Float32 weights up to this many elements may use MKL (measured here: oneDNN/MKL us per
+# call at 4 rows: 1024x64 78/32, 64x192 55/11; even at 576x576, oneDNN ahead from 768x768).
+SMALL_GEMM_ELEMS = 1 << 17
+SMALL_GEMM_MIN_ROWS = 4  # MKL's kernels for 1-3 rows differ from those for 4 and more
+# The row-invariance check: a reference over this many rows (a default prefill chunk is
+# 512), compared with calls over these row counts at its start and its end.
+_PROBE_ROWS = 520
+_PROBE_COUNTS = (*range(4, 20), 24, 31, 32, 33, 64, 100, 127, 128, 256, 257, 511, 512)
+_invariant: dict[tuple[int, int, bool], bool] = {}
+
+
+def small_gemm_rows_invariant(w: torch.Tensor, b: torch.Tensor | None) -> bool:
+    """Whether ``F.linear`` on this thread gives each row of x @ w^T + b the same bits for
+    every number of rows from four up to ``_PROBE_ROWS``, checked once per weight shape (MKL
+    picks its kernels by shape, CPU and threads, not by values)."""
+    key = (int(w.shape[0]), int(w.shape[1]), b is not None)
+    if key not in _invariant:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(_PROBE_ROWS, key[1], generator=g, dtype=w.dtype)
+        with torch.no_grad():
+            ref = F.linear(x, w, b)
+            _invariant[key] = all(
+                torch.equal(F.linear(x[at:at + n], w, b), ref[at:at + n])
+                for n in _PROBE_COUNTS for at in (0, _PROBE_ROWS - n))
+    return _invariant[key]
+
+
+def small_gemm_applies(w: torch.Tensor, b: torch.Tensor | None) -> bool:
+    """A float32 CPU weight small enough for MKL, on a thread with one intra-op thread, whose
+    shape passed the row-invariance check."""
+    return (w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2
+            and w.numel() <= SMALL_GEMM_ELEMS and torch.get_num_threads() == 1
+            and small_gemm_rows_invariant(w, b))
+
+
+def small_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x (rows, in) @ w^T + b through MKL, with fewer than four rows padded to four."""
+    rows = x.shape[0]
+    if rows >= SMALL_GEMM_MIN_ROWS:
+        return F.linear(x, w, b)
+    return F.linear(F.pad(x, (0, 0, 0, SMALL_GEMM_MIN_ROWS - rows)), w, b)[:rows]
+
+
 def default_upcast_rows(dtype: torch.dtype, device: torch.device) -> int:
     """0 = never upcast (float32 models, GPUs, CPUs with native bf16 GEMMs)."""
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
@@ -95,21 +148,32 @@ class Linear:
     half-precision weight, a float32 copy made (and packed) on the first call with enough
     rows."""
 
-    __slots__ = ("_b32", "_packed", "_w32", "b", "w")
+    __slots__ = ("_b32", "_packed", "_small", "_w32", "b", "w")
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None) -> None:
         self.w: torch.Tensor | None = w
         self.b = b
         self._packed: torch.Tensor | None = None
+        self._small = False  # computed by ``small_gemm`` (chosen by ``choose_kernel``)
         self._w32: torch.Tensor | None = None
         self._b32: torch.Tensor | None = None
+
+    def choose_kernel(self) -> bool:
+        """Compute this float32 weight with MKL from now on where ``small_gemm_applies``
+        (call it on the thread that will run the model, before ``pack``; the choice is for
+        the weight's life: one weight, one kernel, whatever the rows). True if chosen."""
+        if self.w is not None and self._packed is None and small_gemm_applies(self.w, self.b):
+            self._small = True
+        return self._small
 
     def pack(self) -> bool:
         """Hold a float32 CPU weight in oneDNN's layout only (the plain one is dropped:
         the owner must drop its reference too for the memory to be freed). False where
-        there is nothing to pack."""
+        there is nothing to pack (a weight computed by MKL stays plain)."""
         if self.w is None:
             return self._packed is not None
+        if self._small:
+            return False
         packed = pack_float32(self.w)
         if packed is None:
             return False
@@ -130,6 +194,8 @@ class Linear:
             return float32_linear(x, self._packed, self.b)
         w = self.w
         assert w is not None
+        if self._small:
+            return small_gemm(x, w, self.b)
         if w.dtype == torch.float32:
             return float32_linear(x, w, self.b)
         if upcast_rows and x.shape[0] >= upcast_rows:

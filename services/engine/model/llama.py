@@ -87,10 +87,11 @@ class DecoderLayer(nn.Module):
         return self.qkv, self.o, self.gate_up, self.down
 
     def pack_linears(self) -> None:
-        """Float32 CPU weights in oneDNN's layout (see linear.py); each packed weight's
-        parameter is dropped, so its plain copy is freed."""
+        """Small float32 weights on MKL, other float32 CPU weights in oneDNN's layout (see
+        linear.py); each packed weight's parameter is dropped, so its plain copy is freed."""
         for name, lin in (("qkv_w", self.qkv), ("o_w", self.o), ("gate_up_w", self.gate_up),
                           ("down_w", self.down)):
+            lin.choose_kernel()
             if lin.pack():
                 setattr(self, name, None)
 
@@ -154,6 +155,7 @@ class LlamaModel(nn.Module):
         self.rope = RotaryTables(config, embed.dtype, embed.device)
         for layer in self.decoder_layers:
             layer.pack_linears()
+        self.head.choose_kernel()
         if lm_head is not None and self.head.pack():
             self.lm_head = None  # a tied head stays plain: the embedding lookup reads it
 

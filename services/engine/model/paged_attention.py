@@ -126,8 +126,10 @@ def build_plan(batch: ForwardBatch, block_size: int, group: int,
                dtype: torch.dtype) -> AttentionPlan:
     """``dtype``: the queries' (the masks are added to scores of that dtype)."""
     device = batch.input_ids.device
-    slots = torch.stack(batch.slot_mapping)  # (layers, T)
-    kv_rows = (slots // block_size) * (2 * block_size) + slots % block_size
+    kv_rows = batch.kv_rows
+    if kv_rows is None:
+        slots = torch.stack(batch.slot_mapping)  # (layers, T)
+        kv_rows = (slots // block_size) * (2 * block_size) + slots % block_size
     dec_rows: list[int] = []
     dec_seqs: list[int] = []
     prefills: list[PrefillChunk] = []

@@ -68,3 +68,40 @@ def test_half_precision_upcast_copy_is_packed_and_counted() -> None:
     w32, _ = lin.float32_weights()
     assert w32.is_mkldnn and lin.float32_bytes == 64 * 32 * 4
     torch.testing.assert_close(out, F.linear(x.float(), w.float()).bfloat16(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_small_weight_on_one_thread_uses_mkl_with_row_invariant_results(one_thread,
+                                                                        bias: bool) -> None:
+    """A tiny float32 weight on one intra-op thread is computed by MKL and stays plain; every
+    row gets the same bits whatever number of rows shares the call (1-3 rows padded)."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(192, 64, generator=g)
+    b = torch.randn(192, generator=g) if bias else None
+    lin = Linear(w, b)
+    assert lin.choose_kernel() and not lin.pack() and lin.w is not None
+    x = torch.randn(300, 64, generator=g)
+    every = lin(x, upcast_rows=0)
+    torch.testing.assert_close(every, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    for rows in (*range(1, 21), 64, 299):
+        for at in (0, 300 - rows):
+            assert torch.equal(lin(x[at:at + rows], upcast_rows=0), every[at:at + rows]), rows
+
+
+def test_small_gemm_is_not_chosen_for_large_weights_or_several_threads(one_thread) -> None:
+    big = Linear(torch.randn(1024, 1024), None)
+    assert not big.choose_kernel() and big.pack()
+    torch.set_num_threads(2)
+    small = Linear(torch.randn(64, 64), None)
+    assert not small.choose_kernel()
+    bf16 = Linear(torch.randn(64, 64).bfloat16(), None)
+    torch.set_num_threads(1)
+    assert not bf16.choose_kernel()

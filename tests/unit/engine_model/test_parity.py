@@ -27,6 +27,20 @@ CASES = {
 }
 
 
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request: pytest.FixtureRequest):
+    """Intra-op threads while the model loads and runs: with one, its small float32 weights
+    are computed by MKL (linear.py), with two by oneDNN; both must be batch-invariant."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def _kernels_as_threads_say(model, threads: int) -> None:
+    assert all(lin._small == (threads == 1) for lin in model._linears())
+
+
 def _prompt(n: int, seed: int = 1) -> list[int]:
     g = torch.Generator().manual_seed(seed + n)
     return torch.randint(5, 1024, (n,), generator=g).tolist()
@@ -62,9 +76,10 @@ def test_greedy_32_tokens_match_transformers_generate(hf_checkpoint, case: str) 
     assert greedy(ours.model, prompt, 32) == want
 
 
-def test_chunked_prefill_equals_one_shot(hf_checkpoint) -> None:
+def test_chunked_prefill_equals_one_shot(hf_checkpoint, threads: int) -> None:
     folder, _ = hf_checkpoint(arch="llama")
     model = load_model(folder, dtype=torch.float32).model
+    _kernels_as_threads_say(model, threads)
     prompt = _prompt(57)
     full = PagedCache(model, 1, 64).step([prompt], [0])
     chunked = PagedCache(model, 1, 64)
@@ -87,12 +102,14 @@ def _grouping(monkeypatch, call_keys: int | None) -> None:
 
 
 @pytest.mark.parametrize("call_keys", GROUPINGS)
-def test_mixed_batch_equals_sequences_alone(hf_checkpoint, monkeypatch, call_keys) -> None:
+def test_mixed_batch_equals_sequences_alone(hf_checkpoint, monkeypatch, call_keys,
+                                            threads: int) -> None:
     """Prefill chunks and decodes of different sequences in one step give each sequence's
     own logits."""
     _grouping(monkeypatch, call_keys)
     folder, _ = hf_checkpoint(arch="qwen2")
     model = load_model(folder, dtype=torch.float32).model
+    _kernels_as_threads_say(model, threads)
     prompts = [_prompt(n, seed=7) for n in (9, 21, 3, 40)]
     alone = [PagedCache(model, 1, 48).step([p], [0])[0] for p in prompts]
     cache = PagedCache(model, 4, 48)
@@ -106,10 +123,12 @@ def test_mixed_batch_equals_sequences_alone(hf_checkpoint, monkeypatch, call_key
 
 
 @pytest.mark.parametrize("call_keys", GROUPINGS)
-def test_batched_decode_equals_single(hf_checkpoint, monkeypatch, call_keys) -> None:
+def test_batched_decode_equals_single(hf_checkpoint, monkeypatch, call_keys,
+                                      threads: int) -> None:
     _grouping(monkeypatch, call_keys)
     folder, _ = hf_checkpoint(arch="llama", num_key_value_heads=1)
     model = load_model(folder, dtype=torch.float32).model
+    _kernels_as_threads_say(model, threads)
     prompts = [_prompt(n, seed=3) for n in (5, 17, 30)]
     singles = [greedy(model, p, 12) for p in prompts]
     cache = PagedCache(model, 3, 48)
@@ -151,11 +170,21 @@ def test_bf16_upcast_linears_match_plain_bf16(demo_tiny) -> None:
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_float32_cpu_model_holds_each_linear_weight_once(hf_checkpoint, tied: bool) -> None:
-    """Float32 CPU linears run on oneDNN-packed weights that replace the plain ones (no
-    second copy); a tied head stays plain, as the embedding lookup reads it."""
+    """Float32 CPU linears (two threads: oneDNN) run on oneDNN-packed weights that replace
+    the plain ones (no second copy); a tied head stays plain, as the embedding lookup reads
+    it."""
     from services.engine.model.linear import pack_float32
 
     assert pack_float32(torch.zeros(4, 4)) is not None, "the pinned torch build has oneDNN"
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _holds_each_weight_once(hf_checkpoint, tied)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _holds_each_weight_once(hf_checkpoint, tied: bool) -> None:
     folder, ref = hf_checkpoint(arch="llama", tie_word_embeddings=tied)
     model = load_model(folder, dtype=torch.float32).model
     names = {n for n, _ in model.named_parameters()}
@@ -216,11 +245,12 @@ def test_last_layer_runs_only_at_logits_rows(hf_checkpoint) -> None:
     assert seen == {0: [27], 1: [27], 2: [2]}
 
 
-def test_prompt_first_logits_do_not_depend_on_the_batch(hf_checkpoint) -> None:
+def test_prompt_first_logits_do_not_depend_on_the_batch(hf_checkpoint, threads: int) -> None:
     """A prompt's first-token logits are bitwise the same alone and in a step with another
     prompt (its last-layer row gets an attention call of its own)."""
     folder, _ = hf_checkpoint(arch="llama", num_hidden_layers=3)
     model = load_model(folder, dtype=torch.float32).model
+    _kernels_as_threads_say(model, threads)
     p, q = _prompt(37, seed=5), _prompt(20, seed=9)
     alone_p = PagedCache(model, 1, 64).step([p], [0])[0]
     alone_q = PagedCache(model, 1, 64).step([q], [0])[0]
@@ -244,3 +274,30 @@ def test_decode_step_with_an_idle_sequence(hf_checkpoint) -> None:
     batch.logits_indices = torch.tensor([0, 1])
     got = model(batch, cache.kv_cache)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_decoded_kv_equals_prefilled_kv_bitwise(hf_checkpoint, threads: int) -> None:
+    """The first layer's K/V written while decoding (one row a step, beside another
+    sequence) are bit for bit those a prefill of the same tokens writes: its linears, norm
+    and rotation give a row the same bits whatever rows share the step. (Deeper layers take
+    attention outputs, computed by other kernels for one query than for a chunk; their
+    tokens are compared by the greedy tests.)"""
+    folder, _ = hf_checkpoint(arch="llama", num_hidden_layers=2)
+    model = load_model(folder, dtype=torch.float32).model
+    _kernels_as_threads_say(model, threads)
+    prompt, other = _prompt(21, seed=4), _prompt(9, seed=6)
+    decoded = PagedCache(model, 2, 48)
+    logits = decoded.step([prompt, other], [0, 0])
+    outs = [[int(t)] for t in logits.argmax(-1)]
+    for _ in range(10):
+        cached = [len(p) + len(o) - 1 for p, o in zip((prompt, other), outs, strict=True)]
+        logits = decoded.step([[o[-1]] for o in outs], cached)
+        for o, t in zip(outs, logits.argmax(-1), strict=True):
+            o.append(int(t))
+    tokens = prompt + outs[0][:-1]  # every token whose K/V the decoding wrote
+    prefilled = PagedCache(model, 2, 48)
+    prefilled.step([tokens, []], [0, 0])
+    blocks = decoded.tables[0][0][: -(-len(tokens) // decoded.block_size)]
+    a, b = decoded.kv_cache[blocks], prefilled.kv_cache[blocks]
+    n = len(tokens) - (len(blocks) - 1) * decoded.block_size  # rows of the last block
+    assert torch.equal(a[:-1], b[:-1]) and torch.equal(a[-1][:, :n], b[-1][:, :n])
