@@ -161,9 +161,14 @@ class Linear:
     def choose_kernel(self) -> bool:
         """Compute this float32 weight with MKL from now on where ``small_gemm_applies``
         (call it on the thread that will run the model, before ``pack``; the choice is for
-        the weight's life: one weight, one kernel, whatever the rows). True if chosen."""
+        the weight's life: one weight, one kernel, whatever the rows). True if chosen: the
+        weight is then a copy in anonymous memory (the owner must take ``w`` in place of
+        its own), as a packed one is. A zero-copy view of the checkpoint's file would be
+        page cache, which the kernel may page out while the model is idle (this host's
+        DAMON does, after seconds) and read back from disk on its next step."""
         if self.w is not None and self._packed is None and small_gemm_applies(self.w, self.b):
             self._small = True
+            self.w = self.w.clone()
         return self._small
 
     def pack(self) -> bool:

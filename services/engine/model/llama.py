@@ -88,11 +88,13 @@ class DecoderLayer(nn.Module):
 
     def pack_linears(self) -> None:
         """Small float32 weights on MKL, other float32 CPU weights in oneDNN's layout (see
-        linear.py); each packed weight's parameter is dropped, so its plain copy is freed."""
+        linear.py), each in anonymous memory: a packed weight's parameter is dropped, a
+        small one's replaced by its copy, so the plain one is freed."""
         for name, lin in (("qkv_w", self.qkv), ("o_w", self.o), ("gate_up_w", self.gate_up),
                           ("down_w", self.down)):
-            lin.choose_kernel()
-            if lin.pack():
+            if lin.choose_kernel():
+                setattr(self, name, _param(lin.w))  # its copy (see Linear.choose_kernel)
+            elif lin.pack():
                 setattr(self, name, None)
 
     def forward(
@@ -155,8 +157,10 @@ class LlamaModel(nn.Module):
         self.rope = RotaryTables(config, embed.dtype, embed.device)
         for layer in self.decoder_layers:
             layer.pack_linears()
-        self.head.choose_kernel()
-        if lm_head is not None and self.head.pack():
+        if self.head.choose_kernel():
+            if lm_head is not None:  # (a tied head's copy is its own; the lookup reads embed)
+                self.lm_head = _param(self.head.w)
+        elif lm_head is not None and self.head.pack():
             self.lm_head = None  # a tied head stays plain: the embedding lookup reads it
 
     def set_upcast_rows(self, rows: int) -> None:

@@ -301,3 +301,28 @@ def test_decoded_kv_equals_prefilled_kv_bitwise(hf_checkpoint, threads: int) -> 
     a, b = decoded.kv_cache[blocks], prefilled.kv_cache[blocks]
     n = len(tokens) - (len(blocks) - 1) * decoded.block_size  # rows of the last block
     assert torch.equal(a[:-1], b[:-1]) and torch.equal(a[-1][:, :n], b[-1][:, :n])
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_small_weights_on_one_thread_are_held_once_as_copies(hf_checkpoint, tied: bool) -> None:
+    """On one thread the small float32 weights stay plain for MKL, each the linear's own copy
+    (not a view of the checkpoint's file: page cache may be paged out while idle), which the
+    parameter shares; the untied head too."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        folder, ref = hf_checkpoint(arch="llama", tie_word_embeddings=tied)
+        model = load_model(folder, dtype=torch.float32).model
+    finally:
+        torch.set_num_threads(before)
+    for layer in model.decoder_layers:
+        for name, lin in zip(("qkv_w", "o_w", "gate_up_w", "down_w"), layer.linears(),
+                             strict=True):
+            assert lin._small and getattr(layer, name).data_ptr() == lin.w.data_ptr()
+            # Its own storage, not a window on the checkpoint's mapped file.
+            assert lin.w.untyped_storage().nbytes() == lin.w.numel() * 4
+    assert model.head._small and torch.equal(model.head.weight, ref.lm_head.weight.detach())
+    if tied:
+        assert model.head.w.data_ptr() != model.embed.data_ptr()
+    else:
+        assert model.lm_head is not None and model.lm_head.data_ptr() == model.head.w.data_ptr()
