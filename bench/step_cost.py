@@ -44,7 +44,7 @@ def _core(loaded: LoadedModel, batch: int, seed: int) -> EngineCore:
     for i in range(batch):
         words = " ".join(rnd.choice(NOUNS) for _ in range(150))
         req = GenerateRequest(request_id=f"r{i}", prompt=words,
-                              sampling=SamplingParams(max_tokens=4000, ignore_eos=True))
+                              sampling=SamplingParams(max_tokens=1000, ignore_eos=True))
         core.add(prepare(req, tokenizer=loaded.tokenizer, model_name=loaded.name,
                          vocab_size=loaded.config.vocab_size,
                          max_model_len=core.max_model_len, fingerprint=loaded.fingerprint))
