@@ -171,8 +171,9 @@ def summarize(system: str, load: float, samples: list[Sample], seconds: float,
                   sum(1 for s in samples if met(s)), seconds, per_model)
 
 
-def run_system(system: str, paths: dict[str, Path], loads: list[float], phase_s: float,
-               phases: int, work: Path, shape: Shape, samples_to: str = "") -> list[Result]:
+def cluster_setup(system: str, paths: dict[str, Path], work: Path, shape: Shape
+                  ) -> tuple[Path, dict]:
+    """The first model and the ``start_cluster`` arguments of ``system`` (two nodes)."""
     weights = {n: sum(f.stat().st_size for f in p.glob("*.safetensors"))
                for n, p in paths.items()}
     kv_room = shape.kv_pages * PAGE  # what the hot model could fill; not all four at once
@@ -182,7 +183,7 @@ def run_system(system: str, paths: dict[str, Path], loads: list[float], phase_s:
     catalog = write_catalog(work / f"{system}.yaml", [
         ModelEntry(n, str(paths[n]), ttft_slo_s=slo[n]) for n in names])
     first, rest = paths[names[0]], tuple(paths[n] for n in names[1:])
-    common = {"dtype": "float32", "ready_timeout": 300.0}
+    common = {"nodes": 2, "dtype": "float32", "ready_timeout": 300.0}
     threads = {"num_threads": shape.engine_threads} if shape.engine_threads else {}
     serve_all = {"max_queue_delay_s": 0.0}  # (prism's node queue refuses nothing either)
     if system == "prism":
@@ -200,8 +201,15 @@ def run_system(system: str, paths: dict[str, Path], loads: list[float], phase_s:
                   "engine_flags": {"page_bytes": PAGE, "device_memory_bytes": kv_room,
                                    **threads, **serve_all},
                   "nodemgr_flags": {"evict_idle_s": 0}}
+    return first, {**common, **kw}
+
+
+def run_system(system: str, paths: dict[str, Path], loads: list[float], phase_s: float,
+               phases: int, work: Path, shape: Shape, samples_to: str = "") -> list[Result]:
+    slo = {m[0]: m[3] for m in MODELS}
+    first, kw = cluster_setup(system, paths, work, shape)
     out = []
-    with start_cluster(work / system, first, nodes=2, **common, **kw) as cluster:
+    with start_cluster(work / system, first, **kw) as cluster:
         for i, load in enumerate(loads):
             reqs = trace(load, phase_s, phases, seed=i)
             samples, seconds = asyncio.run(replay(cluster.url, reqs, i, shape))

@@ -91,7 +91,9 @@ async def start(config: NodeManagerConfig, stack: AsyncExitStack) -> asyncio.Tas
     if config.device_ledger:
         broker = MemoryBroker(lambda: _engine_memory(engine),
                               lambda name, pages: _shrink(engine, name, pages),
-                              config.broker_interval_s)
+                              config.broker_interval_s,
+                              busy=lambda: servicer.in_flight > 0 or prefetcher.active > 0,
+                              idle_interval_s=config.broker_idle_interval_s)
         balancing = asyncio.create_task(broker.run(), name="memory-broker")
 
         async def stop_broker() -> None:

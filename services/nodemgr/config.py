@@ -23,6 +23,8 @@ class NodeManagerConfig:
         "", "the node's device-memory ledger its engines share (engine.device_ledger): "
         "with it the nodemgr reclaims idle engines' KV pages for busy ones")
     broker_interval_s: float = opt(0.1, "how often the memory broker looks", min=0.01)
+    broker_idle_interval_s: float = opt(
+        1.0, "how often it looks while no engine of the node has a request", min=0.01)
     models_config: str = opt(
         "", "YAML file whose models: list is the cluster's catalogue: a request for one of "
         "them that no engine here serves activates it into an empty engine of the node, or "

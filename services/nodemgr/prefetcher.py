@@ -127,6 +127,11 @@ class Prefetcher:
             log.warning("ending the prefetch of advisory %s on the engine failed: %s %s",
                         a.advisory_id, e.code().name, e.details())
 
+    @property
+    def active(self) -> int:
+        """Advisories whose prefetch is under way."""
+        return len(self._running)
+
     def _done(self, advisory_id: str, task: asyncio.Task[None]) -> None:
         if self._running.get(advisory_id) is task:
             del self._running[advisory_id]

@@ -60,6 +60,35 @@ def test_the_broker_reclaims_from_idle_engines_only_for_waiting_ones() -> None:
     assert to_reclaim([busy, running, idle]) == ["r", "a"]
 
 
+async def test_the_broker_polls_an_idle_node_seldom_and_a_busy_one_every_round() -> None:
+    polls: list[int] = []
+    in_flight = [0]
+
+    async def poll() -> list[EngineMemory]:
+        polls.append(in_flight[0])
+        return [EngineMemory("a", in_flight[0], 0, 4)]
+
+    async def shrink(name: str, pages: int) -> int:
+        raise AssertionError("nothing waits")
+
+    broker = MemoryBroker(poll, shrink, interval_s=0.01, busy=lambda: in_flight[0] > 0,
+                          idle_interval_s=10.0)
+    assert broker.due(0.0)  # the first round runs whatever the load
+    await broker.balance()
+    last = broker._last_round
+    assert not broker.due(last + 5.0) and broker.due(last + 10.0)  # idle: every 10 s
+    in_flight[0] = 1
+    assert broker.due(last + 0.01)  # a request in the node: every round
+    balancing = asyncio.create_task(broker.run())
+    await asyncio.sleep(0.2)
+    in_flight[0] = 0
+    busy_rounds = broker.rounds
+    await asyncio.sleep(0.2)
+    balancing.cancel()
+    assert busy_rounds >= 5 and broker.rounds == busy_rounds  # none while idle
+    assert all(p == 1 for p in polls[1:])
+
+
 async def test_a_burst_takes_idle_pages_and_gives_them_back(models: tuple[Path, Path],
                                                             tmp_path: Path) -> None:
     alpha, beta = models
