@@ -67,7 +67,7 @@ def _steps(core: EngineCore, n: int, tokens: list[int]) -> float:
 def measure(path: Path, batch: int, rounds: int, steps: int) -> tuple[float, float]:
     """(ms per step with MKL's small GEMMs, with oneDNN only)."""
     mkl = load_model(path, dtype=torch.float32)
-    assert all(lin._small for lin in mkl.model._linears()), "MKL not chosen: one thread?"
+    assert all(lin.on_mkl for lin in mkl.model.linears()), "MKL not chosen: one thread?"
     saved = linear.SMALL_GEMM_ELEMS
     linear.SMALL_GEMM_ELEMS = 0  # the second copy packs every weight for oneDNN
     try:

@@ -171,6 +171,11 @@ class Linear:
             self.w = self.w.clone()
         return self._small
 
+    @property
+    def on_mkl(self) -> bool:
+        """Whether ``choose_kernel`` gave this weight to MKL."""
+        return self._small
+
     def pack(self) -> bool:
         """Hold a float32 CPU weight in oneDNN's layout only (the plain one is dropped:
         the owner must drop its reference too for the memory to be freed). False where

@@ -170,16 +170,17 @@ class LlamaModel(nn.Module):
         for layer in self.decoder_layers:
             layer.upcast_rows = rows
         if not rows:
-            for lin in self._linears():
+            for lin in self.linears():
                 lin.release_float32()
 
-    def _linears(self) -> list[Linear]:
+    def linears(self) -> list[Linear]:
+        """Every linear of the model, the head first."""
         return [self.head, *(lin for layer in self.decoder_layers for lin in layer.linears())]
 
     @property
     def float32_copy_bytes(self) -> int:
         """Host bytes of float32 weight copies made so far for upcast linears."""
-        return sum(lin.float32_bytes for lin in self._linears())
+        return sum(lin.float32_bytes for lin in self.linears())
 
     @property
     def device(self) -> torch.device:

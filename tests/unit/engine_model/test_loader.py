@@ -137,7 +137,7 @@ def test_sharded_loads_same_logits(demo_tiny: Path, tmp_path: Path) -> None:
     for (name, x), (_, y) in zip(sharded.model.named_parameters(),
                                  single.model.named_parameters(), strict=True):
         assert torch.equal(x, y), name
-    for la, lb in zip(sharded.model._linears(), single.model._linears(), strict=True):
+    for la, lb in zip(sharded.model.linears(), single.model.linears(), strict=True):
         assert torch.equal(la.weight, lb.weight)  # packed ones are not parameters
     prompt = single.tokenizer.encode_prompt("The quick brown fox")
     a = PagedCache(sharded.model, 1, 16).step([prompt], [0])

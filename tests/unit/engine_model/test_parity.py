@@ -38,7 +38,7 @@ def threads(request: pytest.FixtureRequest):
 
 
 def _kernels_as_threads_say(model, threads: int) -> None:
-    assert all(lin._small == (threads == 1) for lin in model._linears())
+    assert all(lin.on_mkl == (threads == 1) for lin in model.linears())
 
 
 def _prompt(n: int, seed: int = 1) -> list[int]:
@@ -318,10 +318,10 @@ def test_small_weights_on_one_thread_are_held_once_as_copies(hf_checkpoint, tied
     for layer in model.decoder_layers:
         for name, lin in zip(("qkv_w", "o_w", "gate_up_w", "down_w"), layer.linears(),
                              strict=True):
-            assert lin._small and getattr(layer, name).data_ptr() == lin.w.data_ptr()
+            assert lin.on_mkl and getattr(layer, name).data_ptr() == lin.w.data_ptr()
             # Its own storage, not a window on the checkpoint's mapped file.
             assert lin.w.untyped_storage().nbytes() == lin.w.numel() * 4
-    assert model.head._small and torch.equal(model.head.weight, ref.lm_head.weight.detach())
+    assert model.head.on_mkl and torch.equal(model.head.weight, ref.lm_head.weight.detach())
     if tied:
         assert model.head.w.data_ptr() != model.embed.data_ptr()
     else:
