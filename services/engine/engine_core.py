@@ -123,6 +123,7 @@ class EngineCore:
         # The node's other engines hold its shared budget (device ledger): retry at this
         # monotonic time, after the broker had a chance to reclaim pages (0.0: not waiting).
         self.budget_retry_at = 0.0
+        self.steps = 0  # calls of step(), scheduled or not
         self._arrivals = itertools.count()
         self._seeds = random.Random(config.seed)
         self.model_info = ModelInfo(
@@ -204,9 +205,11 @@ class EngineCore:
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> list[Event]:
         self.offload.begin_step()
+        self.steps += 1
         out = self.scheduler.schedule()
         if out.empty:
             return self._fail_unservable()
+        self.budget_retry_at = 0.0  # the queue moves: no wait for the node's budget
         rows = {s.request_id: i for i, s in enumerate(out.sequences)}  # logits rows
         started = time.perf_counter()
         with self.offload.forward(out) as wait_for_layer:
@@ -278,6 +281,10 @@ class EngineCore:
     def _fail_unservable(self) -> list[Event]:
         """Nothing could be scheduled: if nothing runs either, the head of the queue can
         never get its blocks (the pool memory could not be committed); fail it."""
+        # A retry time is set only while a wait for the node's budget is under way: one
+        # left from an earlier wait would wake the worker loop at once, for ever (a spin
+        # that took the node's core from the engines with work).
+        self.budget_retry_at = 0.0
         if self.scheduler.running or not self.scheduler.waiting:
             return []
         if self.offload.holds_blocks:

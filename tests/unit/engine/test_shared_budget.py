@@ -120,6 +120,10 @@ async def test_a_burst_takes_idle_pages_and_gives_them_back(models: tuple[Path, 
             assert held_by_a * 4096 >= 30 * PAGE  # (pages stay with idle A until asked)
             assert await burst(b, LONG[:2]) == want_b  # B waited for A's pages, then ran
             assert broker.reclaimed_pages > 0
+            # Its wait over, B is idle: it takes no steps (it once kept waking for ever).
+            steps = b._require_core().steps
+            await asyncio.sleep(0.3)
+            assert b._require_core().steps - steps <= 1
             assert (await a.status()).blocks_committed < held_by_a
             before = broker.reclaimed_pages
             assert await burst(a, LONG) == want_a  # A's traffic returns: B gives them back
