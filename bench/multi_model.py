@@ -63,13 +63,14 @@ class Shape:
     """The requests and the KV room. A node's room holds ``kv_pages`` pages of 16 KiB: a
     2-layer model's request takes (prompt + generated) x 512 B, a 4-layer one's twice.
 
-    A step of these models costs nearly the same at batch 1 and 32 (as decoding on a GPU
-    does), so a model's throughput is bounded by how many of its requests hold KV at once.
-    With the defaults a static quarter of the room holds about four requests of a 2-layer
-    model and two of a 4-layer one, and the hot model under prism may hold most of the
-    room; but the two cores bind soon after (see README: the goals are not met here)."""
+    A decode step of these models costs little more at batch 8 than at 1 (as on a GPU),
+    so a model's throughput grows with how many of its requests hold KV at once. With the
+    defaults a request is ~710 tokens (~610 of prompt): ~22 pages for a 2-layer model, ~44
+    for a 4-layer one. A static quarter of the room holds two and one of them, and the hot
+    model under prism may hold most of the room; but the two cores bind soon after (see
+    README: the goals are not met here)."""
     kv_pages: int = 256
-    prompt_words: int = 300  # ~1 token each
+    prompt_words: int = 300  # ~2 tokens each with the demo models' 3000-token vocabulary
     gen: int = 96
     # Each engine's intra-op threads (0: torch's default, one per core). One, as `overture
     # up` runs them on this 2-core host: each node's share is one core and its engines
@@ -77,8 +78,8 @@ class Shape:
     # wake-up (~60 us) on every parallel op of every step.
     engine_threads: int = 1
     # prism: KV pages each engine holds back from the others while it has fewer (§6.3's
-    # buffer per engine, part of Prism's policy): room to start a request of either size
-    # (a 4-layer one needs ~25 pages). 0 = none.
+    # buffer per engine, part of Prism's policy): room for a 2-layer model's prompt (~19
+    # pages; a 4-layer one's needs ~38). 0 = none.
     kv_reserve_pages: int = 24
 
 
