@@ -43,6 +43,11 @@ def _required(w: Mapping[str, torch.Tensor | None], key: str) -> nn.Parameter:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == weight.dtype == torch.float32:
+        # One call, the same operations in the same order as below: x * rsqrt(mean(x^2) +
+        # eps), times the weight. A norm costs ~15 us of dispatch on CPU this way, ~26 the
+        # other; a tiny model's decode step runs five to nine of them.
+        return torch.rms_norm(x, (x.shape[-1],), weight, eps)
     # Normalise in float32 and scale in the model dtype, as the reference implementation.
     y = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
     return weight * y.to(x.dtype)
