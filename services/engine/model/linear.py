@@ -126,16 +126,15 @@ def small_gemm_applies(w: torch.Tensor, b: torch.Tensor | None) -> bool:
 
 
 def small_gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
-               pad: torch.Tensor | None = None) -> torch.Tensor:
-    """x (rows, in) @ w^T + b through MKL, with fewer than four rows padded to four: into
-    ``pad`` (SMALL_GEMM_MIN_ROWS, in) when given, whose other rows may hold anything (a
-    GEMM's output row depends on its input row only), else into a new tensor."""
+               pad: torch.Tensor) -> torch.Tensor:
+    """x (rows, in) @ w^T + b through MKL, with fewer than four rows padded to four in
+    ``pad`` (SMALL_GEMM_MIN_ROWS, in), whose other rows may hold anything: a GEMM's output
+    row depends on its input row only. (One copy into it costs a quarter of ``F.pad``'s
+    new tensor, on every linear of a decode step.)"""
     rows = x.shape[0]
     if rows >= SMALL_GEMM_MIN_ROWS:
         return F.linear(x, w, b)
-    if pad is None:
-        return F.linear(F.pad(x, (0, 0, 0, SMALL_GEMM_MIN_ROWS - rows)), w, b)[:rows]
-    pad[:rows] = x  # (one copy: F.pad costs ~4x as much, on every linear of a decode step)
+    pad[:rows] = x
     return F.linear(pad, w, b)[:rows]
 
 
@@ -213,6 +212,7 @@ class Linear:
         w = self.w
         assert w is not None
         if self._small:
+            assert self._pad is not None  # (made with the choice)
             return small_gemm(x, w, self.b, self._pad)
         if w.dtype == torch.float32:
             return float32_linear(x, w, self.b)

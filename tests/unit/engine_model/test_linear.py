@@ -5,7 +5,6 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.model.linear import Linear, float32_linear, pack_float32
-from services.engine.model.llama import rms_norm
 
 
 @pytest.mark.parametrize("rows", [1, 3, 50, 130])
@@ -111,17 +110,3 @@ def test_small_gemm_is_not_chosen_for_large_weights_or_several_threads(one_threa
     torch.set_num_threads(1)
     assert not bf16.choose_kernel()
 
-
-@pytest.mark.parametrize("rows", [1, 3, 4, 77, 512])
-def test_float32_rms_norm_in_one_call_equals_the_reference_bit_for_bit(rows: int) -> None:
-    """float32 norms take torch.rms_norm with the weight: the same bits as normalising
-    with F.rms_norm and scaling after, as the half-precision path (and transformers) do."""
-    g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 96, generator=g) * 3
-    w = torch.randn(96, generator=g)
-    with torch.inference_mode():
-        want = w * F.rms_norm(x, (96,), eps=1e-6)
-        assert torch.equal(rms_norm(x, w, 1e-6), want)
-        half = rms_norm(x.bfloat16(), w.bfloat16(), 1e-6)
-        assert torch.equal(half, w.bfloat16() * F.rms_norm(x.bfloat16().float(), (96,),
-                                                           eps=1e-6).bfloat16())
