@@ -40,6 +40,7 @@ from typing import Any, Self
 import torch
 
 from shared.device_ledger import DeviceLedger
+from shared.session_key import SessionKey
 
 from .admission import Admission, Entering
 from .api_types import (
@@ -88,7 +89,7 @@ class AsyncEngine(WorkerLoop, ModelSlot):
         self._in_lookup: set[str] = set()  # request ids whose kvstore lookup is under way
         # (tenant, session id) -> requests of it in this engine now: an advisory's prefetch
         # comes too late for a session whose request is here already.
-        self._active_sessions: dict[tuple[str, str], int] = {}
+        self._active_sessions: dict[SessionKey, int] = {}
         self._aborted_in_lookup: set[str] = set()
         self._waiting_snapshot = 0
         self._pending_adds = 0
@@ -212,7 +213,7 @@ class AsyncEngine(WorkerLoop, ModelSlot):
         core = self._require_core()
         self._admit(bound_delay=not req.node_admitted)
         entry = self._admission.enter()  # counted as queued until it reaches the inbox
-        session = (req.tenant, req.session_id)
+        session = SessionKey(req.tenant, req.session_id)
         self._active_sessions[session] = self._active_sessions.get(session, 0) + 1
         try:
             async with contextlib.aclosing(self._generate(core, req, entry, coalesce)
@@ -377,12 +378,12 @@ class AsyncEngine(WorkerLoop, ModelSlot):
         how many blocks of it the kvstore holds (0: nothing to prefetch)."""
         self._require_core()
         c = self._connector
-        if c is None or not session_id or (tenant, session_id) in self._active_sessions:
+        if c is None or not session_id or SessionKey(tenant, session_id) in self._active_sessions:
             return 0
         found = await c.lookup_session(tenant, session_id)
         if found is None:
             return 0
-        if (tenant, session_id) in self._active_sessions:  # it came during the lookup
+        if SessionKey(tenant, session_id) in self._active_sessions:  # it came during the lookup
             c.release(found.lease_id)
             return 0
         n = found.spans[-1].end_block

@@ -24,6 +24,7 @@ from services.kvstore.errors import TierUnavailable
 from services.kvstore.manifests import ManifestStore, manifest_key
 from services.kvstore.manifests.manifest import scoped_session
 from services.kvstore.peers.pull import PullResult, pull_session
+from shared.session_key import SessionKey
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ async def prefetch_session(
             log.info("prefetch of %s/%s: peer %s failed (%s); trying this node's tiers",
                      tenant, session_id, peer, e)
     elif wait_tokens:
-        await manifests.saves.wait((tenant, session_id), wait_tokens, wait_s, turn=True)
+        await manifests.saves.wait(SessionKey(tenant, session_id), wait_tokens, wait_s, turn=True)
     return await _from_own_tiers(manifests, tenant, session_id, window, deleted_before)
 
 
@@ -103,13 +104,13 @@ class InFlight:
     """Prefetches running here, by (tenant, session)."""
 
     def __init__(self) -> None:
-        self._running: dict[tuple[str, str], asyncio.Future[PullResult]] = {}
-        self._peer: dict[tuple[str, str], str] = {}  # the peer each one pulls from
+        self._running: dict[SessionKey, asyncio.Future[PullResult]] = {}
+        self._peer: dict[SessionKey, str] = {}  # the peer each one pulls from
 
     async def run(self, tenant: str, session_id: str, work: Awaitable[PullResult],
                   peer: str = "") -> PullResult:
         fut: asyncio.Future[PullResult] = asyncio.ensure_future(work)
-        key = (tenant, session_id)
+        key = SessionKey(tenant, session_id)
         self._running[key] = fut
         self._peer[key] = peer
         try:
@@ -127,7 +128,7 @@ class InFlight:
     def stop_pull_from(self, tenant: str, session_id: str, peer: str) -> bool:
         """Stop the session's prefetch if it pulls from ``peer`` (its request streams from
         there itself); whether one was stopped."""
-        key = (tenant, session_id)
+        key = SessionKey(tenant, session_id)
         fut = self._running.get(key)
         if fut is None or fut.done() or not peer or self._peer.get(key) != peer:
             return False
@@ -137,7 +138,7 @@ class InFlight:
     async def join(self, tenant: str, session_id: str, budget_s: float) -> bool:
         """Wait up to ``budget_s`` for the session's prefetch to end (True if it did, or
         none ran)."""
-        fut = self._running.get((tenant, session_id))
+        fut = self._running.get(SessionKey(tenant, session_id))
         if fut is None or fut.done():
             return True
         # (never raises for the prefetch: its failure or cancellation is its caller's)

@@ -19,6 +19,7 @@ from services.kvstore.pool.types import (
 from services.kvstore.tiers.base import TierStats
 from shared.kv_layout import KVSpan, StoredPrefix
 from shared.proto import kvstore_pb2 as pb
+from shared.session_key import SessionKey
 
 
 def manifest_to_pb(m: Manifest) -> pb.SessionManifest:
@@ -259,10 +260,10 @@ def session_ref(tenant: str, session_id: str, wait_tokens: int = 0) -> pb.Manife
     return pb.ManifestRef(tenant=tenant, session_id=session_id, wait_tokens=wait_tokens)
 
 
-def session_of(p: pb.ManifestRef) -> tuple[str, str]:
+def session_of(p: pb.ManifestRef) -> SessionKey:
     """(tenant, the session's name here): scoped by ``model_fp`` when the caller names the
     model (a peer names a session by the name this kvstore gave it)."""
-    return p.tenant, scoped_session(p.session_id, p.model_fp)
+    return SessionKey(p.tenant, scoped_session(p.session_id, p.model_fp))
 
 
 def manifest_reply(m: Manifest | None) -> pb.ManifestReply:

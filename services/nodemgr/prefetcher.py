@@ -28,6 +28,7 @@ import grpc
 from services.nodemgr.channels import fast_channel
 from services.nodemgr.metrics import NodeMgrMetrics
 from shared.proto import engine_pb2, engine_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
+from shared.session_key import SessionKey
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class Prefetcher:
         self._gate = asyncio.Semaphore(concurrency)
         self._running: dict[str, asyncio.Task[None]] = {}
         self._advice: dict[str, Advice] = {}  # advisory id -> its advice, until it ends
-        self._by_session: dict[tuple[str, str], str] = {}  # (tenant, session) -> advisory id
+        self._by_session: dict[SessionKey, str] = {}  # (tenant, session) -> advisory id
         self._tasks: set[asyncio.Task[None]] = set()
 
     def advise(self, advice: Advice) -> bool:
@@ -77,11 +78,11 @@ class Prefetcher:
         if old is not None:
             old.cancel()
         self._advice[advice.advisory_id] = advice
-        self._by_session[(advice.tenant, advice.session_id)] = advice.advisory_id
+        self._by_session[SessionKey(advice.tenant, advice.session_id)] = advice.advisory_id
         while len(self._advice) > MAX_REMEMBERED:  # (ended advisories the node never heard of)
             gone = self._advice.pop(next(iter(self._advice)))
-            if self._by_session.get((gone.tenant, gone.session_id)) == gone.advisory_id:
-                del self._by_session[(gone.tenant, gone.session_id)]
+            if self._by_session.get(SessionKey(gone.tenant, gone.session_id)) == gone.advisory_id:
+                del self._by_session[SessionKey(gone.tenant, gone.session_id)]
         task = asyncio.create_task(self._prefetch(advice), name=f"prefetch-{advice.session_id}")
         self._running[advice.advisory_id] = task
         task.add_done_callback(lambda t: self._done(advice.advisory_id, t))
@@ -95,8 +96,8 @@ class Prefetcher:
         if advice is not None:
             self.metrics.advisories.labels("expired" if expired else "invalidated").inc()
         if advice is not None and self._by_session.get(
-                (advice.tenant, advice.session_id)) == advisory_id:
-            del self._by_session[(advice.tenant, advice.session_id)]
+                SessionKey(advice.tenant, advice.session_id)) == advisory_id:
+            del self._by_session[SessionKey(advice.tenant, advice.session_id)]
         if advice is not None and self._engines(advice.model) is not None:
             end = self._end_on_engine(advice, expired)
             t = asyncio.create_task(end, name=f"end-prefetch-{advice.session_id}")
@@ -110,7 +111,7 @@ class Prefetcher:
 
     def followed(self, tenant: str, session_id: str) -> None:
         """A request of the session came: its advisory is over (the engine knows already)."""
-        aid = self._by_session.pop((tenant, session_id), None)
+        aid = self._by_session.pop(SessionKey(tenant, session_id), None)
         if aid is not None:
             self.metrics.advisories.labels("followed").inc()
         if aid is not None:

@@ -19,6 +19,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from shared.session_key import SessionKey
+
 Clock = Callable[[], float]
 FOLLOWED, EXPIRED, INVALIDATED, REPLACED = "followed", "expired", "invalidated", "replaced"
 LATE = "late"  # its request came after it lapsed: not followed, but not spurious either
@@ -54,7 +56,7 @@ class AdvisoryBook:
         self.per_tenant = per_tenant if per_tenant is not None else sys.maxsize
         self.clock = clock
         self._by_id: OrderedDict[str, Advisory] = OrderedDict()  # oldest first
-        self._by_session: dict[tuple[str, str], str] = {}
+        self._by_session: dict[SessionKey, str] = {}
         self._pending: dict[str, int] = {}  # per tenant
 
     def __len__(self) -> int:
@@ -66,14 +68,14 @@ class AdvisoryBook:
         own oldest past ``capacity``: counted as expired), with how they ended. Raises
         ``TooManyAdvisories`` when the tenant already has ``per_tenant`` pending."""
         now = self.clock()
-        replacing = self._by_session.get((tenant, session_id)) is not None
+        replacing = self._by_session.get(SessionKey(tenant, session_id)) is not None
         if self._pending.get(tenant, 0) >= self.per_tenant and not replacing:
             raise TooManyAdvisories(tenant)
         life = expected_arrival_s + self.ttl_s
         adv = Advisory(new_advisory_id(), tenant, session_id, model, node_id, priority,
                        created=now, expires_at=now + life, wall_expires_at=time.time() + life)
         ended: list[tuple[Advisory, str]] = []
-        old_id = self._by_session.get((tenant, session_id))
+        old_id = self._by_session.get(SessionKey(tenant, session_id))
         if old_id is not None:
             ended.append((self._remove(old_id), REPLACED))
         while len(self._by_id) >= self.capacity:  # the tenant's own oldest first
@@ -81,7 +83,7 @@ class AdvisoryBook:
                           next(iter(self._by_id.values())))
             ended.append((self._remove(victim.advisory_id), EXPIRED))
         self._by_id[adv.advisory_id] = adv
-        self._by_session[(tenant, session_id)] = adv.advisory_id
+        self._by_session[SessionKey(tenant, session_id)] = adv.advisory_id
         self._pending[tenant] = self._pending.get(tenant, 0) + 1
         return adv, ended
 
@@ -97,7 +99,7 @@ class AdvisoryBook:
 
     def pending_for(self, tenant: str, session_id: str) -> Advisory | None:
         """The session's pending advisory, if still in time (it stays pending)."""
-        advisory_id = self._by_session.get((tenant, session_id))
+        advisory_id = self._by_session.get(SessionKey(tenant, session_id))
         return self.get(tenant, advisory_id) if advisory_id is not None else None
 
     def invalidate(self, tenant: str, advisory_id: str) -> Advisory | None:
@@ -109,7 +111,7 @@ class AdvisoryBook:
     def follow(self, tenant: str, session_id: str) -> tuple[Advisory | None, str]:
         """The session's pending advisory, ended: (it, FOLLOWED) when its request came in
         time, (it, LATE) when after it lapsed (not yet swept), (None, "") without one."""
-        advisory_id = self._by_session.get((tenant, session_id))
+        advisory_id = self._by_session.get(SessionKey(tenant, session_id))
         if advisory_id is None:
             return None, ""
         adv = self._remove(advisory_id)
@@ -130,7 +132,7 @@ class AdvisoryBook:
             self._pending[adv.tenant] = left
         else:
             self._pending.pop(adv.tenant, None)
-        key = (adv.tenant, adv.session_id)
+        key = SessionKey(adv.tenant, adv.session_id)
         if self._by_session.get(key) == advisory_id:
             del self._by_session[key]
         return adv

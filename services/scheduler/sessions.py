@@ -18,6 +18,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from shared.session_key import SessionKey
+
 Clock = Callable[[], float]
 
 
@@ -36,7 +38,7 @@ class SessionDirectory:
         self.capacity = capacity
         self.ttl_s = ttl_s
         self.clock = clock
-        self._places: OrderedDict[tuple[str, str], SessionPlace] = OrderedDict()
+        self._places: OrderedDict[SessionKey, SessionPlace] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._places)
@@ -45,7 +47,7 @@ class SessionDirectory:
         """A turn of the session finished on ``node_id`` with ``tokens`` in all."""
         if not session_id:
             return
-        key = (tenant, session_id)
+        key = SessionKey(tenant, session_id)
         old = self._places.pop(key, None)
         saved = old.saved_tokens if old is not None and old.node_id == node_id else 0
         self._places[key] = SessionPlace(node_id, tokens, saved, self.clock())
@@ -57,7 +59,7 @@ class SessionDirectory:
         session (a scheduler restart, or a save that beat the turn's end) is learnt."""
         if not session_id:
             return
-        key = (tenant, session_id)
+        key = SessionKey(tenant, session_id)
         place = self._places.get(key)
         if place is None:
             self._places[key] = SessionPlace(node_id, 0, tokens, self.clock())
@@ -69,7 +71,7 @@ class SessionDirectory:
 
     def where(self, tenant: str, session_id: str) -> SessionPlace | None:
         """The session's place, or None (unknown or expired)."""
-        key = (tenant, session_id)
+        key = SessionKey(tenant, session_id)
         place = self._places.get(key)
         if place is None:
             return None

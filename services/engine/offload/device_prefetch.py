@@ -45,6 +45,7 @@ from services.engine.offload.jobs import LoadJob
 from services.engine.offload.layer_readiness import LayerReadiness
 from services.engine.offload.planner import SKIP, ReusePlan
 from services.engine.sequence import Sequence
+from shared.session_key import SessionKey
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +83,8 @@ class _Advised:
     loaded_bytes: int = 0
 
     @property
-    def key(self) -> tuple[str, str]:
-        return self.order.tenant, self.order.session_id
+    def key(self) -> SessionKey:
+        return SessionKey(self.order.tenant, self.order.session_id)
 
     @property
     def hashes(self) -> tuple[bytes, ...]:
@@ -106,7 +107,7 @@ class DevicePrefetch:
         self.clock = clock
         self.start_load: Callable[[LoadJob], None] | None = None  # set once connected
         self.release_lease: Callable[[str], None] = lambda lease_id: None
-        self.sessions: dict[tuple[str, str], _Advised] = {}
+        self.sessions: dict[SessionKey, _Advised] = {}
         self.purged_by_layer = [0] * kv.num_layers
         self.loaded_bytes = 0
         self.wasted_bytes = 0
@@ -118,7 +119,7 @@ class DevicePrefetch:
         # Free blocks prefetch leaves alone: what running requests may need next step.
         self.reserve: Callable[[], int] = lambda: 0
         # (tenant, session) of the requests in the engine now.
-        self.live_sessions: Callable[[], Collection[tuple[str, str]]] = lambda: ()
+        self.live_sessions: Callable[[], Collection[SessionKey]] = lambda: ()
         if cooperative:
             self.pool.reclaimer = self.reclaim
             self.pool.reclaimable = self.reclaimable
@@ -135,7 +136,7 @@ class DevicePrefetch:
             return
         order = PrefetchOrder(order.tenant, order.session_id, order.hashes[:n], plan,
                               order.priority, order.ttl_s, order.straight)
-        old = self.sessions.get((order.tenant, order.session_id))
+        old = self.sessions.get(SessionKey(order.tenant, order.session_id))
         if old is not None and not old.retire and old.hashes == order.hashes:
             # Renewed: the old spans stay right (later loads search the tiers, no lease).
             self.release_lease(plan.lease_id)
@@ -148,13 +149,13 @@ class DevicePrefetch:
             self._retire(old, REPLACED)
             if old.loading is not None:  # it leaves once its load has ended
                 self._retiring.append(old)
-        self.sessions[(order.tenant, order.session_id)] = _Advised(order, now,
-                                                                   now + order.ttl_s)
+        self.sessions[SessionKey(order.tenant, order.session_id)] = _Advised(
+            order, now, now + order.ttl_s)
 
     def end(self, tenant: str, session_id: str, expired: bool = False) -> bool:
         """The advisory ended unfollowed: invalidated (the session's blocks are freed at
         once) or ``expired`` (they become the first to purge); whether it was known."""
-        s = self.sessions.get((tenant, session_id))
+        s = self.sessions.get(SessionKey(tenant, session_id))
         if s is None or s.retire:
             return False
         self._retire(s, EXPIRED if expired else INVALIDATED)
@@ -176,7 +177,7 @@ class DevicePrefetch:
         """``seq`` was admitted; if it is of an advised session and on that session's blocks
         (found by content hash, as any reuse), the advisory is followed (its blocks are the
         request's now) and ``seq`` is labelled with how much of it was there."""
-        s = self.sessions.get((seq.tenant, seq.session_id))
+        s = self.sessions.get(SessionKey(seq.tenant, seq.session_id))
         if s is None or s.retire:
             return
         if s.held and seq.block_tables[0] and seq.block_tables[0][0] == s.held[0][0]:
@@ -420,7 +421,7 @@ class DevicePrefetch:
         return out
 
     def resident_layers(self, tenant: str, session_id: str) -> int:
-        s = self.sessions.get((tenant, session_id))
+        s = self.sessions.get(SessionKey(tenant, session_id))
         return len(s.held) if s is not None else 0
 
     def stats(self) -> PrefetchStats:

@@ -36,6 +36,7 @@ from services.engine.offload.planner import SKIP, WHOLE_PREFIX, PrefillRate, Reu
 from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.sequence import Sequence
 from shared.hashing import extend_block_hashes
+from shared.session_key import SessionKey
 
 log = logging.getLogger(__name__)
 
@@ -127,9 +128,10 @@ class KVStoreOffload(Offload):
             n += layers * -(-head.num_tokens // self.kv.block_size)
         return n
 
-    def _live_sessions(self) -> set[tuple[str, str]]:
+    def _live_sessions(self) -> set[SessionKey]:
         s = self.scheduler
-        return {(q.tenant, q.session_id) for q in (*s.running, *s.waiting) if q.session_id}
+        return {SessionKey(q.tenant, q.session_id)
+                for q in (*s.running, *s.waiting) if q.session_id}
 
     def _release_lease(self, lease_id: str) -> None:
         if lease_id and self.transport is not None:

@@ -24,6 +24,7 @@ from services.kvstore.manifests.save_waits import SaveWaits
 from services.kvstore.store import TieredStore
 from services.kvstore.store.keys import chunk_tier_key, manifest_tier_key
 from shared.chunk_codec import Chunk, ChunkFormatError
+from shared.session_key import SessionKey
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,6 @@ DURABLE_CHECK_BATCH = 1024  # chunks a manifest checks at once
 LATEST_SESSIONS = 10_000
 LATEST_HASHES = 1 << 20
 
-SessionId = tuple[str, str]  # (tenant, session_id)
 
 
 @dataclass(frozen=True)
@@ -61,18 +61,18 @@ class ManifestStore:
         self.store = store
         self.ledger = store.ledger
         self.drain_s = drain_s
-        self._latest: OrderedDict[SessionId, SavedSequence] = OrderedDict()
+        self._latest: OrderedDict[SessionKey, SavedSequence] = OrderedDict()
         self._latest_hashes = 0
-        self._newest: dict[SessionId, Manifest] = {}  # the manifest of each latest sequence
+        self._newest: dict[SessionKey, Manifest] = {}  # the manifest of each latest sequence
         # Per session: the manifest task of its latest sequence, and every manifest task
         # still running (a superseded one that is writing runs to its end).
-        self._manifests: dict[SessionId, asyncio.Task[None]] = {}
-        self._tasks: dict[SessionId, set[asyncio.Task[None]]] = {}
+        self._manifests: dict[SessionKey, asyncio.Task[None]] = {}
+        self._tasks: dict[SessionKey, set[asyncio.Task[None]]] = {}
         self._writing: set[asyncio.Task[None]] = set()  # manifest tasks past their checks
         # Sessions deleted (``forget``) while a save may have been under way: a save that
         # started before the delete must not bring the session back.
         self._forgets = itertools.count(1)
-        self._forgotten: OrderedDict[SessionId, int] = OrderedDict()
+        self._forgotten: OrderedDict[SessionKey, int] = OrderedDict()
         self.saves = SaveWaits()  # saves in flight, for peers asking for the next turn
 
     async def __aenter__(self) -> ManifestStore:
@@ -214,7 +214,7 @@ class ManifestStore:
     async def newest_manifest(self, tenant: str, session_id: str) -> Manifest | None:
         """The session's newest manifest: the one saved here last, whose chunks are in
         this store though maybe not yet durable below, else the durable one."""
-        newest = self._newest.get((tenant, session_id))
+        newest = self._newest.get(SessionKey(tenant, session_id))
         return newest if newest is not None else await self.get_manifest(tenant, session_id)
 
     def model_scopes(self, tenant: str, session_id: str) -> list[str]:
@@ -225,18 +225,18 @@ class ManifestStore:
 
     def latest(self, tenant: str, session_id: str) -> SavedSequence | None:
         """The session's latest saved sequence, if still remembered."""
-        return self._latest.get((tenant, session_id))
+        return self._latest.get(SessionKey(tenant, session_id))
 
     def deletions(self, tenant: str, session_id: str) -> int | None:
         """A mark of the session's deletions so far: a save compares it before and after
         its work (``remember(..., deleted_before=)``)."""
-        return self._forgotten.get((tenant, session_id))
+        return self._forgotten.get(SessionKey(tenant, session_id))
 
     def remember(self, seq: SavedSequence, manifest: Manifest,
                  deleted_before: int | None) -> None:
         """The next turn's lookup sees ``seq`` now; its manifest follows once durable. A
         session deleted since ``deleted_before`` was taken stays deleted."""
-        sid = (manifest.tenant, manifest.session_id)
+        sid = SessionKey(manifest.tenant, manifest.session_id)
         if self._forgotten.get(sid) != deleted_before:
             return
         self._note_latest(sid, seq, manifest)
@@ -255,7 +255,7 @@ class ManifestStore:
         when the session was deleted since ``deleted_before`` (``deletions()`` taken when
         the copy began) or this node already knows as long a sequence of it (a turn that
         ran here meanwhile): whether it was adopted."""
-        sid = (manifest.tenant, manifest.session_id)
+        sid = SessionKey(manifest.tenant, manifest.session_id)
         if self._forgotten.get(sid) != deleted_before:
             return False
         known = self._latest.get(sid)
@@ -266,7 +266,7 @@ class ManifestStore:
         self._note_latest(sid, seq, manifest)
         return True
 
-    def _note_latest(self, sid: SessionId, seq: SavedSequence, manifest: Manifest) -> None:
+    def _note_latest(self, sid: SessionKey, seq: SavedSequence, manifest: Manifest) -> None:
         self._drop_latest(sid)
         self._latest[sid] = seq
         self._newest[sid] = manifest
@@ -275,13 +275,13 @@ class ManifestStore:
                 self._latest_hashes > LATEST_HASHES and len(self._latest) > 1):
             self._drop_latest(next(iter(self._latest)))
 
-    def _drop_latest(self, sid: SessionId) -> None:
+    def _drop_latest(self, sid: SessionKey) -> None:
         seq = self._latest.pop(sid, None)
         self._newest.pop(sid, None)
         if seq is not None:
             self._latest_hashes -= len(seq.block_hashes)
 
-    def _manifest_done(self, sid: SessionId, task: asyncio.Task[None]) -> None:
+    def _manifest_done(self, sid: SessionKey, task: asyncio.Task[None]) -> None:
         if self._manifests.get(sid) is task:
             del self._manifests[sid]
         live = self._tasks.get(sid)
@@ -297,7 +297,7 @@ class ManifestStore:
         """The session is being deleted: stop offering its latest sequence to lookups, and
         return only when no manifest of it can be written any more (a pending one is
         cancelled; one being written is waited for, so the caller's delete comes after)."""
-        sid = (tenant, session_id)
+        sid = SessionKey(tenant, session_id)
         self._drop_latest(sid)
         self.saves.forget(sid)
         self._forgotten[sid] = next(self._forgets)  # a save under way will not remember it
@@ -311,7 +311,7 @@ class ManifestStore:
                 task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _write_latest(self, manifest: Manifest, sid: SessionId) -> None:
+    async def _write_latest(self, manifest: Manifest, sid: SessionKey) -> None:
         me = asyncio.current_task()
         try:
             await self.wait_durable(manifest)

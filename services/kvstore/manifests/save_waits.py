@@ -16,7 +16,8 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-SessionId = tuple[str, str]  # (tenant, session_id)
+from shared.session_key import SessionKey
+
 SAVED_SESSIONS = 10_000  # sessions whose last saved length is remembered
 
 
@@ -25,14 +26,14 @@ class SaveWaits:
     that landed; ``wait(sid, tokens, timeout)`` returns once the session is settled."""
 
     def __init__(self) -> None:
-        self._running: dict[SessionId, int] = {}
-        self._tokens: OrderedDict[SessionId, int] = OrderedDict()
-        self._block: dict[SessionId, int] = {}  # the block size its saves were made in
-        self._changed: dict[SessionId, asyncio.Event] = {}
-        self._waiters: dict[SessionId, int] = {}
+        self._running: dict[SessionKey, int] = {}
+        self._tokens: OrderedDict[SessionKey, int] = OrderedDict()
+        self._block: dict[SessionKey, int] = {}  # the block size its saves were made in
+        self._changed: dict[SessionKey, asyncio.Event] = {}
+        self._waiters: dict[SessionKey, int] = {}
 
     @contextmanager
-    def saving(self, sid: SessionId) -> Iterator[None]:
+    def saving(self, sid: SessionKey) -> Iterator[None]:
         self._running[sid] = self._running.get(sid, 0) + 1
         try:
             yield
@@ -44,7 +45,7 @@ class SaveWaits:
                 del self._running[sid]
             self._wake(sid)
 
-    def saved(self, sid: SessionId, tokens: int, block_size: int = 0) -> None:
+    def saved(self, sid: SessionKey, tokens: int, block_size: int = 0) -> None:
         self._tokens[sid] = max(tokens, self._tokens.pop(sid, 0))
         if block_size > 0:
             self._block[sid] = block_size
@@ -53,22 +54,22 @@ class SaveWaits:
             self._block.pop(old, None)
         self._wake(sid)
 
-    def forget(self, sid: SessionId) -> None:
+    def forget(self, sid: SessionKey) -> None:
         self._tokens.pop(sid, None)
         self._block.pop(sid, None)
 
-    def turn_saved(self, sid: SessionId, turn_tokens: int) -> int:
+    def turn_saved(self, sid: SessionKey, turn_tokens: int) -> int:
         """What a save of a turn of ``turn_tokens`` (prompt + completion) records: its
         last token has no KV yet, and only whole blocks are saved."""
         computed = max(0, turn_tokens - 1)
         block = self._block.get(sid, 0)
         return computed // block * block if block else computed
 
-    def settled(self, sid: SessionId, tokens: int) -> bool:
+    def settled(self, sid: SessionKey, tokens: int) -> bool:
         """No save of the session running, and one of ``tokens`` or more has landed."""
         return sid not in self._running and self._tokens.get(sid, 0) >= tokens
 
-    async def wait(self, sid: SessionId, tokens: int, timeout_s: float,
+    async def wait(self, sid: SessionKey, tokens: int, timeout_s: float,
                    turn: bool = False) -> float:
         """Wait until ``settled(sid, tokens)`` or ``timeout_s``; the seconds waited. With
         ``turn``, ``tokens`` is a turn's length (``turn_saved``)."""
@@ -95,7 +96,7 @@ class SaveWaits:
                 self._changed.pop(sid, None)
         return time.monotonic() - t0
 
-    def _wake(self, sid: SessionId) -> None:
+    def _wake(self, sid: SessionKey) -> None:
         event = self._changed.pop(sid, None)
         if event is not None:
             event.set()

@@ -25,6 +25,7 @@ from services.kvstore.pool.leases import Lease, LeaseTable
 from services.kvstore.pool.lookup import find_prefix, known_sequences
 from services.kvstore.pool.types import FindRequest, FoundOnPeer, PeerChunk
 from services.kvstore.store import TieredStore
+from shared.session_key import SessionKey
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ async def answer_peer(
         raise PoolError(
             f"first_block {req.first_block} is past the {len(req.block_hashes)} block hashes")
     waited = 0.0
-    sid = (req.tenant, scoped_session(req.session_id, req.model_fp))
+    sid = SessionKey(req.tenant, scoped_session(req.session_id, req.model_fp))
     if req.session_id and req.wait_tokens:
         waited = await manifests.saves.wait(sid, req.wait_tokens, wait_s)
         store.metrics.peer_wait_seconds.observe(waited)

@@ -24,6 +24,7 @@ from services.kvstore.pool.copies import encode_from_pool, to_the_end
 from services.kvstore.pool.types import SaveRequest, SaveResult
 from services.kvstore.store import TieredStore
 from shared.chunk_codec import ChunkMeta, chunk_key
+from shared.session_key import SessionKey
 
 
 async def save_from_pool(
@@ -55,7 +56,7 @@ async def save_from_pool(
     session = scoped_session(req.session_id, req.model_fp)
     if session:
         manifest_key(req.tenant, session)  # (ChunkFormatError)
-    sid = (req.tenant, session)
+    sid = SessionKey(req.tenant, session)
     if not (req.session_id and nb):
         return await _save_chunks(store, pool, req, bpc, pulled)
     with manifests.saves.saving(sid):  # a peer asking for this session waits for us

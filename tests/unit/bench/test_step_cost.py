@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from bench import step_cost
@@ -16,6 +17,8 @@ def test_measure_times_both_paths_with_equal_tokens(tmp_path: Path) -> None:
     torch.set_num_threads(1)
     try:
         mkl, onednn = step_cost.measure(path, batch=2, rounds=2, steps=3)
+    except step_cost.MklNotChosen as e:
+        pytest.skip(str(e))
     finally:
         torch.set_num_threads(before)
     assert mkl > 0 and onednn > 0

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from services.engine.model import load_model, paged_attention
+from services.engine.model.linear import small_gemm_rows_invariant
 
 from .paged import PagedCache, greedy
 
@@ -38,7 +39,11 @@ def threads(request: pytest.FixtureRequest):
 
 
 def _kernels_as_threads_say(model, threads: int) -> None:
-    assert all(lin.on_mkl == (threads == 1) for lin in model.linears())
+    """One thread: MKL for each weight whose shape this host's MKL computes row-invariantly
+    (AVX-512 hosts fail the check for some shapes, AVX2 ones pass it); two: oneDNN only."""
+    for lin in model.linears():
+        w = lin.weight
+        assert lin.on_mkl == (threads == 1 and small_gemm_rows_invariant(w, lin.b))
 
 
 def _prompt(n: int, seed: int = 1) -> list[int]:
@@ -315,6 +320,9 @@ def test_small_weights_on_one_thread_are_held_once_as_copies(hf_checkpoint, tied
         model = load_model(folder, dtype=torch.float32).model
     finally:
         torch.set_num_threads(before)
+    if not all(lin.on_mkl for lin in model.linears()):
+        pytest.skip("this host's MKL gives a row other bits by row count for some of these "
+                    "shapes: they stay on oneDNN (checked by the parity tests)")
     for layer in model.decoder_layers:
         for name, lin in zip(("qkv_w", "o_w", "gate_up_w", "down_w"), layer.linears(),
                              strict=True):
