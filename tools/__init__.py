@@ -1,0 +1,1 @@
+"""Development tools run by the Makefile (not part of any service)."""
