@@ -11,11 +11,11 @@ from collections.abc import AsyncIterator
 import grpc
 
 from services.kvstore import wire
+from services.kvstore.engine_path.attach import PoolError
+from services.kvstore.engine_path.data_path import EnginePoolPath
 from services.kvstore.errors import ManifestIncomplete, StorageError, TierUnavailable
 from services.kvstore.manifests import ManifestStore, manifest_key
 from services.kvstore.peers.pull import pull_session
-from services.kvstore.pool.attach import PoolError
-from services.kvstore.pool.data_path import EnginePoolPath
 from services.kvstore.prefetch import InFlight, prefetch_session
 from services.kvstore.streaming import stream_session
 from shared.chunk_codec import MAX_LAYER, ChunkCorrupt, ChunkFormatError
@@ -239,7 +239,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return wire.pull_reply(r.found, r.chunks, r.missing, r.bytes, r.detail)
 
-    # ------------------------------------------------ same-node data path (pool/)
+    # ------------------------------------------------ same-node data path (engine_path/)
 
     async def AttachPool(
         self, request: pb.AttachPoolRequest, context: grpc.aio.ServicerContext

@@ -10,11 +10,11 @@ import struct
 
 import msgpack
 
+from services.kvstore.engine_path.types import FindRequest, PeerChunk
 from services.kvstore.manifests.save_waits import SaveWaits
 from services.kvstore.peers.data_plane import LEN, MISSING, ChunkServer, request_bytes
 from services.kvstore.peers.find import _matching
 from services.kvstore.peers.links import PeerLinks, PulledKeys
-from services.kvstore.pool.types import FindRequest, PeerChunk
 from services.kvstore.tiers import DramTier
 from shared.chunk_codec import ChunkMeta
 from tests.unit.kvstore.chunks import kv_tensor

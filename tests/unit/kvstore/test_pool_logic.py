@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from services.kvstore.bandwidth import DEFAULT_BYTES_PER_S, TierBandwidth
+from services.kvstore.engine_path.leases import Lease, LeaseTable
+from services.kvstore.engine_path.lookup import Candidate, chunk_candidates
 from services.kvstore.errors import TierUnavailable
-from services.kvstore.pool.leases import Lease, LeaseTable
-from services.kvstore.pool.lookup import Candidate, chunk_candidates
 from services.kvstore.tiers import SsdTier
 from services.kvstore.tiers.lru_index import PriorityLru
 from tests.unit.kvstore.pools import hashes
@@ -101,7 +101,7 @@ def test_mapping_a_pool_populates_committed_pages_and_leaves_holes_alone() -> No
     import uuid
 
     from services.engine.device import SHM_DIR
-    from services.kvstore.pool.attach import _populate_committed
+    from services.kvstore.engine_path.attach import _populate_committed
 
     # Where the engine puts CPU pools: /dev/shm, else the temp dir (device.py).
     base = SHM_DIR if SHM_DIR.is_dir() else tempfile.gettempdir()

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from services.kvstore.engine_path import save as save_mod
+from services.kvstore.engine_path.data_path import EnginePoolPath
+from services.kvstore.engine_path.types import SaveRequest
 from services.kvstore.manifests import manifest_store as manifest_store_mod
 from services.kvstore.manifests.manifest import scoped_session
 from services.kvstore.metrics import KVStoreMetrics
-from services.kvstore.pool import save as pool_path_mod
-from services.kvstore.pool.data_path import EnginePoolPath
-from services.kvstore.pool.types import SaveRequest
 from services.kvstore.store import TieredStore
 from services.kvstore.tiers import DramTier, SsdTier
 from shared.chunk_codec import ChunkFormatError
@@ -104,13 +104,13 @@ async def test_the_newest_manifest_is_the_one_that_stays(pool) -> None:
 async def test_a_session_deleted_while_a_save_runs_is_not_brought_back(
     pool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = pool_path_mod.encode_from_pool
+    real = save_mod.encode_from_pool
 
     def slow(kv, jobs):
         time.sleep(0.3)
         return real(kv, jobs)
 
-    monkeypatch.setattr(pool_path_mod, "encode_from_pool", slow)
+    monkeypatch.setattr(save_mod, "encode_from_pool", slow)
     store = TieredStore([DramTier(1 << 24), SsdTier(str(tmp_path / "db"), 1 << 24)],
                         KVStoreMetrics(), drain_s=0.5)
     async with store, EnginePoolPath(store, CHUNK_TOKENS) as dp:

@@ -9,15 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.kvstore.engine_path.attach import PoolError
+from services.kvstore.engine_path.data_path import EnginePoolPath
+from services.kvstore.engine_path.types import LookupRequest, SaveRequest
 from services.kvstore.manifests.manifest import scoped_session
 from services.kvstore.metrics import KVStoreMetrics
-from services.kvstore.pool.attach import PoolError
-from services.kvstore.pool.data_path import EnginePoolPath
-from services.kvstore.pool.types import LookupRequest, SaveRequest
 from services.kvstore.store import TieredStore
 from services.kvstore.tiers import DramTier
 from shared.config import ConfigError
-from tests.unit.kvstore.pool.paths import (
+from tests.unit.kvstore.engine_path.paths import (
     DST,
     SRC,
     STRIDE,
@@ -142,7 +142,7 @@ async def test_attach_rejects_bad_geometry(tmp_path: Path, pool) -> None:
     import dataclasses
     import os
 
-    from services.kvstore.pool.attach import PoolGeometry
+    from services.kvstore.engine_path.attach import PoolGeometry
 
     async with make_store(tmp_path, ssd=False) as store, EnginePoolPath(store, 200) as dp:
         with pytest.raises(ConfigError, match="kvstore.chunk_tokens"):

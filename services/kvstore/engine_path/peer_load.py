@@ -17,12 +17,12 @@ from __future__ import annotations
 import time
 from typing import NoReturn
 
+from services.kvstore.engine_path.attach import MappedPool
+from services.kvstore.engine_path.copies import payload_bufs, scatter_blocks
+from services.kvstore.engine_path.load_checks import LoadFailed, check_decoded
+from services.kvstore.engine_path.types import LoadRequest
 from services.kvstore.errors import PeerFetchFailed
 from services.kvstore.peers.fetch import PeerFetch
-from services.kvstore.pool.attach import MappedPool
-from services.kvstore.pool.copies import payload_bufs, scatter_blocks
-from services.kvstore.pool.load_checks import LoadFailed, check_decoded
-from services.kvstore.pool.types import LoadRequest
 from shared.chunk_codec import (
     ChunkCorrupt,
     ChunkFormatError,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 
-from services.kvstore.pool.attach import PoolError
+from services.kvstore.engine_path.attach import PoolError
 
 # Ended and fenced ids remembered, so a request that arrives after its fence is refused.
 # A request would have to be delayed past this many later calls to slip through.

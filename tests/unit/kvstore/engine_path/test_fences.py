@@ -8,10 +8,10 @@ import asyncio
 import pytest
 import torch
 
-from services.kvstore.pool.attach import PoolError
-from services.kvstore.pool.data_path import EnginePoolPath
-from services.kvstore.pool.types import LoadRequest, SaveRequest
-from tests.unit.kvstore.pool.paths import (
+from services.kvstore.engine_path.attach import PoolError
+from services.kvstore.engine_path.data_path import EnginePoolPath
+from services.kvstore.engine_path.types import LoadRequest, SaveRequest
+from tests.unit.kvstore.engine_path.paths import (
     DST,
     SRC,
     STRIDE,
@@ -202,14 +202,14 @@ async def test_fence_waits_for_a_dropped_save_still_reading(
     import dataclasses
     import threading
 
-    from services.kvstore.pool import save as pool_path_mod
+    from services.kvstore.engine_path import save as save_mod
 
     pid, _ = await path.attach(geometry(pool))
     hs = hashes(20)
     fill(pool, ids(0, 20, SRC, STRIDE), seed=16)
     entered, release = threading.Event(), threading.Event()
     events: list[str] = []
-    real = pool_path_mod.encode_from_pool
+    real = save_mod.encode_from_pool
 
     def held(kv, jobs):
         entered.set()
@@ -217,7 +217,7 @@ async def test_fence_waits_for_a_dropped_save_still_reading(
         events.append("read done")
         return real(kv, jobs)
 
-    monkeypatch.setattr(pool_path_mod, "encode_from_pool", held)
+    monkeypatch.setattr(save_mod, "encode_from_pool", held)
     req = dataclasses.replace(
         SaveRequest(
             pid, TENANT, "s", MODEL, hs, len(hs) * 16, 0, tuple(ids(0, 20, SRC, STRIDE)), LAYERS

@@ -7,9 +7,9 @@ copied into a pool block that the request did not name.
 
 from __future__ import annotations
 
-from services.kvstore.pool.attach import MappedPool, PoolError
-from services.kvstore.pool.copies import SKIP
-from services.kvstore.pool.types import LoadRequest
+from services.kvstore.engine_path.attach import MappedPool, PoolError
+from services.kvstore.engine_path.copies import SKIP
+from services.kvstore.engine_path.types import LoadRequest
 from shared.chunk_codec import Chunk, ChunkMeta, chunk_key
 from shared.kv_layout import KVSpan
 

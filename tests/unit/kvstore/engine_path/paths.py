@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from services.kvstore.engine_path.data_path import EnginePoolPath
+from services.kvstore.engine_path.types import LoadRequest, LookupRequest, SaveRequest
 from services.kvstore.metrics import KVStoreMetrics
-from services.kvstore.pool.data_path import EnginePoolPath
-from services.kvstore.pool.types import LoadRequest, LookupRequest, SaveRequest
 from services.kvstore.store import TieredStore
 from services.kvstore.tiers import DramTier, SsdTier
 from shared.kv_layout import StoredPrefix

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from services.kvstore.engine_path.data_path import EnginePoolPath
+from services.kvstore.engine_path.types import LoadRequest, LookupRequest
 from services.kvstore.manifests import ManifestStore
 from services.kvstore.peers.data_plane import ChunkServer
-from services.kvstore.pool.data_path import EnginePoolPath
-from services.kvstore.pool.types import LoadRequest, LookupRequest
 from services.kvstore.prefetch import prefetch_session
 from services.kvstore.service import KVStoreService
 from services.kvstore.store.checksum_work import sealed
@@ -23,7 +23,7 @@ from shared.chunk_codec import chunk_key
 from shared.grpc_server import serve_grpc
 from shared.kv_layout import StoredPrefix
 from shared.proto import kvstore_pb2_grpc as pb_grpc
-from tests.unit.kvstore.pool.paths import DST, SRC, STRIDE, make_store, save
+from tests.unit.kvstore.engine_path.paths import DST, SRC, STRIDE, make_store, save
 from tests.unit.kvstore.pools import (
     BLOCK,
     CHUNK_TOKENS,

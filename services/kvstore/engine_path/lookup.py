@@ -1,4 +1,5 @@
-"""LookupPrefix: the longest prefix of a prompt whose KV is stored in every layer.
+"""LookupPrefix: the longest prefix of a prompt whose KV is stored in every layer
+(``find_stored_prefix``).
 
 Chunks are fixed on the block grid: chunk c covers blocks [c*C, min((c+1)*C, n)) of the
 sequence that was saved (C = blocks_per_chunk) and is keyed by its LAST block hash::
@@ -25,9 +26,9 @@ import asyncio
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
+from services.kvstore.engine_path.leases import Lease
 from services.kvstore.manifests import ManifestStore
 from services.kvstore.manifests.manifest import scoped_session
-from services.kvstore.pool.leases import Lease
 from services.kvstore.store import TieredStore
 from services.kvstore.tiers.base import Tier
 from shared.chunk_codec import ChunkCorrupt, chunk_key, read_meta
@@ -122,7 +123,7 @@ async def probe_chunk(
     return probe
 
 
-async def find_prefix(
+async def find_stored_prefix(
     store: TieredStore,
     tenant: str,
     model_fp: str,

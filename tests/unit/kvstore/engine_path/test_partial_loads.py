@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.kvstore.pool.copies import SKIP, block_runs
-from services.kvstore.pool.data_path import EnginePoolPath
-from tests.unit.kvstore.pool.paths import DST, SRC, STRIDE, _ssd_only, load, lookup, save
+from services.kvstore.engine_path.copies import SKIP, block_runs
+from services.kvstore.engine_path.data_path import EnginePoolPath
+from tests.unit.kvstore.engine_path.paths import DST, SRC, STRIDE, _ssd_only, load, lookup, save
 from tests.unit.kvstore.pools import LAYERS, fill, geometry, hashes, ids
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from services.kvstore.pool.data_path import EnginePoolPath
-from tests.unit.kvstore.pool.paths import make_store
+from services.kvstore.engine_path.data_path import EnginePoolPath
+from tests.unit.kvstore.engine_path.paths import make_store
 from tests.unit.kvstore.pools import (
     CHUNK_TOKENS,
     make_pool,

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.kvstore.pool.data_path import EnginePoolPath
-from services.kvstore.pool.types import LookupRequest
+from services.kvstore.engine_path.data_path import EnginePoolPath
+from services.kvstore.engine_path.types import LookupRequest
 from shared.chunk_codec import ChunkMeta, chunk_key
-from tests.unit.kvstore.pool.paths import (
+from tests.unit.kvstore.engine_path.paths import (
     DST,
     SRC,
     STRIDE,
@@ -86,7 +86,7 @@ async def test_ssd_chunks_are_read_straight_into_their_blocks(
     import os
     import threading
 
-    from services.kvstore.pool import load as pool_load
+    from services.kvstore.engine_path import load as pool_load
 
     pid, _ = await path.attach(geometry(pool))
     hs = hashes(40)

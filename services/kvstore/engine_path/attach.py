@@ -24,8 +24,8 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from services.kvstore.engine_path.copies import lazy_torch
 from services.kvstore.manifests.manifest import MAX_MODEL_LAYERS
-from services.kvstore.pool.copies import lazy_torch
 from shared.chunk_codec import DTYPE_NAMES, ChunkFormatError, chunk_key
 from shared.config import ConfigError
 from shared.kv_layout import block_bytes

@@ -16,12 +16,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Container
 
+from services.kvstore.engine_path.attach import MappedPool, PoolError, PoolRegistry
+from services.kvstore.engine_path.copies import encode_from_pool, to_the_end
+from services.kvstore.engine_path.types import SaveRequest, SaveResult
 from services.kvstore.manifests import Manifest, ManifestStore, manifest_key
 from services.kvstore.manifests.manifest import scoped_session
 from services.kvstore.manifests.manifest_store import SavedSequence
-from services.kvstore.pool.attach import MappedPool, PoolError, PoolRegistry
-from services.kvstore.pool.copies import encode_from_pool, to_the_end
-from services.kvstore.pool.types import SaveRequest, SaveResult
 from services.kvstore.store import TieredStore
 from shared.chunk_codec import ChunkMeta, chunk_key
 from shared.session_key import SessionKey

@@ -20,18 +20,14 @@ import logging
 from collections.abc import AsyncGenerator
 
 from services.kvstore.bandwidth import TierBandwidth
-from services.kvstore.manifests import ManifestStore
-from services.kvstore.peers.fetch import PeerFetch
-from services.kvstore.peers.find import answer_peer, ask_peer, release_quietly
-from services.kvstore.peers.links import PeerLinks, PulledKeys
-from services.kvstore.pool.attach import MappedPool, PoolError, PoolGeometry, PoolRegistry
-from services.kvstore.pool.copies import lazy_torch
-from services.kvstore.pool.fences import PoolOps
-from services.kvstore.pool.leases import Lease, LeaseTable
-from services.kvstore.pool.load import PEER, load_layers
-from services.kvstore.pool.lookup import Known, find_prefix, known_sequences
-from services.kvstore.pool.save import save_from_pool
-from services.kvstore.pool.types import (
+from services.kvstore.engine_path.attach import MappedPool, PoolError, PoolGeometry, PoolRegistry
+from services.kvstore.engine_path.copies import lazy_torch
+from services.kvstore.engine_path.fences import PoolOps
+from services.kvstore.engine_path.leases import Lease, LeaseTable
+from services.kvstore.engine_path.load import PEER, load_layers
+from services.kvstore.engine_path.lookup import Known, find_stored_prefix, known_sequences
+from services.kvstore.engine_path.save import save_from_pool
+from services.kvstore.engine_path.types import (
     FindRequest,
     FoundOnPeer,
     LayerLoaded,
@@ -40,6 +36,10 @@ from services.kvstore.pool.types import (
     SaveRequest,
     SaveResult,
 )
+from services.kvstore.manifests import ManifestStore
+from services.kvstore.peers.fetch import PeerFetch
+from services.kvstore.peers.find import answer_peer, ask_peer, release_quietly
+from services.kvstore.peers.links import PeerLinks, PulledKeys
 from services.kvstore.store import TieredStore
 from services.kvstore.tiers.base import Blob
 from shared.chunk_codec import chunk_key
@@ -176,7 +176,7 @@ class EnginePoolPath:
 
         async def search(first: int, last_tier: int | None, known: Known
                          ) -> tuple[int, list[KVSpan]]:
-            matched, found = await find_prefix(
+            matched, found = await find_stored_prefix(
                 store, req.tenant, req.model_fp, req.block_hashes, first, req.num_layers,
                 bpc, known.seqs, lease, last_tier, known.durable,
             )

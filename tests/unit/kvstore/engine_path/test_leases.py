@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.kvstore.pool.data_path import EnginePoolPath
-from services.kvstore.pool.types import LoadRequest
+from services.kvstore.engine_path.data_path import EnginePoolPath
+from services.kvstore.engine_path.types import LoadRequest
 from shared.chunk_codec import ChunkMeta, chunk_key
-from tests.unit.kvstore.pool.paths import (
+from tests.unit.kvstore.engine_path.paths import (
     DST,
     SRC,
     STRIDE,
@@ -92,7 +92,7 @@ async def test_a_lease_does_not_expire_while_a_load_uses_it(tmp_path: Path, pool
     """A slow load keeps its chunks pinned to the end, however long its lease_s was."""
     import dataclasses
 
-    from services.kvstore.pool.leases import HELD_FACTOR
+    from services.kvstore.engine_path.leases import HELD_FACTOR
 
     async with (
         make_store(tmp_path) as store,

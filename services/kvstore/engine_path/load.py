@@ -42,25 +42,25 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from services.kvstore.bandwidth import TierBandwidth
-from services.kvstore.errors import PeerFetchFailed
-from services.kvstore.pool.attach import MappedPool
-from services.kvstore.pool.copies import (
+from services.kvstore.engine_path.attach import MappedPool
+from services.kvstore.engine_path.copies import (
     SKIP,
     lazy_torch,
     payload_bufs,
     scatter_blocks,
     to_the_end,
 )
-from services.kvstore.pool.leases import Lease
-from services.kvstore.pool.load_checks import (
+from services.kvstore.engine_path.leases import Lease
+from services.kvstore.engine_path.load_checks import (
     LoadFailed,
     check_chunk,
     check_decoded,
     check_request,
     key_prefixes,
 )
-from services.kvstore.pool.peer_load import read_peer_layer
-from services.kvstore.pool.types import LayerLoaded, LoadRequest
+from services.kvstore.engine_path.peer_load import read_peer_layer
+from services.kvstore.engine_path.types import LayerLoaded, LoadRequest
+from services.kvstore.errors import PeerFetchFailed
 from services.kvstore.store import TieredStore, chunk_tier_key
 from services.kvstore.tiers.base import Stored
 from shared.chunk_codec import (
