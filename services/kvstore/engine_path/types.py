@@ -17,7 +17,7 @@ class LookupRequest:
     num_layers: int
     peer_address: str = ""  # the kvstore that served the session's last turn ("" = none)
     peer_wait_tokens: int = 0  # that turn's length: the peer waits for its save
-    whole_session: bool = False  # the prompt is the session's stored sequence (a prefetch)
+    whole_session: bool = False  # the prompt is the session's stored sequence (device prefetch)
 
 
 @dataclass(frozen=True)

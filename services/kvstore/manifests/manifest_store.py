@@ -250,7 +250,7 @@ class ManifestStore:
         task.add_done_callback(functools.partial(self._manifest_done, sid))
 
     def adopt(self, manifest: Manifest, deleted_before: int | None) -> bool:
-        """A session's chunks were copied here (an advisory prefetch): lookups see its
+        """A session's chunks were copied here (staged for an advisory): lookups see its
         sequence as this node's own. No manifest is written: its holder writes that. Not
         when the session was deleted since ``deleted_before`` (``deletions()`` taken when
         the copy began) or this node already knows as long a sequence of it (a turn that

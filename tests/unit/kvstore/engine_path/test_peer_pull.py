@@ -16,8 +16,8 @@ from services.kvstore.engine_path.data_path import EnginePoolPath
 from services.kvstore.engine_path.types import LoadRequest, LookupRequest
 from services.kvstore.manifests import ManifestStore
 from services.kvstore.peers.data_plane import ChunkServer
-from services.kvstore.prefetch import prefetch_session
 from services.kvstore.service import KVStoreService
+from services.kvstore.staging import stage_session
 from services.kvstore.store.checksum_work import sealed
 from shared.chunk_codec import chunk_key
 from shared.grpc_server import serve_grpc
@@ -151,9 +151,9 @@ async def test_the_peer_waits_for_its_save_in_flight(tmp_path: Path) -> None:
         assert 0.2 < waited < 5.0
 
 
-async def test_an_advisory_s_prefetch_waits_for_the_turn_s_save(tmp_path: Path) -> None:
+async def test_an_advisory_s_staging_waits_for_the_turn_s_save(tmp_path: Path) -> None:
     """An advisory sent the moment a turn ends (its save still running on the node that
-    served it) prefetches the whole turn, from the peer or from this node's own save."""
+    served it) stages the whole turn, from the peer or from this node's own save."""
     async with AsyncExitStack() as stack:
         a = await node(stack, tmp_path / "a", serve=True, save_delay_s=0.4)
         b = await node(stack, tmp_path / "b", serve=False, save_delay_s=0.4)
@@ -162,19 +162,19 @@ async def test_an_advisory_s_prefetch_waits_for_the_turn_s_save(tmp_path: Path) 
         saving = asyncio.create_task(save(a.path, a.pid, hs))  # lands 0.4 s from now
         await asyncio.sleep(0.05)
         turn = 40 * BLOCK + 4  # (the save records the tokens with KV: all but the last)
-        r = await prefetch_session(b.path.manifests, TENANT, "sess", a.address,
-                                   wait_tokens=turn, model_fp=MODEL)
+        r = await stage_session(b.path.manifests, TENANT, "sess", a.address,
+                                wait_tokens=turn, model_fp=MODEL)
         await saving
         assert r.found and r.chunks == 3 * LAYERS and not r.missing, r
         # Without the turn's length the peer answers at once, with what it has.
-        r = await prefetch_session(b.path.manifests, TENANT, "other", a.address, model_fp=MODEL)
+        r = await stage_session(b.path.manifests, TENANT, "other", a.address, model_fp=MODEL)
         assert not r.found
         # Served here: this node's own save in flight is waited for the same way.
         fill(b.pool, ids(0, 40, SRC, STRIDE), seed=6)
         saving = asyncio.create_task(save(b.path, b.pid, hs, session="here"))
         await asyncio.sleep(0.05)
-        r = await prefetch_session(b.path.manifests, TENANT, "here", wait_tokens=turn,
-                                   model_fp=MODEL)
+        r = await stage_session(b.path.manifests, TENANT, "here", wait_tokens=turn,
+                                model_fp=MODEL)
         await saving
         assert r.found and not r.missing, r
 

@@ -1,17 +1,20 @@
-"""Advisory prefetch (Symphony §3.3, DESIGN §3 step 3): bring a session's newest KV into
-this kvstore's DRAM before its next request arrives, lowest layer first.
+"""Staging a session into DRAM for an advisory (Symphony §3.3, DESIGN §3 step 3): bring
+its newest KV into this kvstore's DRAM before its next request arrives, lowest layer first
+(the ``PrefetchSession`` RPC; the nodemgr's ``AdvisoryPrefetcher`` asks for it, the
+engine's device prefetch reads from here afterwards).
 
 From the peer that served the session's last turn when one is named (its manifest and
 chunks, streamed layer by layer: ``peers/pull.py``), else (or when the peer fails) from
 this node's own tiers, the shared S3 tier included: each chunk read is promoted into DRAM.
 The request later finds the chunks by its prompt's content hashes, like any reuse; nothing
 here trusts the session id beyond naming what to fetch. A request that arrives while its
-session's prefetch still runs (a short lead time) waits for it, briefly, rather than fetch
-the same chunks a second time alongside it (``InFlight.join``), unless it names the very
-peer the prefetch pulls from: it then streams from that peer straight into its blocks,
+session is still being staged (a short lead time) waits for it, briefly, rather than fetch
+the same chunks a second time alongside it (``SessionStager.join``), unless it names the
+very peer the staging pulls from: it then streams from that peer straight into its blocks,
 layer by layer under its forward pass, which beats waiting for a DRAM copy to finish and
 copying it again (measured: 0.25 s ahead, 381 ms against 242 ms without an advisory), and
-the prefetch is stopped (``InFlight.stop``) so the two do not compete for the peer.
+the staging is stopped (``SessionStager.stop_pull_from``) so the two do not compete for
+the peer.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from shared.session_key import SessionKey
 log = logging.getLogger(__name__)
 
 
-async def prefetch_session(
+async def stage_session(
     manifests: ManifestStore,
     tenant: str,
     session_id: str,
@@ -58,11 +61,11 @@ async def prefetch_session(
                 if result.manifest is not None:  # lookups here find its chunks
                     manifests.adopt(result.manifest, deleted_before)
                 return result
-            log.info("prefetch of %s/%s from peer %s: %s; trying this node's tiers",
+            log.info("staging of %s/%s from peer %s: %s; trying this node's tiers",
                      tenant, session_id, peer,
                      result.detail or f"{result.missing} chunks missing")
         except TierUnavailable as e:
-            log.info("prefetch of %s/%s: peer %s failed (%s); trying this node's tiers",
+            log.info("staging of %s/%s: peer %s failed (%s); trying this node's tiers",
                      tenant, session_id, peer, e)
     elif wait_tokens:
         await manifests.saves.wait(SessionKey(tenant, session_id), wait_tokens, wait_s, turn=True)
@@ -100,8 +103,9 @@ async def _from_own_tiers(
     return result
 
 
-class InFlight:
-    """Prefetches running here, by (tenant, session)."""
+class SessionStager:
+    """The stagings running here, one per session: ``run`` one, let a lookup ``join`` it,
+    or stop one that pulls from the lookup's own peer (``stop_pull_from``)."""
 
     def __init__(self) -> None:
         self._running: dict[SessionKey, asyncio.Future[PullResult]] = {}
@@ -109,6 +113,8 @@ class InFlight:
 
     async def run(self, tenant: str, session_id: str, work: Awaitable[PullResult],
                   peer: str = "") -> PullResult:
+        """Run ``work`` as the session's staging (pulling from ``peer``, if named): its
+        result, or an empty one when a lookup stopped it (``stop_pull_from``)."""
         fut: asyncio.Future[PullResult] = asyncio.ensure_future(work)
         key = SessionKey(tenant, session_id)
         self._running[key] = fut
@@ -126,7 +132,7 @@ class InFlight:
                 del self._peer[key]
 
     def stop_pull_from(self, tenant: str, session_id: str, peer: str) -> bool:
-        """Stop the session's prefetch if it pulls from ``peer`` (its request streams from
+        """Stop the session's staging if it pulls from ``peer`` (its request streams from
         there itself); whether one was stopped."""
         key = SessionKey(tenant, session_id)
         fut = self._running.get(key)
@@ -136,12 +142,12 @@ class InFlight:
         return True
 
     async def join(self, tenant: str, session_id: str, budget_s: float) -> bool:
-        """Wait up to ``budget_s`` for the session's prefetch to end (True if it did, or
+        """Wait up to ``budget_s`` for the session's staging to end (True if it did, or
         none ran)."""
         fut = self._running.get(SessionKey(tenant, session_id))
         if fut is None or fut.done():
             return True
-        # (never raises for the prefetch: its failure or cancellation is its caller's)
+        # (never raises for the staging: its failure or cancellation is its caller's)
         await asyncio.wait({fut}, timeout=budget_s)
         return fut.done()
 
