@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any, cast
 
+from services.nodemgr.advisory_prefetcher import Advice
 from services.nodemgr.engine_set import UnknownModel
 from services.nodemgr.grpc_service import NodeManagerServicer
-from services.nodemgr.prefetcher import Advice
 from shared.proto import nodemgr_pb2
 
 

@@ -1,14 +1,15 @@
-"""The node's half of an advisory (Symphony §3.3, §3.4): move the advised session's KV into
-place, in two hops.
+"""The node's half of an advisory (Symphony §3.3, §3.4): decide what to move for it and
+move the advised session's KV into place, in two hops.
 
-``Advise`` answers at once and prefetches in the background:
+``Advise`` answers at once; ``AdvisoryPrefetcher`` prefetches in the background:
 
-    1. the node's kvstore pulls the session's newest KV into its DRAM, lowest layer first,
+    1. the node's kvstore stages the session's newest KV in its DRAM, lowest layer first,
        from the kvstore that holds it (the scheduler names it) or else from its own tiers
-       and the shared S3 tier (``PrefetchSession``);
+       and the shared S3 tier (``KVStore.PrefetchSession``, the kvstore's ``staging.py``);
     2. the engine copies it from there into device blocks it is not using, lower layers
-       of every advised session before higher layers of any (``Engine.Prefetch``); the
-       engine purges those blocks itself when running requests need them.
+       of every advised session before higher layers of any (``Engine.Prefetch``, the
+       engine's device prefetch); the engine purges those blocks itself when running
+       requests need them.
 
 A few prefetches run at a time. ``Invalidate`` stops one still running and tells the
 engine: an invalidated advisory's device blocks are freed at once, an expired one's become
@@ -39,6 +40,8 @@ MAX_REMEMBERED = 10_000  # advisories remembered for their end
 
 @dataclass(frozen=True)
 class Advice:
+    """An advisory as this node received it (``AdviseRequest``)."""
+
     advisory_id: str
     tenant: str
     session_id: str
@@ -50,7 +53,10 @@ class Advice:
     model: str = ""  # the model it will use: its engine takes the KV ("": the first)
 
 
-class Prefetcher:
+class AdvisoryPrefetcher:
+    """The advisories this node took, each prefetched in two hops (see the module doc),
+    until it is followed by a request, invalidated or expires."""
+
     def __init__(self, kvstore_address: str, timeout_s: float, concurrency: int = 4,
                  engines: Callable[[str], engine_pb2_grpc.EngineStub | None] | None = None,
                  metrics: NodeMgrMetrics | None = None,
@@ -83,7 +89,8 @@ class Prefetcher:
             gone = self._advice.pop(next(iter(self._advice)))
             if self._by_session.get(SessionKey(gone.tenant, gone.session_id)) == gone.advisory_id:
                 del self._by_session[SessionKey(gone.tenant, gone.session_id)]
-        task = asyncio.create_task(self._prefetch(advice), name=f"prefetch-{advice.session_id}")
+        task = asyncio.create_task(self._stage_then_fill(advice),
+                                   name=f"prefetch-{advice.session_id}")
         self._running[advice.advisory_id] = task
         task.add_done_callback(lambda t: self._done(advice.advisory_id, t))
         return True
@@ -137,7 +144,8 @@ class Prefetcher:
         if self._running.get(advisory_id) is task:
             del self._running[advisory_id]
 
-    async def _prefetch(self, a: Advice) -> None:
+    async def _stage_then_fill(self, a: Advice) -> None:
+        """Hop 1: the kvstore stages the session in its DRAM; then hop 2."""
         assert self.stub is not None
         request = kvstore_pb2.PrefetchSessionRequest(
             session=kvstore_pb2.ManifestRef(tenant=a.tenant or DEFAULT_TENANT,
@@ -165,9 +173,9 @@ class Prefetcher:
         else:
             log.info("advisory %s: nothing new stored for session %s (%s)", a.advisory_id,
                      a.session_id, reply.detail)
-        await self._into_device(a)
+        await self._fill_device(a)
 
-    async def _into_device(self, a: Advice) -> None:
+    async def _fill_device(self, a: Advice) -> None:
         """Hop 2: the engine takes the session's KV from the kvstore into free device
         blocks (it may hold the session already even when hop 1 found nothing new)."""
         engine = self._engines(a.model)
