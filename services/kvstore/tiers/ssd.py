@@ -82,20 +82,20 @@ class SsdTier(IndexedTtl, Tier):
         self._nowait = hasattr(os, "RWF_NOWAIT")
         self._read_flags = os.O_RDONLY | os.O_CLOEXEC | _O_NOATIME
         self._db: Rdict | None = None
-        self._pool: ThreadPoolExecutor | None = None
+        self._executor: ThreadPoolExecutor | None = None
         self._write_lock = asyncio.Lock()
         self._error = ""
 
     # ---------------------------------------------------------------- lifecycle
 
     async def open(self) -> None:
-        self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="kv-ssd")
+        self._executor = ThreadPoolExecutor(self._threads, thread_name_prefix="kv-ssd")
         try:
             self._db, entries, orphans, self._dir_fd = await self._run(
                 open_catalog, self.path, self._blob_dir, self.cache_bytes, self.sync)
         except BaseException:
-            self._pool.shutdown(wait=False)
-            self._pool = None
+            self._executor.shutdown(wait=False)
+            self._executor = None
             raise
         for key, (size, prio, touched, file_no) in entries.items():
             self._index.add(key, size, prio, touched)
@@ -112,17 +112,17 @@ class SsdTier(IndexedTtl, Tier):
             db, self._db = self._db, None  # refuse the close while it holds the DB)
         if db is not None:
             await self._run(db.close)
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
         if self._dir_fd >= 0:
             os.close(self._dir_fd)
             self._dir_fd = -1
 
     async def _run(self, fn: Any, *args: Any) -> Any:
-        if self._pool is None:
+        if self._executor is None:
             raise TierUnavailable("ssd tier is closed")
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     async def _run_settled(self, fn: Any, *args: Any) -> bool:
         """``_run`` for writes: if the caller is cancelled meanwhile, wait for the thread

@@ -125,8 +125,8 @@ def test_cached_header_parts_give_each_chunk_its_own_header_from_any_thread() ->
 
     cases = [(meta(f"s{i % 3}", i, layer=(i * 37) % 300, blocks=1 + i % 20), kv_tensor(i % 4))
              for i in range(64)]
-    with ThreadPoolExecutor(4) as pool:
-        blobs = list(pool.map(lambda c: encode_chunk(*c), cases * 4))
+    with ThreadPoolExecutor(4) as executor:
+        blobs = list(executor.map(lambda c: encode_chunk(*c), cases * 4))
     for (m, t), blob in zip(cases * 4, blobs, strict=True):
         c = decode_chunk(blob)
         assert c.meta == m and torch.equal(c.tensor, t)
