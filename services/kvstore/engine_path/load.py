@@ -5,9 +5,9 @@
     replies:                  L0 ok     L1 ok ...    the engine's layer l may start now
 
 A chunk read from a tier below DRAM is verified, checked and put in place where it is
-read (``_CopyOnRead``; an SSD chunk goes from its file straight into its blocks), so its
-layer needs no copy step; chunks the lease holds in DRAM are checked on the loop and
-copied by one worker-thread call per layer.
+read (``copy_on_read.CopyOnRead``; an SSD chunk goes from its file straight into its
+blocks), so its layer needs no copy step; chunks the lease holds in DRAM are checked on the
+loop and copied by one worker-thread call per layer.
 
 Target blocks are layer-major: span k's blocks of layer l go to
 ``block_ids[l * n + off_k : l * n + off_k + use_k]`` with n = sum(use) and off_k the sum
@@ -20,7 +20,7 @@ block of a layer skipped is not read for that layer. Inside its chunk a span sta
     span first_block=40, use=5:  offset 8 ─┘└─ copies these 5 blocks
 
 A chunk file the lease named is read head and payload at once, and the head compared
-byte for byte with the one expected for exactly that chunk (``_CopyOnRead._read_known``);
+byte for byte with the one expected for exactly that chunk (``CopyOnRead._read_known``);
 any other chunk has its header parsed and checked (key, header hashes, shape, dtype)
 before its payload is read. Either way a read straight into the blocks is verified
 against its checksum after (a corrupt chunk is then overwritten by the tier below's copy,
@@ -33,7 +33,6 @@ after the call ends: a cancelled load waits for the copies under way.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections import deque
@@ -43,17 +42,11 @@ from typing import TYPE_CHECKING
 
 from services.kvstore.bandwidth import TierBandwidth
 from services.kvstore.engine_path.attach import MappedPool
-from services.kvstore.engine_path.copies import (
-    SKIP,
-    lazy_torch,
-    payload_bufs,
-    scatter_blocks,
-    to_the_end,
-)
+from services.kvstore.engine_path.copies import SKIP, scatter_blocks, to_the_end
+from services.kvstore.engine_path.copy_on_read import CopyOnRead, no_payload
 from services.kvstore.engine_path.leases import Lease
 from services.kvstore.engine_path.load_checks import (
     LoadFailed,
-    check_chunk,
     check_decoded,
     check_request,
     key_prefixes,
@@ -61,21 +54,8 @@ from services.kvstore.engine_path.load_checks import (
 from services.kvstore.engine_path.peer_load import read_peer_layer
 from services.kvstore.engine_path.types import LayerLoaded, LoadRequest
 from services.kvstore.errors import PeerFetchFailed
-from services.kvstore.store import TieredStore, chunk_tier_key
-from services.kvstore.tiers.base import Stored
-from shared.chunk_codec import (
-    Chunk,
-    ChunkCorrupt,
-    ChunkFormatError,
-    ChunkHead,
-    ChunkMeta,
-    ExpectedHead,
-    decode_chunk,
-    head_length,
-    parse_head,
-    verify_chunk,
-    verify_parts,
-)
+from services.kvstore.store import TieredStore
+from shared.chunk_codec import Chunk, ChunkCorrupt, ChunkMeta, decode_chunk
 from shared.kv_layout import KVSpan
 
 if TYPE_CHECKING:
@@ -84,7 +64,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PEER = "peer"  # the tier name of chunks pulled from another node's kvstore
-_HEAD_READ = 4096  # a chunk's preamble and header: ~50 bytes per block hash plus ~100
 
 
 @dataclass
@@ -95,147 +74,7 @@ class Part:
     tier: str
     nbytes: int
     read_s: float
-    copy_s: float | None = None  # set when the tier read copied it already (_CopyOnRead)
-
-
-@functools.cache
-def _no_payload() -> torch.Tensor:
-    """The tensor of a chunk read straight into pool blocks (never written: shared)."""
-    return lazy_torch().empty(0)
-
-
-class _CopyOnRead:
-    """The ``check`` a layer's tier reads run where they are read (inline for a page-cache
-    hit, else on the reading thread): verify the chunk, check it against the request, and
-    put its blocks in place.
-
-    A chunk in a file of a host-memory pool's kvstore is read straight into its target
-    blocks (``preadv``: header first, checked, then the payload, then the checksum over
-    what was read), one copy in all. A chunk already in memory (RocksDB's small values,
-    S3, a device pool) is verified and decoded first, then scattered while its bytes are
-    still in the CPU's cache. Either way this spares the event loop the work and the layer
-    a second thread hop: the load's CPU time is what its overlap with the forward pass is
-    up against on a CPU pool.
-
-    A chunk that fails its checksum raises ``ChunkCorrupt`` (the store deletes that copy
-    and reads the tier below, whose copy then overwrites the blocks). Any other problem is
-    found before anything is copied and recorded in ``refused``: the layer fails, the
-    engine recomputes it, and the blocks written by the layer's other chunks are never
-    indexed.
-    """
-
-    def __init__(self, kv: torch.Tensor, req: LoadRequest, layer: int, pool: MappedPool,
-                 bpc: int, lease: Lease | None, targets: dict[bytes, tuple[KVSpan, list[int]]],
-                 keys: dict[bytes, str]) -> None:
-        self.kv, self.req, self.layer, self.pool, self.bpc = kv, req, layer, pool, bpc
-        self.lease = lease
-        self.targets = targets  # chunk hash -> (span, target block ids)
-        self.keys = keys  # chunk hash -> key of its chunk in this layer
-        self.by_tier_key = {chunk_tier_key(k): h for h, k in keys.items()}
-        self.copied: dict[bytes, float] = {}  # chunk hash -> seconds copying
-        self.refused: dict[bytes, str] = {}
-
-    def __call__(self, hit: Stored) -> Chunk:
-        dest = self.pool.host_bytes
-        if hit.kept is None and dest is not None:
-            return self._read_into_blocks(hit, dest)
-        chunk = decode_chunk(hit.blob())  # ChunkCorrupt propagates to the store
-        target = self._target(chunk.meta, tuple(chunk.tensor.shape),
-                              str(chunk.tensor.dtype).removeprefix("torch."))
-        if target is not None:
-            span, ids = target
-            try:
-                t0 = time.perf_counter()
-                scatter_blocks(self.kv, chunk.tensor, span.first_block % self.bpc, ids)
-                self.copied[span.chunk_hash] = time.perf_counter() - t0
-            except Exception as e:  # never out of the tier's read: it fails the whole batch
-                self.refused[span.chunk_hash] = f"layer {self.layer}: copy failed: {e}"
-        return chunk
-
-    def _target(self, meta: ChunkMeta, shape: tuple[int, ...], dtype: str
-                ) -> tuple[KVSpan, list[int]] | None:
-        """The span and blocks this chunk goes to, or None (refused, reason recorded)."""
-        last = meta.block_hashes[-1]
-        try:
-            target = self.targets.get(last)
-            if target is None:
-                raise LoadFailed(f"layer {self.layer}: a read chunk is not one of the request's")
-            span = target[0]
-            check_chunk(meta, shape, dtype, self.req, span, self.layer, self.pool, self.bpc,
-                         self.lease.expected.get(self.keys[last]) if self.lease else None)
-            return target
-        except LoadFailed as e:
-            self.refused[last] = str(e)
-            return None
-
-    def _read_into_blocks(self, hit: Stored, dest: memoryview) -> Chunk:
-        known = self._read_known(hit, dest)
-        if known is not None:
-            return known
-        prefix = hit.read(0, _HEAD_READ)
-        need = head_length(prefix)  # ChunkCorrupt propagates
-        if len(prefix) < min(need, hit.nbytes):
-            prefix = hit.read(0, need)
-        head = parse_head(prefix, hit.nbytes)
-        target = self._target(head.meta, head.shape, head.dtype)
-        if target is None:
-            return Chunk(head.meta, _no_payload())
-        span, ids = target
-        t0 = time.perf_counter()
-        bufs = self._payload_bufs(span, len(head.meta.block_hashes), ids, dest)
-        hit.readinto(head.payload_offset, bufs)
-        return self._verified(hit, head, span, bufs, t0)
-
-    def _read_known(self, hit: Stored, dest: memoryview) -> Chunk | None:
-        """The chunk the lease names for this key, read head and payload in one ``preadv``
-        and recognised by its head's bytes (``ExpectedHead``: nothing to parse or check);
-        None if it is not that (the general read then parses the head, refuses it with a
-        reason or reads it again). What that read put in the blocks is harmless: they are
-        the request's own, and no layer is reported loaded from them."""
-        h = self.by_tier_key.get(hit.key)
-        if h is None or self.lease is None:
-            return None
-        hashes = self.lease.expected.get(self.keys[h])
-        span, ids = self.targets[h]
-        if (hashes is None or hashes[-1] != h or len(hashes) > self.bpc
-                or len(hashes) < span.first_block % self.bpc + len(ids)):
-            return None
-        t0 = time.perf_counter()
-        g = self.pool.geometry
-        try:
-            want = ExpectedHead(
-                ChunkMeta(self.req.tenant, self.req.model_fp, self.layer, hashes), g.dtype,
-                (len(hashes), 2, g.block_size, g.num_kv_heads, g.head_dim))
-        except ChunkFormatError:  # hashes no chunk can have (the lookup's prompt is the
-            return None  # client's): the general path refuses the chunk with its reason
-        if hit.nbytes != want.payload_offset + want.nbytes:
-            return None
-        lead = bytearray(want.payload_offset)
-        bufs = self._payload_bufs(span, len(hashes), ids, dest)
-        hit.readinto(0, [memoryview(lead), *bufs])
-        head = want.match(lead, hit.nbytes)
-        return None if head is None else self._verified(hit, head, span, bufs, t0)
-
-    def _payload_bufs(self, span: KVSpan, chunk_blocks: int, ids: list[int],
-                      dest: memoryview) -> list[memoryview]:
-        return payload_bufs(self.pool.geometry.block_bytes, span, self.bpc, chunk_blocks,
-                            ids, dest)
-
-    def _verified(self, hit: Stored, head: ChunkHead, span: KVSpan,
-                  bufs: list[memoryview], t0: float) -> Chunk:
-        empty = Chunk(head.meta, _no_payload())  # the blocks hold the data
-        try:
-            verify_parts(head, bufs)
-        except ChunkCorrupt:
-            # What failed is the copy in the pool's blocks, which something else may have
-            # written while they were read. Only the file's own bytes may condemn it (the
-            # store deletes a copy that raises here): check them apart.
-            verify_chunk(hit.blob())
-            self.refused[span.chunk_hash] = (
-                f"layer {self.layer}: the target blocks changed while the chunk was read")
-            return empty
-        self.copied[span.chunk_hash] = time.perf_counter() - t0
-        return empty
+    copy_s: float | None = None  # set when the tier read copied it already (CopyOnRead)
 
 
 async def _read_layer(
@@ -244,7 +83,7 @@ async def _read_layer(
 ) -> list[Part]:
     """Every span's chunk of ``layer``: the lease's DRAM copies first (checked here, copied
     later by ``_finish_copy``), the rest in one batched search of the tiers, checked and
-    copied on the thread that reads them (``_CopyOnRead``). A span whose blocks in this
+    copied on the thread that reads them (``CopyOnRead``). A span whose blocks in this
     layer are all ``SKIP`` is already on the device: nothing of it is read."""
     t0 = time.perf_counter()
     all_keys = [key_prefixes[s.chunk_hash] + str(layer) for s in req.spans]
@@ -266,7 +105,7 @@ async def _read_layer(
     for j, key in enumerate(keys):
         if key in pulled:  # read straight into its blocks off the peer's stream
             found.append((Chunk(ChunkMeta(req.tenant, req.model_fp, layer,
-                                          (spans[j].chunk_hash,)), _no_payload()), PEER))
+                                          (spans[j].chunk_hash,)), no_payload()), PEER))
             continue
         held = lease.blobs.get(key) if lease is not None else None
         if held is None:
@@ -277,7 +116,7 @@ async def _read_layer(
             found.append((decode_chunk(held, verify=False), store.dram.name))
         except ChunkCorrupt as e:
             raise LoadFailed(f"layer {layer}: chunk {key} is corrupt: {e}") from None
-    copier = _CopyOnRead(pool.kv, req, layer, pool, bpc, lease, targets,
+    copier = CopyOnRead(pool.kv, req, layer, pool, bpc, lease, targets,
                          {s.chunk_hash: k for s, k in zip(spans, keys, strict=True)})
     copier.copied.update({spans[j].chunk_hash: s for j, k in enumerate(keys)
                           if (s := pulled.get(k)) is not None})

@@ -86,7 +86,8 @@ async def test_ssd_chunks_are_read_straight_into_their_blocks(
     import os
     import threading
 
-    from services.kvstore.engine_path import load as pool_load
+    from services.kvstore.engine_path import copy_on_read
+    from services.kvstore.engine_path import load as load_mod
 
     pid, _ = await path.attach(geometry(pool))
     hs = hashes(40)
@@ -95,7 +96,7 @@ async def test_ssd_chunks_are_read_straight_into_their_blocks(
     ssd._nowait = nowait and ssd._nowait
     scattered: list[str] = []
     reads: list[str] = []
-    real_scatter, real_preadv = pool_load.scatter_blocks, os.preadv
+    real_scatter, real_preadv = load_mod.scatter_blocks, os.preadv
 
     def spy_scatter(*a, **kw):
         scattered.append(threading.current_thread().name)
@@ -105,7 +106,8 @@ async def test_ssd_chunks_are_read_straight_into_their_blocks(
         reads.append(threading.current_thread().name)
         return real_preadv(*a, **kw)
 
-    monkeypatch.setattr(pool_load, "scatter_blocks", spy_scatter)
+    monkeypatch.setattr(load_mod, "scatter_blocks", spy_scatter)
+    monkeypatch.setattr(copy_on_read, "scatter_blocks", spy_scatter)
     monkeypatch.setattr(os, "preadv", spy_preadv)
     r = await lookup(path, hs)
     msgs = await load(path, pid, r, ids(0, 40, DST, STRIDE))
