@@ -20,8 +20,8 @@ from services.kvstore.engine_path.attach import MappedPool, PoolError, PoolRegis
 from services.kvstore.engine_path.copies import encode_from_pool, to_the_end
 from services.kvstore.engine_path.types import SaveRequest, SaveResult
 from services.kvstore.manifests import Manifest, ManifestStore, manifest_key
+from services.kvstore.manifests.latest import SavedSequence
 from services.kvstore.manifests.manifest import scoped_session
-from services.kvstore.manifests.manifest_store import SavedSequence
 from services.kvstore.store import TieredStore
 from shared.chunk_codec import ChunkMeta, chunk_key
 from shared.session_key import SessionKey

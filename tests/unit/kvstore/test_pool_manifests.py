@@ -13,7 +13,7 @@ import pytest
 from services.kvstore.engine_path import save as save_mod
 from services.kvstore.engine_path.data_path import EnginePoolPath
 from services.kvstore.engine_path.types import SaveRequest
-from services.kvstore.manifests import manifest_store as manifest_store_mod
+from services.kvstore.manifests import latest as latest_mod
 from services.kvstore.manifests.manifest import scoped_session
 from services.kvstore.metrics import KVStoreMetrics
 from services.kvstore.store import TieredStore
@@ -122,7 +122,7 @@ async def test_a_session_deleted_while_a_save_runs_is_not_brought_back(
         await saving
         await dp.wait_manifests()
         assert await dp.manifests.get_manifest(TENANT, scoped_session("s", MODEL)) is None
-        assert (TENANT, "s") not in dp.manifests._latest
+        assert (TENANT, "s") not in dp.manifests.sequences
         await dp.save(request(pid, hashes(20)))  # a save after the delete is remembered
         await dp.wait_manifests()
         assert await dp.manifests.get_manifest(TENANT, scoped_session("s", MODEL)) is not None
@@ -137,23 +137,23 @@ async def test_a_refused_save_stores_and_remembers_nothing(pool) -> None:
                     {"tenant": "", "first_block": 16, "block_ids": tuple(ids(16, 4, 0, 64))}):
             with pytest.raises(ChunkFormatError):
                 await dp.save(request(pid, hs, **bad))
-        assert store.stats()[0].entries == 0 and not dp.manifests._latest
+        assert store.stats()[0].entries == 0 and not dp.manifests.sequences
         await dp.wait_manifests()
 
 
 async def test_remembered_sequences_are_bounded_by_their_hashes(
     pool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(manifest_store_mod, "LATEST_HASHES", 50)
+    monkeypatch.setattr(latest_mod, "LATEST_HASHES", 50)
     store = TieredStore([DramTier(1 << 24)], KVStoreMetrics())
     async with store, EnginePoolPath(store, CHUNK_TOKENS) as dp:
         pid, _ = await dp.attach(geometry(pool))
         for i in range(4):  # 16 hashes each, nothing to copy (first_block = all)
             await dp.save(request(pid, hashes(16, tag=f"t{i}"), session=f"s{i}",
                                   first_block=16, block_ids=()))
-        assert list(dp.manifests._latest) == [(TENANT, scoped_session(f"s{i}", MODEL))
-                                              for i in (1, 2, 3)]
-        assert dp.manifests._latest_hashes == 48
+        assert list(dp.manifests.sequences) == [(TENANT, scoped_session(f"s{i}", MODEL))
+                                                for i in (1, 2, 3)]
+        assert dp.manifests.sequences.hashes == 48
         await dp.wait_manifests()
 
 
