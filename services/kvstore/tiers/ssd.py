@@ -19,7 +19,6 @@ names are deleted at open (``ssd_catalog``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -52,6 +51,7 @@ from services.kvstore.tiers.ssd_files import (
     NoWaitUnsupported,
     WouldBlock,
     read_blocking,
+    write_blocking,
 )
 
 log = logging.getLogger(__name__)
@@ -285,8 +285,7 @@ class SsdTier(IndexedTtl, Tier):
                 batch.put(META_PREFIX + kb, msgpack.packb([len(blob), priority, now, file_no]))
             dropped = [self._files[k] for k in [*victims, key] if k in self._files]
             try:
-                cancelled = await self._run_settled(
-                    self._write_blocking, db, batch, file_no, blob, dropped)
+                cancelled = await self._write(db, batch, file_no, blob, dropped)
             except (TierUnavailable, asyncio.CancelledError):
                 raise
             except Exception as e:  # disk full, I/O error
@@ -306,34 +305,13 @@ class SsdTier(IndexedTtl, Tier):
                 raise asyncio.CancelledError
             return victims
 
-    def _write_blocking(self, db: Rdict, batch: WriteBatch, file_no: int | None, blob: Blob,
-                        dropped: list[int]) -> None:
-        """The blob's file (complete, and fsynced with its directory entry when ``sync``),
-        then the catalog batch, then the files it no longer names (see the module doc)."""
-        if file_no is not None:
-            path = self._file(file_no)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            try:  # from here on the file is ours to remove if the put fails
-                try:
-                    view = memoryview(blob)
-                    while view:
-                        view = view[os.write(fd, view):]
-                    if self.sync:
-                        os.fsync(fd)
-                finally:
-                    os.close(fd)
-                if self.sync:
-                    os.fsync(self._dir_fd)
-                db.write(batch)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-                raise
-        else:
-            db.write(batch)
-        for no in dropped:
-            with contextlib.suppress(OSError):
-                os.unlink(self._file(no))
+    async def _write(self, db: Rdict, batch: WriteBatch, file_no: int | None, blob: Blob,
+                     dropped: list[int]) -> bool:
+        """The blob's file (if ``file_no``), the catalog batch, then the dropped files, on
+        a thread, settled (see ``_run_settled``; ``write_blocking``)."""
+        return await self._run_settled(
+            write_blocking, db, batch, None if file_no is None else self._file(file_no),
+            blob, [self._file(no) for no in dropped], self.sync, self._dir_fd)
 
     async def contains(self, key: str) -> bool:
         return key in self._index
@@ -357,9 +335,8 @@ class SsdTier(IndexedTtl, Tier):
             batch.delete(VALUE_PREFIX + key.encode())
             batch.delete(META_PREFIX + key.encode())
             try:
-                cancelled = await self._run_settled(
-                    self._write_blocking, db, batch, None, b"",
-                    [] if file_no is None else [file_no])
+                cancelled = await self._write(db, batch, None, b"",
+                                              [] if file_no is None else [file_no])
             except asyncio.CancelledError:
                 raise
             except Exception as e:

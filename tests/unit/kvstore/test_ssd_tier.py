@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from services.kvstore.tiers import SsdTier
+from services.kvstore.tiers import ssd as ssd_module
 from shared.chunk_codec import ChunkCorrupt, decode_chunk, encode_chunk
 from tests.unit.kvstore.chunks import (
     kv_tensor,
@@ -182,14 +183,14 @@ async def test_ssd_put_cancelled_mid_write_leaves_index_and_disk_agreeing(
         old, new = (bytes(encode_chunk(meta("s", 0, 0), kv_tensor(v, tokens=64))) for v in (1, 2))
         await ssd.put("a", old)
         started, release = threading.Event(), threading.Event()
-        real = ssd._write_blocking
+        real = ssd_module.write_blocking
 
         def slow(*args):
             started.set()
             release.wait(10)
             return real(*args)
 
-        monkeypatch.setattr(ssd, "_write_blocking", slow)
+        monkeypatch.setattr(ssd_module, "write_blocking", slow)
         task = asyncio.create_task(ssd.put("a", new))
         await asyncio.to_thread(started.wait, 10)
         task.cancel()
@@ -198,7 +199,7 @@ async def test_ssd_put_cancelled_mid_write_leaves_index_and_disk_agreeing(
         release.set()
         with pytest.raises(asyncio.CancelledError):
             await task
-        monkeypatch.setattr(ssd, "_write_blocking", real)
+        monkeypatch.setattr(ssd_module, "write_blocking", real)
         assert await ssd.get("a") == new
         assert len(list((tmp_path / "db" / "blobs").iterdir())) == 1
         ssd.check_integrity()
