@@ -1,4 +1,4 @@
-"""Pure logic of the pool data path: chunk candidates, pins, bandwidth, lease table."""
+"""Pure logic of the engine-pool path: chunk candidates, pins, bandwidth, lease table."""
 
 from __future__ import annotations
 
