@@ -25,12 +25,9 @@ import logging
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from services.kvstore.peers.fetch import PeerFetch
 from services.kvstore.tiers.base import Blob, Tier
-
-if TYPE_CHECKING:
-    from services.kvstore.peers.fetch import PeerFetch
 
 log = logging.getLogger(__name__)
 
