@@ -1,4 +1,4 @@
-"""Plain data of the pool data path (wire.py converts protos to and from these)."""
+"""Plain data of the engine-pool path (wire.py converts protos to and from these)."""
 
 from __future__ import annotations
 
