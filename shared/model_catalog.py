@@ -5,7 +5,7 @@
       - {name: coder, path: /models/coder, ttft_slo_s: 2.0, pin: true}
 
 A model in the catalogue need not be running anywhere: a node activates it into one of its
-pool engines when a request for it arrives (Prism §5.2, §6.2) and evicts it again when it
+standby engines when a request for it arrives (Prism §5.2, §6.2) and evicts it again when it
 has been idle and the memory is wanted, models with looser SLOs first. ``pin: true`` keeps
 a model from being evicted. The scheduler and every nodemgr read the same file
 (``models_config``; ``overture up`` writes one for its ``--model`` flags).

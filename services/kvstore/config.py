@@ -82,7 +82,7 @@ class KVStoreConfig:
         max=60.0,
     )
     prefetch_join_s: float = opt(
-        1.0, "a lookup of a session whose advisory prefetch is still running here waits "
+        1.0, "a lookup of a session still being staged here for an advisory waits "
         "this long at most (and at most half its deadline) for it to land", min=0.0,
         max=30.0,
     )

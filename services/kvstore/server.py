@@ -14,11 +14,11 @@ import signal
 from contextlib import AsyncExitStack
 
 from services.kvstore.config import KVStoreConfig
+from services.kvstore.engine_path.copies import lazy_torch
+from services.kvstore.engine_path.data_path import EnginePoolPath
 from services.kvstore.manifests import ManifestStore
 from services.kvstore.metrics import KVStoreMetrics
 from services.kvstore.peers.data_plane import ChunkServer
-from services.kvstore.pool.copies import lazy_torch
-from services.kvstore.pool.data_path import EnginePoolPath
 from services.kvstore.service import KVStoreService
 from services.kvstore.store import TieredStore
 from services.kvstore.tiers import build_tiers

@@ -11,12 +11,12 @@ from collections.abc import AsyncIterator
 import grpc
 
 from services.kvstore import wire
+from services.kvstore.engine_path.attach import PoolError
+from services.kvstore.engine_path.data_path import EnginePoolPath
 from services.kvstore.errors import ManifestIncomplete, StorageError, TierUnavailable
 from services.kvstore.manifests import ManifestStore, manifest_key
 from services.kvstore.peers.pull import pull_session
-from services.kvstore.pool.attach import PoolError
-from services.kvstore.pool.data_path import EnginePoolPath
-from services.kvstore.prefetch import InFlight, prefetch_session
+from services.kvstore.staging import SessionStager, stage_session
 from services.kvstore.streaming import stream_session
 from shared.chunk_codec import MAX_LAYER, ChunkCorrupt, ChunkFormatError
 from shared.config import ConfigError
@@ -44,7 +44,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.node_id = node_id
         self.window = window
         self.peer_address = peer_address
-        self.prefetching = InFlight()
+        self.staging = SessionStager()
         self.prefetch_join_s = prefetch_join_s
 
     async def Status(
@@ -130,13 +130,13 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         sid = wire.session_of(request)
         try:
             manifest_key(*sid)  # (ChunkFormatError, before any wait)
-            if sid[1] and request.wait_tokens:  # an advisory's prefetch: the turn's save
+            if sid.session_id and request.wait_tokens:  # a peer staging it: the turn's save
                 await self.manifests.saves.wait(sid, request.wait_tokens,
                                                 self.pool_path.peer_wait_s, turn=True)
             m = await self.manifests.newest_manifest(*sid)
             if m is None and not request.model_fp:  # (any model's, when it names none)
                 for scoped in self.manifests.model_scopes(*sid):
-                    m = m or await self.manifests.newest_manifest(sid[0], scoped)
+                    m = m or await self.manifests.newest_manifest(sid.tenant, scoped)
         except ChunkFormatError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return wire.manifest_reply(m)
@@ -201,7 +201,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     ) -> pb.PullSessionReply:
         tenant, session_id = wire.session_of(request.session)
         try:
-            r = await self.prefetching.run(tenant, session_id, prefetch_session(
+            r = await self.staging.run(tenant, session_id, stage_session(
                 self.manifests, tenant, session_id, request.peer_address, self.window,
                 self.peer_timeout_s, request.wait_tokens, self.pool_path.peer_wait_s),
                 peer=request.peer_address)
@@ -239,7 +239,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return wire.pull_reply(r.found, r.chunks, r.missing, r.bytes, r.detail)
 
-    # ------------------------------------------------ same-node data path (pool/)
+    # ------------------------------------------------ same-node data path (engine_path/)
 
     async def AttachPool(
         self, request: pb.AttachPoolRequest, context: grpc.aio.ServicerContext
@@ -260,11 +260,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             left = context.time_remaining()
             budget = self.prefetch_join_s if left is None else min(self.prefetch_join_s,
                                                                    left / 2)
-            # The session's advisory prefetch still running here: let it land first, unless
-            # it pulls from the peer this request streams from itself (stopped: faster).
-            if not self.prefetching.stop_pull_from(req.tenant, req.session_id,
-                                                   req.peer_address):
-                await self.prefetching.join(req.tenant, req.session_id, budget)
+            # The session's staging for an advisory still running here: let it land first,
+            # unless it pulls from the peer this request streams from itself (stopped:
+            # faster).
+            if not self.staging.stop_pull_from(req.tenant, req.session_id, req.peer_address):
+                await self.staging.join(req.tenant, req.session_id, budget)
             result = await self.pool_path.lookup(req)
         except (PoolError, ChunkFormatError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.kvstore.manifests.manifest import Manifest, scoped_session
-from services.kvstore.pool.attach import PoolGeometry
-from services.kvstore.pool.types import (
+from services.kvstore.engine_path.attach import PoolGeometry
+from services.kvstore.engine_path.types import (
     FindRequest,
     FoundOnPeer,
     LayerLoaded,
@@ -16,6 +15,7 @@ from services.kvstore.pool.types import (
     PeerChunk,
     SaveRequest,
 )
+from services.kvstore.manifests.manifest import Manifest, scoped_session
 from services.kvstore.tiers.base import TierStats
 from shared.kv_layout import KVSpan, StoredPrefix
 from shared.proto import kvstore_pb2 as pb

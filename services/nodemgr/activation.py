@@ -2,7 +2,7 @@
 (Prism §5.2 fast activation, §6.2 eviction and activation).
 
     request for model m, no engine serves it
-      -> an empty engine of the node's pool, if any
+      -> a standby engine of the node (model-less, waiting for an activation), if any
       -> else evict a model idle for evict_idle_s (not pinned; the one with the loosest TTFT
          SLO first, then the longest idle) and reuse its engine
       -> Activate(m) on that engine (weights from the page cache: the weight cache keeps
@@ -49,7 +49,7 @@ class CannotActivate(RuntimeError):
 @dataclass
 class EngineView:
     link: EngineLink
-    model: str  # "" = empty (in the pool)
+    model: str  # "" = none (a standby engine)
     running: int
     waiting: int
 

@@ -8,13 +8,13 @@ from contextlib import AsyncExitStack
 
 from services.nodemgr.activation import Activator
 from services.nodemgr.admission import DeadlineAdmission
+from services.nodemgr.advisory_prefetcher import AdvisoryPrefetcher
 from services.nodemgr.config import NodeManagerConfig
 from services.nodemgr.engine_set import EngineSet, UnknownModel
 from services.nodemgr.grpc_service import NodeManagerServicer
 from services.nodemgr.kvstore_probe import KVStoreProbe
 from services.nodemgr.memory_broker import EngineMemory, MemoryBroker
 from services.nodemgr.metrics import NodeMgrMetrics
-from services.nodemgr.prefetcher import Prefetcher
 from services.nodemgr.registration import Registrar
 from services.nodemgr.weight_cache import WeightCache
 from shared.device_ledger import DeviceLedger
@@ -44,9 +44,9 @@ async def start(config: NodeManagerConfig, stack: AsyncExitStack) -> asyncio.Tas
             registrar.engine_failed(detail)
 
     metrics = NodeMgrMetrics()
-    prefetcher = Prefetcher(config.kvstore_address, config.prefetch_timeout_s,
-                            engines=lambda model: _stub_for(engine, model), metrics=metrics,
-                            fingerprint=engine.fingerprint)
+    prefetcher = AdvisoryPrefetcher(config.kvstore_address, config.prefetch_timeout_s,
+                                    engines=lambda model: _stub_for(engine, model),
+                                    metrics=metrics, fingerprint=engine.fingerprint)
     stack.push_async_callback(prefetcher.close)
     catalog = load_catalog(config.models_config)
     weights = WeightCache()
@@ -73,7 +73,7 @@ async def start(config: NodeManagerConfig, stack: AsyncExitStack) -> asyncio.Tas
     )
     address = config.advertise_address or f"{config.host}:{server.port}"
     log.info("waiting for the engine at %s", engine.address)
-    snap = await engine.wait_ready(config.engine_wait_s, pool=bool(catalog))
+    snap = await engine.wait_ready(config.engine_wait_s, standby=bool(catalog))
     registrar = Registrar(
         node_id=config.node_id,
         address=address,

@@ -43,7 +43,7 @@ class EngineLink:
     async def wait_ready(self, wait_s: float, poll_s: float = 0.2,
                          need_model: bool = True) -> wire.EngineSnapshot:
         """Poll Status until the engine serves a model (``need_model``; else until it
-        answers: an empty engine of the node's pool); raise after ``wait_s``."""
+        answers: a standby engine, waiting for an activation); raise after ``wait_s``."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         last = "no answer yet"

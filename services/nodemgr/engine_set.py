@@ -84,10 +84,10 @@ class EngineSet:
     async def raw_status(self) -> engine_pb2.EngineStatus:
         return await self.links[0].raw_status()
 
-    async def wait_ready(self, wait_s: float, pool: bool = False) -> wire.EngineSnapshot:
-        """Every engine answers (and serves a model, unless the node has a ``pool`` of
-        engines that models are activated into)."""
-        await asyncio.gather(*(link.wait_ready(wait_s, need_model=not pool)
+    async def wait_ready(self, wait_s: float, standby: bool = False) -> wire.EngineSnapshot:
+        """Every engine answers (and serves a model, unless the node keeps ``standby``
+        engines: model-less ones that catalogue models are activated into)."""
+        await asyncio.gather(*(link.wait_ready(wait_s, need_model=not standby)
                                for link in self.links))
         return await self.status()
 

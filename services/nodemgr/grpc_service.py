@@ -14,8 +14,8 @@ import grpc
 from services.nodemgr import wire
 from services.nodemgr.activation import Activator, CannotActivate
 from services.nodemgr.admission import DeadlineAdmission, NodeQueueFull, estimate_tokens
+from services.nodemgr.advisory_prefetcher import Advice, AdvisoryPrefetcher
 from services.nodemgr.engine_set import EngineSet, EngineUnavailable, UnknownModel
-from services.nodemgr.prefetcher import Advice, Prefetcher
 from shared.proto import common_pb2, nodemgr_pb2, nodemgr_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
         engine: EngineSet,
         kvstore_address: str,
         on_engine_unavailable: Callable[[str], None],
-        prefetcher: Prefetcher | None = None,
+        prefetcher: AdvisoryPrefetcher | None = None,
         activator: Activator | None = None,
         admission: DeadlineAdmission | None = None,
     ) -> None:

@@ -16,9 +16,9 @@ import itertools
 import logging
 from collections import OrderedDict
 from collections.abc import Collection
-from dataclasses import dataclass
 
 from services.kvstore.errors import ManifestIncomplete, TierUnavailable
+from services.kvstore.manifests.latest import LATEST_SESSIONS, LatestSequences, SavedSequence
 from services.kvstore.manifests.manifest import Manifest, manifest_key
 from services.kvstore.manifests.save_waits import SaveWaits
 from services.kvstore.store import TieredStore
@@ -30,29 +30,13 @@ log = logging.getLogger(__name__)
 
 MANIFEST_PRIORITY = 1 << 30  # local tiers never evict a manifest before a chunk
 DURABLE_CHECK_BATCH = 1024  # chunks a manifest checks at once
-# Sessions whose latest saved sequence is remembered in memory, and their block hashes in
-# all (~60 bytes each): the least recently saved are forgotten first; their lookups then
-# read the durable manifest instead.
-LATEST_SESSIONS = 10_000
-LATEST_HASHES = 1 << 20
-
-
-
-@dataclass(frozen=True)
-class SavedSequence:
-    """The latest sequence saved for a (tenant, session): lookups use it before the
-    durable manifest exists."""
-
-    model_fp: str
-    block_hashes: tuple[bytes, ...]
-    token_count: int
-    num_layers: int
 
 
 class ManifestStore:
     """Durable manifests over ``store``'s tiers, and each session's latest saved sequence
-    with its manifest write in the background (``remember``): the next turn's lookup sees
-    a save at once, and the manifest lands once its chunks are durable, newest last.
+    (``remember``, kept in ``sequences``) with its manifest write in the background: the
+    next turn's lookup sees a save at once, and the manifest lands once its chunks are
+    durable, newest last.
 
     An async context manager: leaving it lets pending manifest writes finish (up to
     ``drain_s``), then cancels the rest."""
@@ -61,9 +45,7 @@ class ManifestStore:
         self.store = store
         self.ledger = store.ledger
         self.drain_s = drain_s
-        self._latest: OrderedDict[SessionKey, SavedSequence] = OrderedDict()
-        self._latest_hashes = 0
-        self._newest: dict[SessionKey, Manifest] = {}  # the manifest of each latest sequence
+        self.sequences = LatestSequences()  # each session's latest, and its manifest
         # Per session: the manifest task of its latest sequence, and every manifest task
         # still running (a superseded one that is writing runs to its end).
         self._manifests: dict[SessionKey, asyncio.Task[None]] = {}
@@ -214,18 +196,17 @@ class ManifestStore:
     async def newest_manifest(self, tenant: str, session_id: str) -> Manifest | None:
         """The session's newest manifest: the one saved here last, whose chunks are in
         this store though maybe not yet durable below, else the durable one."""
-        newest = self._newest.get(SessionKey(tenant, session_id))
+        newest = self.sequences.manifest(SessionKey(tenant, session_id))
         return newest if newest is not None else await self.get_manifest(tenant, session_id)
 
     def model_scopes(self, tenant: str, session_id: str) -> list[str]:
         """The per-model names (``scoped_session``) of the session saved here and still
         remembered: what a caller naming the session without its model means."""
-        prefix = session_id + "@"
-        return [s for t, s in self._latest if t == tenant and s.startswith(prefix)]
+        return self.sequences.model_scopes(tenant, session_id)
 
     def latest(self, tenant: str, session_id: str) -> SavedSequence | None:
         """The session's latest saved sequence, if still remembered."""
-        return self._latest.get(SessionKey(tenant, session_id))
+        return self.sequences.get(SessionKey(tenant, session_id))
 
     def deletions(self, tenant: str, session_id: str) -> int | None:
         """A mark of the session's deletions so far: a save compares it before and after
@@ -239,18 +220,18 @@ class ManifestStore:
         sid = SessionKey(manifest.tenant, manifest.session_id)
         if self._forgotten.get(sid) != deleted_before:
             return
-        self._note_latest(sid, seq, manifest)
+        self.sequences.note(sid, seq, manifest)
         old = self._manifests.pop(sid, None)
         if old is not None and old not in self._writing:
             old.cancel()  # a newer sequence of the session supersedes it
         task = asyncio.create_task(self._write_latest(manifest, sid),
-                                   name=f"manifest-{sid[1]}")
+                                   name=f"manifest-{sid.session_id}")
         self._manifests[sid] = task
         self._tasks.setdefault(sid, set()).add(task)
         task.add_done_callback(functools.partial(self._manifest_done, sid))
 
     def adopt(self, manifest: Manifest, deleted_before: int | None) -> bool:
-        """A session's chunks were copied here (an advisory prefetch): lookups see its
+        """A session's chunks were copied here (staged for an advisory): lookups see its
         sequence as this node's own. No manifest is written: its holder writes that. Not
         when the session was deleted since ``deleted_before`` (``deletions()`` taken when
         the copy began) or this node already knows as long a sequence of it (a turn that
@@ -258,28 +239,13 @@ class ManifestStore:
         sid = SessionKey(manifest.tenant, manifest.session_id)
         if self._forgotten.get(sid) != deleted_before:
             return False
-        known = self._latest.get(sid)
+        known = self.sequences.get(sid)
         if known is not None and known.token_count >= manifest.token_count:
             return False
         seq = SavedSequence(manifest.model_fp, manifest.block_hashes, manifest.token_count,
                             manifest.num_layers)
-        self._note_latest(sid, seq, manifest)
+        self.sequences.note(sid, seq, manifest)
         return True
-
-    def _note_latest(self, sid: SessionKey, seq: SavedSequence, manifest: Manifest) -> None:
-        self._drop_latest(sid)
-        self._latest[sid] = seq
-        self._newest[sid] = manifest
-        self._latest_hashes += len(seq.block_hashes)
-        while len(self._latest) > LATEST_SESSIONS or (
-                self._latest_hashes > LATEST_HASHES and len(self._latest) > 1):
-            self._drop_latest(next(iter(self._latest)))
-
-    def _drop_latest(self, sid: SessionKey) -> None:
-        seq = self._latest.pop(sid, None)
-        self._newest.pop(sid, None)
-        if seq is not None:
-            self._latest_hashes -= len(seq.block_hashes)
 
     def _manifest_done(self, sid: SessionKey, task: asyncio.Task[None]) -> None:
         if self._manifests.get(sid) is task:
@@ -298,7 +264,7 @@ class ManifestStore:
         return only when no manifest of it can be written any more (a pending one is
         cancelled; one being written is waited for, so the caller's delete comes after)."""
         sid = SessionKey(tenant, session_id)
-        self._drop_latest(sid)
+        self.sequences.drop(sid)
         self.saves.forget(sid)
         self._forgotten[sid] = next(self._forgets)  # a save under way will not remember it
         self._forgotten.move_to_end(sid)
@@ -332,8 +298,7 @@ class ManifestStore:
                 self._writing.discard(me)
         except (ManifestIncomplete, TierUnavailable, ChunkFormatError) as e:
             log.warning("manifest of %s not written: %s", manifest.key, e)
-            if self._newest.get(sid) is manifest:
-                del self._newest[sid]  # (its chunks may be gone: peers get the durable one)
+            self.sequences.drop_manifest(sid, manifest)
 
     async def wait_pending(self) -> None:
         """Wait for the background manifest writes pending now (tests, shutdown)."""

@@ -3,8 +3,8 @@
 The scheduler may send a session's next turn to another node while this node is still
 saving the previous one. That node then asks here (``FindPrefix`` with the previous
 turn's length) and waits, bounded, until a save of at least that many tokens has landed
-and none is running, instead of finding the history without its last turn. An advisory's
-prefetch asks the same of ``GetManifest`` with the turn's length as the scheduler knows
+and none is running, instead of finding the history without its last turn. A staging for an
+advisory asks the same of ``GetManifest`` with the turn's length as the scheduler knows
 it (prompt + completion): ``turn_saved`` maps that onto what a save records.
 """
 

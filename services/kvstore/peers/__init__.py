@@ -9,7 +9,7 @@
 
 ``links.py`` keeps one channel and a measured bandwidth per peer, ``find.py`` asks a peer
 (and answers one), ``data_plane.py`` serves chunk bytes to peers over plain TCP,
-``fetch.py`` streams a leased prefix in, lowest layer first (``pool/peer_load.py`` reads
-it into the pool's blocks). ``pull.py`` copies a whole session from a peer into this
-node's tiers (``PullSession``).
+``fetch.py`` streams a leased prefix in, lowest layer first
+(``engine_path/peer_load.py`` reads it into the pool's blocks). ``pull.py`` copies a whole
+session from a peer into this node's tiers (``PullSession``).
 """

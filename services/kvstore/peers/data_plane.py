@@ -15,7 +15,7 @@ One request per connection. ``token`` is the cluster's internal token
 request without it, before reading anything. The lease id (random, from FindPrefix)
 names what the asker may read first; any key it names is read from the tiers like
 GetChunks would. The asker reads each chunk straight into its pool blocks
-(``pool/peer_load.py``).
+(``engine_path/peer_load.py``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The connection opens and the request goes out as soon as the peer has answered the
 lookup, so the first chunks are on the wire (the peer's socket buffers fill, then it
 waits) while the engine plans and admits the request. The load then reads each layer's
-chunks off the stream straight into their pool blocks (``pool/peer_load.py``): no
+chunks off the stream straight into their pool blocks (``engine_path/peer_load.py``): no
 buffer in between, whose fresh pages alone cost a 2k-token history ~0.1 s of page
 faults here. If the stream breaks, stalls or delivers a chunk that fails its checks,
 that layer and every later one fail (the engine recomputes them).

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 import grpc
 
 from services.kvstore import wire
+from services.kvstore.engine_path.attach import PoolError
+from services.kvstore.engine_path.leases import Lease, LeaseTable
+from services.kvstore.engine_path.lookup import find_stored_prefix, known_sequences
+from services.kvstore.engine_path.types import FindRequest, FoundOnPeer, PeerChunk
 from services.kvstore.manifests import ManifestStore
 from services.kvstore.manifests.manifest import scoped_session
 from services.kvstore.peers.links import PeerLinks
-from services.kvstore.pool.attach import PoolError
-from services.kvstore.pool.leases import Lease, LeaseTable
-from services.kvstore.pool.lookup import find_prefix, known_sequences
-from services.kvstore.pool.types import FindRequest, FoundOnPeer, PeerChunk
 from services.kvstore.store import TieredStore
 from shared.session_key import SessionKey
 
@@ -126,7 +126,7 @@ async def answer_peer(
     lease = Lease("")
     try:
         # Only this node's own tiers: a shared S3 tier the asker reads itself, directly.
-        matched, found = await find_prefix(
+        matched, found = await find_stored_prefix(
             store, req.tenant, req.model_fp, req.block_hashes, req.first_block,
             req.num_layers, bpc, known.seqs, lease,
             len(store.tiers) - 2 if store.lowest_shared else None,

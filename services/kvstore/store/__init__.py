@@ -4,9 +4,10 @@
 """
 
 from services.kvstore.store.chunk_reads import decode_stored, layer_priority
+from services.kvstore.store.chunk_writes import PutReceipt
 from services.kvstore.store.durability import DurabilityLedger
 from services.kvstore.store.keys import chunk_tier_key, manifest_tier_key
-from services.kvstore.store.tiered import PutReceipt, TieredStore
+from services.kvstore.store.tiered import TieredStore
 
 __all__ = [
     "DurabilityLedger",

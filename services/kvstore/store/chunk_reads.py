@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from services.kvstore.errors import TierUnavailable
 from services.kvstore.metrics import KVStoreMetrics
+from services.kvstore.store.checksum_work import checksum_work
 from services.kvstore.store.durability import DurabilityLedger
 from services.kvstore.store.keys import CHUNK_PREFIX as _C
 from services.kvstore.store.read_guard import ReadGuard
@@ -21,7 +22,7 @@ from services.kvstore.store.tier_io import TierIO
 from services.kvstore.store.write_behind import WriteBehind
 from services.kvstore.tiers.base import Blob, Checked, Stored, Tier
 from services.kvstore.tiers.dram import DramTier
-from shared.chunk_codec import Chunk, ChunkCorrupt, decode_chunk
+from shared.chunk_codec import Chunk, ChunkCorrupt, decode_chunk, verify_chunk
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,8 @@ def layer_priority(layer: int) -> int:
 
 
 class ChunkReader:
+    """The read path of one store (see the module doc)."""
+
     def __init__(
         self,
         tiers: list[Tier],
@@ -137,6 +140,24 @@ class ChunkReader:
                 await tier.delete_copy(tkey, found)
         except TierUnavailable as e:
             log.warning("could not delete corrupt %s from %s: %s", tkey, tier.name, e)
+
+    async def local_copy(self, key: str) -> Blob | None:
+        """Chunk ``key``'s blob from DRAM or a local tier above the lowest (checked), or None."""
+        tkey = _C + key
+        blob = self.dram.peek(tkey)
+        for tier in self.tiers[1:-1]:
+            if blob is not None:
+                break
+            try:
+                blob = await self.io.get(tier, tkey)
+                if blob is not None:
+                    await checksum_work(verify_chunk, blob)
+            except TierUnavailable:
+                blob = None
+            except ChunkCorrupt as e:
+                await self.drop_corrupt(tier, tkey, e)
+                blob = None
+        return blob
 
     def promote(self, tkey: str, blob: Blob, priority: int, upper: list[Tier]) -> None:
         self.io.dram_put(self.dram, tkey, blob, priority)

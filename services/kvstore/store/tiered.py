@@ -13,12 +13,14 @@ Contract for callers (the gRPC service, the engine-pool path, the manifest store
   copy all yield ``None`` (corrupt copies are counted and deleted).
 - Safe for many concurrent callers on one event loop; not thread-safe.
 
-What is durable is the ``DurabilityLedger``'s business (the store tells it about every
-write and loss); a read that raced a put or delete is kept from promoting by the
-``ReadGuard``; manifests live in ``manifests.ManifestStore`` over the same tiers; expiry is
-the ``Sweeper``'s. ``ChunkMeta.block_hashes`` are the chained block hashes of exactly the
-blocks in the chunk; the key uses the last one, so a prefix of a session hits the same
-chunk keys as long as its chunks end on the same blocks.
+The write path is ``chunk_writes.ChunkWriter``'s and the read path
+``chunk_reads.ChunkReader``'s; this class composes them with the tiers' lifecycle, deletes,
+presence checks and health. What is durable is the ``DurabilityLedger``'s business (the
+store tells it about every write and loss); a read that raced a put or delete is kept from
+promoting by the ``ReadGuard``; manifests live in ``manifests.ManifestStore`` over the same
+tiers; expiry is the ``Sweeper``'s. ``ChunkMeta.block_hashes`` are the chained block
+hashes of exactly the blocks in the chunk; the key uses the last one, so a prefix of a
+session hits the same chunk keys as long as its chunks end on the same blocks.
 """
 
 from __future__ import annotations
@@ -27,35 +29,28 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from services.kvstore.errors import TierUnavailable, WriteRefused
+from services.kvstore.errors import TierUnavailable
 from services.kvstore.metrics import KVStoreMetrics
-from services.kvstore.store.checksum_work import checksum_work, sealed
+from services.kvstore.store.checksum_work import sealed
 from services.kvstore.store.chunk_reads import (
     ChunkReader,
     decode_stored,
     decode_trusted,
     layer_priority,
 )
+from services.kvstore.store.chunk_writes import ChunkWriter, PutReceipt
 from services.kvstore.store.durability import DurabilityLedger
 from services.kvstore.store.keys import CHUNK_PREFIX as _C
 from services.kvstore.store.keys import chunk_tier_key
 from services.kvstore.store.read_guard import ReadGuard
 from services.kvstore.store.sweeper import Sweeper, sweep_loop
 from services.kvstore.store.tier_io import TierIO
-from services.kvstore.store.write_behind import RECENT_DROPS_S, WriteBehind
+from services.kvstore.store.write_behind import RECENT_DROPS_S
 from services.kvstore.tiers.base import Blob, Stored, Tier, TierStats
 from services.kvstore.tiers.dram import DramTier
-from shared.chunk_codec import (
-    Chunk,
-    ChunkCorrupt,
-    ChunkMeta,
-    encode_chunk,
-    parse_head,
-    verify_chunk,
-)
+from shared.chunk_codec import Chunk, ChunkMeta, encode_chunk
 
 if TYPE_CHECKING:
     import torch
@@ -65,12 +60,6 @@ log = logging.getLogger(__name__)
 __all__ = [
     "PutReceipt", "TieredStore", "chunk_tier_key", "decode_stored", "layer_priority",
 ]
-
-
-@dataclass(slots=True)
-class PutReceipt:
-    key: str
-    durable: asyncio.Future[None]
 
 
 class TieredStore:
@@ -96,14 +85,14 @@ class TieredStore:
         self.io = TierIO(metrics)
         self.local_ttl_s, self.ttl_s = local_ttl_s, ttl_s
         self.sweep_interval_s, self.drain_s = sweep_interval_s, drain_s
-        self.writer = WriteBehind(
-            self._write_below, metrics, write_queue, write_workers,
-            backoff_max_s=retry_backoff_max_s, undo=self._undo_write,
-        )
-        self._below_dram = tiers[1:]
-        self._landed_fut: asyncio.Future[None] | None = None
         self.ledger = DurabilityLedger(self.lowest, ttl_s)
         self.guard = ReadGuard()
+        self.writes = ChunkWriter(
+            tiers, self.io, self.guard, self.ledger, metrics,
+            shared_lowest=self.lowest_shared, write_queue=write_queue,
+            write_workers=write_workers, retry_backoff_max_s=retry_backoff_max_s,
+        )
+        self.writer = self.writes.behind
         self.sweeper = Sweeper(tiers, self.ledger, metrics, local_ttl_s, ttl_s)
         self._sweep_task: asyncio.Task[None] | None = None
         self._opened: list[Tier] = []
@@ -147,11 +136,6 @@ class TieredStore:
         """Whether the lowest tier is one every node reaches (S3), not this node's own."""
         return len(self.tiers) > 1 and self.lowest.name == "s3"
 
-    @property
-    def local_tiers(self) -> list[Tier]:
-        """Tiers below DRAM that the write-behind fills (SSD and the lowest, in order)."""
-        return self._below_dram
-
     # ---------------------------------------------------------------- chunks
 
     async def put(
@@ -159,7 +143,7 @@ class TieredStore:
     ) -> PutReceipt:
         """Encode ``tensor`` as chunk ``meta`` into DRAM now; write it behind. See module doc."""
         blob = encode_chunk(meta, tensor, seal=False)
-        return self._admit(
+        return self.writes.admit(
             meta.key, blob, layer_priority(meta.layer) if priority is None else priority
         )
 
@@ -172,12 +156,7 @@ class TieredStore:
         well-formed chunk (its header is parsed as strictly as a read parses it, so nothing
         stored here can fail a later read for its form).
         """
-        await checksum_work(verify_chunk, blob)
-        meta = parse_head(blob, len(blob)).meta
-        return self._admit(
-            meta.key, blob, layer_priority(meta.layer) if priority is None else priority,
-            copy_of_shared,
-        )
+        return await self.writes.put_blob(blob, priority, copy_of_shared)
 
     def put_encoded(
         self, meta: ChunkMeta, blob: bytearray, priority: int | None = None,
@@ -191,54 +170,11 @@ class TieredStore:
         one loaded it from that node): written behind to the local tiers only (a manifest
         naming it asks the lowest tier, and writes it down from here if it is not there).
         """
-        prio = layer_priority(meta.layer) if priority is None else priority
-        return self._admit(meta.key, blob, prio, copy_of_shared)
-
-    def _admit(self, key: str, blob: Blob, priority: int, copy_of_shared: bool = False
-               ) -> PutReceipt:
-        tier_key = _C + key
-        self.guard.changed(tier_key)
-        self.io.dram_put(self.dram, tier_key, blob, priority)
-        # DRAM as the only tier: durable as it lands, its own index says so.
-        self.ledger.landed_in_dram(key, dram_only=not self._below_dram)
-        if not self._below_dram:
-            return PutReceipt(key, self._landed())
-        if copy_of_shared and self.lowest_shared:  # the ledger asks the lowest tier later
-            return PutReceipt(key, self.writer.submit(tier_key, blob, priority,
-                                                      self._below_dram[:-1], durable=False))
-        return PutReceipt(key, self._write_behind(key, blob, priority, self._below_dram))
-
-    def _write_behind(self, key: str, blob: Blob, priority: int, targets: list[Tier]
-                      ) -> asyncio.Future[None]:
-        """Queue chunk ``key`` for ``targets`` (the lowest last); the ledger vouches for it
-        once acknowledged, if nothing replaced or deleted it meanwhile."""
-        fut = self.writer.submit(_C + key, blob, priority, targets, durable=True)
-        self.ledger.begin_write(key, fut)
-        return fut
+        return self.writes.put_encoded(meta, blob, priority, copy_of_shared)
 
     def write_down(self, key: str, blob: Blob) -> asyncio.Future[None]:
         """Queue chunk ``key`` (``blob``, held here) for the lowest tier alone."""
-        return self._write_behind(key, blob, layer_priority(int(key.rsplit("/", 1)[1])),
-                                  [self.lowest])
-
-    async def _write_below(self, tier: Tier, tier_key: str, blob: Blob, priority: int) -> None:
-        """The write-behind's put: a lowest tier that evicts for it loses those keys (no
-        more vouching for them), and one that cannot take the blob at all refuses it."""
-        evicted = await self.io.put(tier, tier_key, blob, priority)
-        if tier_key in evicted:
-            raise WriteRefused(f"{tier_key} ({len(blob)} bytes) does not fit {tier.name}")
-        if tier is self.lowest:
-            for k in evicted:
-                self.ledger.lost(k)
-
-    def _landed(self) -> asyncio.Future[None]:
-        """A resolved future for receipts with nothing to wait for (one per loop: a put to
-        a DRAM-only store should not pay for a future of its own)."""
-        fut = self._landed_fut
-        if fut is None or fut.get_loop() is not asyncio.get_running_loop():
-            fut = self._landed_fut = asyncio.get_running_loop().create_future()
-            fut.set_result(None)
-        return fut
+        return self.writes.write_down(key, blob)
 
     async def get(self, key: str) -> Chunk | None:
         """The chunk under ``key`` or ``None`` (miss, unreachable or corrupt). See module doc."""
@@ -268,12 +204,6 @@ class TieredStore:
         """The sealed blob under ``key`` (for sending to a peer) or ``None``."""
         blob, _chunk, _tier = (await self.reader.find_many([key]))[0]
         return await sealed(blob) if blob is not None else None
-
-    async def _undo_write(self, tier: Tier, tkey: str) -> None:
-        """A write-behind put that landed after its chunk was deleted: delete it again."""
-        if tier is self.lowest:
-            self.ledger.lost(tkey)
-        await tier.delete(tkey)
 
     def dram_blob(self, key: str) -> Blob | None:
         """The DRAM copy of chunk ``key`` (recency refreshed, no metrics: lookups)."""
@@ -361,21 +291,7 @@ class TieredStore:
 
     async def local_copy(self, key: str) -> Blob | None:
         """Chunk ``key``'s blob from DRAM or a local tier above the lowest (checked), or None."""
-        tkey = _C + key
-        blob = self.dram.peek(tkey)
-        for tier in self.tiers[1:-1]:
-            if blob is not None:
-                break
-            try:
-                blob = await self.io.get(tier, tkey)
-                if blob is not None:
-                    await checksum_work(verify_chunk, blob)
-            except TierUnavailable:
-                blob = None
-            except ChunkCorrupt as e:
-                await self.reader.drop_corrupt(tier, tkey, e)
-                blob = None
-        return blob
+        return await self.reader.local_copy(key)
 
     # ---------------------------------------------------------------- expiry
 

@@ -1,6 +1,6 @@
 """S3 tier: the durable, shared home of every chunk, via boto3 against any endpoint.
 
-Every boto3 call runs on the tier's own thread pool (boto3 is blocking), with its own
+Every boto3 call runs on the tier's own executor (boto3 is blocking), with its own
 retry loop: exponential backoff from ``backoff_s`` doubling up to ``backoff_max_s`` over
 ``max_attempts`` attempts, for connection errors, timeouts, throttling and 5xx replies.
 A call that still fails raises ``TierUnavailable`` and marks the tier *degraded* until the
@@ -65,7 +65,7 @@ class S3Tier(Tier):
     def __init__(self, cfg: S3Config) -> None:
         self.cfg = cfg
         self._client: Any = None
-        self._pool: ThreadPoolExecutor | None = None
+        self._executor: ThreadPoolExecutor | None = None
         self._degraded = ""
         self._next_probe = 0.0  # while degraded: no call reaches the endpoint before this
         self._probe_pause = 0.0
@@ -79,7 +79,7 @@ class S3Tier(Tier):
         return self._degraded
 
     async def open(self) -> None:
-        self._pool = ThreadPoolExecutor(self.cfg.threads, thread_name_prefix="kv-s3")
+        self._executor = ThreadPoolExecutor(self.cfg.threads, thread_name_prefix="kv-s3")
         kwargs: dict[str, Any] = {
             "region_name": self.cfg.region,
             "config": BotoConfig(
@@ -105,12 +105,12 @@ class S3Tier(Tier):
         """Stop retrying, drop queued calls, and wait (off the loop, at most about one call's
         timeout) for the calls under way: a hung endpoint must not stall the event loop or
         hold shutdown far past ``drain_s``."""
-        pool, self._pool = self._pool, None
+        executor, self._executor = self._executor, None
         self._closing.set()
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
             try:
-                await asyncio.wait_for(asyncio.to_thread(pool.shutdown, True),
+                await asyncio.wait_for(asyncio.to_thread(executor.shutdown, True),
                                        self.cfg.timeout_s + 1.0)
             except TimeoutError:
                 log.warning("s3 calls still running at close; not waiting for them")
@@ -129,12 +129,12 @@ class S3Tier(Tier):
         self._bucket_ready = True
 
     async def _run(self, fn: Any, *args: Any) -> Any:
-        if self._pool is None:
+        if self._executor is None:
             raise TierUnavailable("s3 tier is closed")
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     async def _call(self, fn: Any, *args: Any, attempts: int | None = None) -> Any:
-        """Run ``fn`` on the pool with retries; ``TierUnavailable`` once they are used up."""
+        """Run ``fn`` on the executor with retries; ``TierUnavailable`` once they are used up."""
         n = attempts or self.cfg.max_attempts
         if self._degraded:
             now = time.monotonic()
@@ -186,7 +186,7 @@ class S3Tier(Tier):
     async def get_many_checked(
         self, keys: list[str], check: Callable[[Stored], T]
     ) -> list[Checked[T]]:
-        """Every key at once, each on its own thread of the pool (a layer's chunks are
+        """Every key at once, each on its own thread of the executor (a layer's chunks are
         independent objects: one round trip of latency, not one per chunk), checked there
         (off the loop, bytes still in cache). Returns only once every call has ended, the
         checks included: a check may be writing into an engine's pool blocks."""

@@ -19,7 +19,6 @@ names are deleted at open (``ssd_catalog``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -52,6 +51,7 @@ from services.kvstore.tiers.ssd_files import (
     NoWaitUnsupported,
     WouldBlock,
     read_blocking,
+    write_blocking,
 )
 
 log = logging.getLogger(__name__)
@@ -82,20 +82,20 @@ class SsdTier(IndexedTtl, Tier):
         self._nowait = hasattr(os, "RWF_NOWAIT")
         self._read_flags = os.O_RDONLY | os.O_CLOEXEC | _O_NOATIME
         self._db: Rdict | None = None
-        self._pool: ThreadPoolExecutor | None = None
+        self._executor: ThreadPoolExecutor | None = None
         self._write_lock = asyncio.Lock()
         self._error = ""
 
     # ---------------------------------------------------------------- lifecycle
 
     async def open(self) -> None:
-        self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="kv-ssd")
+        self._executor = ThreadPoolExecutor(self._threads, thread_name_prefix="kv-ssd")
         try:
             self._db, entries, orphans, self._dir_fd = await self._run(
                 open_catalog, self.path, self._blob_dir, self.cache_bytes, self.sync)
         except BaseException:
-            self._pool.shutdown(wait=False)
-            self._pool = None
+            self._executor.shutdown(wait=False)
+            self._executor = None
             raise
         for key, (size, prio, touched, file_no) in entries.items():
             self._index.add(key, size, prio, touched)
@@ -112,17 +112,17 @@ class SsdTier(IndexedTtl, Tier):
             db, self._db = self._db, None  # refuse the close while it holds the DB)
         if db is not None:
             await self._run(db.close)
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
         if self._dir_fd >= 0:
             os.close(self._dir_fd)
             self._dir_fd = -1
 
     async def _run(self, fn: Any, *args: Any) -> Any:
-        if self._pool is None:
+        if self._executor is None:
             raise TierUnavailable("ssd tier is closed")
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     async def _run_settled(self, fn: Any, *args: Any) -> bool:
         """``_run`` for writes: if the caller is cancelled meanwhile, wait for the thread
@@ -285,8 +285,7 @@ class SsdTier(IndexedTtl, Tier):
                 batch.put(META_PREFIX + kb, msgpack.packb([len(blob), priority, now, file_no]))
             dropped = [self._files[k] for k in [*victims, key] if k in self._files]
             try:
-                cancelled = await self._run_settled(
-                    self._write_blocking, db, batch, file_no, blob, dropped)
+                cancelled = await self._write(db, batch, file_no, blob, dropped)
             except (TierUnavailable, asyncio.CancelledError):
                 raise
             except Exception as e:  # disk full, I/O error
@@ -306,34 +305,13 @@ class SsdTier(IndexedTtl, Tier):
                 raise asyncio.CancelledError
             return victims
 
-    def _write_blocking(self, db: Rdict, batch: WriteBatch, file_no: int | None, blob: Blob,
-                        dropped: list[int]) -> None:
-        """The blob's file (complete, and fsynced with its directory entry when ``sync``),
-        then the catalog batch, then the files it no longer names (see the module doc)."""
-        if file_no is not None:
-            path = self._file(file_no)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            try:  # from here on the file is ours to remove if the put fails
-                try:
-                    view = memoryview(blob)
-                    while view:
-                        view = view[os.write(fd, view):]
-                    if self.sync:
-                        os.fsync(fd)
-                finally:
-                    os.close(fd)
-                if self.sync:
-                    os.fsync(self._dir_fd)
-                db.write(batch)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-                raise
-        else:
-            db.write(batch)
-        for no in dropped:
-            with contextlib.suppress(OSError):
-                os.unlink(self._file(no))
+    async def _write(self, db: Rdict, batch: WriteBatch, file_no: int | None, blob: Blob,
+                     dropped: list[int]) -> bool:
+        """The blob's file (if ``file_no``), the catalog batch, then the dropped files, on
+        a thread, settled (see ``_run_settled``; ``write_blocking``)."""
+        return await self._run_settled(
+            write_blocking, db, batch, None if file_no is None else self._file(file_no),
+            blob, [self._file(no) for no in dropped], self.sync, self._dir_fd)
 
     async def contains(self, key: str) -> bool:
         return key in self._index
@@ -357,9 +335,8 @@ class SsdTier(IndexedTtl, Tier):
             batch.delete(VALUE_PREFIX + key.encode())
             batch.delete(META_PREFIX + key.encode())
             try:
-                cancelled = await self._run_settled(
-                    self._write_blocking, db, batch, None, b"",
-                    [] if file_no is None else [file_no])
+                cancelled = await self._write(db, batch, None, b"",
+                                              [] if file_no is None else [file_no])
             except asyncio.CancelledError:
                 raise
             except Exception as e:

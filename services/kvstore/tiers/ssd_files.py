@@ -1,15 +1,18 @@
 """The SSD tier's blob files: a stored blob read on demand with ``preadv``, straight into
 the caller's buffers (a pool load reads a chunk into its pool blocks), inline on the event
-loop when the page cache holds it (``RWF_NOWAIT``) and on the tier's threads otherwise.
+loop when the page cache holds it (``RWF_NOWAIT``) and on the tier's threads otherwise;
+written in the order that survives a crash (``write_blocking``): the file complete, then
+the catalog entry naming it, then the files no entry names any more.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 from collections.abc import Callable
 
-from rocksdict import Rdict
+from rocksdict import Rdict, WriteBatch
 
 from services.kvstore.errors import ChunkCorrupt
 from services.kvstore.tiers.base import Blob, Checked, Stored, T, apply_check
@@ -116,3 +119,33 @@ def read_blocking(read_file: ReadFile[T], db: Rdict, items: list[tuple[int, str,
         else:
             out.append(read_file(key, file_no, check, False))
     return out
+
+
+def write_blocking(db: Rdict, batch: WriteBatch, path: str | None, blob: Blob,
+                   dropped: list[str], sync: bool, dir_fd: int) -> None:
+    """(on the tier's thread) The blob's file at ``path`` (complete, and fsynced with its
+    directory entry when ``sync``), then the catalog ``batch``, then the ``dropped`` files
+    it no longer names. ``path`` None: a value kept in the catalog (or a delete)."""
+    if path is not None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:  # from here on the file is ours to remove if the put fails
+            try:
+                view = memoryview(blob)
+                while view:
+                    view = view[os.write(fd, view):]
+                if sync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            if sync:
+                os.fsync(dir_fd)
+            db.write(batch)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
+    else:
+        db.write(batch)
+    for dropped_path in dropped:
+        with contextlib.suppress(OSError):
+            os.unlink(dropped_path)

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from services.kvstore.config import KVStoreConfig
+from services.kvstore.engine_path.data_path import EnginePoolPath
+from services.kvstore.engine_path.types import LoadRequest, LookupRequest, SaveRequest
 from services.kvstore.manifests.manifest import scoped_session
 from services.kvstore.metrics import KVStoreMetrics
-from services.kvstore.pool.data_path import EnginePoolPath
-from services.kvstore.pool.types import LoadRequest, LookupRequest, SaveRequest
 from services.kvstore.server import build_store
 from shared.config import build
 from shared.proto import kvstore_pb2 as pb

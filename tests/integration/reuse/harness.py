@@ -18,8 +18,8 @@ from services.engine.async_engine import AsyncEngine
 from services.engine.config import EngineConfig, OffloadConfig
 from services.engine.model import LoadedModel
 from services.kvstore.config import KVStoreConfig
+from services.kvstore.engine_path.data_path import EnginePoolPath
 from services.kvstore.metrics import KVStoreMetrics
-from services.kvstore.pool.data_path import EnginePoolPath
 from services.kvstore.server import SERVICE_NAME, build_store
 from services.kvstore.service import KVStoreService
 from shared.config import build

@@ -11,7 +11,7 @@ import hashlib
 import torch
 
 from services.engine.kvcache.device_memory import DeviceMemory, block_bytes_for
-from services.kvstore.pool.attach import PoolGeometry
+from services.kvstore.engine_path.attach import PoolGeometry
 
 TENANT = "t1"
 MODEL = "fp0"

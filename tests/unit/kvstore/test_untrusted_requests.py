@@ -117,8 +117,8 @@ async def test_a_manifest_of_unknown_chunks_stops_at_the_first_batch(
 
 
 async def test_service_bounds_and_checks_requests_before_acting() -> None:
+    from services.kvstore.engine_path.data_path import EnginePoolPath
     from services.kvstore.metrics import KVStoreMetrics
-    from services.kvstore.pool.data_path import EnginePoolPath
     from services.kvstore.service import MAX_KEYS_PER_CALL, MAX_REJECTED_PER_CALL
     from services.kvstore.store import TieredStore
     from services.kvstore.tiers import DramTier
