@@ -22,7 +22,7 @@ from services.engine.offload.planner import SKIP, ReusePlan
 from services.engine.sequence import Sequence
 from shared.kv_layout import KVSpan
 
-from .conftest import BLOCK_SIZE, make_pool
+from ..conftest import BLOCK_SIZE, make_pool
 
 LAYERS = 4
 

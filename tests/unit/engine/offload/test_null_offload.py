@@ -11,7 +11,8 @@ from services.engine.model import LoadedModel
 from services.engine.offload.base import LayerWait, NullOffload
 from services.engine.scheduler import SchedulerOutput
 from services.engine.sequence import Sequence
-from tests.unit.engine_offload.test_kvstore_offload import (
+
+from .test_kvstore_offload import (
     add,
     make_core,
     run,
