@@ -69,7 +69,7 @@ class ModelSlot:
     async def load_configured(self) -> None:
         """Load ``config.model_path`` (unless a model was given, or the engine starts as a
         standby one without it)."""
-        if self.loaded is None and (self.config.model_path or not self.config.pool):
+        if self.loaded is None and (self.config.model_path or not self.config.standby):
             # Loaded in the worker as well: each thread that runs parallel torch ops keeps its
             # own OpenMP team, and with more team threads than cores libgomp stops spinning
             # between parallel regions; that doubled one-row decode steps on 2 cores.
