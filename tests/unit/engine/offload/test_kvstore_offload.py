@@ -109,6 +109,31 @@ def test_load_that_never_answers_falls_back_and_parks_its_blocks(loaded: LoadedM
         core.close()
 
 
+def test_a_failed_load_comes_back_as_an_id_for_the_core_to_requeue(
+    loaded: LoadedModel,
+) -> None:
+    """The offload never calls the scheduler: ``after_forward`` returns the ids of the
+    requests whose load failed, and the core requeues them."""
+    core, t = scripted_core(loaded)
+    try:
+        add(core, loaded, "a", two_block_plan("lease-1"))
+        out = core.scheduler.schedule()
+        with core.offload.forward(out) as wait_for_layer:
+            assert wait_for_layer is not None
+            (job,) = t.loads
+            job.readiness.fail(0, "chunk missing")  # the kvstore's answer
+        seq = core._live["a"].seq
+        assert core.offload.after_forward(out, 0.01) == ["a"]
+        assert seq in core.scheduler.running and not out.empty  # nothing requeued yet
+        core.scheduler.requeue(seq, out)  # what the core's step does with the id
+        assert out.empty and core.scheduler.waiting[0] is seq
+        job.readiness.finish()  # the RPC ends: its parked blocks go at the next step
+        run(core)
+        assert_all_let_go(core, t)
+    finally:
+        core.close()
+
+
 def test_save_pins_full_blocks_until_unpinned(loaded: LoadedModel) -> None:
     core, t = scripted_core(loaded)
     try:
