@@ -67,7 +67,7 @@ async def _main(args: argparse.Namespace) -> None:
         cfg = EngineConfig(model_path=str(model), dtype="float32", device_memory_bytes=2 << 30,
                            max_num_seqs=max(8, args.batch), max_num_batched_tokens=2048)
         async with AsyncEngine(cfg) as eng:
-            vocab = eng._loaded.config.vocab_size
+            vocab = eng.loaded.config.vocab_size
             g = torch.Generator().manual_seed(0)
 
             def batch() -> list[list[int]]:

@@ -102,7 +102,7 @@ async def _ours(model: str, prompt_len: int, gen: int, dtype: str) -> dict:
     )
     out = {}
     async with AsyncEngine(cfg) as eng:
-        vocab = eng._loaded.config.vocab_size
+        vocab = eng.loaded.config.vocab_size
         await _ours_batch(eng, prompts(1, prompt_len, vocab, seed=99), 4)  # warm-up
         for b in BATCHES:
             # Fresh prompts per batch size, and the prefix cache cannot help: ids differ.

@@ -259,7 +259,7 @@ def report(size: int, r: dict[str, float]) -> None:
 
 def evict_dram(address: str, session: str) -> None:
     """Drop the session's chunks from the kvstore's DRAM tier only (they stay on SSD)."""
-    from services.engine.wire import DEFAULT_TENANT
+    from services.engine.offload.kvstore_wire import DEFAULT_TENANT
     from shared import internal_auth
     from shared.proto import kvstore_pb2, kvstore_pb2_grpc
 

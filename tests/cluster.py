@@ -276,7 +276,7 @@ def start_cluster(
                         {
                             "host": HOST,
                             "port": port,
-                            **({"model_path": path} if path else {"pool": "true"}),
+                            **({"model_path": path} if path else {"standby": "true"}),
                             "dtype": dtype,
                             "offload.kvstore_address": f"{HOST}:{kv}",
                             **ledger,

@@ -73,8 +73,7 @@ class NodeMemory:
         self.prefetches: dict[str, Prefetch] = {}
         self.purged_blocks = 0
         if cooperative:
-            self.alloc.reclaimer = self._purge
-            self.alloc.reclaimable = self._held
+            self.alloc.set_reclaimer(self)
 
     # -- what is resident -----------------------------------------------------------------
 
@@ -84,7 +83,7 @@ class NodeMemory:
         out = []
         for i in range(nblocks):
             k = 0
-            while k < self.groups and self.alloc.lookup(key(session_id, i, k)) is not None:
+            while k < self.groups and self.alloc.cached_block(key(session_id, i, k)) is not None:
                 k += 1
             if k == 0:
                 break
@@ -102,7 +101,7 @@ class NodeMemory:
         hits = []
         for i, k in enumerate(reuse):
             for g in range(k):
-                b = self.alloc.lookup(key(session_id, i, g))
+                b = self.alloc.cached_block(key(session_id, i, g))
                 assert b is not None
                 table[g][i] = b
                 hits.append(b)
@@ -175,10 +174,10 @@ class NodeMemory:
             for row in reversed(p.blocks):
                 (self.alloc.free_first if expired else self.alloc.free)(row)
 
-    def _held(self) -> int:
+    def reclaimable(self) -> int:
         return sum(len(row) for p in self.prefetches.values() for row in p.blocks)
 
-    def _purge(self, n: int) -> int:
+    def reclaim(self, n: int) -> int:
         """Free ``n`` prefetched blocks (the allocator's reclaimer)."""
         freed = 0
         while freed < n and self.prefetches:

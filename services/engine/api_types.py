@@ -118,12 +118,14 @@ class ReuseStats:
     save_errors: int = 0
     chunks_saved: int = 0
     last_load_seconds: float = 0.0  # the latest load, from admission to its last layer
+    # The engine's measured prefill cost, which load-or-recompute weighs loads against.
+    prefill_s_per_token: float = 0.0
     prefetch: PrefetchStats | None = None  # advised sessions prefetched into the device
 
 
 @dataclass
 class PrefetchStats:
-    """Advised sessions prefetched into the device (offload/device_prefetch.py)."""
+    """Advised sessions prefetched into the device (offload/device_prefetch/)."""
 
     sessions: int = 0  # advised sessions in the book now
     blocks_held: int = 0  # resident (indexed) and being loaded

@@ -83,9 +83,9 @@ class EngineConfig:
         1 << 30, "device-memory budget for the KV pool (on CPU it stands in for HBM)", min=1 << 20
     )
     page_bytes: int = opt(2 << 20, "KV capacity grows and shrinks in pages of this size", min=4096)
-    pool: bool = opt(
-        False, "start without a model and wait for one to be activated (a node's engine "
-        "pool, Prism §5.2); model_path, if given, is served first all the same")
+    standby: bool = opt(
+        False, "start without a model and wait among the node's standby engines for one to "
+        "be activated (Prism §5.2); model_path, if given, is served first all the same")
     device_ledger: str = opt(
         "", "the node's shared device-memory ledger (a file the nodemgr creates): KV pages "
         "and weights count against one budget with the node's other engines; '' = "
@@ -132,8 +132,10 @@ class EngineConfig:
         OffloadConfig, "KV kept off the device: the node's kvstore and how it is reused"
     )
 
-    # One release of grace for the flat names these options had before ``offload``.
+    # One release of grace for the flat names these options had before ``offload``, and
+    # for ``pool`` (the KV pool is the only pool of an engine now).
     DEPRECATED_KEYS: ClassVar[dict[str, str]] = {
+        "pool": "standby",
         "kvstore_address": "offload.kvstore_address",
         "reuse_mode": "offload.mode",
         "reuse_policy": "offload.policy",

@@ -1,11 +1,14 @@
 """The synchronous engine: scheduler + KV + model runner + outputs, driven by ``step()``.
 
     step:  offload.begin_step ─► scheduler.schedule ─► offload.forward( runner.execute )
-           ─► offload.after_forward ─► scheduler.advance ─► sample ─► offload.after_sample
+           ─► offload.after_forward (failed loads: scheduler.requeue) ─► scheduler.advance
+           ─► sample ─► offload.after_sample
 
-KV kept off the device is behind ``self.offload`` (offload/base.py): ``NullOffload`` until
-the AsyncEngine installs the node's kvstore. Not thread-safe by design: exactly one
-thread (the AsyncEngine's worker) calls it.
+KV kept off the device is behind ``self.offload`` (offload/boundary.py), built by the
+``OffloadFactory`` the constructor is given over the core's own block tables, scheduler
+and pool (``NullOffload`` without one); a load that failed comes back from
+``offload.after_forward`` as a request id, which the core requeues to be recomputed. Not
+thread-safe by design: exactly one thread (the AsyncEngine's worker) calls it.
 """
 
 from __future__ import annotations
@@ -20,24 +23,23 @@ import torch
 
 from shared.config import ConfigError
 from shared.device_ledger import DeviceLedger
+from shared.session_key import SessionKey
 
-from .api_types import EngineStatus, GenerateOutput, ModelInfo, ToolCall
+from .api_types import EngineStatus, GenerateOutput, ModelInfo
 from .config import EngineConfig
 from .errors import RESOURCE_EXHAUSTED, EngineError
 from .kvcache.block_allocator import BlockAllocator
 from .kvcache.block_tables import BlockTables
 from .kvcache.device_memory import DeviceMemory
+from .live_request import LiveRequest
 from .model import IncrementalDetokenizer, LoadedModel
 from .model_runner import ModelRunner
-from .offload.base import NullOffload, Offload
-from .offload.device_prefetch import PrefetchOrder
-from .offload.planner import ReusePlan
-from .output_state import ABORT, STOP, OutputState
+from .offload import NullOffload, Offload, OffloadFactory, PrefetchOrder
+from .output_state import ABORT, OutputState
+from .reuse_plan import ReusePlan
 from .sampling import make_generator
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .structured import Constraint
-from .tools import ToolCallStream
 from .validation import PreparedRequest
 
 log = logging.getLogger(__name__)
@@ -59,16 +61,6 @@ class Failure:
 Event = GenerateOutput | Failure
 
 
-@dataclass(eq=False)
-class _Live:
-    seq: Sequence
-    output: OutputState
-    generator: torch.Generator
-    sent_prompt: bool = False
-    constraint: Constraint | None = None  # the grammar its tokens must follow
-    tool_stream: ToolCallStream | None = None  # splits tool calls from content
-
-
 def context_limit(
     model_max: int, configured: int, pool_blocks: int, num_layers: int, block_size: int
 ) -> int:
@@ -80,7 +72,10 @@ def context_limit(
 
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel,
-                 ledger: DeviceLedger | None = None) -> None:
+                 ledger: DeviceLedger | None = None, offload: OffloadFactory | None = None
+                 ) -> None:
+        """``ledger``: the node's shared device budget; ``offload``: builds the boundary to
+        KV kept off the device over this core's parts (None: device only)."""
         mc = loaded.config
         self.config = config
         self.loaded = loaded
@@ -98,7 +93,11 @@ class EngineCore:
         self.blocks = BlockAllocator(self.pool)
         self.kv = BlockTables(self.blocks, mc.num_layers, config.block_size)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.offload: Offload = NullOffload()
+        self.offload: Offload = (offload(self.kv, self.scheduler, self.pool)
+                                 if offload is not None else NullOffload())
+        # Prefetched blocks give way to running requests (cooperative memory): the offload
+        # holds them, the allocator asks it when it runs dry.
+        self.blocks.set_reclaimer(self.offload.reclaimer)
         self.runner = ModelRunner(
             loaded.model, self.pool.kv_cache, mc.num_layers, config.block_size
         )
@@ -116,7 +115,7 @@ class EngineCore:
                 f"{mc.num_layers} layers) cannot hold one sequence; raise it"
             )
         self.debug_checks = config.debug_checks
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, LiveRequest] = {}
         # Nothing can run until the kvstore gives pinned/parked blocks back: idle until then
         # (an unpin, a new request or an abort clears it) instead of spinning.
         self._stalled = False
@@ -158,8 +157,9 @@ class EngineCore:
         seq.offload.plan = self.offload.accept(plan)
         detok = IncrementalDetokenizer(self.loaded.tokenizer, req.prompt_token_ids)
         out = OutputState(detok, req.sampling, mc.eos_token_ids, req.max_output_tokens)
-        self._live[req.request_id] = _Live(seq, out, make_generator(seed),
-                                           constraint=req.constraint, tool_stream=req.tool_stream)
+        self._live[req.request_id] = LiveRequest(seq, out, make_generator(seed),
+                                                 constraint=req.constraint,
+                                                 tool_stream=req.tool_stream)
         self.scheduler.add(seq)
 
     def prefetch(self, order: PrefetchOrder) -> None:
@@ -167,11 +167,11 @@ class EngineCore:
         self._stalled = False
         self.offload.add_prefetch(order)
 
-    def end_prefetch(self, tenant: str, session_id: str, expired: bool = False) -> bool:
+    def end_prefetch(self, session: SessionKey, expired: bool = False) -> bool:
         """An advisory ended unfollowed: free its prefetched blocks (``expired``: make them
         the first to purge); whether it had any."""
         self._stalled = False
-        return self.offload.end_prefetch(tenant, session_id, expired)
+        return self.offload.end_prefetch(session, expired)
 
     def abort(self, request_id: str) -> GenerateOutput | None:
         self._stalled = False
@@ -180,8 +180,8 @@ class EngineCore:
             return None
         self.offload.dropped(live.seq)
         self.scheduler.finish(live.seq)
-        live.output.finish(ABORT)
-        return self._output(live, [])
+        live.output_state.finish(ABORT)
+        return live.output([])
 
     def abort_all(self) -> list[GenerateOutput]:
         return [o for rid in list(self._live) if (o := self.abort(rid)) is not None]
@@ -191,12 +191,19 @@ class EngineCore:
         return (self.scheduler.has_work() and not self._stalled
                 and (bool(self.scheduler.running) or time.monotonic() >= self.budget_retry_at))
 
-    def unpin(self, job_id: int | None, ok: bool = True) -> None:
-        """A save was answered (``ok``: it stored its chunks), or, with None, a load RPC
-        ended: blocks may be free."""
+    def unpin(self, job_id: int, ok: bool = True) -> None:
+        """A save was answered (``ok``: it stored its chunks): its blocks are let go."""
         self._stalled = False
-        if job_id is not None:
-            self.offload.unpin(job_id, ok)
+        self.offload.unpin(job_id, ok)
+
+    def load_ended(self) -> None:
+        """A load RPC ended: blocks parked behind a failed load may be free now."""
+        self._stalled = False
+
+    def kvstore_attached(self, blocks_per_chunk: int) -> None:
+        """The pool is attached to the node's kvstore, whose chunks are this many blocks
+        (where mid-generation saves cut)."""
+        self.offload.attached(blocks_per_chunk)
 
     @property
     def num_waiting(self) -> int:
@@ -214,7 +221,8 @@ class EngineCore:
         started = time.perf_counter()
         with self.offload.forward(out) as wait_for_layer:
             logits = self.runner.execute(out, wait_for_layer)  # (num_seqs, vocab)
-        self.offload.after_forward(out, time.perf_counter() - started)
+        for rid in self.offload.after_forward(out, time.perf_counter() - started):
+            self.scheduler.requeue(self._live[rid].seq, out)  # its load failed: recompute
         due = self.scheduler.advance(out)
         events = self._sample(logits, [rows[s.request_id] for s in due], due)
         self.offload.after_sample([s for s in due if s.request_id in self._live])
@@ -232,51 +240,14 @@ class EngineCore:
         tokens = self.runner.sample(logits, rows, due, [lv.generator for lv in lives], masks)
         return [self._append(lv, t) for lv, t in zip(lives, tokens, strict=True)]
 
-    def _append(self, live: _Live, token: int) -> GenerateOutput:
-        seq = live.seq
-        seq.token_ids.append(token)
-        live.output.add(token)
-        c = live.constraint
-        if c is not None and live.output.finish_reason is None:
-            if not c.advance(token):
-                log.warning("request %s: grammar refused token %d: %s", seq.request_id,
-                            token, c.error)
-                live.output.finish(STOP)
-            elif c.done:  # the grammar is complete: nothing may follow
-                live.output.finish(STOP)
-        if live.output.finish_reason is not None:
+    def _append(self, live: LiveRequest, token: int) -> GenerateOutput:
+        live.add_token(token)
+        if live.finished:
+            seq = live.seq
             self.offload.finished(seq)
             self.scheduler.finish(seq)
             del self._live[seq.request_id]
-        return self._output(live, [token])
-
-    def _output(self, live: _Live, tokens: list[int]) -> GenerateOutput:
-        seq = live.seq
-        first = not live.sent_prompt
-        live.sent_prompt = True
-        text = live.output.take_text()
-        calls: tuple[ToolCall, ...] = ()
-        if live.tool_stream is not None:
-            text, found = live.tool_stream.feed(text)
-            if live.output.finish_reason is not None:
-                tail, more = live.tool_stream.finish()
-                text, found = text + tail, found + more
-            calls = tuple(found)
-        finish = live.output.finish_reason
-        if finish == STOP and live.tool_stream is not None and live.tool_stream.num_calls:
-            finish = "tool_calls"
-        return GenerateOutput(
-            request_id=seq.request_id,
-            text=text,
-            tool_calls=calls,
-            token_ids=tuple(tokens),
-            prompt_tokens=seq.num_prompt_tokens,
-            completion_tokens=seq.num_output_tokens,
-            cached_tokens=seq.num_cached_tokens or 0,
-            finish_reason=finish,
-            prompt_token_ids=tuple(seq.prompt_token_ids) if first else (),
-            kv_from=_kv_from(seq) if first else "",
-        )
+        return live.output([token])
 
     def _fail_unservable(self) -> list[Event]:
         """Nothing could be scheduled: if nothing runs either, the head of the queue can
@@ -360,12 +331,3 @@ class EngineCore:
     def close(self) -> None:
         self.pool.close()
 
-
-def _kv_from(seq: Sequence) -> str:
-    """Where the prompt's reused KV was: on blocks an advisory prefetched (all of it, or its
-    lower layers), loaded ("local", "s3", "peer"), on device, or nowhere ("recompute")."""
-    if seq.offload.prefetched:  # "device_prefetched" or "device_partial"
-        return seq.offload.prefetched
-    if seq.offload.loaded_from:
-        return seq.offload.loaded_from
-    return "device" if seq.num_cached_tokens else "recompute"

@@ -9,14 +9,13 @@ import torch
 from shared.config import ConfigError
 
 from .config import EngineConfig
+from .model import load_model
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def load_for(config: EngineConfig) -> Any:
     """Load the configured model (blocking); a clear ConfigError when none is configured."""
-    from .model import load_model
-
     if not config.model_path:
         raise ConfigError(
             "engine.model_path: no model given; pass --model-path DIR with a Hugging Face model "

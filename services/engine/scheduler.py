@@ -22,8 +22,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from shared.session_key import SessionKey
+
 from .kvcache.block_tables import BlockTables
-from .offload.planner import ReusePlan
+from .reuse_plan import ReusePlan
 from .sequence import Sequence, Status
 
 log = logging.getLogger(__name__)
@@ -89,6 +91,22 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def sessions(self) -> set[SessionKey]:
+        """The sessions with a request here (running or waiting)."""
+        return {q.session for q in (*self.running, *self.waiting) if q.session_id}
+
+    def blocks_wanted_next_step(self) -> int:
+        """Free blocks the next step may take: what the running sequences need (the rest
+        of their prompt, a block per layer to grow) and the whole prompt of the head of the
+        queue. The device prefetch leaves these to requests."""
+        layers, kv = self.kv.num_layers, self.kv
+        n = sum(kv.blocks_needed(q, q.num_tokens - q.num_computed_tokens) + layers
+                for q in self.running)
+        if self.waiting:
+            head = self.waiting[0]
+            n += layers * -(-head.num_tokens // kv.block_size)
+        return n
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and release its blocks."""

@@ -15,8 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from shared.session_key import SessionKey
+
 from .api_types import SamplingParams
-from .offload.state import OffloadState
+from .offload_state import OffloadState
 
 
 class Status(Enum):
@@ -55,6 +57,10 @@ class Sequence:
             self.token_ids = list(self.prompt_token_ids)
         if not self.block_tables:
             self.block_tables = [[] for _ in range(self.num_layers)]
+
+    @property
+    def session(self) -> SessionKey:
+        return SessionKey(self.tenant, self.session_id)
 
     @property
     def num_tokens(self) -> int:

@@ -5,17 +5,14 @@ from __future__ import annotations
 import math
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from shared.hashing import hash_seed
 
 from .api_types import GenerateRequest, SamplingParams
 from .errors import INVALID_ARGUMENT, NOT_FOUND, EngineError
-
-if TYPE_CHECKING:
-    from .guidance import ModelGuidance
-    from .structured import Constraint
-    from .tools import ToolCallStream
+from .guidance import ModelGuidance
+from .structured import Constraint
+from .tools import ToolCallStream
 
 
 @dataclass(frozen=True)

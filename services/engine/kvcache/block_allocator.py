@@ -14,9 +14,10 @@ together the higher layers are evicted first (Symphony: "later layers first, the
 least recently used session").
 
 Blocks prefetched for advised sessions are *used* here, held by one reference of the
-device prefetch (offload/device_prefetch.py). When an allocation finds nothing free or
-evictable left, the ``reclaimer`` is asked to purge some of them (cooperative memory,
-Symphony §3.4): prefetched KV gives way to running requests before any is preempted.
+device prefetch (offload/device_prefetch/). When an allocation finds nothing free or
+evictable left, the ``Reclaimer`` (that prefetch, wired in by whoever builds both: the
+engine core) is asked to purge some of them (cooperative memory, Symphony §3.4):
+prefetched KV gives way to running requests before any is preempted.
 
 Running out is normal: ``allocate`` returns None and the caller preempts or waits.
 """
@@ -24,7 +25,7 @@ Running out is normal: ``allocate`` returns None and the caller preempts or wait
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Protocol
 
 BlockKey = tuple[bytes, int]  # (content hash, layer)
@@ -51,6 +52,18 @@ class PageSource(Protocol):
     def committed_pages(self) -> list[int]: ...
 
 
+class Reclaimer(Protocol):
+    """Used blocks held by someone who gives them up when the allocator runs dry."""
+
+    def reclaimable(self) -> int:
+        """How many blocks ``reclaim`` could free now, at most."""
+        ...
+
+    def reclaim(self, n: int) -> int:
+        """Free up to ``n`` held blocks (``discard``); how many became free."""
+        ...
+
+
 class BlockAllocator:
     def __init__(self, pages: PageSource) -> None:
         self._pages = pages
@@ -61,12 +74,13 @@ class BlockAllocator:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._index: dict[BlockKey, int] = {}
         self.num_used = 0
-        # Frees up to n blocks held for prefetch; how many it freed (device_prefetch.py),
-        # and how many it could free at most.
-        self.reclaimer: Callable[[int], int] | None = None
-        self.reclaimable: Callable[[], int] = lambda: 0
+        self._reclaimer: Reclaimer | None = None
         for page in pages.committed_pages():
             self._free.update(dict.fromkeys(pages.page_blocks(page)))
+
+    def set_reclaimer(self, reclaimer: Reclaimer | None) -> None:
+        """Who gives held blocks back when an allocation runs dry (None: nobody)."""
+        self._reclaimer = reclaimer
 
     # ---- counts -------------------------------------------------------------------------
     @property
@@ -102,8 +116,9 @@ class BlockAllocator:
         """
         short = n - self.num_available()
         # (only when purging can make up the difference: else nothing is purged in vain)
-        if short > 0 and self.reclaimer is not None and self.reclaimable() >= short:
-            self.reclaimer(short)
+        r = self._reclaimer
+        if short > 0 and r is not None and r.reclaimable() >= short:
+            r.reclaim(short)
         if n > self.num_available():
             return None
         out: list[int] = []
@@ -209,7 +224,8 @@ class BlockAllocator:
                 self._evictable.move_to_end(b, last=False)
 
     # ---- prefix cache -------------------------------------------------------------------
-    def lookup(self, key: BlockKey) -> int | None:
+    def cached_block(self, key: BlockKey) -> int | None:
+        """The block holding the KV named by ``key`` (None: not cached)."""
         return self._index.get(key)
 
     def cache(self, block: int, key: BlockKey) -> bool:

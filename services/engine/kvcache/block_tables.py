@@ -23,8 +23,8 @@ from shared.hashing import extend_block_hashes
 
 
 class BlockTables:
-    def __init__(self, pool: BlockAllocator, num_layers: int, block_size: int) -> None:
-        self.pool = pool
+    def __init__(self, blocks: BlockAllocator, num_layers: int, block_size: int) -> None:
+        self.blocks = blocks
         self.num_layers = num_layers
         self.block_size = block_size
 
@@ -42,7 +42,7 @@ class BlockTables:
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hit: list[list[int]] = []
         for h in seq.block_hashes[:max_blocks]:
-            layers = [self.pool.lookup((h, layer)) for layer in range(self.num_layers)]
+            layers = [self.blocks.cached_block((h, layer)) for layer in range(self.num_layers)]
             if any(b is None for b in layers):
                 break
             hit.append(layers)  # type: ignore[arg-type]
@@ -58,7 +58,7 @@ class BlockTables:
         for h in seq.block_hashes[start:max_blocks]:
             layers: list[int] = []
             for layer in range(k):
-                b = self.pool.lookup((h, layer))
+                b = self.blocks.cached_block((h, layer))
                 if b is None:
                     break
                 layers.append(b)
@@ -71,9 +71,9 @@ class BlockTables:
     def peek_cached_blocks(self, hashes: list[bytes]) -> int:
         """How many leading ``hashes`` are cached in every layer now. A hint only: safe to
         call from another thread (dict reads), but the answer may be stale by admission."""
-        n = 0
+        n, cached = 0, self.blocks.cached_block
         for h in hashes:
-            if any(self.pool.lookup((h, layer)) is None for layer in range(self.num_layers)):
+            if any(cached((h, layer)) is None for layer in range(self.num_layers)):
                 break
             n += 1
         return n
@@ -89,21 +89,21 @@ class BlockTables:
         """Grow ``seq``'s tables to cover ``num_new_tokens`` more tokens, first adopting the
         ``cached`` prefix (only for a sequence holding no blocks), then the ``partial``
         blocks after it (``[block][layer < k]``: only their upper layers get new blocks;
-        ``num_new_tokens`` covers them). False, with ``seq`` unchanged, when the pool cannot
-        supply the blocks."""
+        ``num_new_tokens`` covers them). False, with ``seq`` unchanged, when the allocator
+        cannot supply the blocks."""
         if partial:
             return self._allocate_partial(seq, num_new_tokens, cached or [], partial)
         if cached:
             assert seq.num_blocks == 0 and seq.num_computed_tokens == 0
             flat = [b for blocks in cached for b in blocks]
-            self.pool.touch(flat)  # before allocating, so allocation cannot evict them
+            self.blocks.touch(flat)  # before allocating, so allocation cannot evict them
             for blocks in cached:
                 for layer, b in enumerate(blocks):
                     seq.block_tables[layer].append(b)
             seq.num_computed_tokens = len(cached) * self.block_size
             seq.num_registered_blocks = len(cached)
         need = self.blocks_needed(seq, num_new_tokens)
-        new = self.pool.allocate(need) if need else []
+        new = self.blocks.allocate(need) if need else []
         if new is None:
             if cached:
                 self.free(seq)
@@ -121,10 +121,10 @@ class BlockTables:
         fresh = per_layer - n_cached  # blocks per layer past the cached prefix
         assert fresh >= n_part, "the tokens to compute must cover the partial blocks"
         held = [b for blocks in cached for b in blocks] + [b for bl in partial for b in bl]
-        self.pool.touch(held)  # before allocating, so allocation cannot evict them
-        new = self.pool.allocate(fresh * self.num_layers - k * n_part)
+        self.blocks.touch(held)  # before allocating, so allocation cannot evict them
+        new = self.blocks.allocate(fresh * self.num_layers - k * n_part)
         if new is None:
-            self.pool.free(reversed(held))
+            self.blocks.free(reversed(held))
             return False
         at = 0
         for layer in range(self.num_layers):
@@ -150,14 +150,14 @@ class BlockTables:
         for i in range(seq.num_registered_blocks, full):
             h = seq.block_hashes[i]
             for layer in range(self.num_layers):
-                self.pool.cache(seq.block_tables[layer][i], (h, layer))
+                self.blocks.cache(seq.block_tables[layer][i], (h, layer))
         seq.num_registered_blocks = full
 
     def free(self, seq: Sequence) -> None:
         """Release all of ``seq``'s blocks: later layers first and, within a layer, later
         blocks first, so that is the order they are evicted in."""
         order = [b for table in reversed(seq.block_tables) for b in reversed(table)]
-        self.pool.free(order)
+        self.blocks.free(order)
         seq.block_tables = [[] for _ in range(self.num_layers)]
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0

@@ -2,7 +2,7 @@
 
 The core is single-threaded and never waits on the network: at admission it describes a
 load (``LoadJob``), at the end of a request a save (``SaveJob``); the event loop runs the
-RPCs; a save's pinned blocks come back to the core through its command queue.
+RPCs; a save's pinned blocks come back to the core through its worker's inbox.
 
 Block ids are layer-major, as the kvstore's rpcs take them:
 
@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.engine.offload.layer_readiness import LayerReadiness
-from services.engine.offload.planner import ReusePlan
+from services.engine.layer_readiness import LayerReadiness
+from services.engine.reuse_plan import ReusePlan
+from shared.session_key import SessionKey
 
 
 @dataclass(frozen=True)
@@ -44,8 +45,7 @@ class LoadJob:
 @dataclass(frozen=True)
 class SaveJob:
     job_id: int
-    tenant: str
-    session_id: str
+    session: SessionKey
     block_hashes: tuple[bytes, ...]  # every full block of the sequence, from block 0
     token_count: int
     first_block: int  # a chunk boundary; block_ids start at this block

@@ -1,7 +1,8 @@
 """Async gRPC client of the node's kvstore for one engine pool (event loop only).
 
     start ──AttachPool (retried with backoff in the background)──► pool_id, blocks_per_chunk
-    generate ──LookupPrefix──► spans + lease      (short deadline; any error = no reuse)
+    find_stored_prefix ──LookupPrefix──► spans + lease   (short deadline; error = no reuse)
+    find_stored_session ──LookupPrefix(whole_session)──► an advised session's spans
     admission ──LoadIntoPool──► LayerLoaded per layer ──► LayerReadiness (worker waits)
     request end ──SaveFromPool──► reply ──► the core unpins the blocks
     plan dropped ──ReleaseLease
@@ -31,13 +32,14 @@ from typing import Any
 
 import grpc
 
-from services.engine import wire
 from services.engine.config import EngineConfig
+from services.engine.offload import kvstore_wire as wire
 from services.engine.offload.jobs import LoadJob, PoolGeometry, SaveJob
 from services.engine.offload.save_log import SaveLog
 from shared.grpc_server import insecure_channel
 from shared.kv_layout import StoredPrefix
 from shared.proto import kvstore_pb2_grpc
+from shared.session_key import SessionKey
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +51,7 @@ MAX_RECONNECT_BACKOFF_MS = 1000
 
 
 @dataclass
-class ConnectorStats:
+class ClientStats:
     """Written on the event loop only."""
 
     lookups: int = 0
@@ -60,24 +62,26 @@ class ConnectorStats:
 
 
 class KVStoreClient:
-    def __init__(self, config: EngineConfig, geometry: PoolGeometry) -> None:
-        """Cheap; ``start()`` opens the channel and begins attaching."""
+    def __init__(self, config: EngineConfig, geometry: PoolGeometry,
+                 on_attached: Callable[[int], None] | None = None) -> None:
+        """Cheap; ``start()`` opens the channel and begins attaching. ``on_attached`` gets
+        the kvstore's chunk size in blocks at each attachment."""
         self.config = config
         self.geometry = geometry
         self.model_fp = geometry.model_fp
         self.num_layers = geometry.num_layers
         self.pool_id = ""
         self.blocks_per_chunk = 0
-        self.stats = ConnectorStats()
+        self.stats = ClientStats()
         self.saved = SaveLog()  # session saves that landed, for the scheduler
         self._channel: grpc.aio.Channel | None = None
         self._stub: kvstore_pb2_grpc.KVStoreStub | None = None
         self._attach_task: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self._warned: set[str] = set()
-        self.on_attached: Callable[[int], None] | None = None  # gets blocks_per_chunk
+        self._on_attached = on_attached
         # Op ids for FencePoolOp: unique across engine processes (the kvstore refuses ids
-        # it has seen), so a random prefix per connector and a counter.
+        # it has seen), so a random prefix per client and a counter.
         self._op_prefix = uuid.uuid4().hex[:12]
         self._op_seq = itertools.count()
 
@@ -151,8 +155,8 @@ class KVStoreClient:
             return False
         self.pool_id, self.blocks_per_chunk = wire.attach_reply(reply)
         self._warned.clear()
-        if self.on_attached is not None:
-            self.on_attached(self.blocks_per_chunk)
+        if self._on_attached is not None:
+            self._on_attached(self.blocks_per_chunk)
         log.info("KV pool attached to kvstore %s as %s (%d blocks per chunk)",
                  self.config.offload.kvstore_address, self.pool_id, self.blocks_per_chunk)
         return True
@@ -165,8 +169,8 @@ class KVStoreClient:
             self._ensure_attaching()
 
     # ---- lookup and leases --------------------------------------------------------------
-    async def lookup(
-        self, tenant: str, session_id: str, hashes: list[bytes], first_block: int,
+    async def find_stored_prefix(
+        self, session: SessionKey, hashes: list[bytes], first_block: int,
         peer: str = "", peer_tokens: int = 0,
     ) -> StoredPrefix | None:
         """The stored prefix beyond ``first_block`` device blocks; None on any error.
@@ -174,7 +178,7 @@ class KVStoreClient:
         if not self.attached or self._stub is None:
             return None
         self.stats.lookups += 1
-        req = wire.lookup_request(tenant, session_id, self.model_fp, hashes, first_block,
+        req = wire.lookup_request(session, self.model_fp, hashes, first_block,
                                   self.num_layers, peer, peer_tokens)
         o = self.config.offload
         try:
@@ -188,13 +192,13 @@ class KVStoreClient:
             return None
         return wire.lookup_answer(reply)
 
-    async def lookup_session(self, tenant: str, session_id: str) -> StoredPrefix | None:
+    async def find_stored_session(self, session: SessionKey) -> StoredPrefix | None:
         """What the kvstore holds of a session as a whole (an advised prefetch): its
         sequence's block hashes and the leased spans; None on any error or when nothing
         is stored."""
         if not self.attached or self._stub is None:
             return None
-        req = wire.lookup_request(tenant, session_id, self.model_fp, [], 0, self.num_layers,
+        req = wire.lookup_request(session, self.model_fp, [], 0, self.num_layers,
                                   whole_session=True)
         try:
             reply = await self._stub.LookupPrefix(
@@ -271,7 +275,7 @@ class KVStoreClient:
     async def _fence(self, op_id: str) -> None:
         """Wait until the kvstore says call ``op_id`` can no longer touch the pool, however
         long that takes (its blocks stay out of use meanwhile); gives up only when the
-        connector closes (the engine is going away with its pool)."""
+        client closes (the engine is going away with its pool)."""
         delay = 0.05
         while (stub := self._stub) is not None:
             try:
@@ -303,8 +307,8 @@ class KVStoreClient:
             self.stats.saves += 1
             self.stats.chunks_saved += wire.chunks_written(reply)
             ok = True
-            if job.session_id:
-                self.saved.record(job.tenant, job.session_id, job.token_count)
+            if job.session.session_id:
+                self.saved.record(job.session, job.token_count)
         except grpc.aio.AioRpcError as e:
             self.stats.save_errors += 1
             self._warn("SaveFromPool", e)
@@ -318,41 +322,3 @@ def _describe(err: BaseException) -> str:
     if isinstance(err, grpc.aio.AioRpcError):
         return f"{err.code().name}: {err.details()}"
     return repr(err)
-
-
-class LoopTransport:
-    """The worker's ``KVTransport``: each call is posted to the event loop, where the
-    connector runs it. ``unpin(job_id)`` is how the loop gives a save's blocks back (it
-    must route that to the worker)."""
-
-    def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        connector: KVStoreClient,
-        unpin: Callable[[int | None, bool], None],
-    ) -> None:
-        self._loop = loop
-        self._connector = connector
-        self._unpin = unpin
-
-    def _post(self, fn: Callable[..., None], *args: Any) -> bool:
-        try:
-            self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the loop is closed: the engine is going away
-            return False
-        return True
-
-    def start_load(self, job: LoadJob) -> None:
-        # When the RPC ends, wake the worker: blocks parked behind a failed load free up.
-        if not self._post(self._connector.start_load, job, lambda: self._unpin(None, True)):
-            job.readiness.fail(0, "the event loop is closed")
-            job.readiness.finish()
-
-    def start_save(self, job: SaveJob) -> None:
-        self._post(self._connector.start_save, job, self._saved)
-
-    def _saved(self, job: SaveJob, ok: bool) -> None:
-        self._unpin(job.job_id, ok)
-
-    def release(self, lease_id: str) -> None:
-        self._post(self._connector.release, lease_id)

@@ -15,11 +15,12 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from shared.session_key import SessionKey
+
 
 @dataclass(frozen=True)
 class SavedSession:
-    tenant: str
-    session_id: str
+    session: SessionKey
     tokens: int
     seq: int
 
@@ -33,8 +34,8 @@ class SaveLog:
         # whatever its node manager acknowledged from the process before it.
         self._numbers = itertools.count(time.time_ns() // 1000)
 
-    def record(self, tenant: str, session_id: str, tokens: int) -> None:
-        self._entries.append(SavedSession(tenant, session_id, tokens, next(self._numbers)))
+    def record(self, session: SessionKey, tokens: int) -> None:
+        self._entries.append(SavedSession(session, tokens, next(self._numbers)))
 
     def after(self, seq: int) -> tuple[SavedSession, ...]:
         """The entries numbered above ``seq``, oldest first."""

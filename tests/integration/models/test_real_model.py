@@ -145,7 +145,7 @@ def test_serving_a_gguf_path_directly(smollm2: Path, tmp_path: Path) -> None:
 
 def test_prefill_logits_match_transformers(smollm2: Path, reference) -> None:
     from services.engine.model import load_model
-    from tests.unit.engine_model.paged import PagedCache
+    from tests.unit.engine.model.paged import PagedCache
 
     tok, ref = reference
     ours = load_model(smollm2, dtype=torch.float32)

@@ -43,7 +43,7 @@ def alone(path: Path) -> tuple[list[list[int]], int]:
                 req = GenerateRequest(prompt=p, sampling=SamplingParams(
                     max_tokens=GEN, ignore_eos=True))
                 out.append([t async for o in eng.generate(req) for t in o.token_ids])
-            return out, weight_bytes(eng._loaded.model)
+            return out, weight_bytes(eng.loaded.model)
     return asyncio.run(run())
 
 

@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 
 from services.engine.async_engine import AsyncEngine
+from services.engine.config import EngineConfig
 from services.engine.errors import INVALID_ARGUMENT, UNAVAILABLE, EngineError
 from services.engine.model import write_demo_model
+from shared.config import build
 
 from .engine_helpers import PROMPTS, collect, config, greedy, idle, tokens
 
@@ -30,9 +32,9 @@ async def reference(path: Path) -> list[list[int]]:
 async def test_models_take_turns_in_one_engine(two_models: tuple[Path, Path]) -> None:
     alpha, beta = two_models
     want_alpha, want_beta = await reference(alpha), await reference(beta)
-    async with AsyncEngine(config(model_path="", pool=True)) as eng:
+    async with AsyncEngine(config(model_path="", standby=True)) as eng:
         st = await eng.status()
-        assert st.models == () and st.blocks_total == 0  # in the pool, empty
+        assert st.models == () and st.blocks_total == 0  # on standby, empty
         with pytest.raises(EngineError) as e:
             await collect(eng, greedy("hi"))
         assert e.value.code == UNAVAILABLE
@@ -51,7 +53,7 @@ async def test_models_take_turns_in_one_engine(two_models: tuple[Path, Path]) ->
 async def test_activating_over_another_model_or_a_bad_folder_is_refused(
         two_models: tuple[Path, Path], tmp_path: Path) -> None:
     alpha, beta = two_models
-    async with AsyncEngine(config(model_path="", pool=True)) as eng:
+    async with AsyncEngine(config(model_path="", standby=True)) as eng:
         with pytest.raises(EngineError) as e:
             await eng.activate(str(tmp_path / "nothing-here"))
         assert e.value.code == INVALID_ARGUMENT
@@ -66,7 +68,7 @@ async def test_two_activations_at_once_load_one_model(two_models: tuple[Path, Pa
     """Two nodemgr activations racing for one empty engine: the first loads its model, the
     second then finds it there and is refused; nothing is loaded twice or leaked."""
     alpha, beta = two_models
-    async with AsyncEngine(config(model_path="", pool=True)) as eng:
+    async with AsyncEngine(config(model_path="", standby=True)) as eng:
         results = await asyncio.gather(eng.activate(str(alpha)), eng.activate(str(beta)),
                                        return_exceptions=True)
         assert results[0].name == "alpha"  # type: ignore[union-attr]
@@ -81,7 +83,7 @@ async def test_status_answers_while_a_model_is_switched(two_models: tuple[Path, 
     one without a model; before, it answered UNAVAILABLE and its nodemgr reported the
     node unable to serve in the middle of every swap."""
     alpha, _ = two_models
-    async with AsyncEngine(config(model_path="", pool=True)) as eng:
+    async with AsyncEngine(config(model_path="", standby=True)) as eng:
         seen: list[tuple[str, ...]] = []
 
         async def poll(task: asyncio.Future) -> None:
@@ -94,3 +96,11 @@ async def test_status_answers_while_a_model_is_switched(two_models: tuple[Path, 
             await poll(task)
             await task
         assert seen and set(seen) <= {(), ("alpha",)}
+
+
+def test_the_old_pool_key_still_means_standby() -> None:
+    """``engine.pool`` (before the KV pool was an engine's only pool) is accepted for a
+    release, as ``engine.standby``."""
+    assert build(EngineConfig, {"pool": True}).standby
+    assert build(EngineConfig, {"pool": "true", "model_path": "m"}).standby
+    assert not build(EngineConfig, {}).standby

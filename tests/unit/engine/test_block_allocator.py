@@ -42,7 +42,7 @@ def test_cached_blocks_become_evictable_and_can_be_hit(blocks: BlockAllocator) -
     blocks.free([b1, b0])
     assert (blocks.num_free, blocks.num_evictable, blocks.num_used) == (2, 2, 0)
     blocks.check_integrity()
-    assert blocks.lookup((H1, 0)) == b0
+    assert blocks.cached_block((H1, 0)) == b0
     blocks.touch([b0])  # a prefix hit takes it back out of the evictable list
     assert blocks.num_evictable == 1 and blocks.refcount[b0] == 1
     blocks.check_integrity()
@@ -53,7 +53,7 @@ def test_a_second_block_with_the_same_key_stays_uncached(blocks: BlockAllocator)
     assert blocks.cache(a, (H1, 0))
     assert not blocks.cache(b, (H1, 0))
     blocks.free([a, b])
-    assert blocks.num_evictable == 1 and blocks.lookup((H1, 0)) == a
+    assert blocks.num_evictable == 1 and blocks.cached_block((H1, 0)) == a
     blocks.check_integrity()
 
 
@@ -70,7 +70,7 @@ def test_eviction_is_lru_then_later_layers_first(kv_pool: DeviceMemory) -> None:
     assert blocks.num_free == 0 and blocks.num_evictable == 8
     order = [blocks.allocate(1)[0] for _ in range(8)]
     assert order == [3, 2, 1, 0, 7, 6, 5, 4]
-    assert blocks.lookup((H1, 0)) is None and blocks.num_evictable == 0
+    assert blocks.cached_block((H1, 0)) is None and blocks.num_evictable == 0
     blocks.check_integrity()
 
 
@@ -94,7 +94,7 @@ def test_shrink_prefers_free_pages_then_drops_cache(kv_pool: DeviceMemory) -> No
     assert kv_pool.committed_pages() == [0] and blocks.num_evictable == 4
     blocks.check_integrity()
     assert blocks.shrink(1) == 1  # now the cached page goes too
-    assert kv_pool.committed_pages() == [] and blocks.lookup((bytes([0]) * 16, 0)) is None
+    assert kv_pool.committed_pages() == [] and blocks.cached_block((bytes([0]) * 16, 0)) is None
     blocks.check_integrity()
 
 

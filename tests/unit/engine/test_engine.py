@@ -266,12 +266,13 @@ async def test_a_running_requests_blocks_are_shared_by_a_later_identical_prompt(
 
 
 class SlowLookups:
-    """A coordinator whose kvstore lookup takes a while and finds nothing (a plan of None)."""
-
-    connector = None
+    """A reuse planner whose kvstore lookup takes a while and finds nothing (no plan)."""
 
     async def plan(self, req: object) -> None:
         await asyncio.sleep(0.2)
+
+    def release(self, plan: object) -> None:
+        raise AssertionError("no plan was made")
 
 
 async def test_a_request_id_in_use_is_refused_even_while_its_lookup_runs(loaded) -> None:
@@ -279,7 +280,7 @@ async def test_a_request_id_in_use_is_refused_even_while_its_lookup_runs(loaded)
     first request and a bystander finish exactly as on their own."""
     async with engine(loaded) as eng:
         alone = tokens(await collect(eng, greedy(PROMPTS[0], 20)))
-        eng._coordinator = SlowLookups()
+        eng._slot.planner = SlowLookups()
         first = asyncio.create_task(collect(eng, greedy(PROMPTS[0], 20, request_id="same")))
         bystander = asyncio.create_task(collect(eng, greedy(PROMPTS[7], 10)))
         await asyncio.sleep(0.05)  # the first one's lookup is in flight
@@ -287,14 +288,14 @@ async def test_a_request_id_in_use_is_refused_even_while_its_lookup_runs(loaded)
             await collect(eng, greedy(PROMPTS[2], 20, request_id="same"))
         assert tokens(await asyncio.wait_for(first, 60)) == alone
         assert len(tokens(await asyncio.wait_for(bystander, 60))) == 10
-        eng._coordinator = None
+        eng._slot.planner = None
         await idle(eng)
 
 
 async def test_a_request_whose_lookup_runs_across_a_stop_ends_unavailable(loaded) -> None:
     eng = AsyncEngine(config(), loaded=loaded)
     await eng.start()
-    eng._coordinator = SlowLookups()
+    eng._slot.planner = SlowLookups()
     pending = asyncio.create_task(collect(eng, greedy(PROMPTS[1], 4)))
     await asyncio.sleep(0.05)
     await eng.stop()
@@ -304,13 +305,13 @@ async def test_a_request_whose_lookup_runs_across_a_stop_ends_unavailable(loaded
 
 async def test_a_request_aborted_during_its_lookup_ends_aborted(loaded) -> None:
     async with engine(loaded) as eng:
-        eng._coordinator = SlowLookups()
+        eng._slot.planner = SlowLookups()
         pending = asyncio.create_task(collect(eng, greedy(PROMPTS[0], 20, request_id="r")))
         await asyncio.sleep(0.05)
         assert await eng.abort("r")
         outs = await asyncio.wait_for(pending, 5)
         assert outs[-1].finish_reason == "abort" and not tokens(outs)
-        eng._coordinator = None
+        eng._slot.planner = None
         assert len(tokens(await collect(eng, greedy(PROMPTS[0], 4, request_id="r")))) == 4
         await idle(eng)
 

@@ -69,7 +69,7 @@ class BlockedWorker:
     def __init__(self, eng) -> None:
         self.release = threading.Event()
         self.started = threading.Event()
-        self.job = eng._in_worker(self._hold)
+        self.job = eng._worker.run(self._hold)
 
     def _hold(self) -> None:
         self.started.set()
@@ -172,8 +172,8 @@ async def test_a_stuck_step_sends_no_keepalives(loaded: LoadedModel) -> None:
         async with BlockedWorker(eng):
             stream = servicer.Generate(req, _Context())
             assert (await anext(stream)).keepalive  # busy, not stuck: keepalives
-            eng._step_started = time.monotonic() - 5.0  # as if one step had run 5 s
+            eng._worker.step_started = time.monotonic() - 5.0  # as if one step had run 5 s
             with pytest.raises(TimeoutError):  # stuck: silence, which the scheduler cuts
                 await asyncio.wait_for(anext(stream), 0.5)
-            eng._step_started = 0.0
+            eng._worker.step_started = 0.0
         await idle(eng)

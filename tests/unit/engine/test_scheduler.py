@@ -167,7 +167,7 @@ def test_prefix_hit_stops_where_a_layer_is_missing(pool: DeviceMemory) -> None:
     h.blocks.touch([layer1_block1])  # take it out of the cache as eviction would
     h.blocks.free([layer1_block1])
     h.blocks.check_integrity()
-    assert h.blocks.lookup(key) == layer1_block1
+    assert h.blocks.cached_block(key) == layer1_block1
     h.blocks.evict(h.blocks.num_evictable)  # drop everything: nothing to hit
     b = h.add(10)
     out = h.step()

@@ -46,7 +46,7 @@ async def alone(models: tuple[Path, Path], for_a: list[str], for_b: list[str]
     async with AsyncEngine(config(model_path=str(models[0]))) as a, \
             AsyncEngine(config(model_path=str(models[1]))) as b:
         return (await burst(a, for_a), await burst(b, for_b),
-                weight_bytes(a._loaded.model) + weight_bytes(b._loaded.model))
+                weight_bytes(a.loaded.model) + weight_bytes(b.loaded.model))
 
 
 def test_the_broker_reclaims_from_idle_engines_only_for_waiting_ones() -> None:

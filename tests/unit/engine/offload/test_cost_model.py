@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from services.engine.offload.planner import (
+from services.engine.offload.cost_model import (
     LAYERWISE,
     RECOMPUTE,
     WHOLE_PREFIX,
     PrefillRate,
-    ReusePlan,
     choose_spans,
 )
+from services.engine.reuse_plan import ReusePlan
 from shared.kv_layout import KVSpan
 
 BS = 16

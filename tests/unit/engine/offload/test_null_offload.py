@@ -8,10 +8,11 @@ from contextlib import contextmanager
 
 from services.engine.engine_core import EngineCore
 from services.engine.model import LoadedModel
-from services.engine.offload.base import LayerWait, NullOffload
+from services.engine.offload import LayerWait, NullOffload
 from services.engine.scheduler import SchedulerOutput
 from services.engine.sequence import Sequence
-from tests.unit.engine_offload.test_kvstore_offload import (
+
+from .test_kvstore_offload import (
     add,
     make_core,
     run,
@@ -36,9 +37,9 @@ class Recording(NullOffload):
             yield wait
         self.calls.append("forward done")
 
-    def after_forward(self, out: SchedulerOutput, seconds: float) -> None:
+    def after_forward(self, out: SchedulerOutput, seconds: float) -> list[str]:
         self.calls.append("after_forward")
-        super().after_forward(out, seconds)
+        return super().after_forward(out, seconds)
 
     def after_sample(self, seqs: list[Sequence]) -> None:
         self.calls.append(f"after_sample {len(seqs)}")
@@ -53,13 +54,13 @@ class Recording(NullOffload):
 
 def null_core(loaded: LoadedModel) -> EngineCore:
     core = EngineCore(make_core(loaded).config, loaded)
-    assert isinstance(core.offload, NullOffload)  # until an AsyncEngine installs a kvstore
+    assert isinstance(core.offload, NullOffload)  # the core's own without an offload factory
     return core
 
 
 def test_a_step_calls_the_boundary_at_its_named_points_in_order(loaded: LoadedModel) -> None:
-    core = null_core(loaded)
-    rec = core.offload = Recording()
+    rec = Recording()
+    core = EngineCore(make_core(loaded).config, loaded, offload=lambda *parts: rec)
     try:
         add(core, loaded, "a", None)
         core.step()  # the whole prompt fits one step: prefill and the first token

@@ -11,9 +11,8 @@ from services.engine.api_types import GenerateRequest, SamplingParams
 from services.engine.config import EngineConfig, OffloadConfig
 from services.engine.engine_core import EngineCore
 from services.engine.model import LoadedModel
-from services.engine.offload.jobs import LoadJob, SaveJob
-from services.engine.offload.kvstore_offload import offload_for
-from services.engine.offload.planner import ReusePlan
+from services.engine.offload import KVTransport, LoadJob, SaveJob, offload_for
+from services.engine.reuse_plan import ReusePlan
 from services.engine.validation import prepare
 from shared.kv_layout import KVSpan
 
@@ -36,20 +35,20 @@ class ScriptedTransport:
         self.released.append(lease_id)
 
 
-def make_core(loaded: LoadedModel, **kw: object) -> EngineCore:
+def make_core(loaded: LoadedModel, transport: KVTransport | None = None,
+              **kw: object) -> EngineCore:
+    """A core whose offload is the kvstore's, reached through ``transport`` (a scripted
+    one that never answers by default), built as the engine's KVStoreLink builds it."""
     cfg = EngineConfig(dtype="float32", device_memory_bytes=4 << 20, page_bytes=16 << 10,
                        debug_checks=True, offload=OffloadConfig(load_timeout_s=0.05), **kw)
-    core = EngineCore(cfg, loaded)
-    # as connect_offload does
-    core.offload = offload_for(cfg, core.kv, core.scheduler, core.pool.block_bytes)
-    return core
+    t = transport if transport is not None else ScriptedTransport()
+    return EngineCore(cfg, loaded, offload=lambda kv, scheduler, pool: offload_for(
+        cfg, kv, scheduler, pool.block_bytes, t))
 
 
 def scripted_core(loaded: LoadedModel) -> tuple[EngineCore, ScriptedTransport]:
-    core = make_core(loaded)
     t = ScriptedTransport()
-    core.offload.transport = t
-    return core, t
+    return make_core(loaded, t), t
 
 
 def two_block_plan(lease_id: str) -> ReusePlan:
@@ -96,7 +95,7 @@ def test_load_that_never_answers_falls_back_and_parks_its_blocks(loaded: LoadedM
         plan = two_block_plan("lease-1")
         add(core, loaded, "a", plan)
         assert core.step() == []  # the wait timed out: no token sampled for garbage KV
-        assert len(t.loads) == 1 and core.offload.load_failures == 1
+        assert len(t.loads) == 1 and core.offload.loads.load_failures == 1
         parked = core.offload.held_blocks()
         assert sorted(parked) == sorted(t.loads[0].block_ids)  # 2 blocks x 2 layers
         assert all(core.blocks.refcount[b] >= 1 for b in parked)
@@ -110,6 +109,31 @@ def test_load_that_never_answers_falls_back_and_parks_its_blocks(loaded: LoadedM
         core.close()
 
 
+def test_a_failed_load_comes_back_as_an_id_for_the_core_to_requeue(
+    loaded: LoadedModel,
+) -> None:
+    """The offload never calls the scheduler: ``after_forward`` returns the ids of the
+    requests whose load failed, and the core requeues them."""
+    core, t = scripted_core(loaded)
+    try:
+        add(core, loaded, "a", two_block_plan("lease-1"))
+        out = core.scheduler.schedule()
+        with core.offload.forward(out) as wait_for_layer:
+            assert wait_for_layer is not None
+            (job,) = t.loads
+            job.readiness.fail(0, "chunk missing")  # the kvstore's answer
+        seq = core._live["a"].seq
+        assert core.offload.after_forward(out, 0.01) == ["a"]
+        assert seq in core.scheduler.running and not out.empty  # nothing requeued yet
+        core.scheduler.requeue(seq, out)  # what the core's step does with the id
+        assert out.empty and core.scheduler.waiting[0] is seq
+        job.readiness.finish()  # the RPC ends: its parked blocks go at the next step
+        run(core)
+        assert_all_let_go(core, t)
+    finally:
+        core.close()
+
+
 def test_save_pins_full_blocks_until_unpinned(loaded: LoadedModel) -> None:
     core, t = scripted_core(loaded)
     try:
@@ -117,7 +141,7 @@ def test_save_pins_full_blocks_until_unpinned(loaded: LoadedModel) -> None:
         run(core)
         (job,) = t.saves
         seq_blocks = len(job.block_hashes)
-        assert job.first_block == 0 and job.session_id == "s"
+        assert job.first_block == 0 and job.session.session_id == "s"
         assert len(job.block_ids) == seq_blocks * loaded.config.num_layers
         assert core.blocks.num_used == len(job.block_ids)  # pinned after the request ended
         core.check_integrity()
@@ -148,12 +172,14 @@ def test_plan_dropped_at_admission_releases_its_lease(loaded: LoadedModel) -> No
 class AnsweringTransport(ScriptedTransport):
     """Answers each save as it is made: stored, or (those in ``fail``) not stored."""
 
-    def __init__(self, core: EngineCore, fail: set[int] = frozenset()) -> None:
+    def __init__(self, fail: set[int] = frozenset()) -> None:
         super().__init__()
-        self.core, self.fail = core, fail
+        self.fail = fail
+        self.core: EngineCore | None = None  # (set once built: the core is built with it)
 
     def start_save(self, job: SaveJob) -> None:
         super().start_save(job)
+        assert self.core is not None
         self.core.unpin(job.job_id, ok=len(self.saves) - 1 not in self.fail)
 
 
@@ -161,9 +187,11 @@ def long_generation(loaded: LoadedModel, fail: set[int] = frozenset(), answer: b
                     ) -> tuple[EngineCore, list[SaveJob]]:
     """A 90-token generation in 32-token chunks; saves answered at once (those in ``fail``
     storing nothing), or with ``answer=False`` never."""
-    core = make_core(loaded)
-    t = core.offload.transport = AnsweringTransport(core, fail) if answer else ScriptedTransport()
-    core.offload.blocks_per_chunk = 2  # 32-token chunks
+    t = AnsweringTransport(fail) if answer else ScriptedTransport()
+    core = make_core(loaded, t)
+    if isinstance(t, AnsweringTransport):
+        t.core = core
+    core.kvstore_attached(2)  # 32-token chunks
     req = GenerateRequest(request_id="g", prompt=PROMPT, session_id="s",
                           sampling=SamplingParams(max_tokens=90, ignore_eos=True))
     core.add(prepare(req, tokenizer=loaded.tokenizer, model_name=loaded.name,
@@ -248,10 +276,9 @@ def test_layers_overlapping_a_cpu_pool_copy_leave_a_core_to_it(
     before = torch.get_num_threads()
     full = max(2, before)  # a team to take a thread from, even on a 1-core machine
     torch.set_num_threads(full)
-    core = make_core(loaded)
-    core.offload.transport = PrefilledTransport(all_layers=copy_done)
+    core = make_core(loaded, PrefilledTransport(all_layers=copy_done))
     seen: list[int] = []
-    make_waiter = core.offload.waiter
+    make_waiter = core.offload.loads.waiter
 
     def waiter(loading):
         wait = make_waiter(loading)
@@ -262,7 +289,7 @@ def test_layers_overlapping_a_cpu_pool_copy_leave_a_core_to_it(
 
         return wait_and_look
 
-    core.offload.waiter = waiter
+    core.offload.loads.waiter = waiter
     try:
         add(core, loaded, "a", two_block_plan("lease-1"))
         core.step()

@@ -3,34 +3,41 @@
 The core calls an ``Offload`` at a handful of named points of a step and of a request's
 life; it never asks which kind it has:
 
-    accept(plan)               a request arrives with a lookup's plan (kept or dropped)
+    accept(plan)               a request arrives with a reuse plan (kept or dropped)
     add_prefetch(order)        an advised session to prefetch into free device blocks
-    end_prefetch(...)          its advisory ended unfollowed (invalidated or expired)
+    end_prefetch(session, ..)  its advisory ended unfollowed (invalidated or expired)
     begin_step()               before scheduling: reclaim blocks whose loads have ended
     forward(out)               around the forward pass: start this step's loads, yield the
                                per-layer wait, undo on failure
-    after_forward(out, s)      before ``advance``: settle loads (a failed one is requeued)
+    after_forward(out, s)      before ``advance``: settle loads; returns the ids of the
+                               requests whose load failed (the core requeues them)
     after_sample(seqs)         mid-generation saves of chunks that filled up
     finished(seq) / dropped(seq)   a request ended (save) / left before admission
-    unpin(job, ok), holds_blocks, held_blocks(), stats()
+    unpin(job, ok), attached(blocks_per_chunk)   the kvstore's answers (worker inbox)
+    reclaimer, holds_blocks, held_blocks(), stats()
 
 ``NullOffload`` serves device-only and recompute runs: no loads, no saves, only the
 accounting every run reports. ``KVStoreOffload`` (kvstore_offload.py) is the node's
-kvstore. All of it runs on the engine's worker thread.
+kvstore. The core builds its offload with an ``OffloadFactory`` over its own block tables,
+scheduler and pool. All of it runs on the engine's worker thread.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 
 from services.engine.api_types import ReuseStats
-from services.engine.offload.device_prefetch import PrefetchOrder
-from services.engine.offload.planner import ReusePlan
-from services.engine.scheduler import SchedulerOutput
+from services.engine.kvcache.block_allocator import Reclaimer
+from services.engine.kvcache.block_tables import BlockTables
+from services.engine.kvcache.device_memory import DeviceMemory
+from services.engine.offload.device_prefetch.orders import PrefetchOrder
+from services.engine.reuse_plan import ReusePlan
+from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.sequence import Sequence
+from shared.session_key import SessionKey
 
-LayerWait = Callable[[int], None]
+LayerWait = Callable[[int], None]  # the forward pass calls it before layer l reads the cache
 
 
 class Offload:
@@ -50,7 +57,7 @@ class Offload:
     def add_prefetch(self, order: PrefetchOrder) -> None:
         """An advised session to prefetch into free device blocks (none here)."""
 
-    def end_prefetch(self, tenant: str, session_id: str, expired: bool) -> bool:
+    def end_prefetch(self, session: SessionKey, expired: bool) -> bool:
         """An advisory ended unfollowed (invalidated, or ``expired``); whether its session
         had prefetched blocks."""
         return False
@@ -61,9 +68,11 @@ class Offload:
         self._count_admissions(out)
         yield None
 
-    def after_forward(self, out: SchedulerOutput, seconds: float) -> None:
-        """After the forward pass, before ``Scheduler.advance``."""
+    def after_forward(self, out: SchedulerOutput, seconds: float) -> list[str]:
+        """After the forward pass, before ``Scheduler.advance``: the ids of the requests
+        whose output this step must be dropped and recomputed (a load failed)."""
         self._count_computed(out)
+        return []
 
     def after_sample(self, seqs: list[Sequence]) -> None:
         """Sequences that got a token this step and go on."""
@@ -77,6 +86,14 @@ class Offload:
 
     def unpin(self, job_id: int, ok: bool) -> None:
         """A save was answered (``ok``: its chunks are stored)."""
+
+    def attached(self, blocks_per_chunk: int) -> None:
+        """The pool is attached to the kvstore, whose chunks are this many blocks."""
+
+    @property
+    def reclaimer(self) -> Reclaimer | None:
+        """Who gives held device blocks back when the allocator runs dry (None: nobody)."""
+        return None
 
     @property
     def holds_blocks(self) -> bool:
@@ -99,9 +116,12 @@ class Offload:
                 seq.offload.counted = True
                 self.device_tokens += min(device_tokens, seq.num_prompt_tokens)
 
-    def _count_computed(self, out: SchedulerOutput) -> None:
-        """(before advance) prompt tokens this step computes."""
+    def _count_computed(self, out: SchedulerOutput, redone: Collection[str] = ()) -> None:
+        """(before advance) prompt tokens this step computes (``redone``: requests whose
+        step is dropped, to be recomputed)."""
         for s in out.sequences:
+            if s.request_id in redone:
+                continue
             start = s.num_computed_tokens
             end = start + out.num_scheduled_tokens[s.request_id]
             self.recomputed_tokens += max(0, min(end, s.num_prompt_tokens) - start)
@@ -109,3 +129,7 @@ class Offload:
 
 class NullOffload(Offload):
     """Device-only and recompute runs: nothing is loaded or saved."""
+
+
+# The core calls it once, in its constructor, over its own parts.
+OffloadFactory = Callable[[BlockTables, Scheduler, DeviceMemory], Offload]

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from services.engine.offload.layer_readiness import LayerReadiness
+from services.engine.layer_readiness import LayerReadiness
 
 
 def test_layers_become_ready_in_order() -> None:

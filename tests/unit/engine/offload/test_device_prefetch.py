@@ -17,12 +17,13 @@ from services.engine.offload.device_prefetch import (
     DevicePrefetch,
     PrefetchOrder,
 )
-from services.engine.offload.jobs import LoadJob
-from services.engine.offload.planner import SKIP, ReusePlan
+from services.engine.offload.jobs import LoadJob, SaveJob
+from services.engine.reuse_plan import SKIP, ReusePlan
 from services.engine.sequence import Sequence
 from shared.kv_layout import KVSpan
+from shared.session_key import SessionKey
 
-from .conftest import BLOCK_SIZE, make_pool
+from ..conftest import BLOCK_SIZE, make_pool
 
 LAYERS = 4
 
@@ -35,22 +36,81 @@ class Clock:
         return self.now
 
 
+class Transport:
+    """Loads wait in ``jobs`` (a test lands them); released leases are written down."""
+
+    def __init__(self) -> None:
+        self.jobs: list[LoadJob] = []
+        self.released: list[str] = []
+
+    def start_load(self, job: LoadJob) -> None:
+        self.jobs.append(job)
+
+    def start_save(self, job: SaveJob) -> None:
+        raise AssertionError("the device prefetch saves nothing")
+
+    def release(self, lease_id: str) -> None:
+        self.released.append(lease_id)
+
+
+class Watch:
+    """Counts the loads into the device under way per first block hash, as the event
+    loop's PrefetchJoins does."""
+
+    def __init__(self) -> None:
+        self.under_way: dict[bytes, int] = {}
+
+    def started(self, first_hash: bytes) -> None:
+        self.under_way[first_hash] = self.under_way.get(first_hash, 0) + 1
+
+    def settled(self, first_hash: bytes) -> None:
+        self.under_way[first_hash] -= 1
+        if not self.under_way[first_hash]:
+            del self.under_way[first_hash]
+
+
+class NoRequests:
+    """No request runs or waits: nothing is reserved, no session is here."""
+
+    def blocks_wanted_next_step(self) -> int:
+        return 0
+
+    def sessions(self) -> set[SessionKey]:
+        return set()
+
+
+def make_book(pool, cooperative: bool = True, **knobs) -> tuple[DevicePrefetch, list[LoadJob],
+                                                                 Clock]:
+    """A device prefetch over ``pool``, wired into its allocator as whoever builds both
+    does (the engine core): as the allocator's reclaimer, when cooperative."""
+    blocks = BlockAllocator(pool)
+    kv = BlockTables(blocks, LAYERS, BLOCK_SIZE)
+    clock = Clock()
+    transport = Transport()
+    d = DevicePrefetch(kv, 1024, transport, NoRequests(), watch=Watch(), clock=clock,
+                       cooperative=cooperative, **knobs)
+    if cooperative:
+        blocks.set_reclaimer(d)
+    return d, transport.jobs, clock
+
+
+def layers(d: DevicePrefetch, sid: str) -> int:
+    """The layers of session ``sid`` (tenant "t") held on the device."""
+    return d.resident_layers(SessionKey("t", sid))
+
+
 @pytest.fixture
 def book() -> Iterator[tuple[DevicePrefetch, list[LoadJob], Clock]]:
     pool = make_pool(num_pages=4)  # 16 blocks
-    kv = BlockTables(BlockAllocator(pool), LAYERS, BLOCK_SIZE)
-    clock = Clock()
-    d = DevicePrefetch(kv, 1024, clock)
-    jobs: list[LoadJob] = []
-    d.start_load = jobs.append
-    yield d, jobs, clock
+    yield make_book(pool)
     pool.close()
 
 
 def order(sid: str, blocks: int, priority: int = 0, ttl_s: float = 30.0) -> PrefetchOrder:
     hashes = tuple(f"{sid}-{i}".encode().ljust(16, b".") for i in range(blocks))
     span = KVSpan(hashes[-1], 0, blocks, "dram", blocks * 1024 * LAYERS)
-    return PrefetchOrder("t", sid, hashes, ReusePlan((span,), f"lease-{sid}", 0, blocks),
+    return PrefetchOrder(SessionKey("t", sid), hashes,
+                         ReusePlan((span,), f"lease-{sid}", 0, blocks),
                          priority, ttl_s)
 
 
@@ -95,7 +155,7 @@ def advise_old_then_new(d: DevicePrefetch, jobs: list[LoadJob], clock: Clock) ->
     d.begin_step()
     finish(jobs)
     d.begin_step()
-    assert d.resident_layers("t", "old") == d.resident_layers("t", "new") == 4
+    assert layers(d, "old") == layers(d, "new") == 4
 
 
 def test_plenty_of_memory_puts_every_layer_on_device(book) -> None:
@@ -106,10 +166,10 @@ def test_plenty_of_memory_puts_every_layer_on_device(book) -> None:
     assert jobs[0].plan.lease_id == "lease-a"
     finish(jobs)
     d.begin_step()
-    assert d.resident_layers("t", "a") == LAYERS
+    assert layers(d, "a") == LAYERS
     for ly in range(LAYERS):  # indexed under the prompt's content hashes
-        assert d.pool.lookup((order("a", 2).hashes[0], ly)) is not None
-    d.pool.check_integrity()
+        assert d.blocks.cached_block((order("a", 2).hashes[0], ly)) is not None
+    d.blocks.check_integrity()
 
 
 def test_lower_layers_of_every_session_before_higher_layers_of_any(book) -> None:
@@ -118,28 +178,28 @@ def test_lower_layers_of_every_session_before_higher_layers_of_any(book) -> None
     d.begin_step()
     finish(jobs)
     d.begin_step()
-    assert d.resident_layers("t", "a") == 4  # 12 of 16 blocks
+    assert layers(d, "a") == 4  # 12 of 16 blocks
     d.add(order("b", 3))
     d.begin_step()  # b's layer 0 needs 3 blocks: 4 are free
     finish(jobs)
     d.begin_step()  # b's layer 1: a's layer 3 is purged for it (a higher layer); b's
     finish(jobs)  # layer 2 would need a's layer 2 (not higher): b waits for free memory
     d.begin_step()
-    assert (d.resident_layers("t", "a"), d.resident_layers("t", "b")) == (3, 2)
+    assert (layers(d, "a"), layers(d, "b")) == (3, 2)
     assert d.purged_by_layer == [0, 0, 0, 3]
-    d.pool.check_integrity()
+    d.blocks.check_integrity()
 
 
 def test_running_requests_purge_later_layers_first_then_least_recently_advised(book) -> None:
     d, jobs, clock = book
     advise_old_then_new(d, jobs, clock)  # 16 blocks
-    got = d.pool.allocate(2)  # a running request needs memory: the pool is full
+    got = d.blocks.allocate(2)  # a running request needs memory: the pool is full
     assert got is not None
-    assert (d.resident_layers("t", "old"), d.resident_layers("t", "new")) == (3, 4)
-    d.pool.allocate(2)
-    assert (d.resident_layers("t", "old"), d.resident_layers("t", "new")) == (3, 3)
-    d.pool.allocate(6)
-    assert (d.resident_layers("t", "old"), d.resident_layers("t", "new")) == (1, 2)
+    assert (layers(d, "old"), layers(d, "new")) == (3, 4)
+    d.blocks.allocate(2)
+    assert (layers(d, "old"), layers(d, "new")) == (3, 3)
+    d.blocks.allocate(6)
+    assert (layers(d, "old"), layers(d, "new")) == (1, 2)
     assert d.purged_by_layer == [0, 2, 4, 4]
 
 
@@ -153,36 +213,36 @@ def test_expired_advisories_go_first_and_invalidation_frees_at_once(book) -> Non
     clock.now += 10
     d.begin_step()  # the spurious advisory expired: its blocks are evictable, first to go
     assert ("t", "spurious") not in d.sessions and d.outcomes == {"expired": 1}
-    assert d.pool.num_evictable == 8 and d.wasted_bytes == 8 * 1024
-    d.pool.allocate(8)
-    assert d.resident_layers("t", "kept") == 4  # nothing of the followed session went
-    assert d.end("t", "kept")
-    assert d.pool.num_free == 8 and d.pool.num_evictable == 0  # freed, not cached
-    d.pool.check_integrity()
+    assert d.blocks.num_evictable == 8 and d.wasted_bytes == 8 * 1024
+    d.blocks.allocate(8)
+    assert layers(d, "kept") == 4  # nothing of the followed session went
+    assert d.end(SessionKey("t", "kept"))
+    assert d.blocks.num_free == 8 and d.blocks.num_evictable == 0  # freed, not cached
+    d.blocks.check_integrity()
 
 
 def test_a_request_admitted_on_the_blocks_follows_the_advisory(book) -> None:
     d, jobs, _ = book
     o = order("a", 2)
     prefetched(d, jobs, o)
-    cached = [[d.pool.lookup((h, ly)) for ly in range(LAYERS)] for h in o.hashes]
+    cached = [[d.blocks.cached_block((h, ly)) for ly in range(LAYERS)] for h in o.hashes]
     seq = admitted_seq(d, [])
     d.kv.allocate(seq, 1, cached)  # type: ignore[arg-type]
     d.admitted(seq)
     assert seq.offload.prefetched == DEVICE_PREFETCHED and d.outcomes == {"followed": 1}
     assert not d.sessions and d.wasted_bytes == 0
     d.kv.free(seq)
-    assert d.pool.num_evictable == 8  # the request's cache now
-    d.pool.check_integrity()
+    assert d.blocks.num_evictable == 8  # the request's cache now
+    d.blocks.check_integrity()
 
 
 def test_partial_residency_is_labelled(book) -> None:
     d, jobs, _ = book
     o = order("a", 2)
     prefetched(d, jobs, o)
-    d.pool.allocate(12)  # 8 free, then layers 3 and 2 are purged
-    assert d.resident_layers("t", "a") == 2
-    lower = [d.pool.lookup((o.hashes[0], ly)) for ly in range(2)]
+    d.blocks.allocate(12)  # 8 free, then layers 3 and 2 are purged
+    assert layers(d, "a") == 2
+    lower = [d.blocks.cached_block((o.hashes[0], ly)) for ly in range(2)]
     seq = admitted_seq(d, [lower])  # type: ignore[list-item]
     d.admitted(seq)
     assert seq.offload.prefetched == DEVICE_PARTIAL
@@ -199,17 +259,16 @@ def test_a_failed_load_keeps_the_layers_that_arrived(book) -> None:
     job.readiness.finish()
     jobs.clear()
     d.begin_step()
-    assert d.resident_layers("t", "a") == 2
+    assert layers(d, "a") == 2
     assert not jobs  # no retry of a session whose copy failed
-    d.pool.check_integrity()
+    d.blocks.check_integrity()
     assert sorted(d.held_blocks()) == sorted(
         b for blocks in d.sessions[("t", "a")].held for b in blocks)
 
 
 def test_renewing_an_advisory_keeps_its_blocks(book) -> None:
     d, jobs, clock = book
-    released: list[str] = []
-    d.release_lease = released.append
+    released = d.transport.released
     d.add(order("a", 2, ttl_s=5))
     d.begin_step()
     finish(jobs)
@@ -218,7 +277,7 @@ def test_renewing_an_advisory_keeps_its_blocks(book) -> None:
     assert released == ["lease-a"]  # the new lookup's lease: the blocks are there
     clock.now += 4
     d.begin_step()
-    assert d.resident_layers("t", "a") == 4
+    assert layers(d, "a") == 4
 
 
 def test_sixty_percent_spurious_advisories_are_purged_before_the_real_ones(book) -> None:
@@ -235,19 +294,19 @@ def test_sixty_percent_spurious_advisories_are_purged_before_the_real_ones(book)
     d.begin_step()
     finish(jobs)
     d.begin_step()
-    assert d.pool.num_free_or_committable() == 0
-    assert all(d.resident_layers("t", s) >= 1 for s in real)
-    assert any(d.resident_layers("t", s) < LAYERS for s in real)
+    assert d.blocks.num_free_or_committable() == 0
+    assert all(layers(d, s) >= 1 for s in real)
+    assert any(layers(d, s) < LAYERS for s in real)
     clock.now += 6
     d.begin_step()  # unfollowed within their TTL: plain cache, the first to go, and
     finish(jobs)  # the real sessions take its place
     d.begin_step()
     assert d.outcomes == {"expired": 6} and d.wasted_bytes > 0
-    assert all(d.resident_layers("t", s) == LAYERS for s in real)
+    assert all(layers(d, s) == LAYERS for s in real)
     assert sum(d.purged_by_layer) == 0  # nothing of an arriving session went for them
-    assert d.pool.allocate(4) is not None  # a running request: top layers go, never layer 0
+    assert d.blocks.allocate(4) is not None  # a running request: top layers go, never layer 0
     assert sum(d.purged_by_layer) == 4 and d.purged_by_layer[0] == 0
-    d.pool.check_integrity()
+    d.blocks.check_integrity()
 
 
 def test_at_one_layer_lower_priority_sessions_are_purged_first(book) -> None:
@@ -258,39 +317,39 @@ def test_at_one_layer_lower_priority_sessions_are_purged_first(book) -> None:
     d.begin_step()
     finish(jobs)
     d.begin_step()  # 16 of 16 blocks held
-    layers = []
+    held = []
     for _ in range(3):
-        d.pool.allocate(2)  # one top layer of 2 blocks at a time
-        layers.append((d.resident_layers("t", "paid"), d.resident_layers("t", "free")))
-    assert layers == [(4, 3), (3, 3), (3, 2)]
+        d.blocks.allocate(2)  # one top layer of 2 blocks at a time
+        held.append((layers(d, "paid"), layers(d, "free")))
+    assert held == [(4, 3), (3, 3), (3, 2)]
 
 
 def test_prefetch_evicts_plain_cache_and_only_straight_sessions_purge_lower_layers(
         book) -> None:
     d, jobs, _ = book
-    cache = d.pool.allocate(16)
+    cache = d.blocks.allocate(16)
     assert cache is not None
     for i, b in enumerate(cache):
-        d.pool.cache(b, (f"c{i}".encode(), 0))
-    d.pool.free(cache)  # the device is full of another session's cache
+        d.blocks.cache(b, (f"c{i}".encode(), 0))
+    d.blocks.free(cache)  # the device is full of another session's cache
     d.add(order("low", 4))  # 4 blocks a layer: the plain cache makes way, LRU first
     d.begin_step()
     finish(jobs)
     d.begin_step()
-    assert d.resident_layers("t", "low") == LAYERS and d.pool.num_evictable == 0
+    assert layers(d, "low") == LAYERS and d.blocks.num_evictable == 0
     d.add(order("high", 4, priority=5))  # balanced: only layers above its own may go
     d.begin_step()
     finish(jobs)
     d.begin_step()
-    assert (d.resident_layers("t", "low"), d.resident_layers("t", "high")) == (2, 2)
+    assert (layers(d, "low"), layers(d, "high")) == (2, 2)
     o = order("vip", 4, priority=9)  # the priority policy: straight to device
-    d.add(PrefetchOrder(o.tenant, o.session_id, o.hashes, o.plan, 9, 30.0, straight=True))
+    d.add(PrefetchOrder(o.session, o.hashes, o.plan, 9, 30.0, straight=True))
     d.begin_step()
     finish(jobs)
     d.begin_step()
-    assert d.resident_layers("t", "vip") == LAYERS
-    assert d.resident_layers("t", "low") == 0 and d.resident_layers("t", "high") == 0
-    d.pool.check_integrity()
+    assert layers(d, "vip") == LAYERS
+    assert layers(d, "low") == 0 and layers(d, "high") == 0
+    d.blocks.check_integrity()
 
 
 def test_a_session_replaced_while_loading_gives_its_blocks_back(book) -> None:
@@ -303,19 +362,20 @@ def test_a_session_replaced_while_loading_gives_its_blocks_back(book) -> None:
     d.add(longer)
     held = sorted(d.held_blocks())
     assert len(held) == 2 * LAYERS  # the old load's blocks are still accounted for
+    assert d.watch.under_way == {longer.hashes[0]: 1}  # (the old one's first block)
     for layer in range(LAYERS):
         job.readiness.mark_loaded(layer)
     job.readiness.finish()
     d.begin_step()  # the old entry settles and leaves; the new one fills
     finish(jobs)
     d.begin_step()
-    assert d.resident_layers("t", "a") == LAYERS and d.outcomes == {"replaced": 1}
-    assert len(d.held_blocks()) == 3 * LAYERS and d.in_flight == frozenset()
-    refs = [0] * d.pool.num_total
+    assert layers(d, "a") == LAYERS and d.outcomes == {"replaced": 1}
+    assert len(d.held_blocks()) == 3 * LAYERS and d.watch.under_way == {}
+    refs = [0] * d.blocks.num_total
     for b in d.held_blocks():
         refs[b] += 1
-    assert all(d.pool.refcount[b] == refs[b] for b in range(d.pool.num_total))
-    d.pool.check_integrity()
+    assert all(d.blocks.refcount[b] == refs[b] for b in range(d.blocks.num_total))
+    d.blocks.check_integrity()
 
 
 def test_a_straight_prefetch_adopts_cached_blocks_before_evicting(book) -> None:
@@ -323,21 +383,21 @@ def test_a_straight_prefetch_adopts_cached_blocks_before_evicting(book) -> None:
     o = order("vip", 2, priority=5)
     # layer 0 of the session's first block is in the device cache, the pool otherwise full
     # of other cache: evicting must not take the block the prefetch adopts.
-    blocks = d.pool.allocate(16)
+    blocks = d.blocks.allocate(16)
     assert blocks is not None
-    d.pool.cache(blocks[0], (o.hashes[0], 0))
+    d.blocks.cache(blocks[0], (o.hashes[0], 0))
     for i, b in enumerate(blocks[1:]):
-        d.pool.cache(b, (f"c{i}".encode(), 0))
-    d.pool.free(blocks)
-    d.add(PrefetchOrder(o.tenant, o.session_id, o.hashes, o.plan, 5, 30.0, straight=True))
+        d.blocks.cache(b, (f"c{i}".encode(), 0))
+    d.blocks.free(blocks)
+    d.add(PrefetchOrder(o.session, o.hashes, o.plan, 5, 30.0, straight=True))
     d.begin_step()
     (job,) = jobs
     assert job.block_ids[0] == SKIP and blocks[0] not in job.block_ids  # adopted, not loaded
     assert len(set(job.block_ids) - {SKIP}) == 2 * LAYERS - 1
     finish(jobs)
     d.begin_step()
-    assert d.resident_layers("t", "vip") == LAYERS
-    d.pool.check_integrity()
+    assert layers(d, "vip") == LAYERS
+    d.blocks.check_integrity()
 
 
 def test_no_purge_in_vain(book) -> None:
@@ -351,7 +411,7 @@ def test_no_purge_in_vain(book) -> None:
         d.begin_step()
         finish(jobs)
     # big's layer 0: 8 free + small's layers 3 and 2 (lower layers of all first)
-    assert (d.resident_layers("t", "big"), d.resident_layers("t", "small")) == (1, 2)
+    assert (layers(d, "big"), layers(d, "small")) == (1, 2)
     assert d.purged_by_layer == [0, 0, 2, 2]
     # big's layer 1 would need 12: nothing above layer 1 is left to purge, so nothing is,
     # and small cannot take its layer 2 back from big's layer 0: stable, no copies.
@@ -359,7 +419,7 @@ def test_no_purge_in_vain(book) -> None:
         d.begin_step()
         assert not jobs
     assert d.purged_by_layer == [0, 0, 2, 2]
-    d.pool.check_integrity()
+    d.blocks.check_integrity()
 
 
 @pytest.fixture
@@ -369,12 +429,7 @@ def ablated() -> Iterator:
 
     def make(**knobs) -> tuple[DevicePrefetch, list[LoadJob], Clock]:
         pools.append(pool := make_pool(num_pages=4))  # 16 blocks
-        kv = BlockTables(BlockAllocator(pool), LAYERS, BLOCK_SIZE)
-        clock = Clock()
-        d = DevicePrefetch(kv, 1024, clock, **knobs)
-        jobs: list[LoadJob] = []
-        d.start_load = jobs.append
-        return d, jobs, clock
+        return make_book(pool, **knobs)
 
     yield make
     for pool in pools:
@@ -386,7 +441,7 @@ def test_without_cooperation_running_requests_cannot_take_prefetched_blocks(abla
     # block (it would wait) instead of purging a prefetched layer.
     d, jobs, clock = ablated(cooperative=False)
     advise_old_then_new(d, jobs, clock)
-    assert d.pool.allocate(2) is None
+    assert d.blocks.allocate(2) is None
     assert d.purged_by_layer == [0] * LAYERS
 
 
@@ -401,8 +456,8 @@ def test_the_sessions_order_fills_and_purges_whole_sessions(ablated) -> None:
     for _ in range(5):
         d.begin_step()
         finish(jobs)
-    assert (d.resident_layers("t", "a"), d.resident_layers("t", "b")) == (1, 4)
+    assert (layers(d, "a"), layers(d, "b")) == (1, 4)
     assert d.purged_by_layer == [0, 3, 3, 3]
-    d.pool.allocate(4)  # running requests: the least recently advised session first
-    assert (d.resident_layers("t", "a"), d.resident_layers("t", "b")) == (0, 4)
+    d.blocks.allocate(4)  # running requests: the least recently advised session first
+    assert (layers(d, "a"), layers(d, "b")) == (0, 4)
     assert d.purged_by_layer == [3, 3, 3, 3]

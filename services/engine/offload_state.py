@@ -1,21 +1,22 @@
 """What one sequence carries for offload: its plan, the load under way, what is saved.
 
-    before admission   plan       the stored prefix to load (from the lookup), or None
+    before admission   plan       the stored prefix to load (from the reuse planner), or None
     first step         load       the part of the plan being loaded (trimmed by the device
                        readiness  hit), and per-layer progress of its RPC
     loaded             loaded_from   where the loaded KV was ("local", "s3", "peer")
     admitted           prefetched    on blocks an advisory prefetched: whole or partial
     while generating   saved_blocks  leading blocks already handed to the kvstore
 
-Touched only by the engine's worker thread.
+Touched only by the engine's worker thread. Core data (every ``Sequence`` has one), so
+it lives beside ``sequence.py``; ``offload/`` fills it in.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.engine.offload.layer_readiness import LayerReadiness
-from services.engine.offload.planner import ReusePlan
+from services.engine.layer_readiness import LayerReadiness
+from services.engine.reuse_plan import ReusePlan
 
 
 @dataclass(eq=False)

@@ -9,12 +9,12 @@ import asyncio
 import grpc
 
 from services.engine.config import EngineConfig, OffloadConfig
-from services.engine.offload.jobs import LoadJob, PoolGeometry, SaveJob
-from services.engine.offload.kvstore_client import KVStoreClient
-from services.engine.offload.layer_readiness import LayerReadiness
-from services.engine.offload.planner import ReusePlan
+from services.engine.layer_readiness import LayerReadiness
+from services.engine.offload import KVStoreClient, LoadJob, PoolGeometry, SaveJob
+from services.engine.reuse_plan import ReusePlan
 from shared.kv_layout import KVSpan
 from shared.proto import kvstore_pb2
+from shared.session_key import SessionKey
 
 GEOMETRY = PoolGeometry("pool", "cpu", 8, 16, 1, 8, "float32", 2, "fp")
 
@@ -86,7 +86,7 @@ async def test_a_failed_save_is_unpinned_only_after_its_fence() -> None:
     stub = FakeStub()
     c = connector(stub)
     done: list[int] = []
-    job = SaveJob(7, "default", "s", (b"h",), 16, 0, (1, 2))
+    job = SaveJob(7, SessionKey("default", "s"), (b"h",), 16, 0, (1, 2))
     c.start_save(job, lambda j, ok: done.append(j.job_id) if not ok else None)
     await asyncio.sleep(0.1)
     assert done == []  # still pinned: the kvstore may be reading the blocks
