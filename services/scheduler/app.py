@@ -9,23 +9,23 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from services.scheduler.advisor import Advisor
-from services.scheduler.advisories import AdvisoryBook
-from services.scheduler.advisory_throttle import AdvisoryThrottle
+from services.scheduler.advisory.advisor import Advisor
+from services.scheduler.advisory.book import AdvisoryBook
+from services.scheduler.advisory.throttle import AdvisoryThrottle
+from services.scheduler.api.validation import Limits
+from services.scheduler.cluster.registry import NodeRegistry
+from services.scheduler.cluster.sessions import SessionDirectory
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.dispatch import Dispatcher, DispatchSettings, NodeChannels
 from services.scheduler.grpc_service import SchedulerServicer
-from services.scheduler.http_api import ApiState, build_app
-from services.scheduler.http_server import HardenedRunner
-from services.scheduler.keys import key_book
+from services.scheduler.http.completions import ApiState, build_app
+from services.scheduler.http.server import HardenedRunner
 from services.scheduler.metrics import SchedulerMetrics
-from services.scheduler.nodes import NodeRegistry
-from services.scheduler.placement_loop import PlacementLoop
-from services.scheduler.policy import make_policy
+from services.scheduler.placement.loop import PlacementLoop
 from services.scheduler.responses import ResponseStore
-from services.scheduler.sessions import SessionDirectory
-from services.scheduler.tenant_limits import TenantLimits
-from services.scheduler.validation import Limits
+from services.scheduler.routing.dispatch import Dispatcher, DispatchSettings, NodeChannels
+from services.scheduler.routing.policy import make_policy
+from services.scheduler.tenants.keys import key_book
+from services.scheduler.tenants.limits import TenantLimits
 from shared.grpc_server import serve_grpc
 from shared.model_catalog import load_catalog
 from shared.proto import scheduler_pb2_grpc

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.scheduler.nodes import Load, ModelSpec, NodeInfo
-from services.scheduler.request import ApiRequest, Choice, Guidance, Message
+from services.scheduler.api.request import ApiRequest, Choice, Guidance, Message
+from services.scheduler.cluster.registry import Load, ModelSpec, NodeInfo
 from shared.proto import common_pb2, scheduler_pb2
 
 GenerateProto = common_pb2.GenerateRequest  # what run_choices hands the dispatcher

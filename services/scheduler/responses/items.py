@@ -14,9 +14,9 @@ import time
 import uuid
 from typing import Any
 
-from services.scheduler.errors import invalid
-from services.scheduler.openai_format import ChoiceState
-from services.scheduler.request import Message, ToolCall
+from services.scheduler.api.errors import invalid
+from services.scheduler.api.openai_format import ChoiceState
+from services.scheduler.api.request import Message, ToolCall
 
 
 def new_item_id(prefix: str) -> str:

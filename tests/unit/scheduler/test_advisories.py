@@ -11,7 +11,7 @@ from contextlib import AsyncExitStack
 
 import pytest
 
-from services.scheduler.advisories import (
+from services.scheduler.advisory.book import (
     EXPIRED,
     FOLLOWED,
     LATE,
@@ -19,7 +19,7 @@ from services.scheduler.advisories import (
     AdvisoryBook,
     TooManyAdvisories,
 )
-from services.scheduler.advisory_throttle import AdvisoryThrottle
+from services.scheduler.advisory.throttle import AdvisoryThrottle
 from shared.grpc_server import serve_grpc
 from shared.proto import kvstore_pb2, kvstore_pb2_grpc
 from tests.unit.scheduler.conftest import MiniCluster, make_cluster

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from services.scheduler.openai_format import (
+from services.scheduler.api.openai_format import (
     SSE_DONE,
     ChoiceState,
     Envelope,

@@ -3,10 +3,10 @@ with rates measured from requests; models run nowhere are left to on-demand acti
 
 from __future__ import annotations
 
-from services.scheduler.dispatch import NodeChannels
-from services.scheduler.model_rates import ModelRates
-from services.scheduler.nodes import Load, ModelSpec, NodeInfo, NodeRegistry
-from services.scheduler.placement_loop import PlacementLoop
+from services.scheduler.cluster.registry import Load, ModelSpec, NodeInfo, NodeRegistry
+from services.scheduler.placement.loop import PlacementLoop
+from services.scheduler.placement.rates import ModelRates
+from services.scheduler.routing.dispatch import NodeChannels
 from shared.model_catalog import ModelEntry
 
 GIB = 2**30

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.errors import ApiError
-from services.scheduler.openai_format import ChoiceState
-from services.scheduler.request import Message, ToolCall
+from services.scheduler.api.errors import ApiError
+from services.scheduler.api.openai_format import ChoiceState
+from services.scheduler.api.request import Message, ToolCall
+from services.scheduler.api.responses_body import responses_body
+from services.scheduler.api.validation import Limits, guidance
 from services.scheduler.responses import ResponseStore
 from services.scheduler.responses.items import chat_guidance_fields, output_items, to_messages
-from services.scheduler.responses.schema import responses_body
-from services.scheduler.validation import Limits, guidance
 from services.scheduler.wire import Chunk, ToolCallOut
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.scheduler.api_schema import ADVISORY
-from services.scheduler.responses.schema import responses_body
-from services.scheduler.validation import Limits, body_schema
+from services.scheduler.api.bodies import ADVISORY
+from services.scheduler.api.responses_body import responses_body
+from services.scheduler.api.validation import Limits, body_schema
 
 _INT = {"type": "integer"}
 _STR = {"type": "string"}

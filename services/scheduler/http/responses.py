@@ -25,17 +25,17 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from services.scheduler.errors import ApiError
-from services.scheduler.fanout import run_choices
-from services.scheduler.openai_format import ChoiceState
-from services.scheduler.request import ApiRequest, Message, Prompt, Sampling
+from services.scheduler.api.errors import ApiError
+from services.scheduler.api.openai_format import ChoiceState
+from services.scheduler.api.request import ApiRequest, Message, Prompt, Sampling
+from services.scheduler.api.responses_body import responses_body
+from services.scheduler.api.validation import check_prompt_length, guidance, parse_json
 from services.scheduler.responses import items
-from services.scheduler.responses.schema import responses_body
-from services.scheduler.validation import check_prompt_length, guidance, parse_json
+from services.scheduler.routing.fanout import run_choices
 from services.scheduler.wire import Chunk
 
 if TYPE_CHECKING:
-    from services.scheduler.http_api import ApiState, Timing
+    from services.scheduler.http.completions import ApiState, Timing
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def _not_found(rid: str, param: str | None = None) -> ApiError:
 
 
 async def create(request: web.Request) -> web.StreamResponse:
-    from services.scheduler.http_api import STATE, read_body, tenant_of
+    from services.scheduler.http.completions import STATE, read_body, tenant_of
 
     state = request.app[STATE]
     tenant = tenant_of(state, request)
@@ -80,7 +80,7 @@ async def create(request: web.Request) -> web.StreamResponse:
 
 async def _run(request: web.Request, state: ApiState, req: ApiRequest, v: dict[str, Any],
                rid: str, model: str, conversation: tuple[Message, ...]) -> web.StreamResponse:
-    from services.scheduler.http_api import NODE_HEADER, Timing
+    from services.scheduler.http.completions import NODE_HEADER, Timing
 
     st = ChoiceState(0, 0)
     timing = Timing(state.metrics, model, state.dispatcher.catalog.get(model))
@@ -133,7 +133,7 @@ async def _stream(request: web.Request, state: ApiState, req: ApiRequest, v: dic
                   rid: str, model: str, st: ChoiceState, timing: Timing,
                   events: AsyncIterator[tuple[int, Chunk]],
                   conversation: tuple[Message, ...]) -> web.StreamResponse:
-    from services.scheduler.http_api import CLIENT_GONE, NODE_HEADER
+    from services.scheduler.http.completions import CLIENT_GONE, NODE_HEADER
 
     first = await anext(events, None)  # (failures before any output keep their status)
     headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -225,7 +225,7 @@ async def _call(out: _Events, call_id: str, name: str, arguments: str,
 
 
 async def retrieve(request: web.Request) -> web.Response:
-    from services.scheduler.http_api import STATE, tenant_of
+    from services.scheduler.http.completions import STATE, tenant_of
 
     state = request.app[STATE]
     tenant = tenant_of(state, request)
@@ -237,7 +237,7 @@ async def retrieve(request: web.Request) -> web.Response:
 
 
 async def delete(request: web.Request) -> web.Response:
-    from services.scheduler.http_api import STATE, tenant_of
+    from services.scheduler.http.completions import STATE, tenant_of
 
     state = request.app[STATE]
     tenant = tenant_of(state, request)

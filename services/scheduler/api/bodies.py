@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from services.scheduler.errors import invalid
-from services.scheduler.schema import AnyOf, Bool, Int, JsonObject, ListOf, Node, Num, Obj, Str
+from services.scheduler.api.errors import invalid
+from services.scheduler.api.schema import AnyOf, Bool, Int, JsonObject, ListOf, Node, Num, Obj, Str
 
 if TYPE_CHECKING:
-    from services.scheduler.validation import Limits
+    from services.scheduler.api.validation import Limits
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 INT32_MAX = 2**31 - 1

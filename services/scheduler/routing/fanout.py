@@ -12,10 +12,10 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 from services.scheduler import wire
-from services.scheduler.dispatch import Dispatcher
-from services.scheduler.errors import ApiError
-from services.scheduler.policy import RouteRequest
-from services.scheduler.request import ApiRequest, Choice
+from services.scheduler.api.errors import ApiError
+from services.scheduler.api.request import ApiRequest, Choice
+from services.scheduler.routing.dispatch import Dispatcher
+from services.scheduler.routing.policy import RouteRequest
 
 log = logging.getLogger(__name__)
 

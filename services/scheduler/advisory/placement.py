@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.scheduler.advisories import Advisory, AdvisoryBook
-from services.scheduler.nodes import HOLDER_SLACK, Node, NodeRegistry, least_kv_pressure
-from services.scheduler.policy import Policy, RouteRequest
-from services.scheduler.sessions import SessionDirectory, SessionPlace
+from services.scheduler.advisory.book import Advisory, AdvisoryBook
+from services.scheduler.cluster.registry import HOLDER_SLACK, Node, NodeRegistry, least_kv_pressure
+from services.scheduler.cluster.sessions import SessionDirectory, SessionPlace
+from services.scheduler.routing.policy import Policy, RouteRequest
 
 
 @dataclass(frozen=True)

@@ -27,16 +27,16 @@ from typing import TYPE_CHECKING
 import grpc
 
 from services.scheduler import wire
-from services.scheduler.errors import ApiError, from_grpc
+from services.scheduler.api.errors import ApiError, from_grpc
+from services.scheduler.cluster.registry import HOLDER_SLACK, Node, NodeRegistry, least_kv_pressure
+from services.scheduler.cluster.sessions import SessionDirectory, SessionPlace
 from services.scheduler.metrics import SchedulerMetrics
-from services.scheduler.model_rates import ModelRates
-from services.scheduler.nodes import HOLDER_SLACK, Node, NodeRegistry, least_kv_pressure
-from services.scheduler.policy import Policy, RouteRequest
-from services.scheduler.sessions import SessionDirectory, SessionPlace
+from services.scheduler.placement.rates import ModelRates
+from services.scheduler.routing.policy import Policy, RouteRequest
 from shared.model_catalog import ModelEntry
 
 if TYPE_CHECKING:
-    from services.scheduler.advisor import Advisor
+    from services.scheduler.advisory.advisor import Advisor
 from shared.grpc_server import insecure_channel
 from shared.proto import common_pb2, nodemgr_pb2_grpc
 

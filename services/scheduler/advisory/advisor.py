@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.scheduler.advisories import (
+from services.scheduler.advisory.book import (
     EXPIRED,
     FOLLOWED,
     INVALIDATED,
@@ -24,14 +24,14 @@ from services.scheduler.advisories import (
     AdvisoryBook,
     TooManyAdvisories,
 )
-from services.scheduler.advisory_placement import AdvisoryPlacement
-from services.scheduler.advisory_throttle import AdvisoryThrottle
-from services.scheduler.dispatch import NodeChannels
-from services.scheduler.errors import ApiError
+from services.scheduler.advisory.placement import AdvisoryPlacement
+from services.scheduler.advisory.throttle import AdvisoryThrottle
+from services.scheduler.api.errors import ApiError
+from services.scheduler.cluster.registry import Node, NodeRegistry
+from services.scheduler.cluster.sessions import SessionDirectory
 from services.scheduler.metrics import SchedulerMetrics
-from services.scheduler.nodes import Node, NodeRegistry
-from services.scheduler.policy import Policy
-from services.scheduler.sessions import SessionDirectory
+from services.scheduler.routing.dispatch import NodeChannels
+from services.scheduler.routing.policy import Policy
 from shared.proto import nodemgr_pb2
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.scheduler.request import Endpoint
+from services.scheduler.api.request import Endpoint
 from services.scheduler.wire import Chunk, ToolCallOut
 
 SSE_DONE = b"data: [DONE]\n\n"

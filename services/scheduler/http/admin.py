@@ -18,17 +18,17 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from services.scheduler.errors import ApiError
-from services.scheduler.nodes import Node, NodeRegistry
+from services.scheduler.api.errors import ApiError
+from services.scheduler.cluster.registry import Node, NodeRegistry
 
 if TYPE_CHECKING:
-    from services.scheduler.http_api import ApiState
+    from services.scheduler.http.completions import ApiState
 
 log = logging.getLogger(__name__)
 
 
 def _state(request: web.Request) -> ApiState:
-    from services.scheduler.http_api import STATE
+    from services.scheduler.http.completions import STATE
 
     state = request.app[STATE]
     _check_admin(state, request)

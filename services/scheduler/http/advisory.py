@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from services.scheduler.advisor import AdviceAsked, Advisor
-from services.scheduler.advisories import Advisory
-from services.scheduler.api_schema import ADVISORY
-from services.scheduler.errors import ApiError, invalid
-from services.scheduler.validation import parse_json
+from services.scheduler.advisory.advisor import AdviceAsked, Advisor
+from services.scheduler.advisory.book import Advisory
+from services.scheduler.api.bodies import ADVISORY
+from services.scheduler.api.errors import ApiError, invalid
+from services.scheduler.api.validation import parse_json
 
 if TYPE_CHECKING:
-    from services.scheduler.http_api import ApiState
+    from services.scheduler.http.completions import ApiState
 
 
 def _asked(v: dict[str, Any], state: ApiState, where: str) -> AdviceAsked:
@@ -44,7 +44,7 @@ def _view(adv: Advisory) -> dict[str, Any]:
 
 
 async def create(request: web.Request) -> web.Response:
-    from services.scheduler.http_api import STATE, read_body, tenant_of
+    from services.scheduler.http.completions import STATE, read_body, tenant_of
 
     state = request.app[STATE]
     tenant = tenant_of(state, request)
@@ -65,7 +65,7 @@ async def create(request: web.Request) -> web.Response:
 
 
 async def delete(request: web.Request) -> web.Response:
-    from services.scheduler.http_api import STATE, tenant_of
+    from services.scheduler.http.completions import STATE, tenant_of
 
     state = request.app[STATE]
     tenant = tenant_of(state, request)

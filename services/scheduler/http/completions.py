@@ -14,16 +14,9 @@ from typing import Any
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from services.scheduler.admin_api import add_admin_routes
-from services.scheduler.advisor import Advisor
-from services.scheduler.advisory_api import add_advisory_routes
-from services.scheduler.dispatch import Dispatcher
-from services.scheduler.errors import ApiError
-from services.scheduler.fanout import run_choices
-from services.scheduler.keys import KeyBook
-from services.scheduler.metrics import CONTENT_TYPE, SchedulerMetrics
-from services.scheduler.nodes import Node, NodeRegistry
-from services.scheduler.openai_format import (
+from services.scheduler.advisory.advisor import Advisor
+from services.scheduler.api.errors import ApiError
+from services.scheduler.api.openai_format import (
     SSE_DONE,
     ChoiceState,
     Envelope,
@@ -34,18 +27,26 @@ from services.scheduler.openai_format import (
     tool_call_deltas,
     usage_chunk,
 )
-from services.scheduler.openapi import openapi_document
-from services.scheduler.request import ApiRequest, Endpoint
-from services.scheduler.responses import ResponseStore, add_responses_routes
-from services.scheduler.static_pages import add_static_routes
-from services.scheduler.tenant_limits import TenantLimits
-from services.scheduler.validation import (
+from services.scheduler.api.openapi import openapi_document
+from services.scheduler.api.request import ApiRequest, Endpoint
+from services.scheduler.api.validation import (
     Limits,
     check_body_size,
     check_prompt_length,
     parse_json,
     validate,
 )
+from services.scheduler.cluster.registry import Node, NodeRegistry
+from services.scheduler.http.admin import add_admin_routes
+from services.scheduler.http.advisory import add_advisory_routes
+from services.scheduler.http.pages import add_static_routes
+from services.scheduler.http.responses import add_responses_routes
+from services.scheduler.metrics import CONTENT_TYPE, SchedulerMetrics
+from services.scheduler.responses import ResponseStore
+from services.scheduler.routing.dispatch import Dispatcher
+from services.scheduler.routing.fanout import run_choices
+from services.scheduler.tenants.keys import KeyBook
+from services.scheduler.tenants.limits import TenantLimits
 from services.scheduler.wire import Chunk
 from shared.model_catalog import ModelEntry
 

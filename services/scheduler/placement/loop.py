@@ -13,10 +13,10 @@ import logging
 
 import grpc
 
-from services.scheduler.dispatch import NodeChannels
-from services.scheduler.model_placement import ModelDemand, place_models
-from services.scheduler.model_rates import ModelRates
-from services.scheduler.nodes import NodeRegistry
+from services.scheduler.cluster.registry import NodeRegistry
+from services.scheduler.placement.algorithm import ModelDemand, place_models
+from services.scheduler.placement.rates import ModelRates
+from services.scheduler.routing.dispatch import NodeChannels
 from shared.model_catalog import ModelEntry
 from shared.proto import nodemgr_pb2
 

@@ -14,14 +14,14 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from services.scheduler.api_schema import (
+from services.scheduler.api.bodies import (
     INT32_MAX,
     chat_body,
     completion_body,
     session_field,
 )
-from services.scheduler.errors import ApiError, invalid
-from services.scheduler.request import (
+from services.scheduler.api.errors import ApiError, invalid
+from services.scheduler.api.request import (
     ApiRequest,
     Endpoint,
     Guidance,
@@ -30,7 +30,7 @@ from services.scheduler.request import (
     Sampling,
     ToolCall,
 )
-from services.scheduler.schema import Obj, is_int, is_number
+from services.scheduler.api.schema import Obj, is_int, is_number
 
 
 @dataclass(frozen=True)

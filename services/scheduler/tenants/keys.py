@@ -22,8 +22,8 @@ from pathlib import Path
 
 import yaml
 
+from services.scheduler.api.errors import ApiError
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.errors import ApiError
 from shared.cluster_config import is_loopback
 from shared.config import ConfigError
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.scheduler.errors import ApiError, invalid
+from services.scheduler.api.errors import ApiError, invalid
 
 
 def _got(v: Any) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-CLIENTS = Path(__file__).resolve().parents[2] / "clients" / "js"
+CLIENTS = Path(__file__).resolve().parents[3] / "clients" / "js"
 WIDGET = CLIENTS / "overture-widget.js"
 DEMO = CLIENTS / "demo.html"
 _HEADERS = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"}
