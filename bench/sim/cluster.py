@@ -31,11 +31,9 @@ from bench.sim.memory import NodeMemory, Prefetch
 from bench.sim.node import Req, SimNode
 from bench.workloads.replay import Result
 from bench.workloads.trace import Session, Trace
-from services.scheduler.advisory.book import AdvisoryBook
-from services.scheduler.advisory.placement import AdvisoryPlacement
-from services.scheduler.cluster.registry import Load, ModelSpec, NodeInfo, NodeRegistry
-from services.scheduler.cluster.sessions import SessionDirectory
-from services.scheduler.routing.policy import RouteRequest, make_policy
+from services.scheduler.advisory import AdvisoryBook, AdvisoryPlacement
+from services.scheduler.cluster import Load, ModelSpec, NodeInfo, NodeRegistry, SessionDirectory
+from services.scheduler.routing import RouteRequest, make_policy
 
 MODEL = "sim"
 TENANT = "default"

@@ -9,23 +9,17 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from services.scheduler.advisory.advisor import Advisor
-from services.scheduler.advisory.book import AdvisoryBook
-from services.scheduler.advisory.throttle import AdvisoryThrottle
-from services.scheduler.api.validation import Limits
-from services.scheduler.cluster.registry import NodeRegistry
-from services.scheduler.cluster.sessions import SessionDirectory
+from services.scheduler.advisory import Advisor, AdvisoryBook, AdvisoryThrottle
+from services.scheduler.api import Limits
+from services.scheduler.cluster import NodeChannels, NodeRegistry, SessionDirectory
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.grpc_service import SchedulerServicer
-from services.scheduler.http.completions import ApiState, build_app
-from services.scheduler.http.server import HardenedRunner
+from services.scheduler.http import ApiState, HardenedRunner, build_app
 from services.scheduler.metrics import SchedulerMetrics
-from services.scheduler.placement.loop import PlacementLoop
+from services.scheduler.placement import PlacementLoop
 from services.scheduler.responses import ResponseStore
-from services.scheduler.routing.dispatch import Dispatcher, DispatchSettings, NodeChannels
-from services.scheduler.routing.policy import make_policy
-from services.scheduler.tenants.keys import key_book
-from services.scheduler.tenants.limits import TenantLimits
+from services.scheduler.routing import Dispatcher, DispatchSettings, make_policy
+from services.scheduler.tenants import TenantLimits, key_book
 from shared.grpc_server import serve_grpc
 from shared.model_catalog import load_catalog
 from shared.proto import scheduler_pb2_grpc

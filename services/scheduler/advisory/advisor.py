@@ -26,12 +26,10 @@ from services.scheduler.advisory.book import (
 )
 from services.scheduler.advisory.placement import AdvisoryPlacement
 from services.scheduler.advisory.throttle import AdvisoryThrottle
-from services.scheduler.api.errors import ApiError
-from services.scheduler.cluster.registry import Node, NodeRegistry
-from services.scheduler.cluster.sessions import SessionDirectory
+from services.scheduler.api import ApiError
+from services.scheduler.cluster import Node, NodeChannels, NodeRegistry, SessionDirectory
 from services.scheduler.metrics import SchedulerMetrics
-from services.scheduler.routing.dispatch import NodeChannels
-from services.scheduler.routing.policy import Policy
+from services.scheduler.routing import Policy
 from shared.proto import nodemgr_pb2
 
 log = logging.getLogger(__name__)

@@ -12,9 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.scheduler.advisory.book import Advisory, AdvisoryBook
-from services.scheduler.cluster.registry import HOLDER_SLACK, Node, NodeRegistry, least_kv_pressure
-from services.scheduler.cluster.sessions import SessionDirectory, SessionPlace
-from services.scheduler.routing.policy import Policy, RouteRequest
+from services.scheduler.cluster import (
+    HOLDER_SLACK,
+    Node,
+    NodeRegistry,
+    SessionDirectory,
+    SessionPlace,
+    least_kv_pressure,
+)
+from services.scheduler.routing import Policy, RouteRequest
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,17 @@
 """The public API's request bodies as schema nodes (``schema.py``): what ``validation.py``
-and ``advisory_api.py`` check, and what ``/openapi.json`` publishes. Limits that come from
-the configuration (``n``, ``max_tokens``, messages, prompts) are built in per server.
+and the advisory route check, and what ``/openapi.json`` publishes. Limits that come from
+the configuration (``n``, ``max_tokens``, messages, prompts: ``limits.py``) are built in
+per server.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
 
 from services.scheduler.api.errors import invalid
+from services.scheduler.api.limits import Limits
+from services.scheduler.api.request import Endpoint
 from services.scheduler.api.schema import AnyOf, Bool, Int, JsonObject, ListOf, Node, Num, Obj, Str
-
-if TYPE_CHECKING:
-    from services.scheduler.api.validation import Limits
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 INT32_MAX = 2**31 - 1
@@ -154,6 +154,12 @@ def completion_body(limits: Limits) -> Obj:
         f"{limits.max_prompts} of either", "one prompt, or several (each fans out n choices)")
     return Obj({**_sampling(limits, chat=False), "prompt": prompt}, required=("prompt",),
                doc=f"An OpenAI completion request. {UNSUPPORTED}.")
+
+
+@functools.lru_cache(maxsize=8)
+def body_schema(endpoint: Endpoint, limits: Limits) -> Obj:
+    """The body of ``endpoint`` under ``limits`` (built once per server's limits)."""
+    return chat_body(limits) if endpoint == "chat" else completion_body(limits)
 
 
 ARRIVAL = Num(0.0, MAX_ARRIVAL_S, "seconds until the request is expected", default=0.0)

@@ -8,8 +8,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.scheduler.api.chunk import Chunk, ToolCallOut
 from services.scheduler.api.request import Endpoint
-from services.scheduler.wire import Chunk, ToolCallOut
 
 SSE_DONE = b"data: [DONE]\n\n"
 _OBJECT = {"chat": "chat.completion", "completion": "text_completion"}

@@ -1,6 +1,6 @@
 """``GET /openapi.json``: the public API described as OpenAPI 3.1.
 
-Request bodies come from the very schemas the server validates with (``api_schema.py``,
+Request bodies come from the very schemas the server validates with (``bodies.py``,
 built with this server's limits), so the description cannot drift from the checks. The
 responses are written here beside the code that produces them (``openai_format.py``);
 tests check real responses against them, and the fuzz test (schemathesis) checks every
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.scheduler.api.bodies import ADVISORY
+from services.scheduler.api.bodies import ADVISORY, body_schema
+from services.scheduler.api.limits import Limits
 from services.scheduler.api.responses_body import responses_body
-from services.scheduler.api.validation import Limits, body_schema
 
 _INT = {"type": "integer"}
 _STR = {"type": "string"}

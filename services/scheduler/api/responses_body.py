@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
 from services.scheduler.api.bodies import FUNCTION_NAME, MAX_TOOLS, MODEL, session_field
+from services.scheduler.api.limits import Limits
 from services.scheduler.api.schema import AnyOf, Bool, Int, JsonObject, ListOf, Num, Obj, Str
-
-if TYPE_CHECKING:
-    from services.scheduler.api.validation import Limits
 
 PART = Obj({"type": Str(enum=("input_text", "output_text", "text", "refusal")),
             "text": Str(), "refusal": Str()}, required=("type",))

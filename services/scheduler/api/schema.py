@@ -3,7 +3,7 @@
 Each node validates a decoded JSON value (``check``: the value as the server uses it, or a
 400 ``ApiError`` naming the field as OpenAI does, e.g. ``messages[2].content``) and
 renders itself as JSON Schema (``schema``). The public API's bodies are built from these
-(``api_schema.py``), so ``/openapi.json`` describes exactly what the validation accepts:
+(``bodies.py``), so ``/openapi.json`` describes exactly what the validation accepts:
 there is no second description to keep in step by hand.
 
 A JSON ``null`` counts as an absent field, as OpenAI's API treats it.

@@ -1,26 +1,21 @@
 """Turn an OpenAI request body into an ``ApiRequest`` or raise a 4xx ``ApiError``.
 
-Types and ranges are checked by the bodies' schemas (``api_schema.py``, which
-``/openapi.json`` publishes); what a schema cannot say is checked here. Every check names
-the offending ``param`` as OpenAI does, so clients can point at the field. Unknown fields
+The body was decoded by ``json_body.py``; types and ranges are checked by the bodies'
+schemas (``bodies.py``, which ``/openapi.json`` publishes); what a schema cannot say is
+checked here. Every check names the offending ``param`` as OpenAI does, so clients can
+point at the field. Unknown fields
 are ignored (as vLLM does); fields that would silently change the meaning of the request
 if ignored (logprobs, tools, penalties, echo...) are rejected as unsupported.
 """
 
 from __future__ import annotations
 
-import functools
 import json
-from dataclasses import dataclass
 from typing import Any
 
-from services.scheduler.api.bodies import (
-    INT32_MAX,
-    chat_body,
-    completion_body,
-    session_field,
-)
-from services.scheduler.api.errors import ApiError, invalid
+from services.scheduler.api.bodies import body_schema, session_field
+from services.scheduler.api.errors import invalid
+from services.scheduler.api.limits import Limits
 from services.scheduler.api.request import (
     ApiRequest,
     Endpoint,
@@ -30,73 +25,7 @@ from services.scheduler.api.request import (
     Sampling,
     ToolCall,
 )
-from services.scheduler.api.schema import Obj, is_int, is_number
-
-
-@dataclass(frozen=True)
-class Limits:
-    max_n: int = 8
-    max_prompts: int = 8
-    default_max_tokens: int = 0
-    max_messages: int = 2048
-    max_tokens: int = INT32_MAX  # the ceiling of max_tokens
-
-
-MAX_JSON_DEPTH = 64
-
-
-
-def _reject_constant(name: str) -> float:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def parse_json(raw: bytes) -> dict[str, Any]:
-    """Decode a request body; it must be a JSON object (NaN/Infinity are not JSON)."""
-    if _nesting(raw) > MAX_JSON_DEPTH:
-        raise invalid(f"request body nests deeper than {MAX_JSON_DEPTH} levels",
-                      code="invalid_json")
-    try:
-        body = json.loads(raw, parse_constant=_reject_constant)
-        # A lone surrogate ("\ud800") is valid JSON escaping but no text: refuse it here,
-        # not when the prompt is encoded further down.
-        json.dumps(body, ensure_ascii=False).encode()
-    except UnicodeEncodeError:
-        raise invalid("request body holds a lone UTF-16 surrogate (\\ud800-\\udfff): "
-                      "not text", code="invalid_json") from None
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise invalid(f"request body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise invalid(
-            f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json"
-        )
-    return body
-
-
-def _nesting(raw: bytes) -> int:
-    """How deep ``[``/``{`` nest outside strings (an upper bound good enough to refuse a
-    body before the parser recurses into it)."""
-    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
-        return 0
-    depth = deepest = 0
-    in_string = escaped = False
-    for c in raw:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == 0x5C:  # backslash
-                escaped = True
-            elif c == 0x22:
-                in_string = False
-        elif c == 0x22:
-            in_string = True
-        elif c in (0x5B, 0x7B):
-            depth += 1
-            deepest = max(deepest, depth)
-        elif c in (0x5D, 0x7D):
-            depth -= 1
-    return deepest
-
-
+from services.scheduler.api.schema import is_int, is_number
 
 
 def _unsupported(body: dict[str, Any], endpoint: Endpoint) -> None:
@@ -115,11 +44,6 @@ def _unsupported(body: dict[str, Any], endpoint: Endpoint) -> None:
     for key, bad in checks:
         if bad:
             raise invalid(f"'{key}' is not supported by this server", key, "unsupported_parameter")
-
-
-@functools.lru_cache(maxsize=8)
-def body_schema(endpoint: Endpoint, limits: Limits) -> Obj:
-    return chat_body(limits) if endpoint == "chat" else completion_body(limits)
 
 
 def _messages(msgs: list[dict[str, Any]]) -> tuple[Message, ...]:
@@ -272,12 +196,3 @@ def check_prompt_length(req: ApiRequest, max_model_len: int) -> None:
             param = "messages" if p.kind == "chat" else "prompt"
             raise invalid(f"the prompt has {size} {unit}, far more than the model's context "
                           f"of {max_model_len} tokens holds", param, "context_length_exceeded")
-
-
-def check_body_size(length: int | None, limit: int) -> None:
-    if length is not None and length > limit:
-        raise ApiError(
-            413,
-            f"request body of {length} bytes exceeds the limit of {limit} bytes",
-            code="body_too_large",
-        )

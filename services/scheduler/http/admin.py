@@ -6,30 +6,25 @@ session's KV is.
     GET  /admin/nodes                every node: rotation, drained, load, kvstore
     GET  /admin/sessions/{id}?tenant=T   the node of the session's last turn and its tokens
 
-These need ``Authorization: Bearer`` with
-one of ``scheduler.admin_keys`` (``keys.py``); in anonymous mode (a local cluster) they are
-open.
+These need ``Authorization: Bearer`` with one of ``scheduler.admin_keys``
+(``tenants/keys.py``); in anonymous mode (a local cluster) they are open.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
-from services.scheduler.api.errors import ApiError
-from services.scheduler.cluster.registry import Node, NodeRegistry
-
-if TYPE_CHECKING:
-    from services.scheduler.http.completions import ApiState
+from services.scheduler.api import ApiError
+from services.scheduler.cluster import Node, NodeRegistry
+from services.scheduler.http.state import STATE, ApiState
 
 log = logging.getLogger(__name__)
 
 
 def _state(request: web.Request) -> ApiState:
-    from services.scheduler.http.completions import STATE
-
     state = request.app[STATE]
     _check_admin(state, request)
     return state

@@ -12,18 +12,13 @@ API key as for inference; errors have OpenAI's shape.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
-from services.scheduler.advisory.advisor import AdviceAsked, Advisor
-from services.scheduler.advisory.book import Advisory
-from services.scheduler.api.bodies import ADVISORY
-from services.scheduler.api.errors import ApiError, invalid
-from services.scheduler.api.validation import parse_json
-
-if TYPE_CHECKING:
-    from services.scheduler.http.completions import ApiState
+from services.scheduler.advisory import AdviceAsked, Advisor, Advisory
+from services.scheduler.api import ADVISORY, ApiError, invalid, parse_json
+from services.scheduler.http.state import STATE, ApiState, read_body, tenant_of
 
 
 def _asked(v: dict[str, Any], state: ApiState, where: str) -> AdviceAsked:
@@ -44,8 +39,6 @@ def _view(adv: Advisory) -> dict[str, Any]:
 
 
 async def create(request: web.Request) -> web.Response:
-    from services.scheduler.http.completions import STATE, read_body, tenant_of
-
     state = request.app[STATE]
     tenant = tenant_of(state, request)
     state.tenants.advisory(tenant)
@@ -65,8 +58,6 @@ async def create(request: web.Request) -> web.Response:
 
 
 async def delete(request: web.Request) -> web.Response:
-    from services.scheduler.http.completions import STATE, tenant_of
-
     state = request.app[STATE]
     tenant = tenant_of(state, request)
     adv = state.advisor.invalidate(tenant, request.match_info["advisory_id"])

@@ -21,21 +21,34 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
-from services.scheduler.api.errors import ApiError
-from services.scheduler.api.openai_format import ChoiceState
-from services.scheduler.api.request import ApiRequest, Message, Prompt, Sampling
-from services.scheduler.api.responses_body import responses_body
-from services.scheduler.api.validation import check_prompt_length, guidance, parse_json
+from services.scheduler.api import (
+    ApiError,
+    ApiRequest,
+    ChoiceState,
+    Chunk,
+    Message,
+    Prompt,
+    Sampling,
+    check_prompt_length,
+    guidance,
+    parse_json,
+    responses_body,
+)
+from services.scheduler.http.state import (
+    CLIENT_GONE,
+    NODE_HEADER,
+    STATE,
+    ApiState,
+    read_body,
+    tenant_of,
+)
+from services.scheduler.http.timing import Timing
 from services.scheduler.responses import items
-from services.scheduler.routing.fanout import run_choices
-from services.scheduler.wire import Chunk
-
-if TYPE_CHECKING:
-    from services.scheduler.http.completions import ApiState, Timing
+from services.scheduler.routing import run_choices
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +59,6 @@ def _not_found(rid: str, param: str | None = None) -> ApiError:
 
 
 async def create(request: web.Request) -> web.StreamResponse:
-    from services.scheduler.http.completions import STATE, read_body, tenant_of
-
     state = request.app[STATE]
     tenant = tenant_of(state, request)
     state.tenants.request(tenant)
@@ -80,8 +91,6 @@ async def create(request: web.Request) -> web.StreamResponse:
 
 async def _run(request: web.Request, state: ApiState, req: ApiRequest, v: dict[str, Any],
                rid: str, model: str, conversation: tuple[Message, ...]) -> web.StreamResponse:
-    from services.scheduler.http.completions import NODE_HEADER, Timing
-
     st = ChoiceState(0, 0)
     timing = Timing(state.metrics, model, state.dispatcher.catalog.get(model))
     state.metrics.in_flight.inc()
@@ -133,8 +142,6 @@ async def _stream(request: web.Request, state: ApiState, req: ApiRequest, v: dic
                   rid: str, model: str, st: ChoiceState, timing: Timing,
                   events: AsyncIterator[tuple[int, Chunk]],
                   conversation: tuple[Message, ...]) -> web.StreamResponse:
-    from services.scheduler.http.completions import CLIENT_GONE, NODE_HEADER
-
     first = await anext(events, None)  # (failures before any output keep their status)
     headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     if first is not None and first[1].node:
@@ -225,8 +232,6 @@ async def _call(out: _Events, call_id: str, name: str, arguments: str,
 
 
 async def retrieve(request: web.Request) -> web.Response:
-    from services.scheduler.http.completions import STATE, tenant_of
-
     state = request.app[STATE]
     tenant = tenant_of(state, request)
     rid = request.match_info["response_id"]
@@ -237,8 +242,6 @@ async def retrieve(request: web.Request) -> web.Response:
 
 
 async def delete(request: web.Request) -> web.Response:
-    from services.scheduler.http.completions import STATE, tenant_of
-
     state = request.app[STATE]
     tenant = tenant_of(state, request)
     rid = request.match_info["response_id"]

@@ -22,7 +22,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server
 
-from services.scheduler.api.errors import ApiError
+from services.scheduler.api import ApiError
 
 log = logging.getLogger(__name__)
 

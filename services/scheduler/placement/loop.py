@@ -1,6 +1,6 @@
 """The scheduler's periodic model placement (Prism §6.2): from the request rate each model
 has had, its TTFT SLO and weight size, and each node's device memory, Algorithm 1
-(``model_placement.place_models``) says where each model should run. A model running
+(``algorithm.place_models``) says where each model should run. A model running
 elsewhere than placed, by more than the migration threshold τ of KV pressure, is moved:
 the target node activates it, then the old node evicts it once idle (until then both
 serve it). Models that run nowhere are left to on-demand activation.
@@ -13,10 +13,9 @@ import logging
 
 import grpc
 
-from services.scheduler.cluster.registry import NodeRegistry
+from services.scheduler.cluster import NodeChannels, NodeRegistry
 from services.scheduler.placement.algorithm import ModelDemand, place_models
 from services.scheduler.placement.rates import ModelRates
-from services.scheduler.routing.dispatch import NodeChannels
 from shared.model_catalog import ModelEntry
 from shared.proto import nodemgr_pb2
 

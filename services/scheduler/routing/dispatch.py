@@ -22,45 +22,28 @@ import dataclasses
 import logging
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 
 from services.scheduler import wire
-from services.scheduler.api.errors import ApiError, from_grpc
-from services.scheduler.cluster.registry import HOLDER_SLACK, Node, NodeRegistry, least_kv_pressure
-from services.scheduler.cluster.sessions import SessionDirectory, SessionPlace
+from services.scheduler.api import ApiError, Chunk, from_grpc
+from services.scheduler.cluster import (
+    HOLDER_SLACK,
+    Node,
+    NodeChannels,
+    NodeRegistry,
+    SessionDirectory,
+    SessionPlace,
+    least_kv_pressure,
+)
 from services.scheduler.metrics import SchedulerMetrics
-from services.scheduler.placement.rates import ModelRates
+from services.scheduler.placement import ModelRates
 from services.scheduler.routing.policy import Policy, RouteRequest
 from shared.model_catalog import ModelEntry
-
-if TYPE_CHECKING:
-    from services.scheduler.advisory.advisor import Advisor
-from shared.grpc_server import insecure_channel
-from shared.proto import common_pb2, nodemgr_pb2_grpc
+from shared.proto import common_pb2
 
 log = logging.getLogger(__name__)
-
-
-class NodeChannels:
-    """One gRPC channel per node address, opened on first use and closed at shutdown."""
-
-    def __init__(self) -> None:
-        self._stubs: dict[str, tuple[grpc.aio.Channel, nodemgr_pb2_grpc.NodeManagerStub]] = {}
-
-    def stub(self, address: str) -> nodemgr_pb2_grpc.NodeManagerStub:
-        entry = self._stubs.get(address)
-        if entry is None:
-            channel = insecure_channel(address)
-            entry = (channel, nodemgr_pb2_grpc.NodeManagerStub(channel))
-            self._stubs[address] = entry
-        return entry[1]
-
-    async def close(self) -> None:
-        for channel, _ in self._stubs.values():
-            await channel.close()
-        self._stubs.clear()
 
 
 @dataclass(frozen=True)
@@ -72,6 +55,18 @@ class DispatchSettings:
     stream_idle_timeout_s: float = 10.0
     retry_after_s: int = 1
     behind_hold_s: float = 0.25
+
+
+class Advisories(Protocol):
+    """The advisor as the dispatcher sees it (``advisory/advisor.py``)."""
+
+    def advised(self, tenant: str, session_id: str) -> str:
+        """The node the session's pending advisory chose ("": none); it stays pending."""
+        ...
+
+    def follow(self, tenant: str, session_id: str) -> str:
+        """End the session's advisory as followed; the node it chose ("": none, or lapsed)."""
+        ...
 
 
 class NodeStalled(Exception):
@@ -87,7 +82,7 @@ class Dispatcher:
         settings: DispatchSettings,
         sessions: SessionDirectory | None = None,
         metrics: SchedulerMetrics | None = None,
-        advisor: Advisor | None = None,
+        advisor: Advisories | None = None,
         catalog: tuple[ModelEntry, ...] = (),
     ) -> None:
         self.registry = registry
@@ -184,7 +179,7 @@ class Dispatcher:
 
     async def generate(
         self, request: common_pb2.GenerateRequest, route: RouteRequest
-    ) -> AsyncGenerator[wire.Chunk, None]:
+    ) -> AsyncGenerator[Chunk, None]:
         """Stream the chunks of one generation; re-route while nothing has been produced.
 
         Closing the iterator (or cancelling its consumer) cancels the gRPC call, which the
@@ -206,7 +201,7 @@ class Dispatcher:
                 self._for_node(request, node, place), timeout=self.settings.request_timeout_s
             )
             produced = False
-            last: wire.Chunk | None = None
+            last: Chunk | None = None
             try:
                 while (msg := await self._next(call)) is not None:
                     last = wire.chunk(msg, node.node_id)

@@ -12,8 +12,7 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 from services.scheduler import wire
-from services.scheduler.api.errors import ApiError
-from services.scheduler.api.request import ApiRequest, Choice
+from services.scheduler.api import ApiError, ApiRequest, Choice, Chunk
 from services.scheduler.routing.dispatch import Dispatcher
 from services.scheduler.routing.policy import RouteRequest
 
@@ -28,7 +27,7 @@ def _request_id(base_id: str, choice: Choice, total: int) -> str:
 
 async def run_choices(
     dispatcher: Dispatcher, req: ApiRequest, model: str, base_id: str
-) -> AsyncGenerator[tuple[int, wire.Chunk], None]:
+) -> AsyncGenerator[tuple[int, Chunk], None]:
     route = RouteRequest(model, req.session_id, req.tenant, req.priority,
                          advised=dispatcher.advised_node(req.tenant, req.session_id))
     choices = req.choices()

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from services.scheduler.cluster.registry import Node
+from services.scheduler.cluster import Node
 
 
 @dataclass(frozen=True)

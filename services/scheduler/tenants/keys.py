@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from services.scheduler.api.errors import ApiError
+from services.scheduler.api import ApiError
 from services.scheduler.config import SchedulerConfig
 from shared.cluster_config import is_loopback
 from shared.config import ConfigError

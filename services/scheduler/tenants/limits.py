@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from services.scheduler.api.errors import ApiError
+from services.scheduler.api import ApiError
 
 Clock = Callable[[], float]
 MAX_TENANTS = 100_000

@@ -11,15 +11,15 @@ from contextlib import AsyncExitStack
 
 import pytest
 
-from services.scheduler.advisory.book import (
+from services.scheduler.advisory import (
     EXPIRED,
     FOLLOWED,
     LATE,
     REPLACED,
     AdvisoryBook,
+    AdvisoryThrottle,
     TooManyAdvisories,
 )
-from services.scheduler.advisory.throttle import AdvisoryThrottle
 from shared.grpc_server import serve_grpc
 from shared.proto import kvstore_pb2, kvstore_pb2_grpc
 from tests.unit.scheduler.conftest import MiniCluster, make_cluster

@@ -12,8 +12,8 @@ from contextlib import AsyncExitStack
 
 import pytest
 
-from services.scheduler.api.errors import from_grpc, without_addresses
-from services.scheduler.api.openai_format import ChoiceState, usage
+from services.scheduler.api import ChoiceState, from_grpc, without_addresses
+from services.scheduler.api.openai_format import usage
 from tests.unit.scheduler.conftest import MiniCluster, make_cluster
 from tests.unit.scheduler.test_advisories import call
 

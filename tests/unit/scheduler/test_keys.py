@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from services.scheduler.api.errors import ApiError
+from services.scheduler.api import ApiError
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.tenants.keys import KeyBook, key_book
+from services.scheduler.tenants import KeyBook, key_book
 from shared.config import ConfigError, load
 from tests.unit.scheduler.conftest import make_cluster
 from tests.unit.scheduler.test_advisories import call

@@ -175,8 +175,7 @@ async def test_the_baseline_policies_move_no_kv(policy: str) -> None:
 async def test_a_holder_whose_heartbeat_is_late_is_still_named(two: MiniCluster) -> None:
     # A busy host's heartbeat comes late: its kvstore is still asked (one bounded lookup)
     # rather than recomputing the session's history; one silent for long is not.
-    from services.scheduler.cluster.registry import HOLDER_SLACK
-    from services.scheduler.cluster.sessions import SessionPlace
+    from services.scheduler.cluster import HOLDER_SLACK, SessionPlace
     from shared.proto import common_pb2
 
     d, reg = two.scheduler.state.dispatcher, two.scheduler.state.registry

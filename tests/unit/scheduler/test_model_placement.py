@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from services.scheduler.placement.algorithm import ModelDemand, max_kvpr, place_models
+from services.scheduler.placement import ModelDemand, max_kvpr, place_models
 
 GPUS = {"g0": 10, "g1": 10}
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.scheduler.cluster.registry import Load, ModelSpec, NodeInfo, NodeRegistry
+from services.scheduler.cluster import Load, ModelSpec, NodeInfo, NodeRegistry
 
 
 class Clock:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from services.scheduler.api import Chunk
 from services.scheduler.api.openai_format import (
     SSE_DONE,
     ChoiceState,
@@ -14,7 +15,6 @@ from services.scheduler.api.openai_format import (
     usage,
     usage_chunk,
 )
-from services.scheduler.wire import Chunk
 
 
 def test_sse_frame() -> None:

@@ -8,7 +8,7 @@ from contextlib import AsyncExitStack
 
 import jsonschema
 
-from services.scheduler.http.completions import build_app
+from services.scheduler.http import build_app
 from tests.unit.scheduler.conftest import make_cluster
 from tests.unit.scheduler.test_advisories import call
 

@@ -3,10 +3,8 @@ with rates measured from requests; models run nowhere are left to on-demand acti
 
 from __future__ import annotations
 
-from services.scheduler.cluster.registry import Load, ModelSpec, NodeInfo, NodeRegistry
-from services.scheduler.placement.loop import PlacementLoop
-from services.scheduler.placement.rates import ModelRates
-from services.scheduler.routing.dispatch import NodeChannels
+from services.scheduler.cluster import Load, ModelSpec, NodeChannels, NodeInfo, NodeRegistry
+from services.scheduler.placement import ModelRates, PlacementLoop
 from shared.model_catalog import ModelEntry
 
 GIB = 2**30

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.cluster.registry import Load, ModelSpec, NodeInfo, NodeRegistry
-from services.scheduler.routing.policy import POLICIES, RouteRequest, make_policy
+from services.scheduler.cluster import Load, ModelSpec, NodeInfo, NodeRegistry
+from services.scheduler.routing import POLICIES, RouteRequest, make_policy
 
 
 def registry(*node_ids: str) -> tuple[NodeRegistry, list[float]]:

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.api.errors import ApiError
-from services.scheduler.api.openai_format import ChoiceState
-from services.scheduler.api.request import Message, ToolCall
-from services.scheduler.api.responses_body import responses_body
-from services.scheduler.api.validation import Limits, guidance
+from services.scheduler.api import (
+    ApiError,
+    ChoiceState,
+    Chunk,
+    Limits,
+    Message,
+    ToolCall,
+    ToolCallOut,
+    guidance,
+    responses_body,
+)
 from services.scheduler.responses import ResponseStore
 from services.scheduler.responses.items import chat_guidance_fields, output_items, to_messages
-from services.scheduler.wire import Chunk, ToolCallOut
 
 
 def test_items_become_the_chat_a_template_renders() -> None:

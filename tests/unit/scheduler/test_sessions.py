@@ -3,7 +3,7 @@ the node's save reports, bounded by LRU and TTL."""
 
 from __future__ import annotations
 
-from services.scheduler.cluster.sessions import SessionDirectory
+from services.scheduler.cluster import SessionDirectory
 
 
 class Clock:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from contextlib import AsyncExitStack
 
-from services.scheduler.tenants.limits import TokenBuckets
+from services.scheduler.tenants import TokenBuckets
 from tests.unit.scheduler.conftest import make_cluster
 from tests.unit.scheduler.test_advisories import call
 

@@ -6,8 +6,7 @@ import json
 
 import pytest
 
-from services.scheduler.api.errors import ApiError
-from services.scheduler.api.validation import Limits, check_body_size, parse_json, validate
+from services.scheduler.api import ApiError, Limits, check_body_size, parse_json, validate
 
 LIMITS = Limits(max_n=4, max_prompts=3, default_max_tokens=0)
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
