@@ -1,11 +1,12 @@
 """The scheduler's side of advisory requests (Symphony §3.3, §3.6; DESIGN §3, §6).
 
-``advise``: pick the node for the session's next turn now, by the same policy as a request
-(least loaded, ties towards the node holding its KV), record the choice, and tell that
-node to prefetch (naming the kvstore that holds the session's KV when it is another
-node's). ``follow``: a request of an advised session goes to its advisory's node. Ended
-advisories are counted by how they ended and teach the throttle which tenants advise
-uselessly; a replaced, invalidated or lapsed advisory's prefetch is stopped on its node.
+``advise``: plan the session's next turn now, by the same policy as a request (least
+loaded, ties towards the node holding its KV), record the choice, and, as the plan says,
+tell that node to prefetch (naming the kvstore that holds the session's KV when it is
+another node's, and whether straight into device memory). ``follow``: a request of an
+advised session goes to its advisory's node. Ended advisories are counted by how they
+ended and teach the throttle which tenants advise uselessly; a replaced, invalidated or
+lapsed advisory's prefetch is stopped on its node.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ class Advisor:
         for old, how in placed.ended:
             # (replaced on the same node: the new advisory's prefetch renews the session's)
             self._ended(old, how, tell_node=old.node_id != node.node_id)
-        if not self.policy.prefetches:  # (a baseline: the advisory is only recorded)
+        if not placed.plan.prefetch:  # (a baseline: the advisory is only recorded)
             return adv
         source = placed.source
         self._call(node, "Advise", nodemgr_pb2.AdviseRequest(
@@ -100,7 +101,7 @@ class Advisor:
             model=asked.model, kv_source=source.info.kvstore_address if source else "",
             kv_tokens=placed.kv_tokens, priority=asked.priority,
             ttl_s=max(0.0, adv.expires_at - self.book.clock()),
-            straight_to_device=self.policy.straight_to_device and asked.priority > 0))
+            straight_to_device=placed.plan.straight_to_device))
         log.info("advisory %s: session %s of %s goes to %s (KV %s)", adv.advisory_id,
                  asked.session_id, tenant, node.node_id,
                  f"from {source.node_id}" if source else "from its tiers or S3")
@@ -146,7 +147,7 @@ class Advisor:
         if how == EXPIRED:
             self.throttle.outcome(adv.tenant, False)
         node = self.registry.get(adv.node_id)
-        if node is not None and self.policy.prefetches and tell_node:
+        if node is not None and adv.prefetch and tell_node:
             self._call(node, "Invalidate", nodemgr_pb2.InvalidateRequest(
                 advisory_id=adv.advisory_id, expired=how == EXPIRED))
 

@@ -41,6 +41,7 @@ class Advisory:
     created: float  # clock time
     expires_at: float  # clock time: created + expected arrival + ttl
     wall_expires_at: float  # the same, as Unix time (what the client is told)
+    prefetch: bool = True  # its node prefetches for it (its plan's): told when it ends
 
 
 def new_advisory_id() -> str:
@@ -63,7 +64,8 @@ class AdvisoryBook:
         return len(self._by_id)
 
     def add(self, tenant: str, session_id: str, model: str, node_id: str, priority: int,
-            expected_arrival_s: float) -> tuple[Advisory, list[tuple[Advisory, str]]]:
+            expected_arrival_s: float, prefetch: bool = True
+            ) -> tuple[Advisory, list[tuple[Advisory, str]]]:
         """Record a new advisory; also returns the ones it ended (replaced, or the tenant's
         own oldest past ``capacity``: counted as expired), with how they ended. Raises
         ``TooManyAdvisories`` when the tenant already has ``per_tenant`` pending."""
@@ -73,7 +75,8 @@ class AdvisoryBook:
             raise TooManyAdvisories(tenant)
         life = expected_arrival_s + self.ttl_s
         adv = Advisory(new_advisory_id(), tenant, session_id, model, node_id, priority,
-                       created=now, expires_at=now + life, wall_expires_at=time.time() + life)
+                       created=now, expires_at=now + life, wall_expires_at=time.time() + life,
+                       prefetch=prefetch)
         ended: list[tuple[Advisory, str]] = []
         old_id = self._by_session.get(SessionKey(tenant, session_id))
         if old_id is not None:

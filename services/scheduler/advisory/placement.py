@@ -1,10 +1,11 @@
 """Where advisories go and what they count for, without I/O (Symphony §3.3, §3.6).
 
-An advisory is a request on its way: the node is chosen by the same policy as a request,
-and until the advisory is followed, invalidated, replaced or expires it counts on that
-node (``Node.advised``), so advisories made while the cluster is idle spread instead of
-all choosing the node that looks least loaded now. The ``Advisor`` adds the calls to the
-nodes, the metrics and the throttle; ``bench/sim`` drives this class on a simulated clock.
+An advisory is a request on its way: the policy plans it (``Policy.advise``) as it would
+route the request, and until the advisory is followed, invalidated, replaced or expires,
+one whose node prefetches counts on that node (``Node.advised``), so advisories made while
+the cluster is idle spread instead of all choosing the node that looks least loaded now.
+The ``Advisor`` adds the calls to the nodes, the metrics and the throttle; ``bench/sim``
+drives this class on a simulated clock.
 """
 
 from __future__ import annotations
@@ -20,16 +21,20 @@ from services.scheduler.cluster import (
     SessionPlace,
     least_kv_pressure,
 )
-from services.scheduler.routing import Policy, RouteRequest
+from services.scheduler.routing import AdvisoryPlan, Policy, RouteRequest
 
 
 @dataclass(frozen=True)
 class Placed:
     advisory: Advisory
-    node: Node
+    plan: AdvisoryPlan  # the node, and what it does now
     ended: list[tuple[Advisory, str]]  # the advisories it ended (replaced, crowded out)
     place: SessionPlace | None  # where the session's KV is, if known
-    source: Node | None  # the node to pull the KV from (None: the chosen node's own tiers)
+    source: Node | None  # the live node to pull the KV from (None: the node's own tiers)
+
+    @property
+    def node(self) -> Node:
+        return self.plan.node
 
     @property
     def kv_tokens(self) -> int:
@@ -51,31 +56,36 @@ class AdvisoryPlacement:
 
     def place(self, tenant: str, session_id: str, model: str, priority: int = 0,
               expected_arrival_s: float = 0.0) -> Placed | None:
-        """Choose the node and record the advisory; None when no node serves ``model``.
+        """Plan the advisory and record it; None when no node serves ``model``.
         Raises ``TooManyAdvisories`` when the tenant has its share pending."""
         place = self.sessions.where(tenant, session_id)
         route = RouteRequest(model, session_id, tenant, priority,
                              holder=place.node_id if place else "")
-        healthy = [n for n in self.registry.healthy(model) if not self.registry.behind(n)]
-        node = self.policy.choose(healthy or self.registry.healthy(model), route)
-        if node is None and model in self.catalog and not self.registry.healthy(model):
-            # A catalogue model active nowhere: the node a request would activate it on
-            # (Prism §6.2, lowest KV pressure) activates it now, then prefetches.
-            node = least_kv_pressure([n for n in self.registry.healthy()
-                                      if not self.registry.behind(n)])
-        if node is None:
+        plan = self.policy.advise(self._candidates(model), route)
+        if plan is None:
             return None
-        adv, ended = self.book.add(tenant, session_id, model, node.node_id, priority,
-                                   expected_arrival_s)
+        adv, ended = self.book.add(tenant, session_id, model, plan.node.node_id, priority,
+                                   expected_arrival_s, prefetch=plan.prefetch)
         for old, _ in ended:
             self._count(old, -1)
         self._count(adv, +1)
         source = None
-        if place is not None and place.node_id != node.node_id:
-            holder = self.registry.get(place.node_id)
+        if plan.pull_from:
+            holder = self.registry.get(plan.pull_from)
             if holder is not None and self.registry.alive(holder, slack=HOLDER_SLACK):
                 source = holder
-        return Placed(adv, node, ended, place, source)
+        return Placed(adv, plan, ended, place, source)
+
+    def _candidates(self, model: str) -> list[Node]:
+        """The nodes a request for ``model`` could go to now (those behind only if all are)."""
+        serving = self.registry.healthy(model)
+        if not serving and model in self.catalog:
+            # A catalogue model active nowhere: the node a request would activate it on
+            # (Prism §6.2, lowest KV pressure) activates it now, then prefetches.
+            lightest = least_kv_pressure([n for n in self.registry.healthy()
+                                          if not self.registry.behind(n)])
+            return [lightest] if lightest is not None else []
+        return [n for n in serving if not self.registry.behind(n)] or serving
 
     def follow(self, tenant: str, session_id: str) -> tuple[Advisory | None, str]:
         """The session's advisory, ended by its request (see ``AdvisoryBook.follow``)."""
@@ -98,7 +108,7 @@ class AdvisoryPlacement:
         return lapsed
 
     def _count(self, adv: Advisory, delta: int) -> None:
-        if not self.policy.prefetches:  # (a baseline: advisories are only recorded)
+        if not adv.prefetch:  # (a baseline's: it is only recorded)
             return
         self.registry.advised_pending(adv.node_id, delta)
         if adv.priority > 0:  # (``priority`` spreads these)

@@ -1,18 +1,19 @@
 """Route one generation to a node and stream its chunks back, mapping node failures to
-``ApiError``s. Owns the gRPC channels to the nodes.
+``ApiError``s.
 
-A session's KV follows it: when the policy picks another node than the one that served
-the session's last turn, the request names that node's kvstore (and the turn's length),
-and the serving node pulls the KV from there layer by layer (Symphony §3.2–3.3). A turn
-that ends records its node in the ``SessionDirectory``.
+The policy's ``RoutePlan`` says where and what to do with the session's KV; the request
+is sent as the plan says (``kv_source.node_request``). Under a policy whose KV follows the
+session, a node other than the one that served its last turn is told that node's kvstore
+(and the turn's length), and pulls the KV from there layer by layer (Symphony §3.2–3.3).
+A turn that ends records its node in the ``SessionDirectory``.
 
 Faults and overload: a node that refuses a request because it is behind is skipped for
 that request, and by later ones for ``behind_hold_s`` (overload must not cost a round trip
 per refused request); when every node serving the model is behind, the client gets 429
-with ``Retry-After`` at once (back-pressure, not collapse). A node that sends nothing, not even the
-engine's keepalives, for ``stream_idle_timeout_s`` is stopped (SIGSTOP, a hung host): its
-streams are cut with a clean error (retried elsewhere if nothing was sent yet) and it
-leaves rotation until it beats again.
+with ``Retry-After`` at once (back-pressure, not collapse). A node that sends nothing, not
+even the engine's keepalives, for ``stream_idle_timeout_s`` is stopped (SIGSTOP, a hung
+host): its streams are cut with a clean error (retried elsewhere if nothing was sent yet)
+and it leaves rotation until it beats again.
 """
 
 from __future__ import annotations
@@ -29,17 +30,16 @@ import grpc
 from services.scheduler import wire
 from services.scheduler.api import ApiError, Chunk, from_grpc
 from services.scheduler.cluster import (
-    HOLDER_SLACK,
-    Node,
     NodeChannels,
     NodeRegistry,
     SessionDirectory,
-    SessionPlace,
     least_kv_pressure,
 )
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.placement import ModelRates
-from services.scheduler.routing.policy import Policy, RouteRequest
+from services.scheduler.routing.kv_source import node_request
+from services.scheduler.routing.plan import RoutePlan, RouteRequest
+from services.scheduler.routing.policy import Policy
 from shared.model_catalog import ModelEntry
 from shared.proto import common_pb2
 
@@ -113,8 +113,10 @@ class Dispatcher:
                 raise self._unavailable(None)
             await self.registry.wait_changed(remaining)
 
-    async def pick(self, route: RouteRequest, behind: frozenset[str] = frozenset()) -> Node:
-        """A healthy node for ``route.model``; waits up to ``no_node_wait_s`` for one.
+    async def pick(self, route: RouteRequest,
+                   behind: frozenset[str] = frozenset()) -> RoutePlan:
+        """The policy's plan on a healthy node for ``route.model``; waits up to
+        ``no_node_wait_s`` for one.
 
         Raises 404 at once when healthy nodes exist and none of the registered nodes serve
         the model; 429 when every healthy one is in ``behind`` (refused this request as
@@ -130,9 +132,12 @@ class Dispatcher:
                     if n.node_id not in behind and not self.registry.behind(n)]
             if healthy and not free:
                 raise self._overloaded(route.model)
-            node = least_kv_pressure(free) if evicted else self.policy.choose(free, route)
-            if node is not None:
-                return node
+            if evicted:  # (Prism §6.2: the node of least KV pressure activates it)
+                lightest = least_kv_pressure(free)
+                free = [lightest] if lightest is not None else []
+            plan = self.policy.route(free, route)
+            if plan is not None:
+                return plan
             known = any(n.serves(route.model) for n in self.registry.all())
             if not known and route.model not in self.catalog and self.registry.healthy():
                 raise _model_not_found(route.model, self.registry)
@@ -192,13 +197,15 @@ class Dispatcher:
             route = dataclasses.replace(route, holder=place.node_id)
         behind: set[str] = set()  # nodes that refused this request as overloaded
         while True:
-            node = await self.pick(route, frozenset(behind))
+            plan = await self.pick(route, frozenset(behind))
+            node = plan.node
             if self.advisor is not None and route.session_id:
                 # (once per request: the other choices of an n > 1 request find it ended)
                 self.advisor.follow(route.tenant, route.session_id)
             self.registry.begin(node.node_id)
             call = self.channels.stub(node.info.address).Generate(
-                self._for_node(request, node, place), timeout=self.settings.request_timeout_s
+                node_request(request, plan, place, self.registry),
+                timeout=self.settings.request_timeout_s,
             )
             produced = False
             last: Chunk | None = None
@@ -264,29 +271,6 @@ class Dispatcher:
             if not msg.keepalive:
                 chunk: common_pb2.GenerateChunk = msg
                 return chunk
-
-
-    def _for_node(
-        self, request: common_pb2.GenerateRequest, node: Node, place: SessionPlace | None
-    ) -> common_pb2.GenerateRequest:
-        """``request`` as ``node`` gets it: naming the kvstore that holds the session's KV
-        when that is another node's, and that node is alive (drained counts: it still
-        serves pulls)."""
-        if not self.policy.reuses_kv:
-            return wire.without_reuse(request)
-        if place is None or place.node_id == node.node_id or not self.policy.moves_kv:
-            return request
-        holder = self.registry.get(place.node_id)
-        if holder is None or not holder.info.kvstore_address:
-            return request  # the serving node looks in its own tiers and S3
-        # (a holder whose heartbeat is merely late, a busy host, is still asked)
-        if not self.registry.alive(holder, slack=HOLDER_SLACK):
-            log.info("the KV of a session is on node %s, silent for %.1fs or unreachable: "
-                     "node %s looks in its own tiers and S3", holder.node_id,
-                     self.registry.silent_s(holder), node.node_id)
-            return request
-        tokens = place.turn_tokens or place.saved_tokens
-        return wire.with_kv_source(request, holder.info.kvstore_address, tokens)
 
 
 def _model_not_found(model: str, registry: NodeRegistry) -> ApiError:

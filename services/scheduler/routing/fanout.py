@@ -14,7 +14,7 @@ from contextlib import aclosing
 from services.scheduler import wire
 from services.scheduler.api import ApiError, ApiRequest, Choice, Chunk
 from services.scheduler.routing.dispatch import Dispatcher
-from services.scheduler.routing.policy import RouteRequest
+from services.scheduler.routing.plan import RouteRequest
 
 log = logging.getLogger(__name__)
 

@@ -1,50 +1,57 @@
-"""Placement policies: which healthy node serves an inference request or an advisory.
+"""Placement policies: which healthy node serves an inference request or an advisory, and
+what the cluster does with the session's KV there (DESIGN §6).
 
-A policy only decides; the dispatcher does the routing and the registry keeps the facts.
-Policies are looked up by name in ``POLICIES`` (unknown names fail loudly). Besides
-``choose``, each says what the cluster does with KV under it (DESIGN §6):
+A policy only decides: it returns a plan (``plan.py``) that the dispatcher and the advisor
+carry out; the registry keeps the facts. Policies are looked up by name in ``POLICIES``
+(unknown names fail loudly).
 
-- ``balanced`` (default): load first, KV follows the session, advisories prefetch;
-- ``priority``: ``balanced``, but high-priority sessions are spread evenly over the nodes
-  and their advisories prefetch straight into device memory (Symphony §3.6, §4.5);
-- ``sticky`` (an InferCept-like baseline): a session stays on its first node while that
-  node is in rotation; KV is never moved between nodes and advisories prefetch nothing;
-- ``recompute`` (a vLLM-without-offload baseline): least loaded, and no KV is reused at
-  all, not even the device prefix cache.
+    policy     node                              request's KV            advisory
+    balanced   least loaded at arrival; ties:    reused; pulled from     prefetched (from the
+               the KV holder; advised: its node  the holder's kvstore    holder's kvstore)
+    priority   balanced; priority > 0 spread     as balanced             as balanced; priority
+               over the nodes first                                      > 0 straight to device
+    sticky     the holder while in rotation      reused where it is      only recorded
+    recompute  least loaded                      not reused at all       only recorded
+
+``priority`` follows Symphony §3.6 and §4.5; ``sticky`` is an InferCept-like baseline (a
+session stays on its first node; KV never moves between nodes); ``recompute`` a
+vLLM-without-offload baseline (not even the device prefix cache is reused).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 from services.scheduler.cluster import Node
-
-
-@dataclass(frozen=True)
-class RouteRequest:
-    model: str
-    session_id: str = ""
-    tenant: str = "default"
-    priority: int = 0
-    holder: str = ""  # the node holding the session's KV (its last turn's), if known
-    advised: str = ""  # the node an advisory chose for this request (its KV goes there)
+from services.scheduler.routing.plan import AdvisoryPlan, RoutePlan, RouteRequest
 
 
 class Policy(Protocol):
+    """Given one node, both methods plan on it: the caller may have chosen it already (a
+    catalogue model is activated on the node of least KV pressure, whatever the policy).
+    Neither mutates the nodes; the caller records the routing."""
+
     name: str
-    reuses_kv: bool  # requests may reuse stored or cached KV
-    moves_kv: bool  # a session's KV is pulled from the node that holds it
-    prefetches: bool  # advisories make the chosen node prefetch
-    straight_to_device: bool  # high-priority advisories may evict the device cache to fit
 
-    def choose(self, nodes: Sequence[Node], request: RouteRequest) -> Node | None:
-        """Pick one of ``nodes`` (all healthy and serving ``request.model``), or None if empty.
-
-        Must not mutate the nodes; the caller records the routing.
-        """
+    def route(self, nodes: Sequence[Node], request: RouteRequest) -> RoutePlan | None:
+        """Plan a generation on one of ``nodes`` (all healthy and serving
+        ``request.model``); None when ``nodes`` is empty."""
         ...
+
+    def advise(self, nodes: Sequence[Node], request: RouteRequest) -> AdvisoryPlan | None:
+        """Plan an advisory on one of ``nodes``; None when ``nodes`` is empty."""
+        ...
+
+
+def _holder_elsewhere(node: Node, request: RouteRequest) -> str:
+    """The node holding the session's KV when that is not ``node`` ("": none, or it is)."""
+    return request.holder if request.holder != node.node_id else ""
+
+
+def _least_loaded(nodes: Sequence[Node]) -> Node:
+    return min(nodes, key=lambda n: (n.score(), n.routed, n.last_routed, n.node_id))
 
 
 class BalancedPolicy:
@@ -52,13 +59,25 @@ class BalancedPolicy:
     being prefetched there) while that node can take it. Otherwise (and for advisories):
     least loaded by the load expected at arrival (running + waiting + routed + advisories
     pending there, ``Node.expected``); ties: the node holding the session's KV,
-    then fewest routed, then least recently used (Symphony §3.3: load before locality)."""
+    then fewest routed, then least recently used (Symphony §3.3: load before locality).
+    The KV follows the session: the chosen node pulls it from the holder's kvstore, and an
+    advisory's node prefetches it."""
 
     name = "balanced"
-    reuses_kv = moves_kv = prefetches = True
-    straight_to_device = False
 
-    def choose(self, nodes: Sequence[Node], request: RouteRequest) -> Node | None:
+    def route(self, nodes: Sequence[Node], request: RouteRequest) -> RoutePlan | None:
+        node = self._choose(nodes, request)
+        if node is None:
+            return None
+        return RoutePlan(node, reuse_kv=True, pull_from=_holder_elsewhere(node, request))
+
+    def advise(self, nodes: Sequence[Node], request: RouteRequest) -> AdvisoryPlan | None:
+        node = self._choose(nodes, request)
+        if node is None:
+            return None
+        return AdvisoryPlan(node, prefetch=True, pull_from=_holder_elsewhere(node, request))
+
+    def _choose(self, nodes: Sequence[Node], request: RouteRequest) -> Node | None:
         if not nodes:
             return None
         if request.advised:
@@ -78,29 +97,37 @@ class PriorityPolicy(BalancedPolicy):
     request before waiting lower-priority ones."""
 
     name = "priority"
-    straight_to_device = True
 
-    def choose(self, nodes: Sequence[Node], request: RouteRequest) -> Node | None:
+    def advise(self, nodes: Sequence[Node], request: RouteRequest) -> AdvisoryPlan | None:
+        plan = super().advise(nodes, request)
+        if plan is None or request.priority <= 0:
+            return plan
+        return dataclasses.replace(plan, straight_to_device=True)
+
+    def _choose(self, nodes: Sequence[Node], request: RouteRequest) -> Node | None:
         if not nodes or request.priority <= 0 or request.advised:
-            return super().choose(nodes, request)
+            return super()._choose(nodes, request)
         return min(nodes, key=lambda n: (n.advised_priority, n.expected(),
                                          n.node_id != request.holder, n.routed,
                                          n.last_routed, n.node_id))
 
 
-def _least_loaded(nodes: Sequence[Node]) -> Node:
-    return min(nodes, key=lambda n: (n.score(), n.routed, n.last_routed, n.node_id))
-
-
 class StickyPolicy:
     """A session's turns go to the node of its first turn (the holder) while it is in
-    rotation; a new session, or one whose node left, goes to the least loaded node."""
+    rotation; a new session, or one whose node left, goes to the least loaded node. KV is
+    reused where it is and never moved; advisories are only recorded."""
 
     name = "sticky"
-    reuses_kv = True
-    moves_kv = prefetches = straight_to_device = False
 
-    def choose(self, nodes: Sequence[Node], request: RouteRequest) -> Node | None:
+    def route(self, nodes: Sequence[Node], request: RouteRequest) -> RoutePlan | None:
+        node = self._choose(nodes, request)
+        return RoutePlan(node, reuse_kv=True) if node is not None else None
+
+    def advise(self, nodes: Sequence[Node], request: RouteRequest) -> AdvisoryPlan | None:
+        node = self._choose(nodes, request)
+        return AdvisoryPlan(node, prefetch=False) if node is not None else None
+
+    def _choose(self, nodes: Sequence[Node], request: RouteRequest) -> Node | None:
         if not nodes:
             return None
         for n in nodes:
@@ -110,13 +137,16 @@ class StickyPolicy:
 
 
 class RecomputePolicy:
-    """Least loaded, blind to where KV is: every turn recomputes its whole history."""
+    """Least loaded, blind to where KV is: every turn recomputes its whole history;
+    advisories are only recorded."""
 
     name = "recompute"
-    reuses_kv = moves_kv = prefetches = straight_to_device = False
 
-    def choose(self, nodes: Sequence[Node], request: RouteRequest) -> Node | None:
-        return _least_loaded(nodes) if nodes else None
+    def route(self, nodes: Sequence[Node], request: RouteRequest) -> RoutePlan | None:
+        return RoutePlan(_least_loaded(nodes), reuse_kv=False) if nodes else None
+
+    def advise(self, nodes: Sequence[Node], request: RouteRequest) -> AdvisoryPlan | None:
+        return AdvisoryPlan(_least_loaded(nodes), prefetch=False) if nodes else None
 
 
 POLICIES: dict[str, type[Policy]] = {

@@ -12,6 +12,9 @@ from contextlib import AsyncExitStack
 
 import pytest
 
+from services.scheduler.cluster import HOLDER_SLACK, SessionPlace
+from services.scheduler.routing import RouteRequest, node_request
+from shared.proto import common_pb2
 from tests.unit.scheduler.conftest import MiniCluster, make_cluster
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 3}
@@ -175,17 +178,17 @@ async def test_the_baseline_policies_move_no_kv(policy: str) -> None:
 async def test_a_holder_whose_heartbeat_is_late_is_still_named(two: MiniCluster) -> None:
     # A busy host's heartbeat comes late: its kvstore is still asked (one bounded lookup)
     # rather than recomputing the session's history; one silent for long is not.
-    from services.scheduler.cluster import HOLDER_SLACK, SessionPlace
-    from shared.proto import common_pb2
-
     d, reg = two.scheduler.state.dispatcher, two.scheduler.state.registry
     holder, serving = reg.get("node0"), reg.get("node1")
     assert holder is not None and serving is not None
     place = SessionPlace("node0", turn_tokens=50)
+    plan = d.policy.route([serving], RouteRequest(serving.info.models[0].name, "s",
+                                                  holder="node0"))
+    assert plan is not None and plan.pull_from == "node0"
     request = common_pb2.GenerateRequest()
     # (synchronous from here: no heartbeat can land between setting the beat and asking)
     holder.last_beat = reg.clock() - reg.timeout * 1.5
     assert not reg.alive(holder)
-    assert d._for_node(request, serving, place).kv_source == "127.0.0.1:7000"
+    assert node_request(request, plan, place, reg).kv_source == "127.0.0.1:7000"
     holder.last_beat = reg.clock() - reg.timeout * (HOLDER_SLACK + 1)
-    assert d._for_node(request, serving, place).kv_source == ""
+    assert node_request(request, plan, place, reg).kv_source == ""
