@@ -14,8 +14,7 @@ import pytest
 
 from services.scheduler.api import ChoiceState, from_grpc, without_addresses
 from services.scheduler.api.openai_format import usage
-from tests.unit.scheduler.conftest import MiniCluster, make_cluster
-from tests.unit.scheduler.test_advisories import call
+from tests.unit.scheduler.conftest import MiniCluster, call, make_cluster
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hello there"}],
         "max_tokens": 2}

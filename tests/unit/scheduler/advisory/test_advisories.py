@@ -5,7 +5,6 @@ tenants whose advisories go unused, and the HTTP API on an in-process two-node c
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 
@@ -22,8 +21,7 @@ from services.scheduler.advisory import (
 )
 from shared.grpc_server import serve_grpc
 from shared.proto import kvstore_pb2, kvstore_pb2_grpc
-from tests.unit.scheduler.conftest import MiniCluster, make_cluster
-from tests.unit.scheduler.test_sessions import Clock
+from tests.unit.scheduler.conftest import Clock, MiniCluster, call, make_cluster
 
 
 def test_the_book_keeps_one_pending_advisory_per_session() -> None:
@@ -110,13 +108,6 @@ async def until(ok, timeout_s: float = 5.0) -> None:
     while not ok():
         assert loop.time() < deadline, "never happened"
         await asyncio.sleep(0.02)
-
-
-async def call(c: MiniCluster, method: str, path: str, body: object = None,
-               headers: dict | None = None) -> tuple[int, dict, dict]:
-    data = None if body is None else json.dumps(body)
-    async with c.http.request(method, c.url + path, data=data, headers=headers or {}) as r:
-        return r.status, json.loads(await r.text()), dict(r.headers)
 
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 3}

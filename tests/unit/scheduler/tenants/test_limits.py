@@ -7,8 +7,7 @@ import asyncio
 from contextlib import AsyncExitStack
 
 from services.scheduler.tenants import TokenBuckets
-from tests.unit.scheduler.conftest import make_cluster
-from tests.unit.scheduler.test_advisories import call
+from tests.unit.scheduler.conftest import call, make_cluster
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hello there"}],
         "max_tokens": 2}

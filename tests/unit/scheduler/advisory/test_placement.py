@@ -9,7 +9,7 @@ import pytest
 from services.scheduler.advisory import AdvisoryBook, AdvisoryPlacement
 from services.scheduler.cluster import Load, ModelSpec, NodeInfo, NodeRegistry, SessionDirectory
 from services.scheduler.routing import make_policy
-from tests.unit.scheduler.test_sessions import Clock
+from tests.unit.scheduler.conftest import Clock
 
 
 def placement(policy: str, catalog: frozenset[str] = frozenset()

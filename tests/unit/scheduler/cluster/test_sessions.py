@@ -4,14 +4,7 @@ the node's save reports, bounded by LRU and TTL."""
 from __future__ import annotations
 
 from services.scheduler.cluster import SessionDirectory
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.unit.scheduler.conftest import Clock
 
 
 def test_a_turn_records_its_node_and_length_and_a_save_adds_what_landed() -> None:

@@ -15,8 +15,7 @@ from services.scheduler.api import ApiError
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.tenants import KeyBook, key_book
 from shared.config import ConfigError, load
-from tests.unit.scheduler.conftest import make_cluster
-from tests.unit.scheduler.test_advisories import call
+from tests.unit.scheduler.conftest import call, make_cluster
 
 
 def _cfg(**values: object) -> SchedulerConfig:

@@ -9,8 +9,7 @@ from contextlib import AsyncExitStack
 import jsonschema
 
 from services.scheduler.http import build_app
-from tests.unit.scheduler.conftest import make_cluster
-from tests.unit.scheduler.test_advisories import call
+from tests.unit.scheduler.conftest import call, make_cluster
 
 KEY = {"Authorization": "Bearer key-of-acme1"}
 OPS = {"Authorization": "Bearer key-of-ops01"}
