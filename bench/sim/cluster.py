@@ -31,11 +31,9 @@ from bench.sim.memory import NodeMemory, Prefetch
 from bench.sim.node import Req, SimNode
 from bench.workloads.replay import Result
 from bench.workloads.trace import Session, Trace
-from services.scheduler.advisories import AdvisoryBook
-from services.scheduler.advisory_placement import AdvisoryPlacement
-from services.scheduler.nodes import Load, ModelSpec, NodeInfo, NodeRegistry
-from services.scheduler.policy import RouteRequest, make_policy
-from services.scheduler.sessions import SessionDirectory
+from services.scheduler.advisory import AdvisoryBook, AdvisoryPlacement
+from services.scheduler.cluster import Load, ModelSpec, NodeInfo, NodeRegistry, SessionDirectory
+from services.scheduler.routing import RoutePlan, RouteRequest, make_policy
 
 MODEL = "sim"
 TENANT = "default"
@@ -60,6 +58,7 @@ class Simulator:
         self.time_scale, self.max_answer = time_scale, max_answer_tokens
         self.layerwise = layerwise
         self.policy = make_policy(policy)
+        self._plans: dict[str, RoutePlan] = {}  # the plan of each session's turn in flight
         self.now = 0.0
         clock = lambda: self.now  # noqa: E731
         self.registry = NodeRegistry(3 * calibration.heartbeat_s, clock=clock)
@@ -148,32 +147,33 @@ class Simulator:
 
     # -- the scheduler side -----------------------------------------------------------------
 
-    def _choose(self, session_id: str, priority: int, advised: str = "") -> str:
+    def _choose(self, session_id: str, priority: int, advised: str = "") -> RoutePlan:
         place = self.sessions.where(TENANT, session_id)
         route = RouteRequest(MODEL, session_id, TENANT, priority,
                              holder=place.node_id if place else "", advised=advised)
         healthy = [n for n in self.registry.healthy(MODEL) if not self.registry.behind(n)]
-        node = self.policy.choose(healthy or self.registry.healthy(MODEL), route)
-        assert node is not None, "no healthy node"
-        return node.node_id
+        plan = self.policy.route(healthy or self.registry.healthy(MODEL), route)
+        assert plan is not None, "no healthy node"
+        return plan
 
     def _advise(self, s: Session) -> None:
         placed = self.advisories.place(TENANT, s.session_id, MODEL, s.priority)
         assert placed is not None, "no healthy node"
         for old, _how in placed.ended:
             self._end_prefetch(old.node_id, old.session_id, expired=False)
-        if not self.policy.prefetches or placed.place is None:
+        if not placed.plan.prefetch or placed.place is None:
             return
-        self._prefetch(placed.node.node_id, s.session_id, placed.place.turn_tokens)
+        self._prefetch(placed.node.node_id, s.session_id, placed.place.turn_tokens,
+                       placed.plan.pull_from)
 
-    def _prefetch(self, nid: str, session_id: str, tokens: int) -> None:
+    def _prefetch(self, nid: str, session_id: str, tokens: int, pull_from: str) -> None:
         """Start moving the session's KV into the node's device memory."""
         bt, groups = self.cal.block_tokens, self.cal.layer_groups
         nblocks = tokens // bt
         mem = self.memory[nid]
         if nblocks == 0 or mem.resident(session_id, nblocks) == [groups] * nblocks:
             return
-        tier = self._source(nid, session_id, nblocks * bt)
+        tier = self._source(nid, session_id, nblocks * bt, pull_from)
         if tier is None:
             return
         node = self.nodes[nid]
@@ -196,7 +196,9 @@ class Simulator:
         advised = adv.node_id if adv is not None and how == "followed" else ""
         if adv is not None and adv.node_id != advised:  # lapsed: its prefetch is of no use
             self._end_prefetch(adv.node_id, s.session_id, expired=True)
-        nid = self._choose(s.session_id, s.priority, advised)
+        plan = self._choose(s.session_id, s.priority, advised)
+        nid = plan.node.node_id
+        self._plans[s.session_id] = plan
         self.registry.begin(nid)
         turn = s.turns[i]
         context = sum(t.user_tokens + min(t.answer_tokens, self.max_answer)
@@ -210,15 +212,13 @@ class Simulator:
 
     # -- where KV is ------------------------------------------------------------------------
 
-    def _source(self, nid: str, session_id: str, tokens: int) -> str | None:
-        """The tier ``nid`` would load ``tokens`` of the session's history from."""
+    def _source(self, nid: str, session_id: str, tokens: int, pull_from: str) -> str | None:
+        """The tier ``nid`` would load ``tokens`` of the session's history from
+        (``pull_from``: the node its plan pulls the KV from, "": none)."""
         if self.dram[nid].get(session_id, 0) >= tokens:
             return DRAM
-        if self.policy.moves_kv:
-            place = self.sessions.where(TENANT, session_id)
-            if place is not None and place.node_id != nid and \
-                    self.dram[place.node_id].get(session_id, 0) >= tokens:
-                return PEER
+        if pull_from and self.dram[pull_from].get(session_id, 0) >= tokens:
+            return PEER
         if self.s3.get(session_id, 0) >= tokens:
             return S3
         return None
@@ -242,11 +242,12 @@ class Simulator:
         mem.settle(req.session_id, now)
         total_blocks = -(-(req.prompt + req.out) // bt)
         hist_blocks = min(req.context, req.prompt - 1) // bt
-        reuse = mem.resident(req.session_id, hist_blocks) if self.policy.reuses_kv else []
+        plan = self._plans[req.session_id]
+        reuse = mem.resident(req.session_id, hist_blocks) if plan.reuse_kv else []
         full = next((i for i, k in enumerate(reuse) if k < groups), len(reuse))
         tier, load_blocks, load_bytes = None, 0, 0
-        if self.policy.reuses_kv and full < hist_blocks:
-            tier = self._source(node.node_id, req.session_id, hist_blocks * bt)
+        if plan.reuse_kv and full < hist_blocks:
+            tier = self._source(node.node_id, req.session_id, hist_blocks * bt, plan.pull_from)
             if tier is not None:
                 load_blocks = hist_blocks - full
                 missing = sum(groups - k for k in reuse[full:]) + groups * (
@@ -274,7 +275,7 @@ class Simulator:
 
     def _finished(self, node: SimNode, req: Req, now: float) -> None:
         mem, tokens = self.memory[node.node_id], req.prompt + req.out
-        if self.policy.reuses_kv:
+        if self._plans.pop(req.session_id).reuse_kv:
             mem.release(req.session_id, req.table, tokens // self.cal.block_tokens)
             self._save(node.node_id, req.session_id, tokens)
         else:

@@ -9,23 +9,17 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from services.scheduler.advisor import Advisor
-from services.scheduler.advisories import AdvisoryBook
-from services.scheduler.advisory_throttle import AdvisoryThrottle
+from services.scheduler.advisory import Advisor, AdvisoryBook, AdvisoryThrottle
+from services.scheduler.api import Limits
+from services.scheduler.cluster import NodeChannels, NodeRegistry, SessionDirectory
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.dispatch import Dispatcher, DispatchSettings, NodeChannels
 from services.scheduler.grpc_service import SchedulerServicer
-from services.scheduler.http_api import ApiState, build_app
-from services.scheduler.http_server import HardenedRunner
-from services.scheduler.keys import key_book
+from services.scheduler.http import ApiState, HardenedRunner, build_app
 from services.scheduler.metrics import SchedulerMetrics
-from services.scheduler.nodes import NodeRegistry
-from services.scheduler.placement_loop import PlacementLoop
-from services.scheduler.policy import make_policy
+from services.scheduler.placement import PlacementLoop
 from services.scheduler.responses import ResponseStore
-from services.scheduler.sessions import SessionDirectory
-from services.scheduler.tenant_limits import TenantLimits
-from services.scheduler.validation import Limits
+from services.scheduler.routing import Dispatcher, DispatchSettings, make_policy
+from services.scheduler.tenants import TenantLimits, key_book
 from shared.grpc_server import serve_grpc
 from shared.model_catalog import load_catalog
 from shared.proto import scheduler_pb2_grpc

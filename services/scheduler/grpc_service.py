@@ -9,8 +9,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from services.scheduler import wire
-from services.scheduler.nodes import NodeRegistry
-from services.scheduler.sessions import SessionDirectory
+from services.scheduler.cluster import NodeRegistry, SessionDirectory
 from shared.proto import scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger(__name__)

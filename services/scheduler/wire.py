@@ -5,37 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.scheduler.nodes import Load, ModelSpec, NodeInfo
-from services.scheduler.request import ApiRequest, Choice, Guidance, Message
+from services.scheduler.api import ApiRequest, Choice, Chunk, Guidance, Message, ToolCallOut
+from services.scheduler.cluster import Load, ModelSpec, NodeInfo
 from shared.proto import common_pb2, scheduler_pb2
 
 GenerateProto = common_pb2.GenerateRequest  # what run_choices hands the dispatcher
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One streamed piece of a generation (see ``GenerateChunk``)."""
-
-    text: str = ""
-    token_ids: tuple[int, ...] = ()
-    prompt_token_ids: tuple[int, ...] = ()
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    finish_reason: str = ""
-    cached_tokens: int = 0
-    kv_from: str = ""  # the first chunk: where the prompt's KV came from
-    node: str = ""  # the node that produced it (set by the dispatcher)
-    tool_calls: tuple[ToolCallOut, ...] = ()  # calls completed in this piece
-
-
-@dataclass(frozen=True)
-class ToolCallOut:
-    """A tool call the model made, whole; ``index`` is its place among the choice's calls."""
-
-    index: int
-    id: str
-    name: str
-    arguments: str
 
 
 def node_info(msg: scheduler_pb2.RegisterNodeRequest) -> NodeInfo:

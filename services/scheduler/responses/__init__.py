@@ -2,10 +2,10 @@
 
 A chain of responses linked by ``previous_response_id`` is one session: its history is
 kept here (per tenant, with a TTL), rendered like a chat, and its KV is reused and can be
-advised like any conversation's (the session id is the chain's first response id).
+advised like any conversation's (the session id is the chain's first response id). The
+routes are in ``http/responses.py``; this package holds the store and the items.
 """
 
-from .api import add_responses_routes
-from .store import ResponseStore
+from services.scheduler.responses.store import ResponseStore, StoredResponse
 
-__all__ = ["ResponseStore", "add_responses_routes"]
+__all__ = ["ResponseStore", "StoredResponse"]

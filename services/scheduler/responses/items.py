@@ -14,9 +14,7 @@ import time
 import uuid
 from typing import Any
 
-from services.scheduler.errors import invalid
-from services.scheduler.openai_format import ChoiceState
-from services.scheduler.request import Message, ToolCall
+from services.scheduler.api import ChoiceState, Message, ToolCall, invalid
 
 
 def new_item_id(prefix: str) -> str:

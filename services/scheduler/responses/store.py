@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from services.scheduler.request import Message
+from services.scheduler.api import Message
 
 
 @dataclass(frozen=True)

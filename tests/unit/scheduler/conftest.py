@@ -1,9 +1,11 @@
 """An in-process mini cluster for the scheduler's HTTP tests: the real scheduler and node
-manager (``start``) in the test's event loop, with the fake engine behind them."""
+manager (``start``) in the test's event loop, with the fake engine behind them; ``call``
+to send it one HTTP request, and ``Clock``, a fake clock for the unit tests."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -97,6 +99,21 @@ async def make_cluster(
     )
     await cluster.wait_nodes(nodes)
     return cluster
+
+
+async def call(c: MiniCluster, method: str, path: str, body: object = None,
+               headers: dict | None = None) -> tuple[int, dict, dict]:
+    data = None if body is None else json.dumps(body)
+    async with c.http.request(method, c.url + path, data=data, headers=headers or {}) as r:
+        return r.status, json.loads(await r.text()), dict(r.headers)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 @pytest.fixture

@@ -11,8 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.kvstore.manifests.manifest import Manifest
-from services.scheduler.errors import ApiError
-from services.scheduler.validation import Limits, parse_json, validate
+from services.scheduler.api import ApiError, Limits, parse_json, validate
 from shared.chunk_codec import (
     ChunkCorrupt,
     ChunkFormatError,

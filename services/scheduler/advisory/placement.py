@@ -1,0 +1,115 @@
+"""Where advisories go and what they count for, without I/O (Symphony §3.3, §3.6).
+
+An advisory is a request on its way: the policy plans it (``Policy.advise``) as it would
+route the request, and until the advisory is followed, invalidated, replaced or expires,
+one whose node prefetches counts on that node (``Node.advised``), so advisories made while
+the cluster is idle spread instead of all choosing the node that looks least loaded now.
+The ``Advisor`` adds the calls to the nodes, the metrics and the throttle; ``bench/sim``
+drives this class on a simulated clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.scheduler.advisory.book import Advisory, AdvisoryBook
+from services.scheduler.cluster import (
+    HOLDER_SLACK,
+    Node,
+    NodeRegistry,
+    SessionDirectory,
+    SessionPlace,
+    least_kv_pressure,
+)
+from services.scheduler.routing import AdvisoryPlan, Policy, RouteRequest
+
+
+@dataclass(frozen=True)
+class Placed:
+    advisory: Advisory
+    plan: AdvisoryPlan  # the node, and what it does now
+    ended: list[tuple[Advisory, str]]  # the advisories it ended (replaced, crowded out)
+    place: SessionPlace | None  # where the session's KV is, if known
+    source: Node | None  # the live node to pull the KV from (None: the node's own tiers)
+
+    @property
+    def node(self) -> Node:
+        return self.plan.node
+
+    @property
+    def kv_tokens(self) -> int:
+        """The session's last turn as the scheduler knows it (0: unknown)."""
+        p = self.place
+        return (p.turn_tokens or p.saved_tokens) if p is not None else 0
+
+
+class AdvisoryPlacement:
+    """Event-loop only (or one simulated clock)."""
+
+    def __init__(self, book: AdvisoryBook, registry: NodeRegistry, policy: Policy,
+                 sessions: SessionDirectory, catalog: frozenset[str] = frozenset()) -> None:
+        self.book = book
+        self.registry = registry
+        self.policy = policy
+        self.sessions = sessions
+        self.catalog = catalog  # models the cluster may serve though no node runs them now
+
+    def place(self, tenant: str, session_id: str, model: str, priority: int = 0,
+              expected_arrival_s: float = 0.0) -> Placed | None:
+        """Plan the advisory and record it; None when no node serves ``model``.
+        Raises ``TooManyAdvisories`` when the tenant has its share pending."""
+        place = self.sessions.where(tenant, session_id)
+        route = RouteRequest(model, session_id, tenant, priority,
+                             holder=place.node_id if place else "")
+        plan = self.policy.advise(self._candidates(model), route)
+        if plan is None:
+            return None
+        adv, ended = self.book.add(tenant, session_id, model, plan.node.node_id, priority,
+                                   expected_arrival_s, prefetch=plan.prefetch)
+        for old, _ in ended:
+            self._count(old, -1)
+        self._count(adv, +1)
+        source = None
+        if plan.pull_from:
+            holder = self.registry.get(plan.pull_from)
+            if holder is not None and self.registry.alive(holder, slack=HOLDER_SLACK):
+                source = holder
+        return Placed(adv, plan, ended, place, source)
+
+    def _candidates(self, model: str) -> list[Node]:
+        """The nodes a request for ``model`` could go to now (those behind only if all are)."""
+        serving = self.registry.healthy(model)
+        if not serving and model in self.catalog:
+            # A catalogue model active nowhere: the node a request would activate it on
+            # (Prism §6.2, lowest KV pressure) activates it now, then prefetches.
+            lightest = least_kv_pressure([n for n in self.registry.healthy()
+                                          if not self.registry.behind(n)])
+            return [lightest] if lightest is not None else []
+        return [n for n in serving if not self.registry.behind(n)] or serving
+
+    def follow(self, tenant: str, session_id: str) -> tuple[Advisory | None, str]:
+        """The session's advisory, ended by its request (see ``AdvisoryBook.follow``)."""
+        adv, how = self.book.follow(tenant, session_id)
+        if adv is not None:
+            self._count(adv, -1)
+        return adv, how
+
+    def invalidate(self, tenant: str, advisory_id: str) -> Advisory | None:
+        adv = self.book.invalidate(tenant, advisory_id)
+        if adv is not None:
+            self._count(adv, -1)
+        return adv
+
+    def sweep(self) -> list[Advisory]:
+        """The advisories that expired unfollowed, ended."""
+        lapsed = self.book.sweep()
+        for adv in lapsed:
+            self._count(adv, -1)
+        return lapsed
+
+    def _count(self, adv: Advisory, delta: int) -> None:
+        if not adv.prefetch:  # (a baseline's: it is only recorded)
+            return
+        self.registry.advised_pending(adv.node_id, delta)
+        if adv.priority > 0:  # (``priority`` spreads these)
+            self.registry.advised_priority(adv.node_id, delta)

@@ -1,0 +1,198 @@
+"""Turn an OpenAI request body into an ``ApiRequest`` or raise a 4xx ``ApiError``.
+
+The body was decoded by ``json_body.py``; types and ranges are checked by the bodies'
+schemas (``bodies.py``, which ``/openapi.json`` publishes); what a schema cannot say is
+checked here. Every check names the offending ``param`` as OpenAI does, so clients can
+point at the field. Unknown fields
+are ignored (as vLLM does); fields that would silently change the meaning of the request
+if ignored (logprobs, tools, penalties, echo...) are rejected as unsupported.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from services.scheduler.api.bodies import body_schema, session_field
+from services.scheduler.api.errors import invalid
+from services.scheduler.api.limits import Limits
+from services.scheduler.api.request import (
+    ApiRequest,
+    Endpoint,
+    Guidance,
+    Message,
+    Prompt,
+    Sampling,
+    ToolCall,
+)
+from services.scheduler.api.schema import is_int, is_number
+
+
+def _unsupported(body: dict[str, Any], endpoint: Endpoint) -> None:
+    checks = [
+        ("logprobs", bool(body.get("logprobs"))),
+        ("top_logprobs", bool(body.get("top_logprobs"))),
+        ("tools", endpoint == "completion" and bool(body.get("tools"))),
+        ("functions", bool(body.get("functions"))),
+        ("echo", endpoint == "completion" and bool(body.get("echo"))),
+        ("suffix", endpoint == "completion" and bool(body.get("suffix"))),
+        ("best_of", is_int(body.get("best_of")) and body["best_of"] > 1),
+    ]
+    for key in ("presence_penalty", "frequency_penalty"):
+        v = body.get(key)
+        checks.append((key, v is not None and (not is_number(v) or v != 0)))
+    for key, bad in checks:
+        if bad:
+            raise invalid(f"'{key}' is not supported by this server", key, "unsupported_parameter")
+
+
+def _messages(msgs: list[dict[str, Any]]) -> tuple[Message, ...]:
+    out = []
+    for i, m in enumerate(msgs):
+        role, content = m["role"], m.get("content")
+        calls = m.get("tool_calls") or []
+        if content is None and not (role == "assistant"):
+            raise invalid(f"'messages[{i}].content' is required", f"messages[{i}].content",
+                          "missing_required_parameter")
+        if calls and role != "assistant":
+            raise invalid(f"'messages[{i}].tool_calls' is only for assistant messages",
+                          f"messages[{i}].tool_calls", "invalid_value")
+        if role == "tool" and not m.get("tool_call_id"):
+            raise invalid(f"'messages[{i}].tool_call_id' is required for a tool message",
+                          f"messages[{i}].tool_call_id", "missing_required_parameter")
+        if isinstance(content, list):
+            content = "\n".join(part["text"] for part in content)
+        # OpenAI's "developer" is the system message of the templates models ship with.
+        out.append(Message(
+            "system" if role == "developer" else role, content or "",
+            tool_calls=tuple(ToolCall(c.get("id", ""), c["function"]["name"],
+                                      c["function"]["arguments"]) for c in calls),
+            tool_call_id=m.get("tool_call_id", "") if role == "tool" else "",
+            name=m.get("name", "")))
+    return tuple(out)
+
+
+def guidance(v: dict[str, Any]) -> Guidance:
+    """Tools, tool_choice and response_format of a checked body (chat or Responses)."""
+    tools = v.get("tools") or []
+    names = [t["function"]["name"] for t in tools]
+    if len(set(names)) != len(names):
+        raise invalid("'tools' names a function twice", "tools", "invalid_value")
+    choice = v.get("tool_choice", "auto")
+    if isinstance(choice, dict):
+        name = choice["function"]["name"]
+        if name not in names:
+            raise invalid(f"'tool_choice' names {name!r}, which is not among 'tools'",
+                          "tool_choice", "invalid_value")
+        choice = f"function:{name}"
+    elif choice == "required" and not tools:
+        raise invalid("'tool_choice' is 'required' but no 'tools' are given", "tool_choice",
+                      "invalid_value")
+    fmt = v.get("response_format") or {"type": "text"}
+    kind = "" if fmt["type"] == "text" else fmt["type"]
+    schema = ""
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if spec is None or spec.get("schema") is None:
+            raise invalid("'response_format.json_schema.schema' is required for type "
+                          "json_schema", "response_format.json_schema.schema",
+                          "missing_required_parameter")
+        schema = json.dumps(spec["schema"])
+    return Guidance(
+        tools_json=json.dumps(tools) if tools else "",
+        tool_choice=choice if tools else "none",
+        parallel_tool_calls=v.get("parallel_tool_calls", True),
+        response_format=kind,
+        json_schema=schema,
+    )
+
+
+def _prompts(p: str | list[Any]) -> tuple[Prompt, ...]:
+    if isinstance(p, str):
+        return (Prompt("text", text=p),)
+    if all(is_int(t) for t in p):
+        return (Prompt("tokens", token_ids=tuple(p)),)
+    return tuple(Prompt("text", text=item) if isinstance(item, str)
+                 else Prompt("tokens", token_ids=tuple(item)) for item in p)
+
+
+def _sampling(v: dict[str, Any], limits: Limits) -> Sampling:
+    max_tokens = v.get("max_completion_tokens", v.get("max_tokens"))
+    stop = v.get("stop", ())
+    return Sampling(
+        temperature=v.get("temperature", 1.0),
+        top_p=v.get("top_p", 1.0),
+        top_k=max(v.get("top_k", 0), 0),  # -1 (vLLM's "off") and 0 both mean off
+        max_tokens=max_tokens if max_tokens is not None else limits.default_max_tokens,
+        seed=v.get("seed"),
+        stop=(stop,) if isinstance(stop, str) else tuple(stop),
+        stop_token_ids=tuple(v.get("stop_token_ids", ())),
+        ignore_eos=v.get("ignore_eos", False),
+    )
+
+
+def validate(
+    body: dict[str, Any],
+    endpoint: Endpoint,
+    limits: Limits,
+    *,
+    session_header: str = "",
+    tenant: str = "default",
+) -> ApiRequest:
+    """Check every field of a chat or completion body; raise a 4xx ``ApiError`` on the first
+    problem."""
+    _unsupported(body, endpoint)
+    v = body_schema(endpoint, limits).check(body)
+    prompts = (
+        (Prompt("chat", messages=_messages(v["messages"])),)
+        if endpoint == "chat"
+        else _prompts(v["prompt"])
+    )
+    stream = v.get("stream", False)
+    opts = v.get("stream_options")
+    if opts is not None and not stream:
+        raise invalid(
+            "'stream_options' is only allowed when 'stream' is true",
+            "stream_options",
+            "invalid_value",
+        )
+    session = v.get("session_id", "")
+    if session_header:
+        session = session_field("", required=True).check(session_header, "X-Session-Id")
+    return ApiRequest(
+        endpoint=endpoint,
+        model=v.get("model"),
+        prompts=prompts,
+        sampling=_sampling(v, limits),
+        n=v.get("n", 1),
+        stream=stream,
+        include_usage=(opts or {}).get("include_usage", False),
+        return_token_ids=v.get("return_token_ids", False),
+        session_id=session,
+        tenant=tenant,
+        priority=v.get("priority", 0),
+        add_generation_prompt=v.get("add_generation_prompt", True),
+        guidance=guidance(v),
+    )
+
+
+# No tokenizer packs more characters than this into one token on average: a prompt with
+# more characters than this many times the context cannot fit, and is refused before a
+# node spends seconds tokenizing megabytes of it.
+CHARS_PER_TOKEN_BOUND = 32
+
+
+def check_prompt_length(req: ApiRequest, max_model_len: int) -> None:
+    """400 for a prompt that cannot fit ``max_model_len`` tokens (0: not known yet)."""
+    if max_model_len <= 0:
+        return
+    for p in req.prompts:
+        if p.kind == "tokens":
+            size, unit, bound = len(p.token_ids), "tokens", max_model_len
+        else:
+            size = len(p.text) + sum(len(m.content) for m in p.messages)
+            unit, bound = "characters", max_model_len * CHARS_PER_TOKEN_BOUND
+        if size > bound:
+            param = "messages" if p.kind == "chat" else "prompt"
+            raise invalid(f"the prompt has {size} {unit}, far more than the model's context "
+                          f"of {max_model_len} tokens holds", param, "context_length_exceeded")

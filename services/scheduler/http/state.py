@@ -1,0 +1,55 @@
+"""What every route shares: the app's typed state (``ApiState`` under the app key
+``STATE``), the caller's tenant, and the request body read within its limits."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from services.scheduler.advisory import Advisor
+from services.scheduler.api import ApiError, Limits, check_body_size
+from services.scheduler.cluster import NodeRegistry
+from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.responses import ResponseStore
+from services.scheduler.routing import Dispatcher
+from services.scheduler.tenants import KeyBook, TenantLimits
+
+
+@dataclass
+class ApiState:
+    """The scheduler's parts as the routes use them (built by ``app.build_state``)."""
+
+    registry: NodeRegistry
+    dispatcher: Dispatcher
+    metrics: SchedulerMetrics
+    limits: Limits
+    keys: KeyBook
+    max_body_bytes: int
+    advisor: Advisor
+    tenants: TenantLimits = field(default_factory=lambda: TenantLimits(0, 0, 0))
+    body_timeout_s: float = 30.0
+    responses: ResponseStore = field(default_factory=lambda: ResponseStore(3600.0, 10_000))
+
+
+STATE = web.AppKey("state", ApiState)
+CLIENT_GONE = "overture.client_gone"  # request key: the client left mid-stream (counted as 499)
+NODE_HEADER = "X-Overture-Node"  # the node that served a generation
+
+
+def tenant_of(state: ApiState, request: web.Request) -> str:
+    """The tenant of the request's API key (401 without a known one)."""
+    return state.keys.tenant_of(request.headers.get("Authorization", ""))
+
+
+async def read_body(state: ApiState, request: web.Request) -> bytes:
+    """The whole body, within the size limit and ``body_timeout_s`` (a client trickling
+    its upload holds no memory and no connection for long)."""
+    check_body_size(request.content_length, state.max_body_bytes)
+    try:
+        async with asyncio.timeout(state.body_timeout_s):
+            return await request.read()
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within "
+                       f"{state.body_timeout_s:g} s", code="body_timeout") from None

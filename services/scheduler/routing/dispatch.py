@@ -1,0 +1,283 @@
+"""Route one generation to a node and stream its chunks back, mapping node failures to
+``ApiError``s.
+
+The policy's ``RoutePlan`` says where and what to do with the session's KV; the request
+is sent as the plan says (``kv_source.node_request``). Under a policy whose KV follows the
+session, a node other than the one that served its last turn is told that node's kvstore
+(and the turn's length), and pulls the KV from there layer by layer (Symphony §3.2–3.3).
+A turn that ends records its node in the ``SessionDirectory``.
+
+Faults and overload: a node that refuses a request because it is behind is skipped for
+that request, and by later ones for ``behind_hold_s`` (overload must not cost a round trip
+per refused request); when every node serving the model is behind, the client gets 429
+with ``Retry-After`` at once (back-pressure, not collapse). A node that sends nothing, not
+even the engine's keepalives, for ``stream_idle_timeout_s`` is stopped (SIGSTOP, a hung
+host): its streams are cut with a clean error (retried elsewhere if nothing was sent yet)
+and it leaves rotation until it beats again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+
+from services.scheduler import wire
+from services.scheduler.api import ApiError, Chunk, from_grpc
+from services.scheduler.cluster import (
+    NodeChannels,
+    NodeRegistry,
+    SessionDirectory,
+    least_kv_pressure,
+)
+from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.placement import ModelRates
+from services.scheduler.routing.kv_source import node_request
+from services.scheduler.routing.plan import RoutePlan, RouteRequest
+from services.scheduler.routing.policy import Policy
+from shared.model_catalog import ModelEntry
+from shared.proto import common_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DispatchSettings:
+    no_node_wait_s: float = 2.0
+    unavailable_retries: int = 2
+    suspend_grace_s: float = 1.0
+    request_timeout_s: float = 600.0
+    stream_idle_timeout_s: float = 10.0
+    retry_after_s: int = 1
+    behind_hold_s: float = 0.25
+
+
+class Advisories(Protocol):
+    """The advisor as the dispatcher sees it (``advisory/advisor.py``)."""
+
+    def advised(self, tenant: str, session_id: str) -> str:
+        """The node the session's pending advisory chose ("": none); it stays pending."""
+        ...
+
+    def follow(self, tenant: str, session_id: str) -> str:
+        """End the session's advisory as followed; the node it chose ("": none, or lapsed)."""
+        ...
+
+
+class NodeStalled(Exception):
+    """The node sent nothing within the inactivity bound."""
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        registry: NodeRegistry,
+        policy: Policy,
+        channels: NodeChannels,
+        settings: DispatchSettings,
+        sessions: SessionDirectory | None = None,
+        metrics: SchedulerMetrics | None = None,
+        advisor: Advisories | None = None,
+        catalog: tuple[ModelEntry, ...] = (),
+    ) -> None:
+        self.registry = registry
+        # Models the cluster may serve though no node runs them now (shared/model_catalog).
+        self.catalog = {m.name: m for m in catalog}
+        self.rates = ModelRates()  # requests per model (the placement's r_j)
+        self.policy = policy
+        self.channels = channels
+        self.settings = settings
+        self.sessions = sessions if sessions is not None else SessionDirectory(100_000, 86400.0)
+        self.metrics = metrics
+        self.advisor = advisor
+
+    def _loop_time(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    async def resolve_model(self, model: str | None) -> str:
+        """The model a request names, or the cluster's default when it names none."""
+        if model is not None:
+            return model
+        deadline = self._loop_time() + self.settings.no_node_wait_s
+        while True:
+            specs = self.registry.models(healthy_only=True)
+            if specs:
+                return specs[0].name
+            remaining = deadline - self._loop_time()
+            if remaining <= 0:
+                raise self._unavailable(None)
+            await self.registry.wait_changed(remaining)
+
+    async def pick(self, route: RouteRequest,
+                   behind: frozenset[str] = frozenset()) -> RoutePlan:
+        """The policy's plan on a healthy node for ``route.model``; waits up to
+        ``no_node_wait_s`` for one.
+
+        Raises 404 at once when healthy nodes exist and none of the registered nodes serve
+        the model; 429 when every healthy one is in ``behind`` (refused this request as
+        overloaded); 503 when the wait ends without a healthy node for it.
+        """
+        deadline = self._loop_time() + self.settings.no_node_wait_s
+        while True:
+            healthy = self.registry.healthy(route.model)
+            evicted = not healthy and route.model in self.catalog
+            if evicted:  # a catalogue model active nowhere: any node activates it
+                healthy = self.registry.healthy()
+            free = [n for n in healthy
+                    if n.node_id not in behind and not self.registry.behind(n)]
+            if healthy and not free:
+                raise self._overloaded(route.model)
+            if evicted:  # (Prism §6.2: the node of least KV pressure activates it)
+                lightest = least_kv_pressure(free)
+                free = [lightest] if lightest is not None else []
+            plan = self.policy.route(free, route)
+            if plan is not None:
+                return plan
+            known = any(n.serves(route.model) for n in self.registry.all())
+            if not known and route.model not in self.catalog and self.registry.healthy():
+                raise _model_not_found(route.model, self.registry)
+            remaining = deadline - self._loop_time()
+            if remaining <= 0:
+                raise self._unavailable(route.model)
+            await self.registry.wait_changed(remaining)
+
+    def known_model(self, model: str) -> bool:
+        return model in self.catalog or any(n.serves(model) for n in self.registry.all())
+
+    def _overloaded(self, model: str) -> ApiError:
+        if self.metrics is not None:
+            self.metrics.overloaded.inc()
+        wait = self.settings.retry_after_s
+        return ApiError(
+            429,
+            f"every node serving model '{model}' is at capacity; retry after {wait}s",
+            code="overloaded",
+            headers={"Retry-After": str(wait)},
+        )
+
+    def _unavailable(self, model: str | None) -> ApiError:
+        down = [
+            f"{n.node_id}: {n.load.problem or ('suspended' if n.suspended else 'no heartbeat')}"
+            for n in self.registry.all()
+            if model is None or n.serves(model)
+        ]
+        what = f"model '{model}'" if model else "any model"
+        detail = f" ({'; '.join(down)})" if down else " (no node has registered)"
+        return ApiError(
+            503,
+            f"no healthy node serves {what} after waiting "
+            f"{self.settings.no_node_wait_s:g}s{detail}",
+            code="no_healthy_node",
+        )
+
+    def advised_node(self, tenant: str, session_id: str) -> str:
+        """The node the session's pending advisory chose ("": no advisory). It ends, as
+        followed, once a node takes the request (``generate``)."""
+        if self.advisor is None or not session_id:
+            return ""
+        return self.advisor.advised(tenant, session_id)
+
+    async def generate(
+        self, request: common_pb2.GenerateRequest, route: RouteRequest
+    ) -> AsyncGenerator[Chunk, None]:
+        """Stream the chunks of one generation; re-route while nothing has been produced.
+
+        Closing the iterator (or cancelling its consumer) cancels the gRPC call, which the
+        node forwards to its engine.
+        """
+        retries = self.settings.unavailable_retries
+        self.rates.record(route.model)
+        place = self.sessions.where(route.tenant, route.session_id) if route.session_id else None
+        if place is not None:
+            route = dataclasses.replace(route, holder=place.node_id)
+        behind: set[str] = set()  # nodes that refused this request as overloaded
+        while True:
+            plan = await self.pick(route, frozenset(behind))
+            node = plan.node
+            if self.advisor is not None and route.session_id:
+                # (once per request: the other choices of an n > 1 request find it ended)
+                self.advisor.follow(route.tenant, route.session_id)
+            self.registry.begin(node.node_id)
+            call = self.channels.stub(node.info.address).Generate(
+                node_request(request, plan, place, self.registry),
+                timeout=self.settings.request_timeout_s,
+            )
+            produced = False
+            last: Chunk | None = None
+            try:
+                while (msg := await self._next(call)) is not None:
+                    last = wire.chunk(msg, node.node_id)
+                    if not produced and self.metrics is not None:
+                        self.metrics.turns.labels(last.kv_from or "unknown").inc()
+                    produced = True
+                    if last.finish_reason and route.session_id:
+                        # Before the client sees the end: its next turn may come at once
+                        # (and must know where this one's KV is).
+                        self.sessions.turn_served(route.tenant, route.session_id,
+                                                  node.node_id,
+                                                  last.prompt_tokens + last.completion_tokens)
+                    yield last
+                return
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not produced:
+                    behind.add(node.node_id)  # try the others; 429 once all are behind
+                    self.registry.mark_behind(node.node_id, self.settings.behind_hold_s)
+                    continue
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    log.warning(
+                        "node %s unreachable (%s); taking it out of rotation",
+                        node.node_id,
+                        e.details(),
+                    )
+                    self.registry.suspend(node.node_id, self.settings.suspend_grace_s)
+                    if not produced and retries > 0:
+                        retries -= 1
+                        continue
+                raise from_grpc(e.code(), e.details(), node.node_id) from None
+            except NodeStalled:
+                idle = self.settings.stream_idle_timeout_s
+                log.error("node %s sent nothing for %gs; cutting its stream and taking it out "
+                          "of rotation until it beats again", node.node_id, idle)
+                self.registry.suspend(node.node_id, self.settings.suspend_grace_s)
+                if self.metrics is not None:
+                    self.metrics.stalled.labels(node.node_id).inc()
+                if not produced and retries > 0:
+                    retries -= 1
+                    continue
+                raise ApiError(
+                    503, f"node {node.node_id} stopped answering (nothing for {idle:g}s)",
+                    code="node_stalled",
+                ) from None
+            finally:
+                call.cancel()
+                self.registry.end(node.node_id)
+
+    async def _next(self, call: grpc.aio.UnaryStreamCall) -> common_pb2.GenerateChunk | None:
+        """The call's next chunk that is not a keepalive (None at its end). Raises
+        NodeStalled when nothing, keepalives included, comes within the inactivity bound."""
+        while True:
+            try:
+                async with asyncio.timeout(self.settings.stream_idle_timeout_s):
+                    msg = await call.read()  # (a timeout cancels the whole call: fine here)
+            except TimeoutError:
+                raise NodeStalled() from None
+            if msg is grpc.aio.EOF:
+                return None
+            if not msg.keepalive:
+                chunk: common_pb2.GenerateChunk = msg
+                return chunk
+
+
+def _model_not_found(model: str, registry: NodeRegistry) -> ApiError:
+    known = ", ".join(m.name for m in registry.models(healthy_only=False)) or "none"
+    return ApiError(
+        404,
+        f"The model '{model}' does not exist; served models: {known}",
+        param="model",
+        code="model_not_found",
+    )

@@ -1,0 +1,48 @@
+"""What a policy is asked and what it answers, as plain data.
+
+A ``RouteRequest`` says what is known of a request (or an advisory) when it is placed:
+its model, session, tenant, priority, the node holding the session's KV and the node an
+advisory chose. The policy answers with a plan that the callers carry out as it says:
+
+- ``RoutePlan`` for a generation: the node, whether it may reuse KV at all, and the node
+  whose kvstore to pull the session's KV from (the dispatcher names that kvstore in the
+  request when the holder is alive: ``kv_source.py``);
+- ``AdvisoryPlan`` for an advisory: the node, whether it prefetches the session's KV (and
+  from which node), and whether straight into device memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.scheduler.cluster import Node
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    model: str
+    session_id: str = ""
+    tenant: str = "default"
+    priority: int = 0
+    holder: str = ""  # the node holding the session's KV (its last turn's), if known
+    advised: str = ""  # the node an advisory chose for this request (its KV goes there)
+
+
+@dataclass(frozen=True)
+class RoutePlan:
+    """Where one generation runs and what it does with the session's KV."""
+
+    node: Node
+    reuse_kv: bool  # False: the node reuses no KV at all, not even its device prefix cache
+    pull_from: str = ""  # the node whose kvstore holds the KV ("": the node's own tiers, S3)
+
+
+@dataclass(frozen=True)
+class AdvisoryPlan:
+    """Where an advised session's next request will run and what that node does now."""
+
+    node: Node
+    prefetch: bool  # the node moves the KV into place (False: the advisory is only recorded)
+    straight_to_device: bool = False  # the prefetch may evict the device cache to fit
+    pull_from: str = ""  # the node whose kvstore holds the KV ("": the node's own tiers, S3)
+

@@ -1,0 +1,164 @@
+"""Placement policies: which healthy node serves an inference request or an advisory, and
+what the cluster does with the session's KV there (DESIGN §6).
+
+A policy only decides: it returns a plan (``plan.py``) that the dispatcher and the advisor
+carry out; the registry keeps the facts. Policies are looked up by name in ``POLICIES``
+(unknown names fail loudly).
+
+    policy     node                              request's KV            advisory
+    balanced   least loaded at arrival; ties:    reused; pulled from     prefetched (from the
+               the KV holder; advised: its node  the holder's kvstore    holder's kvstore)
+    priority   balanced; priority > 0 spread     as balanced             as balanced; priority
+               over the nodes first                                      > 0 straight to device
+    sticky     the holder while in rotation      reused where it is      only recorded
+    recompute  least loaded                      not reused at all       only recorded
+
+``priority`` follows Symphony §3.6 and §4.5; ``sticky`` is an InferCept-like baseline (a
+session stays on its first node; KV never moves between nodes); ``recompute`` a
+vLLM-without-offload baseline (not even the device prefix cache is reused).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Protocol
+
+from services.scheduler.cluster import Node
+from services.scheduler.routing.plan import AdvisoryPlan, RoutePlan, RouteRequest
+
+
+class Policy(Protocol):
+    """Given one node, both methods plan on it: the caller may have chosen it already (a
+    catalogue model is activated on the node of least KV pressure, whatever the policy).
+    Neither mutates the nodes; the caller records the routing."""
+
+    name: str
+
+    def route(self, nodes: Sequence[Node], request: RouteRequest) -> RoutePlan | None:
+        """Plan a generation on one of ``nodes`` (all healthy and serving
+        ``request.model``); None when ``nodes`` is empty."""
+        ...
+
+    def advise(self, nodes: Sequence[Node], request: RouteRequest) -> AdvisoryPlan | None:
+        """Plan an advisory on one of ``nodes``; None when ``nodes`` is empty."""
+        ...
+
+
+def _holder_elsewhere(node: Node, request: RouteRequest) -> str:
+    """The node holding the session's KV when that is not ``node`` ("": none, or it is)."""
+    return request.holder if request.holder != node.node_id else ""
+
+
+def _least_loaded(nodes: Sequence[Node]) -> Node:
+    return min(nodes, key=lambda n: (n.score(), n.routed, n.last_routed, n.node_id))
+
+
+class BalancedPolicy:
+    """A request that follows an advisory goes to the node the advisory chose (its KV is
+    being prefetched there) while that node can take it. Otherwise (and for advisories):
+    least loaded by the load expected at arrival (running + waiting + routed + advisories
+    pending there, ``Node.expected``); ties: the node holding the session's KV,
+    then fewest routed, then least recently used (Symphony §3.3: load before locality).
+    The KV follows the session: the chosen node pulls it from the holder's kvstore, and an
+    advisory's node prefetches it."""
+
+    name = "balanced"
+
+    def route(self, nodes: Sequence[Node], request: RouteRequest) -> RoutePlan | None:
+        node = self._choose(nodes, request)
+        if node is None:
+            return None
+        return RoutePlan(node, reuse_kv=True, pull_from=_holder_elsewhere(node, request))
+
+    def advise(self, nodes: Sequence[Node], request: RouteRequest) -> AdvisoryPlan | None:
+        node = self._choose(nodes, request)
+        if node is None:
+            return None
+        return AdvisoryPlan(node, prefetch=True, pull_from=_holder_elsewhere(node, request))
+
+    def _choose(self, nodes: Sequence[Node], request: RouteRequest) -> Node | None:
+        if not nodes:
+            return None
+        if request.advised:
+            for n in nodes:
+                if n.node_id == request.advised:
+                    return n
+        return min(nodes, key=lambda n: (n.expected(), n.node_id != request.holder,
+                                         n.routed, n.last_routed, n.node_id))
+
+
+class PriorityPolicy(BalancedPolicy):
+    """``balanced`` for regular sessions. A high-priority session (priority > 0) goes to
+    the node with the fewest high-priority advisories pending, then the least loaded: a
+    sticky placement would pile paid users onto the nodes that served them first
+    (Symphony §3.6 "Additional scheduling policies"). Its advisory prefetches straight into
+    device memory (the engine evicts its prefix cache for it) and the engine admits its
+    request before waiting lower-priority ones."""
+
+    name = "priority"
+
+    def advise(self, nodes: Sequence[Node], request: RouteRequest) -> AdvisoryPlan | None:
+        plan = super().advise(nodes, request)
+        if plan is None or request.priority <= 0:
+            return plan
+        return dataclasses.replace(plan, straight_to_device=True)
+
+    def _choose(self, nodes: Sequence[Node], request: RouteRequest) -> Node | None:
+        if not nodes or request.priority <= 0 or request.advised:
+            return super()._choose(nodes, request)
+        return min(nodes, key=lambda n: (n.advised_priority, n.expected(),
+                                         n.node_id != request.holder, n.routed,
+                                         n.last_routed, n.node_id))
+
+
+class StickyPolicy:
+    """A session's turns go to the node of its first turn (the holder) while it is in
+    rotation; a new session, or one whose node left, goes to the least loaded node. KV is
+    reused where it is and never moved; advisories are only recorded."""
+
+    name = "sticky"
+
+    def route(self, nodes: Sequence[Node], request: RouteRequest) -> RoutePlan | None:
+        node = self._choose(nodes, request)
+        return RoutePlan(node, reuse_kv=True) if node is not None else None
+
+    def advise(self, nodes: Sequence[Node], request: RouteRequest) -> AdvisoryPlan | None:
+        node = self._choose(nodes, request)
+        return AdvisoryPlan(node, prefetch=False) if node is not None else None
+
+    def _choose(self, nodes: Sequence[Node], request: RouteRequest) -> Node | None:
+        if not nodes:
+            return None
+        for n in nodes:
+            if n.node_id == request.holder:
+                return n
+        return _least_loaded(nodes)
+
+
+class RecomputePolicy:
+    """Least loaded, blind to where KV is: every turn recomputes its whole history;
+    advisories are only recorded."""
+
+    name = "recompute"
+
+    def route(self, nodes: Sequence[Node], request: RouteRequest) -> RoutePlan | None:
+        return RoutePlan(_least_loaded(nodes), reuse_kv=False) if nodes else None
+
+    def advise(self, nodes: Sequence[Node], request: RouteRequest) -> AdvisoryPlan | None:
+        return AdvisoryPlan(_least_loaded(nodes), prefetch=False) if nodes else None
+
+
+POLICIES: dict[str, type[Policy]] = {
+    "balanced": BalancedPolicy, "priority": PriorityPolicy, "sticky": StickyPolicy,
+    "recompute": RecomputePolicy,
+}
+
+
+def make_policy(name: str) -> Policy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ValueError(
+            f"unknown policy {name!r}; known policies: {', '.join(sorted(POLICIES))}"
+        ) from None
