@@ -66,8 +66,8 @@ test-integration: setup
 	$(PY) -m pytest -q tests/integration
 
 bench: setup
-	$(PY) -m bench.engine_speed
-	$(PY) -m bench.kvstore_tiers
+	$(PY) -m bench.engine.speed
+	$(PY) -m bench.kvstore.tiers
 
 clean:
 	rm -rf $(VENV) $(GEN_STAMP) shared/proto/*_pb2*.py

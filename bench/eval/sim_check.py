@@ -34,7 +34,7 @@ class SimRow:
 
 def simulate_jobs(profile: Profile, seed: int, calibration: Path,
                   records: list[dict[str, Any]]) -> list[SimRow]:
-    from bench.run_eval import Job, trace_of
+    from bench.eval.run import Job, trace_of
     from bench.sim.cluster import simulate
     from bench.sim.costs import Calibration
     from bench.workloads.replay import summary

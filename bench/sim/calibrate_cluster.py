@@ -27,8 +27,8 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
+from bench.cluster.overload import Cluster
 from bench.eval.profiles import BALANCED, QUICK
-from bench.overload import Cluster
 from bench.sim.costs import Calibration
 from bench.workloads.replay import stream_chat
 from bench.workloads.trace import WORDS

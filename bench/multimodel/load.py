@@ -1,6 +1,6 @@
 """Multi-model serving (Prism §7) against two baselines, on the same trace, in one run.
 
-    python -m bench.multi_model [--loads 4,8,12] [--phase-s 8] [--phases 8] [--quick]
+    python -m bench.multimodel.load [--loads 4,8,12] [--phase-s 8] [--phases 8] [--quick]
 
 Four demo models of two sizes (two `tiny`, two `tiny-deep`, float32) on two local nodes. A
 node's device budget holds every model's weights and room for KV that the hot model could

@@ -1,6 +1,6 @@
 """A conversation's next turn on a two-node cluster: time to first token by where its KV is.
 
-    python -m bench.cluster_resume [--history 2048] [--reps 3] [--raw]
+    python -m bench.cluster.resume [--history 2048] [--reps 3] [--raw]
 
 A real cluster as the integration tests start it (scheduler, two nodes of kvstore +
 engine + node manager, a SeaweedFS S3 server shared by both kvstores), the `small` demo

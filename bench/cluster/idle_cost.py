@@ -1,8 +1,9 @@
 """What the multi-model cluster costs in CPU while it serves nothing, by service.
 
-    python -m bench.idle_cost [--systems prism,swap] [--seconds 30] [--broker-interval-s 0.1]
+    python -m bench.cluster.idle_cost [--systems prism,swap] [--seconds 30]
+        [--broker-interval-s 0.1]
 
-The multi-model benchmark's clusters (bench/multi_model.py: two nodes; prism with eight
+The multi-model benchmark's clusters (bench.multimodel.load: two nodes; prism with eight
 engines) are started, left idle for a settling time, then the CPU seconds each service's
 processes use over ``--seconds`` are read from /proc. On two cores whatever the cluster
 spends doing nothing is taken from the requests under load. ``--broker-interval-s`` sets
@@ -19,10 +20,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from bench.multimodel.load import MODELS, Shape, cluster_setup
 from services.engine.model import write_demo_model
 from tests.cluster import start_cluster
-
-from .multi_model import MODELS, Shape, cluster_setup
 
 _TICK = os.sysconf("SC_CLK_TCK")
 

@@ -1,6 +1,6 @@
 """Decode speed of a batch mixing one long conversation with short ones.
 
-    python -m bench.decode_mixed [--long 2048] [--short 256] [--batch 8] [--tokens 32]
+    python -m bench.engine.decode_mixed [--long 2048] [--short 256] [--batch 8] [--tokens 32]
 
 One request with a ``--long``-token prompt and ``batch - 1`` with ``--short``-token prompts,
 submitted together to an in-process AsyncEngine (the `small` demo model, fp32), each

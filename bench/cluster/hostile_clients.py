@@ -1,6 +1,6 @@
 """Slow and oversized clients against the scheduler, with and without its deadlines.
 
-    .venv/bin/python -m bench.hostile_clients [--connections 500] [--uploads 100]
+    .venv/bin/python -m bench.cluster.hostile_clients [--connections 500] [--uploads 100]
 
 Starts a real scheduler process (anonymous, loopback, no nodes) twice: with the default
 deadlines and with them pushed out of reach (the behaviour before they existed), and
@@ -27,7 +27,7 @@ from pathlib import Path
 from services.local_cluster import free_port
 from shared.cluster_config import SECRET_ENV, new_secret
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HEADER_S, BODY_S = 2.0, 2.0
 
 

@@ -1,6 +1,6 @@
 """Tier throughput vs a raw baseline of the same medium, measured in the same run.
 
-    python -m bench.kvstore_tiers [--quick]
+    python -m bench.kvstore.tiers [--quick]
 
 For chunks of 64 KiB and 1 MiB (fp16 KV, shape (2, tokens, 8, 64)), sequentially:
 
@@ -13,7 +13,7 @@ For chunks of 64 KiB and 1 MiB (fp16 KV, shape (2, tokens, 8, 64)), sequentially
   fsync'ed, and read back. Reads are measured twice: one chunk per call, and the 8
   chunks one layer of a 2k-token history spans in one call (how ``LoadIntoPool`` reads)
   vs the same 8 files read back to back. (A pool load reads into the pool's blocks
-  instead of a new blob; ``bench.resume_ttft`` measures that path end to end.)
+  instead of a new blob; ``bench.kvstore.resume_ttft`` measures that path end to end.)
 - S3: ``S3Tier.put`` / checked read vs raw boto3 put_object / get_object, against the
   same local S3 server (SeaweedFS, as `overture up` runs it; its own overhead dominates
   both; the ratio shows ours adds little).

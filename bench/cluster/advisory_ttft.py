@@ -1,8 +1,8 @@
 """A session's next turn with and without an advisory: time to first token by lead time.
 
-    python -m bench.advisory_ttft [--history 2048] [--reps 3] [--leads 0.25,1,3] [--raw]
+    python -m bench.cluster.advisory_ttft [--history 2048] [--reps 3] [--leads 0.25,1,3] [--raw]
 
-The cluster of ``bench.cluster_resume`` (scheduler, two nodes of kvstore + engine + node
+The cluster of ``bench.cluster.resume`` (scheduler, two nodes of kvstore + engine + node
 manager, SeaweedFS S3, the `small` demo model in fp32). Each sample is a fresh session:
 a history of H random tokens sent as one turn on node0 (its KV saved there and, once
 settled, durable in S3), then the timed turn — the history plus a 50-token message — on
@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.cluster_resume import (
+from bench.cluster.resume import (
     NEW_MESSAGE_TOKENS,
     VOCAB,
     _complete,

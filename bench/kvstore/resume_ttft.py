@@ -1,6 +1,6 @@
 """Time to first token when a conversation resumes: recompute vs reused KV from each tier.
 
-    python -m bench.resume_ttft [--quick] [--sizes 512,2048,4096] [--reps 3] [--samples 3]
+    python -m bench.kvstore.resume_ttft [--quick] [--sizes 512,2048,4096] [--reps 3] [--samples 3]
                                 [--dtype float32] [--raw]
 
 The `small` demo model (written to a temp dir), a history of H random tokens already

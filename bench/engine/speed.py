@@ -1,6 +1,6 @@
 """Engine speed vs Hugging Face transformers on the same weights, in the same run.
 
-    python -m bench.engine_speed [--size small|tiny] [--model DIR] [--quick] [--dtype float32]
+    python -m bench.engine.speed [--size small|tiny] [--model DIR] [--quick] [--dtype float32]
 
 For batch sizes 1, 8 and 32: B distinct random prompts of P tokens, G greedy tokens each.
 

@@ -5,8 +5,8 @@ traces (``bench/workloads``) against the policies (recompute, sticky, balanced) 
 ablations, then sweeps missed and spurious advisories on ``balanced``. Writes
 ``bench/results/<run>/report.md`` with tables and plots, and ``results.json``.
 
-    python -m bench.run_eval --quick            # under 10 minutes
-    python -m bench.run_eval --profile full     # more users and sessions, longer
+    python -m bench.eval.run --quick            # under 10 minutes
+    python -m bench.eval.run --profile full     # more users and sessions, longer
 
 With ``--sim CALIBRATION`` it also simulates the same traces (``bench/sim``) and reports
 the simulated TTFT and TPOT beside the measured ones.
@@ -26,14 +26,14 @@ from typing import Any
 
 from tqdm import tqdm
 
+from bench.cluster.overload import Cluster
 from bench.eval.measure import Measured, imbalance, measure, tagged
 from bench.eval.profiles import BALANCED, PROFILES, Profile, Variant
 from bench.eval.report import write_report
-from bench.overload import Cluster
 from bench.workloads.replay import summary
 from bench.workloads.trace import Trace, build_trace
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 WARMUP_USERS = 2
 
 

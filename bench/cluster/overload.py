@@ -1,7 +1,7 @@
 """Overload on a two-node cluster: goodput and rejections past capacity; decode throughput
 with each node's cores divided versus shared.
 
-    .venv/bin/python bench/overload.py [--phases overload,decode] [--duration 20]
+    python -m bench.cluster.overload [--phases overload,decode] [--duration 20]
         [--ttft-slo 2.0] [--capacity-clients 32] [--capacity-duration 20] [--max-tokens 16]
         [--decode-tokens 64] [--decode-streams 8,64] [--raw] [--keep-dir]
 
@@ -57,8 +57,8 @@ from typing import Any
 
 import aiohttp
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as a script (bench/overload.py), not only with -m
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # run as a script (bench/cluster/overload.py), not only with -m
     sys.path.insert(0, str(REPO))
 
 from services.local_cluster import free_port  # noqa: E402

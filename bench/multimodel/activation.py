@@ -1,6 +1,6 @@
 """Model activation in a running engine (Prism §5.2) against starting an engine for it.
 
-    python -m bench.activation [--size small] [--dtype bfloat16] [--reps 3]
+    python -m bench.multimodel.activation [--size small] [--dtype bfloat16] [--reps 3]
 
 Three ways to get a model serving, timed until it answers its first token:
 - new process: start a fresh engine process with the model (imports, torch, threads,
