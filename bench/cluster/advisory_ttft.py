@@ -43,7 +43,7 @@ from bench.cluster.resume import (
     _serve_only,
     _settled,
 )
-from tests.cluster import Cluster, start_cluster
+from bench.harness import Cluster, start_cluster
 
 
 def _modes(leads: list[float]) -> list[str]:

@@ -20,9 +20,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from bench.harness import start_cluster
 from bench.multimodel.load import MODELS, Shape, cluster_setup
 from services.engine.model import write_demo_model
-from tests.cluster import start_cluster
 
 _TICK = os.sysconf("SC_CLK_TCK")
 

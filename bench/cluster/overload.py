@@ -37,14 +37,11 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import random
-import re
 import resource
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,157 +49,20 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import aiohttp
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:  # run as a script (bench/cluster/overload.py), not only with -m
-    sys.path.insert(0, str(REPO))
-
-from services.local_cluster import free_port  # noqa: E402
+from bench.harness import overture_up, show_progress
 
 PHASES = ("overload", "decode")
 OUTCOMES = ("200", "429", "503", "timeout", "error", "other")
-READY_LINE = re.compile(r"Overture is ready at (\S+)")
-STOP_WAIT_S = 30.0
 WORDS = (  # prompt words; a random draw of them per request
     "river", "stone", "light", "garden", "window", "quiet", "morning", "paper", "city",
     "music", "orange", "winter", "station", "letter", "market", "bridge", "forest", "silver",
     "number", "doctor", "kitchen", "island", "teacher", "engine", "harbor", "cloud", "yellow",
     "basket", "mountain", "story", "planet", "candle", "ladder", "village",
 )
-
-
-# ---------------------------------------------------------------------------------------
-# the cluster
-
-
-def _proc_start_time(pid: int) -> str | None:
-    """Field 22 of /proc/<pid>/stat (start time): a pid together with it names one process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rpartition(")")[2].split()[19]
-
-
-def _descendants(root: int) -> list[tuple[int, str]]:
-    """(pid, start time) of every live descendant of ``root`` (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
-    out: list[tuple[int, str]] = []
-    todo = list(children.get(root, []))
-    while todo:
-        pid = todo.pop()
-        start = _proc_start_time(pid)
-        if start is not None:
-            out.append((pid, start))
-        todo.extend(children.get(pid, []))
-    return out
-
-
-class Cluster:
-    """``overture up --nodes 2 --size small`` in ``workdir``; stopped with SIGINT on exit
-    (SIGKILL after 30 s, and any child of it still alive then, by pid)."""
-
-    def __init__(self, workdir: Path, cores: str, extra_args: Sequence[str],
-                 ready_timeout: float, label: str = "") -> None:
-        self.workdir = workdir
-        self.cores = cores
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "services.cli", "up", "--nodes", "2", "--size",
-                    "small", "--port", str(self.port), "--no-s3", "--cores", cores,
-                    *extra_args]
-        self.log_path = workdir / f"up-{label or cores}.log"
-        self.ready_timeout = ready_timeout
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.model = ""
-
-    def __enter__(self) -> Cluster:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(REPO),
-                                                          env.get("PYTHONPATH", ""))))
-        _log(f"starting {shlex.join(self.cmd[1:])} (log {self.log_path}) ...")
-        t0 = time.monotonic()
-        # Its output goes to a file, not a pipe: nothing must stall on a full pipe while
-        # the bench is busy, and the log stays there to read when something goes wrong.
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.cmd, cwd=self.workdir, env=env, stdout=log,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
-        try:
-            self._wait_ready(t0)
-            self.model = _get_json(self.url + "/v1/models")["data"][0]["id"]
-        except BaseException:
-            self.stop()
-            raise
-        _log(f"cluster ({self.cores} cores) ready at {self.url} in "
-             f"{time.monotonic() - t0:.0f} s, model {self.model}")
-        return self
-
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.stop()
-
-    def _wait_ready(self, t0: float) -> None:
-        assert self.proc is not None
-        while True:
-            text = self.log_path.read_text(errors="replace")
-            m = READY_LINE.search(text)
-            if m:
-                return
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"overture up exited with {self.proc.returncode}:\n"
-                                   + self.log_tail())
-            if time.monotonic() - t0 > self.ready_timeout:
-                raise RuntimeError(f"overture up not ready in {self.ready_timeout:g} s:\n"
-                                   + self.log_tail())
-            time.sleep(0.25)
-
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        family = _descendants(proc.pid)  # its children run in sessions of their own
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(STOP_WAIT_S)
-            except subprocess.TimeoutExpired:
-                _log(f"overture up did not stop within {STOP_WAIT_S:g} s; killing it")
-                proc.kill()
-                proc.wait()
-        left = [pid for pid, start in family if _proc_start_time(pid) == start]
-        for pid in left:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        if left:
-            _log(f"killed {len(left)} leftover process(es) of overture up: {left}")
-        _log(f"cluster ({self.cores} cores) stopped (exit {proc.returncode})")
-
-
-def _get_json(url: str) -> Any:
-    import urllib.request
-
-    with urllib.request.urlopen(url, timeout=30) as r:
-        return json.loads(r.read())
 
 
 def _log(msg: str) -> None:
@@ -548,7 +408,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     extra = shlex.split(args.extra_up_args)
     with _workdir(args) as wd:
         if "overload" in args.phases:
-            with Cluster(wd, "divided", extra, args.ready_timeout, "overload") as c:
+            with overture_up(wd, size="small", cores="divided", extra_args=extra,
+                             ready_timeout=args.ready_timeout, label="overload") as c:
                 res["overload"] = asyncio.run(run_overload(c.url, c.model, args))
         if "decode" in args.phases:
             # All N streams must run at once: the engines' queue-delay admission (which
@@ -558,8 +419,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             decode_extra = [*extra, "--config", str(decode_config)]
             res["decode"] = {}
             for cores in ("divided", "shared"):
-                with Cluster(wd, cores, decode_extra, args.ready_timeout,
-                             f"decode-{cores}") as c:
+                with overture_up(wd, size="small", cores=cores, extra_args=decode_extra,
+                                 ready_timeout=args.ready_timeout,
+                                 label=f"decode-{cores}") as c:
                     _log(f"decode, {cores} cores ...")
                     res["decode"][cores] = asyncio.run(run_decode(c.url, c.model, args))
     res["goals"] = goals(res, args)
@@ -623,6 +485,7 @@ def main(argv: list[str] | None = None) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    show_progress()
     # SIGTERM unwinds like Ctrl-C, so the cluster is stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     res = run(args)

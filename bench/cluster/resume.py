@@ -34,8 +34,8 @@ from pathlib import Path
 
 import grpc
 
+from bench.harness import Cluster, start_cluster
 from shared.proto import engine_pb2, engine_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
-from tests.cluster import Cluster, start_cluster
 
 NEW_MESSAGE_TOKENS = 50
 VOCAB = (300, 16000)  # token ids drawn from here (away from the special tokens)

@@ -26,10 +26,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from bench.cluster.overload import Cluster
 from bench.eval.measure import Measured, imbalance, measure, tagged
 from bench.eval.profiles import BALANCED, PROFILES, Profile, Variant
 from bench.eval.report import write_report
+from bench.harness import overture_up, show_progress
 from bench.workloads.replay import summary
 from bench.workloads.trace import Trace, build_trace
 
@@ -89,8 +89,8 @@ def run(profile: Profile, run_dir: Path, seed: int, ready_timeout: float) -> lis
             workdir = Path(tmp) / variant.name
             workdir.mkdir()
             bar.set_postfix_str(f"starting {variant.name}")
-            with Cluster(workdir, "divided", ["--config", str(config)], ready_timeout,
-                         label=variant.name) as cluster:
+            with overture_up(workdir, size="small", extra_args=["--config", str(config)],
+                             ready_timeout=ready_timeout, label=variant.name) as cluster:
                 # A first replay warms the engines (allocator pages, kernels): not measured.
                 warm = tagged(trace_of(profile, Job(variant, WARMUP_USERS), seed + 1), "warm")
                 asyncio.run(measure(cluster.url, cluster.model, warm, profile.time_scale,
@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="rewrite the report of an earlier --run from its results.json")
     ap.add_argument("--ready-timeout", type=float, default=600.0)
     args = ap.parse_args(argv)
+    show_progress()
     profile = PROFILES["quick" if args.quick else args.profile]
     if args.variants:
         profile = dataclasses.replace(profile, variants=tuple(

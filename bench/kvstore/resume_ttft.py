@@ -38,10 +38,7 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -51,30 +48,20 @@ from pathlib import Path
 import grpc
 import torch
 
+from bench.harness import Proc, free_port, start_service, stop_processes, use_cluster_secret
+
 NEW_MESSAGE_TOKENS = 50
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
-def kvstore_process(port: int, ssd_path: Path):
+def kvstore_process(port: int, ssd_path: Path, log_dir: Path) -> Iterator[Proc]:
     """A real kvstore process (DRAM + RocksDB tiers) on ``port``."""
-    cmd = [sys.executable, "-m", "services.kvstore", "--port", str(port), "--ssd-path",
-           str(ssd_path), "--drain-s", "60"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = start_service("kvstore", {"port": port, "ssd_path": ssd_path, "drain_s": 60},
+                         log_dir / "kvstore.log")
     try:
         yield proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_processes([proc], 60.0)
 
 
 def engine_process(conn: Connection, model: str, address: str, mode: str, dtype: str,
@@ -289,7 +276,7 @@ def run(sizes: list[int], reps: int, samples: int, dtype: str, threads: int,
 
         def start() -> None:
             stack = contextlib.ExitStack()
-            stack.enter_context(kvstore_process(port, ssd))
+            stack.enter_context(kvstore_process(port, ssd, Path(tmp)))
             procs.append(stack)
 
         start()
@@ -349,12 +336,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         sizes, reps, args.samples = [s for s in sizes if s <= 2048] or [512], 1, 1
     threads = args.threads or torch.get_num_threads()
-    # A cluster secret of this run, for the kvstore process, the engines and this process.
-    from shared import internal_auth
-    from shared.cluster_config import SECRET_ENV, new_secret
-
-    os.environ[SECRET_ENV] = new_secret()
-    internal_auth.configure(os.environ[SECRET_ENV])
+    # The harness's cluster secret, for the kvstore process, the engines and this process.
+    use_cluster_secret()
     print(f"resume TTFT: {args.model or 'small demo model'}, {args.dtype}, "
           f"{threads} torch threads, pid {os.getpid()}")
     print("ssd rows: " + ("kvstore restarted (cold process)" if args.ssd_after_restart

@@ -34,6 +34,7 @@ from pathlib import Path
 import boto3
 import torch
 
+from bench.harness import start_s3_server
 from services.kvstore.config import S3Config
 from services.kvstore.malloc_tuning import tune_malloc
 from services.kvstore.metrics import KVStoreMetrics
@@ -42,7 +43,6 @@ from services.kvstore.tiers import DramTier, S3Tier, SsdTier
 from services.kvstore.tiers.base import Blob, Stored, Tier
 from shared.chunk_codec import ChunkCorrupt, ChunkMeta, encode_chunk, verify_chunk
 from shared.config import build
-from tests.s3_server import start_s3_server
 
 HEADS, HEAD_DIM = 8, 64
 

@@ -46,10 +46,10 @@ from pathlib import Path
 
 import aiohttp
 
+from bench.harness import start_cluster
 from services.engine.model import write_demo_model
 from services.engine.model.demo_corpus import NOUNS
 from shared.model_catalog import ModelEntry, write_catalog
-from tests.cluster import start_cluster
 
 # (name, demo size, seed, TTFT SLO s): two 2-layer and two 4-layer models. Small enough
 # that two CPU cores are not the bottleneck: device memory for KV is, as on a GPU.

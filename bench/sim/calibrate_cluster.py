@@ -27,8 +27,8 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-from bench.cluster.overload import Cluster
 from bench.eval.profiles import BALANCED, QUICK
+from bench.harness import overture_up, show_progress
 from bench.sim.costs import Calibration
 from bench.workloads.replay import stream_chat
 from bench.workloads.trace import WORDS
@@ -99,13 +99,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="bench/sim/calibration-cluster-quick.json")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    show_progress()
     base = Calibration.load(args.base)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="overture-sim-cal-") as tmp:
         config = Path(tmp) / "cluster.yaml"
         config.write_text(BALANCED.config(QUICK.device_memory_bytes))
-        with Cluster(Path(tmp), "divided", ["--config", str(config)], 600.0,
-                     label="calibrate") as cluster:
+        with overture_up(Path(tmp), size="small", extra_args=["--config", str(config)],
+                         label="calibrate") as cluster:
             prefill, decode = asyncio.run(measure(cluster.url, cluster.model,
                                                   random.Random(args.seed)))
     cal = fit(base, prefill, decode)
