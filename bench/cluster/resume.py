@@ -32,9 +32,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-import grpc
-
-from bench.harness import Cluster, start_cluster
+from bench.harness import Cluster, start_cluster, sync_channel
 from shared.proto import engine_pb2, engine_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 
 NEW_MESSAGE_TOKENS = 50
@@ -65,13 +63,13 @@ def _serve_only(cluster: Cluster, node: str) -> None:
 
 
 def _drop_device_cache(cluster: Cluster, node: str) -> None:
-    with grpc.insecure_channel(cluster.engine_addresses[node]) as ch:
+    with sync_channel(cluster.engine_addresses[node]) as ch:
         engine_pb2_grpc.EngineStub(ch).DropDeviceCache(engine_pb2.DropDeviceCacheRequest(),
                                                        timeout=30)
 
 
 def _kvstore(cluster: Cluster, node: str) -> Callable[..., object]:
-    channel = grpc.insecure_channel(cluster.kvstore_addresses[node])
+    channel = sync_channel(cluster.kvstore_addresses[node])
     return kvstore_pb2_grpc.KVStoreStub(channel)  # type: ignore[no-any-return]
 
 
