@@ -1,6 +1,6 @@
 """A conversation's next turn on a two-node cluster: time to first token by where its KV is.
 
-    python -m bench.cluster.resume [--history 2048] [--reps 3] [--raw]
+    python -m bench.cluster.resume [--history 2048] [--reps 3] [--size small] [--raw]
 
 A real cluster as the integration tests start it (scheduler, two nodes of kvstore +
 engine + node manager, a SeaweedFS S3 server shared by both kvstores), the `small` demo
@@ -23,115 +23,60 @@ and within 1.3x of the serving node's own DRAM; S3 >= 8x recompute.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import tempfile
-import time
-import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
-from bench.harness import Cluster, start_cluster, sync_channel
-from shared.proto import engine_pb2, engine_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
+from bench.cluster.turns import (
+    NEW_MESSAGE_TOKENS,
+    complete,
+    drop_device_cache,
+    only_in_s3,
+    serve_only,
+    settled,
+    token_range,
+)
+from bench.harness import Cluster, start_cluster
+from services.engine.model import write_demo_model
 
-NEW_MESSAGE_TOKENS = 50
-VOCAB = (300, 16000)  # token ids drawn from here (away from the special tokens)
 MODES = ("recompute", "device", "dram", "peer", "s3")
 
 
-def _complete(cluster: Cluster, ids: list[int], session: str) -> tuple[float, dict, str]:
-    """(seconds, usage, serving node) of a one-token completion of ``ids``."""
-    body = json.dumps({"prompt": ids, "max_tokens": 1, "temperature": 0}).encode()
-    req = urllib.request.Request(cluster.url + "/v1/completions", data=body, headers={
-        "Content-Type": "application/json", "X-Session-Id": session})
-    t0 = time.perf_counter()
-    with urllib.request.urlopen(req, timeout=600) as r:
-        answer = json.loads(r.read())
-        node = r.headers.get("X-Overture-Node", "")
-    return time.perf_counter() - t0, answer["usage"], node
-
-
-def _serve_only(cluster: Cluster, node: str) -> None:
-    for n in ("node0", "node1"):
-        cluster.post(f"/admin/nodes/{n}/{'undrain' if n == node else 'drain'}", {})
-    deadline = time.monotonic() + 30
-    while cluster.get("/readyz")[1].get("healthy_nodes") != [node]:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{node} did not become the only node in rotation")
-        time.sleep(0.05)
-
-
-def _drop_device_cache(cluster: Cluster, node: str) -> None:
-    with sync_channel(cluster.engine_addresses[node]) as ch:
-        engine_pb2_grpc.EngineStub(ch).DropDeviceCache(engine_pb2.DropDeviceCacheRequest(),
-                                                       timeout=30)
-
-
-def _kvstore(cluster: Cluster, node: str) -> Callable[..., object]:
-    channel = sync_channel(cluster.kvstore_addresses[node])
-    return kvstore_pb2_grpc.KVStoreStub(channel)  # type: ignore[no-any-return]
-
-
-def _settled(cluster: Cluster, session: str) -> None:
-    """Wait until both kvstores have written everything behind and node0's manifest of
-    ``session`` is durable: no S3 upload competes with the timed turn for the 2 cores."""
-    deadline = time.monotonic() + 120
-    for node in ("node0", "node1"):
-        stub = _kvstore(cluster, node)
-        while True:
-            st = stub.Status(kvstore_pb2.KVStoreStatusRequest(), timeout=10)  # type: ignore[attr-defined]
-            found = node != "node0" or not session or stub.GetManifest(  # type: ignore[attr-defined]
-                kvstore_pb2.ManifestRef(tenant="default", session_id=session), timeout=10).found
-            if st.write_queue_depth == 0 and found:
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError("the kvstores did not settle within 120 s")
-            time.sleep(0.05)
-
-
-def _only_in_s3(cluster: Cluster, session: str) -> None:
-    """Delete node0's local copies of a session that is durable in S3."""
-    stub = _kvstore(cluster, "node0")
-    stub.Delete(kvstore_pb2.DeleteRequest(  # type: ignore[attr-defined]
-        session=kvstore_pb2.ManifestRef(tenant="default", session_id=session),
-        with_chunks=True, tiers=["dram", "ssd"]), timeout=30)
-
-
-def sample(cluster: Cluster, mode: str, history: int, rng: random.Random, n: int
-           ) -> tuple[float, int, str]:
+def sample(cluster: Cluster, mode: str, history: int, vocab: tuple[int, int],
+           rng: random.Random, n: int) -> tuple[float, int, str]:
     """One timed turn with the history's KV where ``mode`` says; (s, cached, node)."""
     session = f"{mode}-{n}-{rng.randrange(1 << 30)}"
-    hist = [rng.randrange(*VOCAB) for _ in range(history)]
-    new = [rng.randrange(*VOCAB) for _ in range(NEW_MESSAGE_TOKENS)]
-    _serve_only(cluster, "node0")
+    hist = [rng.randrange(*vocab) for _ in range(history)]
+    new = [rng.randrange(*vocab) for _ in range(NEW_MESSAGE_TOKENS)]
+    serve_only(cluster, "node0")
     if mode != "recompute":
-        _complete(cluster, hist, session)
-    _settled(cluster, session if mode != "recompute" else "")
+        complete(cluster, hist, session)
+    settled(cluster, session if mode != "recompute" else "")
     if mode == "dram":
-        _drop_device_cache(cluster, "node0")
+        drop_device_cache(cluster, "node0")
     if mode == "s3":
-        _only_in_s3(cluster, session)
+        only_in_s3(cluster, session)
     if mode in ("peer", "s3", "recompute"):
-        _serve_only(cluster, "node1")
-    seconds, usage, node = _complete(cluster, hist + new, session)
+        serve_only(cluster, "node1")
+    seconds, usage, node = complete(cluster, hist + new, session)
     return seconds, usage["prompt_tokens_details"]["cached_tokens"], node
 
 
-def run(history: int, reps: int, raw: bool, modes: list[str]) -> dict[str, float]:
-    from services.engine.model import write_demo_model
-
+def run(history: int, reps: int, raw: bool, modes: list[str], size: str = "small"
+        ) -> dict[str, float]:
     rng = random.Random(0)
     with tempfile.TemporaryDirectory() as tmp:
-        model = write_demo_model(Path(tmp) / "small", size="small", seed=0)
+        model = write_demo_model(Path(tmp) / size, size=size, seed=0)
+        vocab = token_range(model)
         with start_cluster(Path(tmp) / "cluster", model, nodes=2, s3=True, ssd=True,
                            ready_timeout=600) as cluster:
             for mode in modes:  # warm every path once (first-touch costs, lazy imports)
-                sample(cluster, mode, 256, rng, -1)
+                sample(cluster, mode, 256, vocab, rng, -1)
             times: dict[str, list[float]] = {m: [] for m in modes}
             for rep in range(reps):
                 for mode in modes:
-                    s, cached, node = sample(cluster, mode, history, rng, rep)
+                    s, cached, node = sample(cluster, mode, history, vocab, rng, rep)
                     times[mode].append(s)
                     if raw:
                         print(f"  {mode:9s} {s * 1000:8.1f} ms  cached {cached:5d}  on {node}")
@@ -141,9 +86,9 @@ def run(history: int, reps: int, raw: bool, modes: list[str]) -> dict[str, float
     return {m: statistics.median(v) for m, v in times.items()}
 
 
-def report(history: int, med: dict[str, float]) -> None:
+def report(history: int, med: dict[str, float], size: str = "small") -> None:
     base = med["recompute"]
-    print(f"\nhistory {history} + {NEW_MESSAGE_TOKENS} new tokens, small model, fp32, "
+    print(f"\nhistory {history} + {NEW_MESSAGE_TOKENS} new tokens, {size} model, fp32, "
           "two nodes; median TTFT over HTTP")
     print("| recompute | device | DRAM | peer | S3 |")
     print("| --- | --- | --- | --- | --- |")
@@ -166,6 +111,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--history", type=int, default=2048)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--size", default="small", choices=("tiny", "small"),
+                   help="the demo model (tiny: a smoke run; histories up to ~4k tokens)")
     p.add_argument("--raw", action="store_true", help="print every sample")
     p.add_argument("--modes", default=",".join(MODES),
                    help="comma-separated subset (recompute is always measured)")
@@ -174,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     unknown = set(modes) - set(MODES)
     if unknown:
         p.error(f"unknown modes {sorted(unknown)}; known: {', '.join(MODES)}")
-    report(args.history, run(args.history, args.reps, args.raw, modes))
+    report(args.history, run(args.history, args.reps, args.raw, modes, args.size), args.size)
 
 
 if __name__ == "__main__":
