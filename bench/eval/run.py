@@ -26,44 +26,16 @@ from typing import Any
 
 from tqdm import tqdm
 
+from bench.eval.jobs import Job, jobs_of, trace_of
 from bench.eval.measure import Measured, imbalance, measure, tagged
-from bench.eval.profiles import BALANCED, PROFILES, Profile, Variant
+from bench.eval.profiles import PROFILES, Profile
 from bench.eval.report import write_report
+from bench.eval.sim_check import simulate_jobs
 from bench.harness import overture_up, show_progress
 from bench.workloads.replay import summary
-from bench.workloads.trace import Trace, build_trace
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 WARMUP_USERS = 2
-
-
-@dataclasses.dataclass(frozen=True)
-class Job:
-    """One replay: a trace of ``users`` with these advisory knobs on ``variant``."""
-
-    variant: Variant
-    users: int
-    missed: float = 0.0
-    spurious: float = 0.0
-
-    @property
-    def tag(self) -> str:
-        return f"{self.variant.name}-u{self.users}-m{self.missed:g}-s{self.spurious:g}"
-
-
-def jobs_of(profile: Profile) -> list[Job]:
-    jobs = [Job(v, u) for v in profile.variants for u in profile.users]
-    if BALANCED in profile.variants:
-        jobs += [Job(BALANCED, profile.high_load, missed=m) for m in profile.missed]
-        jobs += [Job(BALANCED, profile.high_load, spurious=s) for s in profile.spurious]
-    return jobs
-
-
-def trace_of(profile: Profile, job: Job, seed: int) -> Trace:
-    return build_trace(users=job.users, sessions_per_user=profile.sessions_per_user,
-                       seed=seed, mean_gap_s=profile.mean_gap_s, cv=profile.gap_cv,
-                       missed=job.missed, spurious=job.spurious,
-                       max_user=profile.max_user_tokens, max_answer=profile.max_answer_tokens)
 
 
 def record(job: Job, m: Measured, wall_s: float) -> dict[str, Any]:
@@ -144,8 +116,6 @@ def main(argv: list[str] | None = None) -> None:
         records = run(profile, run_dir, args.seed, args.ready_timeout)
     sim = None
     if args.sim:
-        from bench.eval.sim_check import simulate_jobs
-
         sim = simulate_jobs(profile, args.seed, Path(args.sim), records)
     report = write_report(run_dir, profile, records, sim)
     print(report.read_text())
