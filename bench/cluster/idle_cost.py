@@ -3,7 +3,7 @@
     python -m bench.cluster.idle_cost [--systems prism,swap] [--seconds 30]
         [--broker-interval-s 0.1]
 
-The multi-model benchmark's clusters (bench.multimodel.load: two nodes; prism with eight
+The multi-model benchmark's clusters (bench.multimodel.clusters: two nodes; prism with eight
 engines) are started, left idle for a settling time, then the CPU seconds each service's
 processes use over ``--seconds`` are read from /proc. On two cores whatever the cluster
 spends doing nothing is taken from the requests under load. ``--broker-interval-s`` sets
@@ -21,8 +21,7 @@ from collections import Counter
 from pathlib import Path
 
 from bench.harness import start_cluster
-from bench.multimodel.load import MODELS, Shape, cluster_setup
-from services.engine.model import write_demo_model
+from bench.multimodel.clusters import Shape, cluster_setup, write_models
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -73,8 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        paths = {name: write_demo_model(work / name, size=size, seed=seed)
-                 for name, size, seed, _ in MODELS}
+        paths = write_models(work)
         for system in args.systems.split(","):
             got = idle_cpu(system, paths, work, args.seconds, args.settle_s,
                            args.broker_interval_s)
