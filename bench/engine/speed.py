@@ -32,6 +32,9 @@ from pathlib import Path
 import torch
 
 BATCHES = (1, 8, 32)
+# Each side runs in a spawned process that imports this module again: the services and
+# transformers are imported inside the functions that need them, so that neither side's
+# peak RSS counts the other's code.
 
 
 def prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:

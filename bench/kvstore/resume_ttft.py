@@ -1,7 +1,7 @@
 """Time to first token when a conversation resumes: recompute vs reused KV from each tier.
 
-    python -m bench.kvstore.resume_ttft [--quick] [--sizes 512,2048,4096] [--reps 3] [--samples 3]
-                                [--dtype float32] [--raw]
+    python -m bench.kvstore.resume_ttft [--quick] [--sizes 512,2048,4096] [--reps 3]
+        [--samples 3] [--dtype float32] [--demo-size small] [--raw]
 
 The `small` demo model (written to a temp dir), a history of H random tokens already
 saved to the node's kvstore (a real ``python -m services.kvstore`` process with RocksDB),
@@ -49,6 +49,16 @@ import grpc
 import torch
 
 from bench.harness import Proc, free_port, start_service, stop_processes, use_cluster_secret
+from services.engine.api_types import GenerateRequest, SamplingParams
+from services.engine.async_engine import AsyncEngine
+from services.engine.config import EngineConfig, OffloadConfig
+from services.engine.model import write_demo_model
+from services.engine.wire import DEFAULT_TENANT
+from services.models.commands import model_folder
+from shared import internal_auth
+from shared.aio import freeze_startup_heap
+from shared.cluster_config import SECRET_ENV
+from shared.proto import kvstore_pb2, kvstore_pb2_grpc
 
 NEW_MESSAGE_TOKENS = 50
 
@@ -72,13 +82,6 @@ def engine_process(conn: Connection, model: str, address: str, mode: str, dtype:
 
 async def _serve_engine(conn: Connection, model: str, address: str, mode: str, dtype: str,
                         threads: int) -> None:
-    from services.engine.api_types import GenerateRequest, SamplingParams
-    from services.engine.async_engine import AsyncEngine
-    from services.engine.config import EngineConfig, OffloadConfig
-    from shared import internal_auth
-    from shared.aio import freeze_startup_heap
-    from shared.cluster_config import SECRET_ENV
-
     internal_auth.configure(os.environ[SECRET_ENV])  # (the bench's cluster secret)
     # Every reusing engine loads the whole stored prefix (policy "always"): the bench
     # measures each tier's load path, and the cost planner, whose estimates come from
@@ -246,10 +249,6 @@ def report(size: int, r: dict[str, float]) -> None:
 
 def evict_dram(address: str, session: str) -> None:
     """Drop the session's chunks from the kvstore's DRAM tier only (they stay on SSD)."""
-    from services.engine.wire import DEFAULT_TENANT
-    from shared import internal_auth
-    from shared.proto import kvstore_pb2, kvstore_pb2_grpc
-
     auth = internal_auth.current()
     with grpc.insecure_channel(address) as channel:
         kvstore_pb2_grpc.KVStoreStub(channel).Delete(kvstore_pb2.DeleteRequest(
@@ -259,15 +258,13 @@ def evict_dram(address: str, session: str) -> None:
 
 
 def run(sizes: list[int], reps: int, samples: int, dtype: str, threads: int,
-        ssd_after_restart: bool, raw: bool, model_spec: str = "") -> None:
-    from services.engine.model import write_demo_model
-    from services.models.commands import model_folder
-
+        ssd_after_restart: bool, raw: bool, model_spec: str = "", demo_size: str = "small"
+        ) -> None:
     with tempfile.TemporaryDirectory(prefix="overture-bench-") as tmp:
         if model_spec:
             model = model_folder(model_spec, dtype, Path(".overture/models"))
         else:
-            model = write_demo_model(Path(tmp) / "small", size="small", seed=0)
+            model = write_demo_model(Path(tmp) / demo_size, size=demo_size, seed=0)
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
         port = free_port()
         address = f"127.0.0.1:{port}"
@@ -327,7 +324,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     ap.add_argument("--model", default="",
                     help="a model folder, a .gguf file or a packaged model's name "
-                    "(smollm2-135m-instruct); default: the small demo model")
+                    "(smollm2-135m-instruct); default: a demo model (--demo-size)")
+    ap.add_argument("--demo-size", default="small", choices=("tiny", "small"),
+                    help="the demo model's size (tiny: a smoke run) [small]")
     ap.add_argument("--ssd-after-restart", action="store_true",
                     help="SSD rows: restart the kvstore instead of evicting its DRAM copy")
     args = ap.parse_args(argv)
@@ -338,13 +337,13 @@ def main(argv: list[str] | None = None) -> None:
     threads = args.threads or torch.get_num_threads()
     # The harness's cluster secret, for the kvstore process, the engines and this process.
     use_cluster_secret()
-    print(f"resume TTFT: {args.model or 'small demo model'}, {args.dtype}, "
+    print(f"resume TTFT: {args.model or args.demo_size + ' demo model'}, {args.dtype}, "
           f"{threads} torch threads, pid {os.getpid()}")
     print("ssd rows: " + ("kvstore restarted (cold process)" if args.ssd_after_restart
                           else "history evicted from the kvstore's DRAM"))
     print(f"medians of {reps} recomputes and {reps * max(1, args.samples)} requests per reuse mode")
     run(sizes, reps, max(1, args.samples), args.dtype, args.threads, args.ssd_after_restart,
-        args.raw, args.model)
+        args.raw, args.model, args.demo_size)
 
 
 if __name__ == "__main__":
