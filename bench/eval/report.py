@@ -180,7 +180,8 @@ def write_report(run_dir: Path, profile: Profile, records: list[Record],
     hi = profile.high_load
     lines = [f"# Evaluation run `{run_dir.name}` ({profile.name} profile)", "",
              f"{time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} cores; "
-             f"a 2-node `overture up` cluster per variant, the random-weight `small` model "
+             f"a 2-node `overture up` cluster per variant, the random-weight "
+             f"`{profile.model_size}` model "
              f"(fp32), {profile.device_memory_bytes >> 20} MiB of device KV per engine. "
              f"Workload: {', '.join(map(str, profile.users))} active users, "
              f"{profile.sessions_per_user} ShareGPT-shaped session(s) each (user turns ≤ "

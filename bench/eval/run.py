@@ -7,6 +7,7 @@ ablations, then sweeps missed and spurious advisories on ``balanced``. Writes
 
     python -m bench.eval.run --quick            # under 10 minutes
     python -m bench.eval.run --profile full     # more users and sessions, longer
+    python -m bench.eval.run --profile smoke --results-dir DIR   # a smoke run: a minute
 
 With ``--sim CALIBRATION`` it also simulates the same traces (``bench/sim``) and reports
 the simulated TTFT and TPOT beside the measured ones.
@@ -61,7 +62,8 @@ def run(profile: Profile, run_dir: Path, seed: int, ready_timeout: float) -> lis
             workdir = Path(tmp) / variant.name
             workdir.mkdir()
             bar.set_postfix_str(f"starting {variant.name}")
-            with overture_up(workdir, size="small", extra_args=["--config", str(config)],
+            with overture_up(workdir, size=profile.model_size,
+                             extra_args=["--config", str(config)],
                              ready_timeout=ready_timeout, label=variant.name) as cluster:
                 # A first replay warms the engines (allocator pages, kernels): not measured.
                 warm = tagged(trace_of(profile, Job(variant, WARMUP_USERS), seed + 1), "warm")
@@ -91,6 +93,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile", choices=sorted(PROFILES), default="full")
     ap.add_argument("--quick", action="store_true", help="the quick profile (< 10 min)")
     ap.add_argument("--run", default="", help="results folder name [default: date-profile]")
+    ap.add_argument("--results-dir", default=str(RESULTS),
+                    help="where the results folders are [bench/results]")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--variants", nargs="*", default=None, help="only these variants")
     ap.add_argument("--sim", default="", help="a bench/sim calibration JSON: also simulate")
@@ -103,7 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.variants:
         profile = dataclasses.replace(profile, variants=tuple(
             v for v in profile.variants if v.name in args.variants))
-    run_dir = RESULTS / (args.run or f"{time.strftime('%Y%m%d-%H%M')}-{profile.name}")
+    run_dir = Path(args.results_dir) / (args.run
+                                        or f"{time.strftime('%Y%m%d-%H%M')}-{profile.name}")
     if not args.report_only:
         run_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
