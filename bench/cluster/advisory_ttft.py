@@ -1,7 +1,7 @@
 """A session's next turn with and without an advisory: time to first token by lead time.
 
     python -m bench.cluster.advisory_ttft [--history 2048] [--reps 3] [--leads 0.25,1,3]
-        [--size small] [--raw]
+        [--size small] [--no-warmup] [--raw]
 
 The cluster of ``bench.cluster.resume`` (scheduler, two nodes of kvstore + engine + node
 manager, SeaweedFS S3, the `small` demo model in fp32). Each sample is a fresh session:
@@ -94,8 +94,8 @@ def sample(cluster: Cluster, model: str, mode: str, history: int, vocab: tuple[i
     return seconds, usage["prompt_tokens_details"]["cached_tokens"], node, kv_from
 
 
-def run(history: int, reps: int, leads: list[float], raw: bool, size: str = "small"
-        ) -> dict[str, float]:
+def run(history: int, reps: int, leads: list[float], raw: bool, size: str = "small",
+        warmup: bool = True) -> dict[str, float]:
     rng = random.Random(0)
     modes = _modes(leads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -103,7 +103,7 @@ def run(history: int, reps: int, leads: list[float], raw: bool, size: str = "sma
         vocab = token_range(path)
         with start_cluster(Path(tmp) / "cluster", path, nodes=2, s3=True, ssd=True,
                            ready_timeout=600) as cluster:
-            for mode in modes:  # warm every path once
+            for mode in modes if warmup else ():  # every path once
                 sample(cluster, cluster.model, mode, 256, vocab, rng, -1)
             times: dict[str, list[float]] = {m: [] for m in modes}
             sources: dict[str, list[str]] = {m: [] for m in modes}
@@ -153,11 +153,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--leads", default="0.25,1,3", help="advisory lead times, seconds")
     p.add_argument("--size", default="small", choices=("tiny", "small"),
                    help="the demo model (tiny: a smoke run; histories up to ~4k tokens)")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="no warm-up turn per mode (a smoke run: first-touch costs then land "
+                   "in the medians)")
     p.add_argument("--raw", action="store_true", help="print every sample")
     args = p.parse_args(argv)
     leads = [float(x) for x in args.leads.split(",") if x.strip()]
-    report(args.history, leads, run(args.history, args.reps, leads, args.raw, args.size),
-           args.size)
+    report(args.history, leads, run(args.history, args.reps, leads, args.raw, args.size,
+                                    not args.no_warmup), args.size)
 
 
 if __name__ == "__main__":

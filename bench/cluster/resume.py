@@ -1,6 +1,7 @@
 """A conversation's next turn on a two-node cluster: time to first token by where its KV is.
 
-    python -m bench.cluster.resume [--history 2048] [--reps 3] [--size small] [--raw]
+    python -m bench.cluster.resume [--history 2048] [--reps 3] [--modes ...] [--size small]
+        [--no-warmup] [--raw]
 
 A real cluster as the integration tests start it (scheduler, two nodes of kvstore +
 engine + node manager, a SeaweedFS S3 server shared by both kvstores), the `small` demo
@@ -63,15 +64,15 @@ def sample(cluster: Cluster, mode: str, history: int, vocab: tuple[int, int],
     return seconds, usage["prompt_tokens_details"]["cached_tokens"], node
 
 
-def run(history: int, reps: int, raw: bool, modes: list[str], size: str = "small"
-        ) -> dict[str, float]:
+def run(history: int, reps: int, raw: bool, modes: list[str], size: str = "small",
+        warmup: bool = True) -> dict[str, float]:
     rng = random.Random(0)
     with tempfile.TemporaryDirectory() as tmp:
         model = write_demo_model(Path(tmp) / size, size=size, seed=0)
         vocab = token_range(model)
         with start_cluster(Path(tmp) / "cluster", model, nodes=2, s3=True, ssd=True,
                            ready_timeout=600) as cluster:
-            for mode in modes:  # warm every path once (first-touch costs, lazy imports)
+            for mode in modes if warmup else ():  # every path once (first-touch costs)
                 sample(cluster, mode, 256, vocab, rng, -1)
             times: dict[str, list[float]] = {m: [] for m in modes}
             for rep in range(reps):
@@ -113,6 +114,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--size", default="small", choices=("tiny", "small"),
                    help="the demo model (tiny: a smoke run; histories up to ~4k tokens)")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="no warm-up turn per mode (a smoke run: first-touch costs then land "
+                   "in the medians)")
     p.add_argument("--raw", action="store_true", help="print every sample")
     p.add_argument("--modes", default=",".join(MODES),
                    help="comma-separated subset (recompute is always measured)")
@@ -121,7 +125,8 @@ def main(argv: list[str] | None = None) -> None:
     unknown = set(modes) - set(MODES)
     if unknown:
         p.error(f"unknown modes {sorted(unknown)}; known: {', '.join(MODES)}")
-    report(args.history, run(args.history, args.reps, args.raw, modes, args.size), args.size)
+    report(args.history, run(args.history, args.reps, args.raw, modes, args.size,
+                             not args.no_warmup), args.size)
 
 
 if __name__ == "__main__":

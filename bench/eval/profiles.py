@@ -61,6 +61,7 @@ class Profile:
     spurious: tuple[float, ...]
     variants: tuple[Variant, ...] = (*POLICIES, *ABLATIONS)
     model_size: str = "small"  # the random-weight demo model ``overture up`` serves
+    warmup_users: int = 2  # an unmeasured replay of this many users first warms a cluster
 
     @property
     def high_load(self) -> int:
@@ -87,6 +88,6 @@ LOAD = Profile(
 SMOKE = Profile(
     name="smoke", users=(2,), sessions_per_user=1, max_user_tokens=32, max_answer_tokens=4,
     mean_gap_s=0.5, gap_cv=1.0, time_scale=0.002, device_memory_bytes=48 * MIB, missed=(),
-    spurious=(), variants=(BALANCED,), model_size="tiny",
+    spurious=(), variants=(BALANCED,), model_size="tiny", warmup_users=0,
 )
 PROFILES = {p.name: p for p in (QUICK, LOAD, FULL, SMOKE)}

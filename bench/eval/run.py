@@ -36,7 +36,6 @@ from bench.harness import overture_up, show_progress
 from bench.workloads.replay import summary
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
-WARMUP_USERS = 2
 
 
 def record(job: Job, m: Measured, wall_s: float) -> dict[str, Any]:
@@ -65,10 +64,12 @@ def run(profile: Profile, run_dir: Path, seed: int, ready_timeout: float) -> lis
             with overture_up(workdir, size=profile.model_size,
                              extra_args=["--config", str(config)],
                              ready_timeout=ready_timeout, label=variant.name) as cluster:
-                # A first replay warms the engines (allocator pages, kernels): not measured.
-                warm = tagged(trace_of(profile, Job(variant, WARMUP_USERS), seed + 1), "warm")
-                asyncio.run(measure(cluster.url, cluster.model, warm, profile.time_scale,
-                                    profile.max_answer_tokens))
+                if profile.warmup_users:
+                    # A first replay warms the engines (allocator pages, kernels): not measured.
+                    warm = tagged(trace_of(profile, Job(variant, profile.warmup_users),
+                                           seed + 1), "warm")
+                    asyncio.run(measure(cluster.url, cluster.model, warm, profile.time_scale,
+                                        profile.max_answer_tokens))
                 for job in mine:
                     bar.set_postfix_str(job.tag)
                     trace = tagged(trace_of(profile, job, seed), job.tag)
