@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 from bench.harness.processes import REPO, Proc, start_process, stop_processes
 from bench.harness.secret import sync_channel
@@ -100,7 +101,7 @@ class Cluster:
     # ---- HTTP
 
     def get(self, path: str, timeout: float = 5.0, headers: dict[str, str] | None = None
-            ) -> tuple[int, dict]:
+            ) -> tuple[int, dict[str, Any]]:
         req = urllib.request.Request(self.url + path, headers=headers or {})
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -108,7 +109,7 @@ class Cluster:
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read() or b"{}")
 
-    def post(self, path: str, body: object, timeout: float = 60.0) -> tuple[int, dict]:
+    def post(self, path: str, body: object, timeout: float = 60.0) -> tuple[int, dict[str, Any]]:
         """POST ``body`` (JSON, or raw bytes) and return the status and decoded JSON answer."""
         status, answer, _ = self.post_with_headers(path, body, timeout)
         return status, answer
@@ -116,7 +117,7 @@ class Cluster:
     def post_with_headers(
         self, path: str, body: object, timeout: float = 60.0,
         headers: dict[str, str] | None = None,
-    ) -> tuple[int, dict, dict[str, str]]:
+    ) -> tuple[int, dict[str, Any], dict[str, str]]:
         """``post``, with the response's headers too (and extra request ``headers``)."""
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         req = urllib.request.Request(
@@ -130,14 +131,14 @@ class Cluster:
             return e.code, json.loads(e.read() or b"{}"), dict(e.headers)
 
     def post_as(self, headers: dict[str, str], path: str, body: object = None
-                ) -> tuple[int, dict]:
+                ) -> tuple[int, dict[str, Any]]:
         """POST with ``headers`` (an API key, say): the status and decoded JSON answer."""
         status, answer, _ = self.post_with_headers(path, {} if body is None else body,
                                                    headers=headers)
         return status, answer
 
     def delete(self, path: str, timeout: float = 10.0, headers: dict[str, str] | None = None
-               ) -> tuple[int, dict]:
+               ) -> tuple[int, dict[str, Any]]:
         req = urllib.request.Request(self.url + path, method="DELETE", headers=headers or {})
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -155,6 +156,6 @@ class Cluster:
 
     def engine_status(self, node: str = "node0", timeout: float = 2.0) -> engine_pb2.EngineStatus:
         with sync_channel(self.engine_addresses[node]) as ch:
-            return engine_pb2_grpc.EngineStub(ch).Status(
-                engine_pb2.EngineStatusRequest(), timeout=timeout
-            )
+            status: engine_pb2.EngineStatus = engine_pb2_grpc.EngineStub(ch).Status(
+                engine_pb2.EngineStatusRequest(), timeout=timeout)
+        return status
