@@ -1,13 +1,14 @@
 """A conversation's next turn on a two-node cluster: time to first token by where its KV is.
 
-    python -m bench.cluster.resume [--history 2048] [--reps 3] [--modes ...] [--size small]
-        [--no-warmup] [--raw]
+    python -m bench.cluster.resume [--history 2048] [--reps 3]
+        [--modes recompute,device,dram,peer,s3] [--size small] [--no-warmup] [--raw]
 
-A real cluster as the integration tests start it (scheduler, two nodes of kvstore +
-engine + node manager, a SeaweedFS S3 server shared by both kvstores), the `small` demo
-model in fp32. Each sample is a fresh session: a history of H random tokens sent as one
-turn (its KV saved where that turn ran), then the history plus a 50-token message,
-timed over HTTP (``/v1/completions``, one output token: the reply is the first token).
+A real cluster as the integration tests start it (``bench.harness``: scheduler, two nodes
+of kvstore + engine + node manager, a SeaweedFS S3 server shared by both kvstores), the
+`small` demo model in fp32. Each sample is a fresh session: a history of H random tokens
+sent as one turn (its KV saved where that turn ran), then the history plus a 50-token
+message, timed over HTTP (``/v1/completions``, one output token: the reply is the first
+token).
 Where the KV of the history is when the timed turn arrives:
 
 - device      the serving node's device prefix cache (the turn before ran there)
