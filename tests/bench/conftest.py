@@ -1,8 +1,10 @@
 """Smoke runs of the benchmarks: each bench's real ``main`` on its smallest settings (tiny
 demo models, one repetition, a second of load), its output checked for the tables and
 ratios it prints, never for their numbers (they are whatever this machine does in a few
-seconds). A bench that changes something process-wide (torch's thread count, an
-environment variable, a signal handler) has it restored by a fixture here.
+seconds). Those of ten seconds or more (a cluster of their own, most of them) are marked
+``slow``: ``-m "not slow"`` leaves some twenty seconds' worth. A bench that changes
+something process-wide (torch's thread count, an environment variable, a signal handler)
+has it restored by a fixture here.
 """
 
 from __future__ import annotations

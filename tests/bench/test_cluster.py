@@ -62,6 +62,7 @@ def test_hostile_clients_with_and_without_deadlines(capsys: pytest.CaptureFixtur
     assert re.search(r"^none \(baseline\) +\d+ +\d+ +-?\d+MB +-?\d+MB$", out, re.M), out
 
 
+@pytest.mark.slow
 def test_idle_cost_by_service(capsys: pytest.CaptureFixture[str]) -> None:
     idle_cost.main(["--systems", "swap", "--seconds", "1", "--settle-s", "0"])
     out = capsys.readouterr().out

@@ -11,6 +11,7 @@ from bench.harness import REPO
 from bench.kvstore import resume_ttft
 
 
+@pytest.mark.slow
 def test_tiers_against_their_raw_media() -> None:
     # A process of its own: the bench tunes glibc malloc and torch's threads for good.
     proc = subprocess.run(
