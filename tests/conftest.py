@@ -1,5 +1,6 @@
-"""Every test runs inside the test cluster's secret (``tests/internal.py``), and the tests
-that start real services share one tiny demo model (float32, written once per session)."""
+"""Every test runs inside the cluster harness's secret (``bench/harness/secret.py``), and
+the tests that start real services share one tiny demo model (float32, written once per
+session)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.internal import use_test_secret
+from bench.harness import use_cluster_secret
 
-use_test_secret()
+use_cluster_secret()
 
 
 @pytest.fixture(scope="session")

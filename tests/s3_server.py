@@ -1,51 +1,8 @@
-"""A real S3 endpoint for tests: the SeaweedFS gateway ``overture up`` runs, as a child
-process on free loopback ports, its data in a temporary folder.
-
-    endpoint_url, stop = start_s3_server()
-    ...
-    stop()
-
-``port`` fixes the S3 port: a test that starts with S3 down brings it up there later.
-Tests make their own buckets (the S3 tier creates a missing one when it opens).
-"""
+"""The tests' name for the harness's S3 endpoint (``bench/harness/s3.py``): the SeaweedFS
+gateway ``overture up`` runs, alone, on free loopback ports."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import tempfile
-from collections.abc import Callable
-from pathlib import Path
+from bench.harness import free_port, start_s3_server
 
-from services.local_cluster import free_port as cli_free_port
-from services.s3_server import s3_server_spec, wait_ready
-
-
-def free_port() -> int:
-    return cli_free_port()
-
-
-def start_s3_server(port: int = 0, timeout_s: float = 60.0) -> tuple[str, Callable[[], None]]:
-    """Start ``weed mini`` on 127.0.0.1; return (endpoint_url, stop)."""
-    data = Path(tempfile.mkdtemp(prefix="overture-s3-"))
-    spec = s3_server_spec(data, s3_port=port)
-    proc = subprocess.Popen(spec.argv(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_ready(spec, timeout_s, alive=lambda: proc.poll() is None)
-    except Exception:
-        proc.kill()
-        proc.wait()
-        shutil.rmtree(data, ignore_errors=True)
-        raise
-
-    def stop() -> None:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        shutil.rmtree(data, ignore_errors=True)
-
-    return spec.endpoint_url, stop
+__all__ = ["free_port", "start_s3_server"]

@@ -1,2 +1,2 @@
 """The Symphony-style evaluation (issue #21): profiles, cluster variants, the load sampler
-and the report that ``bench/run_eval.py`` puts together."""
+and the report that ``bench.eval.run`` puts together."""

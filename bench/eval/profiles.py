@@ -60,6 +60,8 @@ class Profile:
     missed: tuple[float, ...]  # sweep on balanced at the highest load (0 is the baseline)
     spurious: tuple[float, ...]
     variants: tuple[Variant, ...] = (*POLICIES, *ABLATIONS)
+    model_size: str = "small"  # the random-weight demo model ``overture up`` serves
+    warmup_users: int = 2  # an unmeasured replay of this many users first warms a cluster
 
     @property
     def high_load(self) -> int:
@@ -82,4 +84,10 @@ LOAD = Profile(
     max_answer_tokens=40, mean_gap_s=4.0, gap_cv=2.0, time_scale=0.03,
     device_memory_bytes=48 * MIB, missed=(), spurious=(), variants=POLICIES,
 )
-PROFILES = {p.name: p for p in (QUICK, LOAD, FULL)}
+# A smoke run (tests/bench): Overture alone, two users, short turns, the tiny model.
+SMOKE = Profile(
+    name="smoke", users=(2,), sessions_per_user=1, max_user_tokens=32, max_answer_tokens=4,
+    mean_gap_s=0.5, gap_cv=1.0, time_scale=0.002, device_memory_bytes=48 * MIB, missed=(),
+    spurious=(), variants=(BALANCED,), model_size="tiny", warmup_users=0,
+)
+PROFILES = {p.name: p for p in (QUICK, LOAD, FULL, SMOKE)}

@@ -1,7 +1,7 @@
 """The evaluation report: tables of each variant and sweep, the goals of issue #21 as
 ratios measured in the same run, and plots shaped like Symphony's Figures 11 (policies
 vs load), 15 (per-node load), 17 (ablations), 19 (missed advisories) and 20 (spurious
-advisories). Reads only the records ``bench/run_eval.py`` wrote, so a report can be
+advisories). Reads only the records ``bench.eval.run`` wrote, so a report can be
 rewritten from ``results.json`` alone."""
 
 from __future__ import annotations
@@ -180,13 +180,14 @@ def write_report(run_dir: Path, profile: Profile, records: list[Record],
     hi = profile.high_load
     lines = [f"# Evaluation run `{run_dir.name}` ({profile.name} profile)", "",
              f"{time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} cores; "
-             f"a 2-node `overture up` cluster per variant, the random-weight `small` model "
+             f"a 2-node `overture up` cluster per variant, the random-weight "
+             f"`{profile.model_size}` model "
              f"(fp32), {profile.device_memory_bytes >> 20} MiB of device KV per engine. "
              f"Workload: {', '.join(map(str, profile.users))} active users, "
              f"{profile.sessions_per_user} ShareGPT-shaped session(s) each (user turns ≤ "
              f"{profile.max_user_tokens}, answers ≤ {profile.max_answer_tokens} tokens), "
              f"human reading and typing times × {profile.time_scale:g}. "
-             "Reproduce: `python -m bench.run_eval --profile "
+             "Reproduce: `python -m bench.eval.run --profile "
              f"{profile.name}`.", "", "## Policies (Figure 11)", "",
              HEADER.format("policy, users")]
     for v in POLICIES:

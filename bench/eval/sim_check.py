@@ -8,7 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.eval.jobs import Job, trace_of
 from bench.eval.profiles import POLICIES, Profile
+from bench.sim.cluster import simulate
+from bench.sim.costs import Calibration
+from bench.workloads.replay import summary
 
 
 @dataclass(frozen=True)
@@ -34,11 +38,6 @@ class SimRow:
 
 def simulate_jobs(profile: Profile, seed: int, calibration: Path,
                   records: list[dict[str, Any]]) -> list[SimRow]:
-    from bench.run_eval import Job, trace_of
-    from bench.sim.cluster import simulate
-    from bench.sim.costs import Calibration
-    from bench.workloads.replay import summary
-
     cal = Calibration.load(calibration)
     rows = []
     for v in POLICIES:

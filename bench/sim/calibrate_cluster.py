@@ -1,7 +1,7 @@
 """Calibrate the simulator through a running cluster, as the evaluation sees the engines.
 
     python -m bench.sim.calibrate_cluster --base bench/sim/calibration-cpu-small.json \\
-        --out bench/sim/calibration-cluster-quick.json
+        --out bench/sim/calibration-cluster-quick.json [--size small] [--quick]
 
 ``calibrate.py`` times the bare engine step; a request through ``overture up`` also pays
 HTTP, gRPC and streaming, and two engines share this machine's two cores with their
@@ -28,15 +28,26 @@ import aiohttp
 import numpy as np
 
 from bench.eval.profiles import BALANCED, QUICK
-from bench.overload import Cluster
+from bench.harness import overture_up, show_progress
 from bench.sim.costs import Calibration
 from bench.workloads.replay import stream_chat
 from bench.workloads.trace import WORDS
 
-PROMPTS = (32, 160, 400, 800)  # words (about as many tokens)
-REPS = 3
-STREAMS = (1, 2, 4, 8)  # concurrent requests over the two nodes
-DECODE_TOKENS = 48
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What is timed: first tokens of prompts of ``prompts`` words (about as many tokens),
+    ``reps`` each, and ``decode_tokens`` tokens of each of ``streams`` concurrent requests
+    over the two nodes."""
+
+    prompts: tuple[int, ...] = (32, 160, 400, 800)
+    reps: int = 3
+    streams: tuple[int, ...] = (1, 2, 4, 8)
+    decode_tokens: int = 48
+
+
+FULL = Plan()
+QUICK_PLAN = Plan(prompts=(32, 160), reps=1, streams=(1, 2), decode_tokens=8)  # a smoke run
 
 
 async def _one(http: aiohttp.ClientSession, url: str, model: str, text: str,
@@ -50,7 +61,7 @@ async def _one(http: aiohttp.ClientSession, url: str, model: str, text: str,
     return got.ttft_s, got.e2e_s, got.prompt_tokens, got.completion_tokens
 
 
-async def measure(url: str, model: str, rng: random.Random
+async def measure(url: str, model: str, rng: random.Random, plan: Plan = FULL
                   ) -> tuple[list[tuple[int, float]], list[tuple[float, float]]]:
     """First-token times by prompt tokens, and decode step times by streams per node."""
     def text(words: int) -> str:
@@ -60,12 +71,12 @@ async def measure(url: str, model: str, rng: random.Random
     async with aiohttp.ClientSession() as http:
         for _ in range(3):  # warm-up
             await _one(http, url, model, text(200), 4)
-        for words in PROMPTS:
-            for _ in range(REPS):
+        for words in plan.prompts:
+            for _ in range(plan.reps):
                 ttft, _, prompt, _ = await _one(http, url, model, text(words), 1)
                 prefill.append((prompt, ttft))
-        for n in STREAMS:
-            got = await asyncio.gather(*(_one(http, url, model, text(24), DECODE_TOKENS)
+        for n in plan.streams:
+            got = await asyncio.gather(*(_one(http, url, model, text(24), plan.decode_tokens)
                                          for _ in range(n)))
             tpot = statistics.mean((e2e - ttft) / max(1, out - 1) for ttft, e2e, _, out in got)
             decode.append((n / 2, tpot))  # (balanced spreads the streams over both nodes)
@@ -98,16 +109,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--base", default="bench/sim/calibration-cpu-small.json")
     ap.add_argument("--out", default="bench/sim/calibration-cluster-quick.json")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--size", default="small", choices=("tiny", "small"),
+                    help="the demo model the cluster serves [small]")
+    ap.add_argument("--quick", action="store_true",
+                    help="two prompt lengths, one repetition, 1 and 2 streams (a smoke run)")
     args = ap.parse_args(argv)
+    show_progress()
     base = Calibration.load(args.base)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="overture-sim-cal-") as tmp:
         config = Path(tmp) / "cluster.yaml"
         config.write_text(BALANCED.config(QUICK.device_memory_bytes))
-        with Cluster(Path(tmp), "divided", ["--config", str(config)], 600.0,
-                     label="calibrate") as cluster:
+        with overture_up(Path(tmp), size=args.size, extra_args=["--config", str(config)],
+                         label="calibrate") as cluster:
             prefill, decode = asyncio.run(measure(cluster.url, cluster.model,
-                                                  random.Random(args.seed)))
+                                                  random.Random(args.seed),
+                                                  QUICK_PLAN if args.quick else FULL))
     cal = fit(base, prefill, decode)
     cal.save(args.out)
     print("first tokens (prompt tokens, s):", [(n, round(t, 3)) for n, t in prefill])

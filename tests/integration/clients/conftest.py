@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster import Cluster, start_cluster
+from bench.harness import Cluster, start_cluster
 
 
 @pytest.fixture(scope="module")

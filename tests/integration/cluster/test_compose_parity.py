@@ -20,7 +20,7 @@ import pytest
 
 from services.local_cluster import free_port
 from services.s3_server import S3ServerSpec, bucket_ready
-from tests.cluster import REPO, Cluster, _spawn
+from tests.cluster import REPO, Cluster
 from tests.deploy_files import compose, environment, overture_services
 
 KEY = {"Authorization": "Bearer sk-overture-local"}  # compose's default keys
@@ -87,7 +87,7 @@ def local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, L
                        check=True,
                        cwd=REPO, timeout=120, capture_output=True)
         argv, env = lc.command("s3")
-        _spawn(cluster, "s3", argv, env)
+        cluster.spawn("s3", argv, env)
         spec = S3ServerSpec(root, "127.0.0.1", {"s3": lc.port("s3", 8333)})
         deadline = time.monotonic() + 60
         while not bucket_ready(spec):
@@ -96,7 +96,7 @@ def local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, L
         for name in ("scheduler", "node1-kvstore", "node2-kvstore", "node1-engine",
                      "node2-engine", "node1-nodemgr", "node2-nodemgr"):
             argv, env = lc.command(name)
-            _spawn(cluster, name.replace("-", "."), argv, env)
+            cluster.spawn(name.replace("-", "."), argv, env)
         cluster.wait_ready(2, 180)
         cluster.wait_attached(120)
         yield cluster, lc

@@ -4,7 +4,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.s3_server import start_s3_server
+from bench.harness import start_s3_server
 
 
 @pytest.fixture(scope="package")

@@ -5,8 +5,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from bench.harness import start_s3_server
 from services.engine.model import LoadedModel, load_model, write_demo_model
-from tests.s3_server import start_s3_server
 
 
 @pytest.fixture(scope="package")

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import yaml
 
+from bench.eval.jobs import jobs_of, trace_of
 from bench.eval.measure import imbalance, tagged
 from bench.eval.profiles import ABLATIONS, POLICIES, QUICK
 from bench.eval.report import goals, write_report
-from bench.run_eval import jobs_of, trace_of
 from bench.workloads.replay import Result
 from services.engine.config import EngineConfig
 from services.scheduler.config import SchedulerConfig

@@ -1,4 +1,4 @@
-"""bench.step_cost runs both linear paths on one model and checks they agree."""
+"""bench.engine.step_cost runs both linear paths on one model and checks they agree."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import step_cost
+from bench.engine import step_cost
 from services.engine.model import write_demo_model
 
 

@@ -1,8 +1,9 @@
 """A session's next turn with and without an advisory: time to first token by lead time.
 
-    python -m bench.advisory_ttft [--history 2048] [--reps 3] [--leads 0.25,1,3] [--raw]
+    python -m bench.cluster.advisory_ttft [--history 2048] [--reps 3] [--leads 0.25,1,3]
+        [--size small] [--no-warmup] [--raw]
 
-The cluster of ``bench.cluster_resume`` (scheduler, two nodes of kvstore + engine + node
+The cluster of ``bench.cluster.resume`` (scheduler, two nodes of kvstore + engine + node
 manager, SeaweedFS S3, the `small` demo model in fp32). Each sample is a fresh session:
 a history of H random tokens sent as one turn on node0 (its KV saved there and, once
 settled, durable in S3), then the timed turn — the history plus a 50-token message — on
@@ -35,15 +36,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.cluster_resume import (
+from bench.cluster.turns import (
     NEW_MESSAGE_TOKENS,
-    VOCAB,
-    _complete,
-    _only_in_s3,
-    _serve_only,
-    _settled,
+    complete,
+    only_in_s3,
+    serve_only,
+    settled,
+    token_range,
 )
-from tests.cluster import Cluster, start_cluster
+from bench.harness import Cluster, start_cluster
+from services.engine.model import write_demo_model
 
 
 def _modes(leads: list[float]) -> list[str]:
@@ -63,21 +65,21 @@ def _turns(cluster: Cluster) -> dict[str, float]:
     return out
 
 
-def sample(cluster: Cluster, model: str, mode: str, history: int, rng: random.Random,
-           n: int) -> tuple[float, int, str, str]:
+def sample(cluster: Cluster, model: str, mode: str, history: int, vocab: tuple[int, int],
+           rng: random.Random, n: int) -> tuple[float, int, str, str]:
     """One timed turn; (seconds, cached tokens, serving node, where its KV was)."""
     session = f"adv-{mode}-{n}-{rng.randrange(1 << 30)}"
-    hist = [rng.randrange(*VOCAB) for _ in range(history)]
-    new = [rng.randrange(*VOCAB) for _ in range(NEW_MESSAGE_TOKENS)]
+    hist = [rng.randrange(*vocab) for _ in range(history)]
+    new = [rng.randrange(*vocab) for _ in range(NEW_MESSAGE_TOKENS)]
     where, _, lead = mode.partition("+")
-    _serve_only(cluster, "node0")
+    serve_only(cluster, "node0")
     if mode != "recompute":
-        _complete(cluster, hist, session)
-    _settled(cluster, session if mode != "recompute" else "")
+        complete(cluster, hist, session)
+    settled(cluster, session if mode != "recompute" else "")
     if where == "s3":
-        _only_in_s3(cluster, session)
+        only_in_s3(cluster, session)
     if where != "device":
-        _serve_only(cluster, "node1")
+        serve_only(cluster, "node1")
     if lead and where != "device":
         status, adv = cluster.post("/v1/advisory", {"session_id": session, "model": model,
                                                     "expected_arrival_s": float(lead)})
@@ -86,29 +88,29 @@ def sample(cluster: Cluster, model: str, mode: str, history: int, rng: random.Ra
     if lead:
         time.sleep(float(lead))  # the user types; the node prefetches
     before = _turns(cluster)
-    seconds, usage, node = _complete(cluster, hist + new, session)
+    seconds, usage, node = complete(cluster, hist + new, session)
     after = _turns(cluster)
     kv_from = next((k for k, v in after.items() if v > before.get(k, 0.0)), "?")
     return seconds, usage["prompt_tokens_details"]["cached_tokens"], node, kv_from
 
 
-def run(history: int, reps: int, leads: list[float], raw: bool) -> dict[str, float]:
-    from services.engine.model import write_demo_model
-
+def run(history: int, reps: int, leads: list[float], raw: bool, size: str = "small",
+        warmup: bool = True) -> dict[str, float]:
     rng = random.Random(0)
     modes = _modes(leads)
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_demo_model(Path(tmp) / "small", size="small", seed=0)
+        path = write_demo_model(Path(tmp) / size, size=size, seed=0)
+        vocab = token_range(path)
         with start_cluster(Path(tmp) / "cluster", path, nodes=2, s3=True, ssd=True,
                            ready_timeout=600) as cluster:
-            model = cluster.get("/v1/models")[1]["data"][0]["id"]
-            for mode in modes:  # warm every path once
-                sample(cluster, model, mode, 256, rng, -1)
+            for mode in modes if warmup else ():  # every path once
+                sample(cluster, cluster.model, mode, 256, vocab, rng, -1)
             times: dict[str, list[float]] = {m: [] for m in modes}
             sources: dict[str, list[str]] = {m: [] for m in modes}
             for rep in range(reps):
                 for mode in modes:
-                    s, cached, node, kv_from = sample(cluster, model, mode, history, rng, rep)
+                    s, cached, node, kv_from = sample(cluster, cluster.model, mode, history,
+                                                      vocab, rng, rep)
                     times[mode].append(s)
                     sources[mode].append(kv_from)
                     if raw:
@@ -119,9 +121,10 @@ def run(history: int, reps: int, leads: list[float], raw: bool) -> dict[str, flo
     return {m: statistics.median(v) for m, v in times.items()}
 
 
-def report(history: int, leads: list[float], med: dict[str, float]) -> None:
+def report(history: int, leads: list[float], med: dict[str, float], size: str = "small"
+           ) -> None:
     base, device = med["recompute"], med["device"]
-    print(f"\nhistory {history} + {NEW_MESSAGE_TOKENS} new tokens, small model, fp32, two "
+    print(f"\nhistory {history} + {NEW_MESSAGE_TOKENS} new tokens, {size} model, fp32, two "
           "nodes; median TTFT over HTTP (× = speed-up over recompute; / device = ratio to "
           "the history already on the serving node's device)")
     print("| turn | TTFT | × recompute | / device |")
@@ -148,10 +151,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--history", type=int, default=2048)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--leads", default="0.25,1,3", help="advisory lead times, seconds")
+    p.add_argument("--size", default="small", choices=("tiny", "small"),
+                   help="the demo model (tiny: a smoke run; histories up to ~4k tokens)")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="no warm-up turn per mode (a smoke run: first-touch costs then land "
+                   "in the medians)")
     p.add_argument("--raw", action="store_true", help="print every sample")
     args = p.parse_args(argv)
     leads = [float(x) for x in args.leads.split(",") if x.strip()]
-    report(args.history, leads, run(args.history, args.reps, leads, args.raw))
+    report(args.history, leads, run(args.history, args.reps, leads, args.raw, args.size,
+                                    not args.no_warmup), args.size)
 
 
 if __name__ == "__main__":

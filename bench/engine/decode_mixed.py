@@ -1,6 +1,7 @@
 """Decode speed of a batch mixing one long conversation with short ones.
 
-    python -m bench.decode_mixed [--long 2048] [--short 256] [--batch 8] [--tokens 32]
+    python -m bench.engine.decode_mixed [--long 2048] [--short 256] [--batch 8] [--tokens 32]
+        [--rounds 4] [--size small]
 
 One request with a ``--long``-token prompt and ``batch - 1`` with ``--short``-token prompts,
 submitted together to an in-process AsyncEngine (the `small` demo model, fp32), each
@@ -26,6 +27,11 @@ from pathlib import Path
 
 import torch
 
+from services.engine.api_types import GenerateRequest, SamplingParams
+from services.engine.async_engine import AsyncEngine
+from services.engine.config import EngineConfig
+from services.engine.model import paged_attention, write_demo_model
+
 PADDED = 10**12  # a group call costing this many keys: one group always wins
 
 
@@ -33,8 +39,6 @@ async def _round(eng, batch: list[list[int]], tokens: int) -> tuple[float, list[
     """Decode tokens/s once every request has its first token: tokens that arrive after
     that moment over the time they took (short requests may be decoding while the long
     prompt is still in prefill; their earlier tokens are not counted)."""
-    from services.engine.api_types import GenerateRequest, SamplingParams
-
     sp = SamplingParams(max_tokens=tokens, ignore_eos=True)
     arrivals: list[tuple[float, int]] = []  # (time, tokens) of every streamed piece
     firsts: list[float] = []
@@ -57,13 +61,23 @@ async def _round(eng, batch: list[list[int]], tokens: int) -> tuple[float, list[
 
 
 async def _main(args: argparse.Namespace) -> None:
-    from services.engine.async_engine import AsyncEngine
-    from services.engine.config import EngineConfig
-    from services.engine.model import paged_attention, write_demo_model
-
     default_keys = paged_attention.GROUP_CALL_KEYS
+    try:
+        rates = await _rates(args, default_keys)
+    finally:
+        paged_attention.GROUP_CALL_KEYS = default_keys
+    grouped, padded = (statistics.median(rates[m]) for m in ("grouped", "padded"))
+    print(f"decode, 1 x {args.long} + {args.batch - 1} x {args.short} tokens of context, "
+          f"{args.tokens} tokens each (median of {args.rounds} rounds; greedy tokens identical)")
+    print(f"  padded   {padded:8.1f} tokens/s")
+    print(f"  grouped  {grouped:8.1f} tokens/s   {grouped / padded:5.2f}x padded")
+
+
+async def _rates(args: argparse.Namespace, default_keys: int) -> dict[str, list[float]]:
+    """Decode tokens/s of every round, by mode (the group-call cost left at PADDED or
+    ``default_keys``: the caller restores it)."""
     with tempfile.TemporaryDirectory(prefix="overture-bench-") as tmp:
-        model = write_demo_model(Path(tmp) / "small", size="small", seed=0)
+        model = write_demo_model(Path(tmp) / args.size, size=args.size, seed=0)
         cfg = EngineConfig(model_path=str(model), dtype="float32", device_memory_bytes=2 << 30,
                            max_num_seqs=max(8, args.batch), max_num_batched_tokens=2048)
         async with AsyncEngine(cfg) as eng:
@@ -85,12 +99,7 @@ async def _main(args: argparse.Namespace) -> None:
                     rate, got[mode] = await _round(eng, prompts, args.tokens)
                     rates[mode].append(rate)
                 assert got["grouped"] == got["padded"], "greedy tokens differ between modes"
-            paged_attention.GROUP_CALL_KEYS = default_keys
-    grouped, padded = (statistics.median(rates[m]) for m in ("grouped", "padded"))
-    print(f"decode, 1 x {args.long} + {args.batch - 1} x {args.short} tokens of context, "
-          f"{args.tokens} tokens each (median of {args.rounds} rounds; greedy tokens identical)")
-    print(f"  padded   {padded:8.1f} tokens/s")
-    print(f"  grouped  {grouped:8.1f} tokens/s   {grouped / padded:5.2f}x padded")
+    return rates
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -100,6 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=4, help="an even number")
+    ap.add_argument("--size", default="small", choices=("tiny", "small"),
+                    help="the demo model (tiny: a smoke run)")
     args = ap.parse_args(argv)
     if args.batch < 2 or min(args.long, args.short, args.tokens) < 2:
         ap.error("--batch, --long, --short and --tokens must be at least 2")

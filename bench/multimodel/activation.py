@@ -1,6 +1,6 @@
 """Model activation in a running engine (Prism §5.2) against starting an engine for it.
 
-    python -m bench.activation [--size small] [--dtype bfloat16] [--reps 3]
+    python -m bench.multimodel.activation [--size small] [--dtype bfloat16] [--reps 3]
 
 Three ways to get a model serving, timed until it answers its first token:
 - new process: start a fresh engine process with the model (imports, torch, threads,
@@ -24,6 +24,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from services.engine.api_types import GenerateRequest, SamplingParams
+from services.engine.async_engine import AsyncEngine
+from services.engine.config import EngineConfig
+from services.engine.model import write_demo_model
+
+# What a fresh engine process runs (its imports are part of what is timed).
 FIRST_TOKEN = """
 import asyncio, sys, time
 t0 = float(sys.argv[1])
@@ -65,13 +71,9 @@ def new_process(model: Path, dtype: str) -> float:
 
 
 async def activations(model: Path, dtype: str, reps: int) -> tuple[list[float], list[float]]:
-    from services.engine.api_types import GenerateRequest, SamplingParams
-    from services.engine.async_engine import AsyncEngine
-    from services.engine.config import EngineConfig
-
     cold: list[float] = []
     warm: list[float] = []
-    cfg = EngineConfig(model_path="", pool=True, dtype=dtype, device_memory_bytes=256 << 20)
+    cfg = EngineConfig(model_path="", standby=True, dtype=dtype, device_memory_bytes=256 << 20)
     async with AsyncEngine(cfg) as eng:
         for _ in range(reps):
             for kind, times in (("cold", cold), ("warm", warm)):
@@ -95,8 +97,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args(argv)
-    from services.engine.model import write_demo_model
-
     with tempfile.TemporaryDirectory() as tmp:
         model = write_demo_model(Path(tmp) / f"demo-{args.size}", size=args.size)
         read_into_page_cache(model)

@@ -1,6 +1,7 @@
 """Slow and oversized clients against the scheduler, with and without its deadlines.
 
-    .venv/bin/python -m bench.hostile_clients [--connections 500] [--uploads 100]
+    python -m bench.cluster.hostile_clients [--connections 500] [--uploads 100]
+        [--deadline-s 2]
 
 Starts a real scheduler process (anonymous, loopback, no nodes) twice: with the default
 deadlines and with them pushed out of reach (the behaviour before they existed), and
@@ -17,18 +18,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import subprocess
-import sys
-import time
-import urllib.request
+import tempfile
 from pathlib import Path
 
-from services.local_cluster import free_port
-from shared.cluster_config import SECRET_ENV, new_secret
+from bench.harness import start_scheduler
 
-REPO = Path(__file__).resolve().parents[1]
-HEADER_S, BODY_S = 2.0, 2.0
+DEADLINE_S = 2.0  # the scheduler's header and body deadlines in the "deadlines" run
 
 
 def _rss_mb(pid: int) -> float:
@@ -81,41 +76,36 @@ async def _measure(port: int, pid: int, connections: int, uploads: int, wait_s: 
             "rss_growth_mb": peak - base, "rss_after_mb": _rss_mb(pid) - base}
 
 
-def _run(flags: dict[str, object], connections: int, uploads: int) -> dict[str, float]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "services.scheduler", "--anonymous", "true", "--port",
-           str(port), "--grpc-port", str(free_port()), "--no-node-wait-s", "0.1",
-           *(x for k, v in flags.items() for x in (f"--{k.replace('_', '-')}", str(v)))]
-    env = dict(os.environ, PYTHONPATH=str(REPO), **{SECRET_ENV: new_secret()})
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        for _ in range(200):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1).read()
-                break
-            except OSError:
-                time.sleep(0.1)
-        return asyncio.run(_measure(port, proc.pid, connections, uploads,
-                                    2 * max(HEADER_S, BODY_S)))
-    finally:
-        proc.terminate()
-        proc.wait(10)
+def _run(work: Path, flags: dict[str, object], connections: int, uploads: int,
+         wait_s: float) -> dict[str, float]:
+    with start_scheduler(work, {"no_node_wait_s": 0.1, **flags}) as cluster:
+        port = int(cluster.url.rsplit(":", 1)[1])
+        return asyncio.run(_measure(port, cluster.procs["scheduler"].popen.pid, connections,
+                                    uploads, wait_s))
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--connections", type=int, default=500)
     ap.add_argument("--uploads", type=int, default=100)
+    ap.add_argument("--deadline-s", type=float, default=DEADLINE_S,
+                    help=f"the header and body deadlines tested [{DEADLINE_S:g}]")
     args = ap.parse_args(argv)
+    wait_s = 2 * args.deadline_s
     far = 3600.0
-    rows = {
-        "deadlines": _run({"header_timeout_s": HEADER_S, "body_timeout_s": BODY_S},
-                          args.connections, args.uploads),
-        "none (baseline)": _run({"header_timeout_s": far, "body_timeout_s": far,
-                                 "keepalive_timeout_s": far}, args.connections, args.uploads),
-    }
+    with tempfile.TemporaryDirectory(prefix="overture-bench-") as tmp:
+        rows = {
+            "deadlines": _run(Path(tmp) / "deadlines",
+                              {"header_timeout_s": args.deadline_s,
+                               "body_timeout_s": args.deadline_s},
+                              args.connections, args.uploads, wait_s),
+            "none (baseline)": _run(Path(tmp) / "none",
+                                    {"header_timeout_s": far, "body_timeout_s": far,
+                                     "keepalive_timeout_s": far},
+                                    args.connections, args.uploads, wait_s),
+        }
     print(f"{args.connections} slow-header clients, {args.uploads} stalled 4 MiB uploads "
-          f"(1 MiB sent), checked {2 * max(HEADER_S, BODY_S):g} s later")
+          f"(1 MiB sent), checked {wait_s:g} s later")
     print(f"{'':18}{'open headers':>14}{'open uploads':>14}{'RSS stalled':>13}"
           f"{'RSS after':>11}")
     for name, r in rows.items():

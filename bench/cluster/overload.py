@@ -1,14 +1,16 @@
 """Overload on a two-node cluster: goodput and rejections past capacity; decode throughput
 with each node's cores divided versus shared.
 
-    .venv/bin/python bench/overload.py [--phases overload,decode] [--duration 20]
+    python -m bench.cluster.overload [--phases overload,decode] [--duration 20]
         [--ttft-slo 2.0] [--capacity-clients 32] [--capacity-duration 20] [--max-tokens 16]
-        [--decode-tokens 64] [--decode-streams 8,64] [--raw] [--keep-dir]
+        [--decode-tokens 64] [--decode-streams 8,64] [--decode-cores divided,shared]
+        [--size small] [--raw] [--keep-dir]
 
 A real cluster as a user starts it: ``overture up --nodes 2 --size small --no-s3`` (the
-random-weight `small` demo model, fp32) as a subprocess in a temporary directory, driven
-over HTTP with streamed ``/v1/chat/completions`` (a short prompt that differs per request,
-``ignore_eos``, temperature 0) from one aiohttp client in this process.
+random-weight `small` demo model, fp32; ``bench.harness.overture_up``) as a subprocess in
+a temporary directory, driven over HTTP with streamed ``/v1/chat/completions`` (a short
+prompt that differs per request, ``ignore_eos``, temperature 0) from one aiohttp client
+in this process (``chat_client``).
 
 overload (``--cores divided``)
     Capacity: C clients in a closed loop for D seconds after a warm-up; completed
@@ -37,14 +39,11 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import random
-import re
 import resource
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,259 +51,17 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
-import aiohttp
-
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as a script (bench/overload.py), not only with -m
-    sys.path.insert(0, str(REPO))
-
-from services.local_cluster import free_port  # noqa: E402
+from bench.cluster.chat_client import OUTCOMES, Client, Result
+from bench.harness import overture_up, show_progress
 
 PHASES = ("overload", "decode")
-OUTCOMES = ("200", "429", "503", "timeout", "error", "other")
-READY_LINE = re.compile(r"Overture is ready at (\S+)")
-STOP_WAIT_S = 30.0
-WORDS = (  # prompt words; a random draw of them per request
-    "river", "stone", "light", "garden", "window", "quiet", "morning", "paper", "city",
-    "music", "orange", "winter", "station", "letter", "market", "bridge", "forest", "silver",
-    "number", "doctor", "kitchen", "island", "teacher", "engine", "harbor", "cloud", "yellow",
-    "basket", "mountain", "story", "planet", "candle", "ladder", "village",
-)
-
-
-# ---------------------------------------------------------------------------------------
-# the cluster
-
-
-def _proc_start_time(pid: int) -> str | None:
-    """Field 22 of /proc/<pid>/stat (start time): a pid together with it names one process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rpartition(")")[2].split()[19]
-
-
-def _descendants(root: int) -> list[tuple[int, str]]:
-    """(pid, start time) of every live descendant of ``root`` (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
-    out: list[tuple[int, str]] = []
-    todo = list(children.get(root, []))
-    while todo:
-        pid = todo.pop()
-        start = _proc_start_time(pid)
-        if start is not None:
-            out.append((pid, start))
-        todo.extend(children.get(pid, []))
-    return out
-
-
-class Cluster:
-    """``overture up --nodes 2 --size small`` in ``workdir``; stopped with SIGINT on exit
-    (SIGKILL after 30 s, and any child of it still alive then, by pid)."""
-
-    def __init__(self, workdir: Path, cores: str, extra_args: Sequence[str],
-                 ready_timeout: float, label: str = "") -> None:
-        self.workdir = workdir
-        self.cores = cores
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "services.cli", "up", "--nodes", "2", "--size",
-                    "small", "--port", str(self.port), "--no-s3", "--cores", cores,
-                    *extra_args]
-        self.log_path = workdir / f"up-{label or cores}.log"
-        self.ready_timeout = ready_timeout
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.model = ""
-
-    def __enter__(self) -> Cluster:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(REPO),
-                                                          env.get("PYTHONPATH", ""))))
-        _log(f"starting {shlex.join(self.cmd[1:])} (log {self.log_path}) ...")
-        t0 = time.monotonic()
-        # Its output goes to a file, not a pipe: nothing must stall on a full pipe while
-        # the bench is busy, and the log stays there to read when something goes wrong.
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.cmd, cwd=self.workdir, env=env, stdout=log,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
-        try:
-            self._wait_ready(t0)
-            self.model = _get_json(self.url + "/v1/models")["data"][0]["id"]
-        except BaseException:
-            self.stop()
-            raise
-        _log(f"cluster ({self.cores} cores) ready at {self.url} in "
-             f"{time.monotonic() - t0:.0f} s, model {self.model}")
-        return self
-
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.stop()
-
-    def _wait_ready(self, t0: float) -> None:
-        assert self.proc is not None
-        while True:
-            text = self.log_path.read_text(errors="replace")
-            m = READY_LINE.search(text)
-            if m:
-                return
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"overture up exited with {self.proc.returncode}:\n"
-                                   + self.log_tail())
-            if time.monotonic() - t0 > self.ready_timeout:
-                raise RuntimeError(f"overture up not ready in {self.ready_timeout:g} s:\n"
-                                   + self.log_tail())
-            time.sleep(0.25)
-
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        family = _descendants(proc.pid)  # its children run in sessions of their own
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(STOP_WAIT_S)
-            except subprocess.TimeoutExpired:
-                _log(f"overture up did not stop within {STOP_WAIT_S:g} s; killing it")
-                proc.kill()
-                proc.wait()
-        left = [pid for pid, start in family if _proc_start_time(pid) == start]
-        for pid in left:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        if left:
-            _log(f"killed {len(left)} leftover process(es) of overture up: {left}")
-        _log(f"cluster ({self.cores} cores) stopped (exit {proc.returncode})")
-
-
-def _get_json(url: str) -> Any:
-    import urllib.request
-
-    with urllib.request.urlopen(url, timeout=30) as r:
-        return json.loads(r.read())
+CORES = ("divided", "shared")
 
 
 def _log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-# ---------------------------------------------------------------------------------------
-# one request
-
-
-@dataclass
-class Result:
-    outcome: str  # one of OUTCOMES
-    start: float  # perf_counter at send
-    latency: float  # seconds until done / failed
-    ttft: float | None = None  # seconds to the first token (200s)
-    tokens: int = 0  # completion tokens (usage, else streamed content chunks)
-    detail: str = ""  # status, error code or exception type of a failure
-    retry_after: str | None = None  # Retry-After of a 429
-
-    @property
-    def end(self) -> float:
-        return self.start + self.latency
-
-
-class Client:
-    """One aiohttp session against the cluster; ``request`` never raises (but cancels)."""
-
-    def __init__(self, url: str, model: str, rng: random.Random) -> None:
-        self.url = url + "/v1/chat/completions"
-        self.model = model
-        self.rng = rng
-        self.sent = 0
-        self.session: aiohttp.ClientSession | None = None
-
-    async def __aenter__(self) -> Client:
-        conn = aiohttp.TCPConnector(limit=0, force_close=False)
-        self.session = aiohttp.ClientSession(connector=conn)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self.session is not None:
-            await self.session.close()
-
-    def prompt(self) -> str:
-        """A few dozen tokens, different per request (no prefix-cache shortcut)."""
-        self.sent += 1
-        words = " ".join(self.rng.choice(WORDS) for _ in range(24))
-        return f"Request {self.sent}-{self.rng.randrange(10**9)}: tell a story about {words}."
-
-    async def request(self, max_tokens: int, timeout: float) -> Result:
-        body = {"model": self.model, "stream": True, "max_tokens": max_tokens,
-                "temperature": 0, "ignore_eos": True,
-                "stream_options": {"include_usage": True},
-                "messages": [{"role": "user", "content": self.prompt()}]}
-        assert self.session is not None
-        t0 = time.perf_counter()
-        ttft: float | None = None
-        chunks = tokens = 0
-        try:
-            async with self.session.post(self.url, json=body,
-                                         timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-                if resp.status != 200:
-                    await resp.read()
-                    status = str(resp.status)
-                    return Result(status if status in OUTCOMES else "other", t0,
-                                  time.perf_counter() - t0, detail=status,
-                                  retry_after=resp.headers.get("Retry-After"))
-                done = False
-                async for raw in resp.content:
-                    line = raw.strip()
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        done = True
-                        break
-                    obj = json.loads(data)
-                    if "error" in obj:
-                        err = obj["error"] or {}
-                        return Result("error", t0, time.perf_counter() - t0, ttft,
-                                      detail="sse:" + str(err.get("code") or err.get("type")))
-                    if obj.get("usage"):
-                        tokens = int(obj["usage"].get("completion_tokens", 0))
-                    for ch in obj.get("choices") or ():
-                        delta = ch.get("delta") or {}
-                        # The role header ({"role", "content": ""}) comes with the first
-                        # token's chunk; anything else is a token (or the finish).
-                        if ttft is None and (delta.get("content") or "role" not in delta
-                                             or ch.get("finish_reason")):
-                            ttft = time.perf_counter() - t0
-                        if delta.get("content"):
-                            chunks += 1
-                if not done:
-                    return Result("error", t0, time.perf_counter() - t0, ttft,
-                                  detail="stream cut")
-                return Result("200", t0, time.perf_counter() - t0, ttft, tokens or chunks)
-        except TimeoutError:
-            return Result("timeout", t0, time.perf_counter() - t0, ttft, detail="timeout")
-        except (aiohttp.ClientError, OSError, ValueError) as e:
-            return Result("error", t0, time.perf_counter() - t0, ttft,
-                          detail=type(e).__name__)
 
 
 # ---------------------------------------------------------------------------------------
@@ -463,7 +220,7 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
     over = res.get("overload")
     if over:
         cap = over["capacity"]
-        print(f"\ntwo nodes, small model (fp32), divided cores; chat streams of "
+        print(f"\ntwo nodes, {args.size} model (fp32), divided cores; chat streams of "
               f"{args.max_tokens} tokens")
         print(f"capacity {cap['capacity_rps']:.2f} req/s ({cap['clients']} clients, closed "
               f"loop, {args.capacity_duration:g} s; {cap['tokens_per_s']:.0f} tok/s, p50 TTFT "
@@ -548,7 +305,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     extra = shlex.split(args.extra_up_args)
     with _workdir(args) as wd:
         if "overload" in args.phases:
-            with Cluster(wd, "divided", extra, args.ready_timeout, "overload") as c:
+            with overture_up(wd, size=args.size, cores="divided", extra_args=extra,
+                             ready_timeout=args.ready_timeout, label="overload") as c:
                 res["overload"] = asyncio.run(run_overload(c.url, c.model, args))
         if "decode" in args.phases:
             # All N streams must run at once: the engines' queue-delay admission (which
@@ -557,9 +315,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             decode_config.write_text("engine:\n  max_queue_delay_s: 0\n")
             decode_extra = [*extra, "--config", str(decode_config)]
             res["decode"] = {}
-            for cores in ("divided", "shared"):
-                with Cluster(wd, cores, decode_extra, args.ready_timeout,
-                             f"decode-{cores}") as c:
+            for cores in args.decode_cores:
+                with overture_up(wd, size=args.size, cores=cores, extra_args=decode_extra,
+                                 ready_timeout=args.ready_timeout,
+                                 label=f"decode-{cores}") as c:
                     _log(f"decode, {cores} cores ...")
                     res["decode"][cores] = asyncio.run(run_decode(c.url, c.model, args))
     res["goals"] = goals(res, args)
@@ -572,6 +331,10 @@ def _floats(text: str) -> list[float]:
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -600,10 +363,14 @@ def main(argv: list[str] | None = None) -> None:
                    help="concurrent streams, comma-separated [8,64]")
     p.add_argument("--decode-reps", type=int, default=1,
                    help="runs per stream count (the best is reported) [1]")
+    p.add_argument("--decode-cores", type=_names, default=list(CORES),
+                   help="the decode phase's clusters, comma-separated [divided,shared]")
     p.add_argument("--decode-timeout", type=float, default=300.0,
                    help="client timeout per decode stream, seconds [300]")
     p.add_argument("--ready-timeout", type=float, default=600.0,
                    help="seconds for overture up to serve (the first run writes the model)")
+    p.add_argument("--size", default="small", choices=("tiny", "small"),
+                   help="the demo model (tiny: a smoke run) [small]")
     p.add_argument("--extra-up-args", default="", help="more flags for overture up")
     p.add_argument("--workdir", default=None,
                    help="run overture up here (kept; reuses its demo model) instead of a "
@@ -619,10 +386,13 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"unknown phases {sorted(unknown)}; known: {', '.join(PHASES)}")
     if not args.loads or min(args.loads) <= 0 or not args.decode_streams:
         p.error("--loads and --decode-streams need positive values")
+    if not args.decode_cores or set(args.decode_cores) - set(CORES):
+        p.error(f"--decode-cores: a subset of {', '.join(CORES)}")
     # Thousands of open streams at 10× when the cluster queues instead of rejecting.
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    show_progress()
     # SIGTERM unwinds like Ctrl-C, so the cluster is stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     res = run(args)

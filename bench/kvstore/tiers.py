@@ -1,6 +1,6 @@
 """Tier throughput vs a raw baseline of the same medium, measured in the same run.
 
-    python -m bench.kvstore_tiers [--quick]
+    python -m bench.kvstore.tiers [--quick] [--reps 5] [--budget-s 1] [--max-chunks 0]
 
 For chunks of 64 KiB and 1 MiB (fp16 KV, shape (2, tokens, 8, 64)), sequentially:
 
@@ -13,7 +13,7 @@ For chunks of 64 KiB and 1 MiB (fp16 KV, shape (2, tokens, 8, 64)), sequentially
   fsync'ed, and read back. Reads are measured twice: one chunk per call, and the 8
   chunks one layer of a 2k-token history spans in one call (how ``LoadIntoPool`` reads)
   vs the same 8 files read back to back. (A pool load reads into the pool's blocks
-  instead of a new blob; ``bench.resume_ttft`` measures that path end to end.)
+  instead of a new blob; ``bench.kvstore.resume_ttft`` measures that path end to end.)
 - S3: ``S3Tier.put`` / checked read vs raw boto3 put_object / get_object, against the
   same local S3 server (SeaweedFS, as `overture up` runs it; its own overhead dominates
   both; the ratio shows ours adds little).
@@ -29,11 +29,13 @@ import os
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import boto3
 import torch
 
+from bench.harness import start_s3_server
 from services.kvstore.config import S3Config
 from services.kvstore.malloc_tuning import tune_malloc
 from services.kvstore.metrics import KVStoreMetrics
@@ -42,7 +44,6 @@ from services.kvstore.tiers import DramTier, S3Tier, SsdTier
 from services.kvstore.tiers.base import Blob, Stored, Tier
 from shared.chunk_codec import ChunkCorrupt, ChunkMeta, encode_chunk, verify_chunk
 from shared.config import build
-from tests.s3_server import start_s3_server
 
 HEADS, HEAD_DIM = 8, 64
 
@@ -57,26 +58,34 @@ def metas(n: int) -> list[ChunkMeta]:
     return [ChunkMeta("bench", "fp", i % 32, (i.to_bytes(8, "big"),)) for i in range(n)]
 
 
-REPS = 5  # passes per side at least
 MAX_REPS = 50
-BUDGET_S = 1.0  # and at least this much time measured per side
 LAYER_CHUNKS = 8  # chunks of one layer of a 2k-token history (chunk_tokens=256)
 Op = Callable[[int], Awaitable[None]]
 
 
-async def paired(total: int, base: Op, ours: Op, n: int) -> tuple[float, float]:
+@dataclass(frozen=True)
+class Passes:
+    """How much each side is measured: ``reps`` passes at least, and more (up to
+    ``MAX_REPS``) while it has been measured for less than ``budget_s`` seconds."""
+
+    reps: int = 5
+    budget_s: float = 1.0
+
+
+async def paired(total: int, base: Op, ours: Op, n: int, passes: Passes
+                 ) -> tuple[float, float]:
     """(baseline GB/s, ours GB/s): the best of alternating passes over ``n`` chunks.
 
     Alternating baseline and tier passes exposes both to the same background load (the
     machine may be shared), and best-of filters out passes that were preempted. Each side
-    gets ``REPS`` passes, more while it has been measured for less than ``BUDGET_S`` (as
+    gets ``passes.reps`` passes, more while it has been measured for less than its budget (as
     ``timeit`` sizes its runs): a DRAM pass of 64 KiB chunks lasts ~30 ms, and five of them
     were often all disturbed on a busy host, while an SSD or S3 pass lasts seconds.
     """
     best_base = best_ours = float("inf")
     spent = [0.0, 0.0]
     reps = 0
-    while reps < REPS or (min(spent) < BUDGET_S and reps < MAX_REPS):
+    while reps < passes.reps or (min(spent) < passes.budget_s and reps < MAX_REPS):
         reps += 1
         for fn, which in ((base, 0), (ours, 1)):
             t0 = time.perf_counter()
@@ -92,10 +101,10 @@ async def paired(total: int, base: Op, ours: Op, n: int) -> tuple[float, float]:
 
 
 async def measure(
-    total: int, n: int, base_put: Op, put: Op, base_get: Op, get: Op
+    total: int, n: int, base_put: Op, put: Op, base_get: Op, get: Op, passes: Passes
 ) -> dict[str, float]:
-    bp, p = await paired(total, base_put, put, n)
-    bg, g = await paired(total, base_get, get, n)
+    bp, p = await paired(total, base_put, put, n, passes)
+    bg, g = await paired(total, base_get, get, n, passes)
     return {"base_put": bp, "put": p, "base_get": bg, "get": g}
 
 
@@ -103,7 +112,7 @@ def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
-async def bench_dram(size: int, n: int) -> dict[str, float]:
+async def bench_dram(size: int, n: int, passes: Passes) -> dict[str, float]:
     src = [chunk_tensor(size, i) for i in range(min(n, 16))]
     dst = torch.empty_like(src[0])
     ms = metas(n)
@@ -128,7 +137,7 @@ async def bench_dram(size: int, n: int) -> dict[str, float]:
             assert c is not None
             dst.copy_(c.tensor)
 
-        return await measure(total, n, base_put, put, base_get, get)
+        return await measure(total, n, base_put, put, base_get, get, passes)
 
 
 def verified_blob(hit: Stored) -> Blob:
@@ -154,7 +163,8 @@ def blob_ops(tier: Tier, blobs: list[bytes]) -> tuple[Op, Op]:
     return put, get
 
 
-async def bench_ssd(size: int, n: int, root: Path, sync: bool) -> dict[str, float]:
+async def bench_ssd(size: int, n: int, root: Path, sync: bool, passes: Passes
+                    ) -> dict[str, float]:
     blobs = [bytes(encode_chunk(m, chunk_tensor(size, i % 16))) for i, m in enumerate(metas(n))]
     total = sum(len(b) for b in blobs)
     files = root / f"raw-{size}-{sync}"
@@ -185,16 +195,16 @@ async def bench_ssd(size: int, n: int, root: Path, sync: bool) -> dict[str, floa
             for hit in await tier.get_many_checked(keys, verified_blob):
                 assert hit is not None and not isinstance(hit[1], ChunkCorrupt)
 
-        r = await measure(total, n, base_put, put, base_get, get)
+        r = await measure(total, n, base_put, put, base_get, get, passes)
         layers = n // LAYER_CHUNKS
         r["base_get_layer"], r["get_layer"] = await paired(
-            layers * LAYER_CHUNKS * len(blobs[0]), base_get_layer, get_layer, layers)
+            layers * LAYER_CHUNKS * len(blobs[0]), base_get_layer, get_layer, layers, passes)
         return r
     finally:
         await tier.close()
 
 
-async def bench_s3(size: int, n: int, endpoint: str) -> dict[str, float]:
+async def bench_s3(size: int, n: int, endpoint: str, passes: Passes) -> dict[str, float]:
     blobs = [bytes(encode_chunk(m, chunk_tensor(size, i % 16))) for i, m in enumerate(metas(n))]
     total = sum(len(b) for b in blobs)
     cfg = build(S3Config, {"endpoint_url": endpoint, "bucket": f"bench-{size}",
@@ -218,7 +228,7 @@ async def bench_s3(size: int, n: int, endpoint: str) -> dict[str, float]:
     try:
         put, get = blob_ops(tier, blobs)
 
-        return await measure(total, n, base_put, put, base_get, get)
+        return await measure(total, n, base_put, put, base_get, get, passes)
     finally:
         await tier.close()
 
@@ -231,27 +241,31 @@ def report(name: str, size: int, r: dict[str, float]) -> list[float]:
     return [rp, rg]
 
 
-async def main_async(quick: bool) -> int:
+async def main_async(quick: bool, passes: Passes, max_chunks: int = 0) -> int:
     sizes = [64 << 10, 1 << 20]
     counts = {64 << 10: 256 if quick else 2048, 1 << 20: 32 if quick else 256}
     s3_counts = {64 << 10: 32 if quick else 128, 1 << 20: 8 if quick else 32}
+    if max_chunks:
+        counts = {k: min(v, max_chunks) for k, v in counts.items()}
+        s3_counts = {k: min(v, max_chunks) for k, v in s3_counts.items()}
     ratios: list[float] = []
     print("tier       chunk    put / get throughput (sequential, one chunk at a time)")
     endpoint, stop = start_s3_server()
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for size in sizes:
-                ratios += report("dram", size, await bench_dram(size, counts[size]))
+                ratios += report("dram", size, await bench_dram(size, counts[size], passes))
                 n, root = counts[size], Path(tmp)
-                ssd = await bench_ssd(size, n, root, sync=False)
+                ssd = await bench_ssd(size, n, root, False, passes)
                 ratios += report("ssd", size, ssd)
                 layer = ssd["get_layer"] / ssd["base_get_layer"]
                 print(f"{'':<10} {'':>9}  get_many of a layer ({LAYER_CHUNKS} chunks, the load "
                       f"path) {ssd['get_layer']:7.3f} GB/s vs raw {ssd['base_get_layer']:7.3f}  "
                       f"ratio {layer:5.2f}")
                 ratios.append(layer)
-                report("ssd(sync)", size, await bench_ssd(size, n // 4, root, sync=True))
-                ratios += report("s3", size, await bench_s3(size, s3_counts[size], endpoint))
+                report("ssd(sync)", size, await bench_ssd(size, n // 4, root, True, passes))
+                ratios += report("s3", size, await bench_s3(size, s3_counts[size], endpoint,
+                                                            passes))
     finally:
         stop()
     worst = min(ratios)
@@ -259,14 +273,26 @@ async def main_async(quick: bool) -> int:
     return 0 if worst >= 0.5 else 1
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     # One intra-op thread for baseline and tier alike: chunk-sized copies gain nothing from
     # fan-out, and on a shared 2-core machine the fan-out makes timings erratic.
     torch.set_num_threads(1)
     tune_malloc()  # as the kvstore process does at start (services/kvstore/malloc_tuning.py)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer chunks (CI smoke run)")
-    return asyncio.run(main_async(p.parse_args().quick))
+    p.add_argument("--reps", type=int, default=Passes.reps,
+                   help=f"passes per side at least [{Passes.reps}]")
+    p.add_argument("--budget-s", type=float, default=Passes.budget_s,
+                   help="and more passes while a side has been measured for less than this "
+                   f"[{Passes.budget_s:g}]")
+    p.add_argument("--max-chunks", type=int, default=0,
+                   help="at most this many chunks of each size per tier (0: no cap)")
+    args = p.parse_args(argv)
+    if args.max_chunks and args.max_chunks < 4 * LAYER_CHUNKS:
+        p.error(f"--max-chunks must be 0 or at least {4 * LAYER_CHUNKS} (a layer's "
+                f"{LAYER_CHUNKS} chunks, and a quarter of them for the fsync'ed puts)")
+    return asyncio.run(main_async(args.quick, Passes(args.reps, args.budget_s),
+                                  args.max_chunks))
 
 
 if __name__ == "__main__":

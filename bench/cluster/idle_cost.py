@@ -1,13 +1,15 @@
 """What the multi-model cluster costs in CPU while it serves nothing, by service.
 
-    python -m bench.idle_cost [--systems prism,swap] [--seconds 30] [--broker-interval-s 0.1]
+    python -m bench.cluster.idle_cost [--systems prism,swap] [--seconds 30]
+        [--broker-interval-s 0.1]
 
-The multi-model benchmark's clusters (bench/multi_model.py: two nodes; prism with eight
-engines) are started, left idle for a settling time, then the CPU seconds each service's
-processes use over ``--seconds`` are read from /proc. On two cores whatever the cluster
-spends doing nothing is taken from the requests under load. ``--broker-interval-s`` sets
-the nodemgr's memory broker period (it asks every engine of its node for its Status each
-round).
+The multi-model benchmark's clusters (``bench.multimodel.clusters``: two nodes; prism with
+eight engines) are started, left idle for a settling time, then the CPU seconds each
+service's processes use over ``--seconds`` are read from /proc (the cluster's own
+processes, by pid: another cluster on the host is not counted). On two cores whatever
+the cluster spends doing nothing is taken from the requests under load.
+``--broker-interval-s`` sets the nodemgr's memory broker period (it asks every engine of
+its node for its Status each round).
 """
 
 from __future__ import annotations
@@ -19,28 +21,23 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from services.engine.model import write_demo_model
-from tests.cluster import start_cluster
-
-from .multi_model import MODELS, Shape, cluster_setup
+from bench.harness import Cluster, start_cluster
+from bench.multimodel.clusters import Shape, cluster_setup, write_models
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
-def cpu_by_service() -> dict[int, tuple[str, float]]:
-    """pid -> (service, CPU seconds so far) of every ``python -m services.X`` process."""
+def cpu_by_service(cluster: Cluster) -> dict[int, tuple[str, float]]:
+    """pid -> (service, CPU seconds so far) of every live process of ``cluster``."""
     out = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for name, proc in cluster.procs.items():
+        service = name.rpartition(".")[2].rstrip("0123456789")  # node0.engine3 -> engine
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode()
-            with open(f"/proc/{pid}/stat") as f:
+            with open(f"/proc/{proc.popen.pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue  # (gone meanwhile)
-        if "-m services." in cmd:
-            service = cmd.split("-m services.", 1)[1].split()[0]
-            out[int(pid)] = (service, (int(fields[11]) + int(fields[12])) / _TICK)
+        out[proc.popen.pid] = (service, (int(fields[11]) + int(fields[12])) / _TICK)
     return out
 
 
@@ -50,11 +47,11 @@ def idle_cpu(system: str, paths: dict[str, Path], work: Path, seconds: float,
     first, kw = cluster_setup(system, paths, work, Shape())
     kw["nodemgr_flags"] = {**kw.get("nodemgr_flags", {}),
                            "broker_interval_s": broker_interval_s}
-    with start_cluster(work / system, first, **kw):
+    with start_cluster(work / system, first, **kw) as cluster:
         time.sleep(settle_s)
-        before = cpu_by_service()
+        before = cpu_by_service(cluster)
         time.sleep(seconds)
-        after = cpu_by_service()
+        after = cpu_by_service(cluster)
     used: Counter[str] = Counter()
     count: Counter[str] = Counter()
     for pid, (service, cpu) in after.items():
@@ -73,8 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        paths = {name: write_demo_model(work / name, size=size, seed=seed)
-                 for name, size, seed, _ in MODELS}
+        paths = write_models(work)
         for system in args.systems.split(","):
             got = idle_cpu(system, paths, work, args.seconds, args.settle_s,
                            args.broker_interval_s)

@@ -1,6 +1,6 @@
 """Engine speed vs Hugging Face transformers on the same weights, in the same run.
 
-    python -m bench.engine_speed [--size small|tiny] [--model DIR] [--quick] [--dtype float32]
+    python -m bench.engine.speed [--size small|tiny] [--model DIR] [--quick] [--dtype float32]
 
 For batch sizes 1, 8 and 32: B distinct random prompts of P tokens, G greedy tokens each.
 
@@ -32,6 +32,9 @@ from pathlib import Path
 import torch
 
 BATCHES = (1, 8, 32)
+# Each side runs in a spawned process that imports this module again: the services and
+# transformers are imported inside the functions that need them, so that neither side's
+# peak RSS counts the other's code.
 
 
 def prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:

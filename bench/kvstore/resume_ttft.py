@@ -1,7 +1,7 @@
 """Time to first token when a conversation resumes: recompute vs reused KV from each tier.
 
-    python -m bench.resume_ttft [--quick] [--sizes 512,2048,4096] [--reps 3] [--samples 3]
-                                [--dtype float32] [--raw]
+    python -m bench.kvstore.resume_ttft [--quick] [--sizes 512,2048,4096] [--reps 3]
+        [--samples 3] [--dtype float32] [--demo-size small] [--raw]
 
 The `small` demo model (written to a temp dir), a history of H random tokens already
 saved to the node's kvstore (a real ``python -m services.kvstore`` process with RocksDB),
@@ -38,10 +38,7 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -51,30 +48,30 @@ from pathlib import Path
 import grpc
 import torch
 
+from bench.harness import Proc, free_port, start_service, stop_processes, use_cluster_secret
+from services.engine.api_types import GenerateRequest, SamplingParams
+from services.engine.async_engine import AsyncEngine
+from services.engine.config import EngineConfig, OffloadConfig
+from services.engine.model import write_demo_model
+from services.engine.offload.kvstore_wire import DEFAULT_TENANT
+from services.models.commands import model_folder
+from shared import internal_auth
+from shared.aio import freeze_startup_heap
+from shared.cluster_config import SECRET_ENV
+from shared.proto import kvstore_pb2, kvstore_pb2_grpc
+
 NEW_MESSAGE_TOKENS = 50
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
-def kvstore_process(port: int, ssd_path: Path):
+def kvstore_process(port: int, ssd_path: Path, log_dir: Path) -> Iterator[Proc]:
     """A real kvstore process (DRAM + RocksDB tiers) on ``port``."""
-    cmd = [sys.executable, "-m", "services.kvstore", "--port", str(port), "--ssd-path",
-           str(ssd_path), "--drain-s", "60"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = start_service("kvstore", {"port": port, "ssd_path": ssd_path, "drain_s": 60},
+                         log_dir / "kvstore.log")
     try:
         yield proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_processes([proc], 60.0)
 
 
 def engine_process(conn: Connection, model: str, address: str, mode: str, dtype: str,
@@ -85,13 +82,6 @@ def engine_process(conn: Connection, model: str, address: str, mode: str, dtype:
 
 async def _serve_engine(conn: Connection, model: str, address: str, mode: str, dtype: str,
                         threads: int) -> None:
-    from services.engine.api_types import GenerateRequest, SamplingParams
-    from services.engine.async_engine import AsyncEngine
-    from services.engine.config import EngineConfig, OffloadConfig
-    from shared import internal_auth
-    from shared.aio import freeze_startup_heap
-    from shared.cluster_config import SECRET_ENV
-
     internal_auth.configure(os.environ[SECRET_ENV])  # (the bench's cluster secret)
     # Every reusing engine loads the whole stored prefix (policy "always"): the bench
     # measures each tier's load path, and the cost planner, whose estimates come from
@@ -259,10 +249,6 @@ def report(size: int, r: dict[str, float]) -> None:
 
 def evict_dram(address: str, session: str) -> None:
     """Drop the session's chunks from the kvstore's DRAM tier only (they stay on SSD)."""
-    from services.engine.offload.kvstore_wire import DEFAULT_TENANT
-    from shared import internal_auth
-    from shared.proto import kvstore_pb2, kvstore_pb2_grpc
-
     auth = internal_auth.current()
     with grpc.insecure_channel(address) as channel:
         kvstore_pb2_grpc.KVStoreStub(channel).Delete(kvstore_pb2.DeleteRequest(
@@ -272,15 +258,13 @@ def evict_dram(address: str, session: str) -> None:
 
 
 def run(sizes: list[int], reps: int, samples: int, dtype: str, threads: int,
-        ssd_after_restart: bool, raw: bool, model_spec: str = "") -> None:
-    from services.engine.model import write_demo_model
-    from services.models.commands import model_folder
-
+        ssd_after_restart: bool, raw: bool, model_spec: str = "", demo_size: str = "small"
+        ) -> None:
     with tempfile.TemporaryDirectory(prefix="overture-bench-") as tmp:
         if model_spec:
             model = model_folder(model_spec, dtype, Path(".overture/models"))
         else:
-            model = write_demo_model(Path(tmp) / "small", size="small", seed=0)
+            model = write_demo_model(Path(tmp) / demo_size, size=demo_size, seed=0)
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
         port = free_port()
         address = f"127.0.0.1:{port}"
@@ -289,7 +273,7 @@ def run(sizes: list[int], reps: int, samples: int, dtype: str, threads: int,
 
         def start() -> None:
             stack = contextlib.ExitStack()
-            stack.enter_context(kvstore_process(port, ssd))
+            stack.enter_context(kvstore_process(port, ssd, Path(tmp)))
             procs.append(stack)
 
         start()
@@ -340,7 +324,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     ap.add_argument("--model", default="",
                     help="a model folder, a .gguf file or a packaged model's name "
-                    "(smollm2-135m-instruct); default: the small demo model")
+                    "(smollm2-135m-instruct); default: a demo model (--demo-size)")
+    ap.add_argument("--demo-size", default="small", choices=("tiny", "small"),
+                    help="the demo model's size (tiny: a smoke run) [small]")
     ap.add_argument("--ssd-after-restart", action="store_true",
                     help="SSD rows: restart the kvstore instead of evicting its DRAM copy")
     args = ap.parse_args(argv)
@@ -349,19 +335,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         sizes, reps, args.samples = [s for s in sizes if s <= 2048] or [512], 1, 1
     threads = args.threads or torch.get_num_threads()
-    # A cluster secret of this run, for the kvstore process, the engines and this process.
-    from shared import internal_auth
-    from shared.cluster_config import SECRET_ENV, new_secret
-
-    os.environ[SECRET_ENV] = new_secret()
-    internal_auth.configure(os.environ[SECRET_ENV])
-    print(f"resume TTFT: {args.model or 'small demo model'}, {args.dtype}, "
+    # The harness's cluster secret, for the kvstore process, the engines and this process.
+    use_cluster_secret()
+    print(f"resume TTFT: {args.model or args.demo_size + ' demo model'}, {args.dtype}, "
           f"{threads} torch threads, pid {os.getpid()}")
     print("ssd rows: " + ("kvstore restarted (cold process)" if args.ssd_after_restart
                           else "history evicted from the kvstore's DRAM"))
     print(f"medians of {reps} recomputes and {reps * max(1, args.samples)} requests per reuse mode")
     run(sizes, reps, max(1, args.samples), args.dtype, args.threads, args.ssd_after_restart,
-        args.raw, args.model)
+        args.raw, args.model, args.demo_size)
 
 
 if __name__ == "__main__":

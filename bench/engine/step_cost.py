@@ -1,6 +1,6 @@
 """What a decode step of a tiny model costs, its linears on MKL against oneDNN, in one run.
 
-    python -m bench.step_cost [--rounds 10] [--steps 30]
+    python -m bench.engine.step_cost [--rounds 10] [--steps 30]
 
 The multi-model benchmark runs eight engines of the `tiny` demo models on two cores, one
 intra-op thread each, and the cores bind: the cost of a step is what it can serve. At those

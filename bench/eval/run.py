@@ -5,8 +5,9 @@ traces (``bench/workloads``) against the policies (recompute, sticky, balanced) 
 ablations, then sweeps missed and spurious advisories on ``balanced``. Writes
 ``bench/results/<run>/report.md`` with tables and plots, and ``results.json``.
 
-    python -m bench.run_eval --quick            # under 10 minutes
-    python -m bench.run_eval --profile full     # more users and sessions, longer
+    python -m bench.eval.run --quick            # under 10 minutes
+    python -m bench.eval.run --profile full     # more users and sessions, longer
+    python -m bench.eval.run --profile smoke --results-dir DIR   # a smoke run: a minute
 
 With ``--sim CALIBRATION`` it also simulates the same traces (``bench/sim``) and reports
 the simulated TTFT and TPOT beside the measured ones.
@@ -26,44 +27,15 @@ from typing import Any
 
 from tqdm import tqdm
 
+from bench.eval.jobs import Job, jobs_of, trace_of
 from bench.eval.measure import Measured, imbalance, measure, tagged
-from bench.eval.profiles import BALANCED, PROFILES, Profile, Variant
+from bench.eval.profiles import PROFILES, Profile
 from bench.eval.report import write_report
-from bench.overload import Cluster
+from bench.eval.sim_check import simulate_jobs
+from bench.harness import overture_up, show_progress
 from bench.workloads.replay import summary
-from bench.workloads.trace import Trace, build_trace
 
-RESULTS = Path(__file__).resolve().parent / "results"
-WARMUP_USERS = 2
-
-
-@dataclasses.dataclass(frozen=True)
-class Job:
-    """One replay: a trace of ``users`` with these advisory knobs on ``variant``."""
-
-    variant: Variant
-    users: int
-    missed: float = 0.0
-    spurious: float = 0.0
-
-    @property
-    def tag(self) -> str:
-        return f"{self.variant.name}-u{self.users}-m{self.missed:g}-s{self.spurious:g}"
-
-
-def jobs_of(profile: Profile) -> list[Job]:
-    jobs = [Job(v, u) for v in profile.variants for u in profile.users]
-    if BALANCED in profile.variants:
-        jobs += [Job(BALANCED, profile.high_load, missed=m) for m in profile.missed]
-        jobs += [Job(BALANCED, profile.high_load, spurious=s) for s in profile.spurious]
-    return jobs
-
-
-def trace_of(profile: Profile, job: Job, seed: int) -> Trace:
-    return build_trace(users=job.users, sessions_per_user=profile.sessions_per_user,
-                       seed=seed, mean_gap_s=profile.mean_gap_s, cv=profile.gap_cv,
-                       missed=job.missed, spurious=job.spurious,
-                       max_user=profile.max_user_tokens, max_answer=profile.max_answer_tokens)
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def record(job: Job, m: Measured, wall_s: float) -> dict[str, Any]:
@@ -89,12 +61,15 @@ def run(profile: Profile, run_dir: Path, seed: int, ready_timeout: float) -> lis
             workdir = Path(tmp) / variant.name
             workdir.mkdir()
             bar.set_postfix_str(f"starting {variant.name}")
-            with Cluster(workdir, "divided", ["--config", str(config)], ready_timeout,
-                         label=variant.name) as cluster:
-                # A first replay warms the engines (allocator pages, kernels): not measured.
-                warm = tagged(trace_of(profile, Job(variant, WARMUP_USERS), seed + 1), "warm")
-                asyncio.run(measure(cluster.url, cluster.model, warm, profile.time_scale,
-                                    profile.max_answer_tokens))
+            with overture_up(workdir, size=profile.model_size,
+                             extra_args=["--config", str(config)],
+                             ready_timeout=ready_timeout, label=variant.name) as cluster:
+                if profile.warmup_users:
+                    # A first replay warms the engines (allocator pages, kernels): not measured.
+                    warm = tagged(trace_of(profile, Job(variant, profile.warmup_users),
+                                           seed + 1), "warm")
+                    asyncio.run(measure(cluster.url, cluster.model, warm, profile.time_scale,
+                                        profile.max_answer_tokens))
                 for job in mine:
                     bar.set_postfix_str(job.tag)
                     trace = tagged(trace_of(profile, job, seed), job.tag)
@@ -119,6 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile", choices=sorted(PROFILES), default="full")
     ap.add_argument("--quick", action="store_true", help="the quick profile (< 10 min)")
     ap.add_argument("--run", default="", help="results folder name [default: date-profile]")
+    ap.add_argument("--results-dir", default=str(RESULTS),
+                    help="where the results folders are [bench/results]")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--variants", nargs="*", default=None, help="only these variants")
     ap.add_argument("--sim", default="", help="a bench/sim calibration JSON: also simulate")
@@ -126,11 +103,13 @@ def main(argv: list[str] | None = None) -> None:
                     help="rewrite the report of an earlier --run from its results.json")
     ap.add_argument("--ready-timeout", type=float, default=600.0)
     args = ap.parse_args(argv)
+    show_progress()
     profile = PROFILES["quick" if args.quick else args.profile]
     if args.variants:
         profile = dataclasses.replace(profile, variants=tuple(
             v for v in profile.variants if v.name in args.variants))
-    run_dir = RESULTS / (args.run or f"{time.strftime('%Y%m%d-%H%M')}-{profile.name}")
+    run_dir = Path(args.results_dir) / (args.run
+                                        or f"{time.strftime('%Y%m%d-%H%M')}-{profile.name}")
     if not args.report_only:
         run_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -143,8 +122,6 @@ def main(argv: list[str] | None = None) -> None:
         records = run(profile, run_dir, args.seed, args.ready_timeout)
     sim = None
     if args.sim:
-        from bench.eval.sim_check import simulate_jobs
-
         sim = simulate_jobs(profile, args.seed, Path(args.sim), records)
     report = write_report(run_dir, profile, records, sim)
     print(report.read_text())

@@ -1,0 +1,37 @@
+"""Smoke runs of the multi-model benches (``bench.multimodel``)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from bench.multimodel import activation, load
+
+
+@pytest.mark.slow
+def test_load_attainment(capsys: pytest.CaptureFixture[str],
+                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)  # (the bench sets it: restored)
+    # prism alone on two of the models (two engines a node): the other systems are
+    # cluster settings of the same code (bench.cluster.idle_cost starts swap's).
+    load.main(["--systems", "prism", "--models", "2", "--loads", "2", "--phases", "1",
+               "--phase-s", "1", "--prompt-words", "20", "--gen", "4"])
+    out = capsys.readouterr().out
+    assert re.search(r"^  prism  load  2.0/s: attainment +[\d.]+%, +[\d.]+ req/s "
+                     r"\(\d+/\d+ done; met by model: tiny-1 \d+/\d+, tiny-2 \d+/\d+\)$",
+                     out, re.M), out
+    assert "| load (req/s) | prism attainment | prism req/s |" in out
+    assert re.search(r"^\| 2 \| [\d.]+% \| [\d.]+ \|$", out, re.M), out
+    assert "goals: not judged" in out
+
+
+def test_activation_against_a_new_process(capsys: pytest.CaptureFixture[str]) -> None:
+    activation.main(["--size", "tiny", "--dtype", "float32", "--reps", "1"])
+    out = capsys.readouterr().out
+    assert "tiny model (float32), 1 reps, median seconds to the first token" in out
+    assert re.search(r"new engine process +[\d.]+ s", out), out
+    for source in ("disk", "host memory"):
+        assert re.search(rf"activate, from {source} +[\d.]+ s +\([\d.]+x faster than a new "
+                         "process\\)", out), out
+    assert "goal: activation from host memory < 1 s:" in out

@@ -1,0 +1,46 @@
+"""Smoke runs of the simulator's scripts (``bench.sim``): its calibration on the bare
+engine and through a cluster, and the scaling experiments."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.harness import REPO
+from bench.sim import calibrate, calibrate_cluster, scale
+from bench.sim.costs import Calibration
+
+
+def test_calibrate_on_the_bare_engine(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                      torch_threads: None) -> None:
+    calibrate.main(["--size", "tiny", "--dtype", "float32", "--out", str(tmp_path / "c.json")])
+    out = capsys.readouterr().out
+    assert "prefill new=  16 ctx=    0:" in out and "decode batch=  1 ctx=   64:" in out
+    assert f"wrote {tmp_path / 'c.json'}" in out
+    cal = Calibration.load(tmp_path / "c.json")
+    assert cal.name == "cpu-tiny" and cal.num_layers == 2
+
+
+@pytest.mark.slow
+def test_calibrate_through_a_cluster(capsys: pytest.CaptureFixture[str],
+                                     tmp_path: Path) -> None:
+    calibrate_cluster.main([
+        "--size", "tiny", "--quick", "--out", str(tmp_path / "c.json"),
+        "--base", str(REPO / "bench" / "sim" / "calibration-cpu-small.json")])
+    out = capsys.readouterr().out
+    assert "first tokens (prompt tokens, s):" in out
+    assert "decode steps (streams per node, s):" in out
+    assert f"wrote {tmp_path / 'c.json'}: prefill " in out
+    assert Calibration.load(tmp_path / "c.json").name == "cpu-small-cluster"
+
+
+def test_scale_simulations(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    scale.main(["--nodes", "2", "--users", "4", "--max-answer", "16", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "| nodes | users | policy | TPOT ms | TTFT ms |" in out
+    for policy in scale.POLICIES:
+        assert f"| 2 | 4 | {policy} | " in out
+    assert (tmp_path / "scale.md").read_text() in out + "\n"
+    assert (tmp_path / "fig11-tpot.png").stat().st_size > 0
+    assert (tmp_path / "fig15-load.png").stat().st_size > 0
