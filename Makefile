@@ -35,10 +35,12 @@ proto: $(STAMP)
 run: setup
 	$(VENV)/bin/overture up $(ARGS)
 
-# ruff (pyflakes, pycodestyle, isort, bugbear, pyupgrade, ...) and mypy; rules in pyproject.
+# ruff (pyflakes, pycodestyle, isort, bugbear, pyupgrade, ...) and mypy, rules in pyproject;
+# then no import circle among the project's modules (function-level imports count too).
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
+	$(PY) tools/check_imports.py
 
 test: lint browser
 	@if command -v chromium >/dev/null 2>&1; then \
