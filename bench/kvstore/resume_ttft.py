@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="requests of each reuse mode per repetition")
     ap.add_argument("--raw", action="store_true", help="print every sample (ms, JSON)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                    help="float32 is the faster CPU dtype here (see the README)")
+                    help="float32 is the faster CPU dtype here (see bench/README.md)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     ap.add_argument("--model", default="",
                     help="a model folder, a .gguf file or a packaged model's name "

@@ -29,7 +29,7 @@ class Shape:
     defaults a request is ~710 tokens (~610 of prompt): ~22 pages for a 2-layer model, ~44
     for a 4-layer one. A static quarter of the room holds two and one of them, and the hot
     model under prism may hold most of the room; but the two cores bind soon after (see
-    README: the goals are met at 2-5 req/s, not once the cores bind)."""
+    bench/README.md: the goals are met at 2-5 req/s, not once the cores bind)."""
     kv_pages: int = 256
     prompt_words: int = 300  # ~2 tokens each with the demo models' 3000-token vocabulary
     gen: int = 96

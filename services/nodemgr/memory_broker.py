@@ -51,7 +51,7 @@ class MemoryBroker:
     A round asks every engine of the node for its Status. While ``busy()`` says the node
     has no request in any engine, none can wait for pages, and a round runs only every
     ``idle_interval_s`` (measured: eight idle engines polled ten times a second cost 17.5%
-    of two cores, 10% at once a second; ``python -m bench.idle_cost``)."""
+    of two cores, 10% at once a second; ``python -m bench.cluster.idle_cost``)."""
 
     def __init__(self, poll: Callable[[], Awaitable[list[EngineMemory]]],
                  shrink: Callable[[str, int], Awaitable[int]], interval_s: float = 0.1,

@@ -3,8 +3,8 @@ loads weights from host memory, not disk).
 
 Each model's ``*.safetensors`` files are mapped once per node, read-only and shared, and
 the kernel is asked to read them in (``MADV_WILLNEED``). An engine activating the model
-maps the same files and finds their pages resident: `bench/activation.py` measures the
-difference. The page cache stays the kernel's to manage: under memory pressure it may
+maps the same files and finds their pages resident: ``bench.multimodel.activation``
+measures the difference. The page cache stays the kernel's to manage: under memory pressure it may
 still drop pages, and activation then reads them from disk.
 """
 

@@ -13,20 +13,20 @@ weight bytes, in host memory, for as long as the model lives.
 Float32 GEMMs on CPU go through oneDNN (``torch.ops.mkldnn._linear_pointwise``, the op
 PyTorch's own CPU compiler emits for linears) rather than ``F.linear`` (MKL): it is faster
 with the few rows of a decode step or a short prompt suffix, and no slower at 512 rows
-(README, "Engine speed"). Where the op is missing (a build without oneDNN) ``F.linear``
+(bench/README.md, "Engine speed"). Where the op is missing (a build without oneDNN) ``F.linear``
 is used.
 
 Float32 weights on CPU are also held in oneDNN's own blocked layout, packed once at load
 (``pack_float32``), as PyTorch's CPU compiler does when it freezes a model: given a plain
 weight, oneDNN reorders it on every call, a noticeable share of a short step with its
-weights cold in cache (README). The packed copy replaces the plain weight. Where the
+weights cold in cache (bench/README.md). The packed copy replaces the plain weight. Where the
 plain one was made at load (a bf16 checkpoint served in float32, fused q/k/v and gate/up)
 that adds no memory; a weight that was a zero-copy view of a float32 checkpoint's file
 mapping becomes anonymous memory instead (its file pages are then only reclaimable cache).
 
 Small float32 weights (the tiny demo models') in an engine with one intra-op thread go to
 MKL (``F.linear``) instead: oneDNN costs ~40 us a call whatever the shape, 3-5x MKL's whole
-call at these shapes (README, "Several models"). A row's result must not depend on how many
+call at these shapes (bench/README.md, "Several models"). A row's result must not depend on how many
 rows share the GEMM (reused KV must equal recomputed KV bit for bit), and MKL computes one
 to three rows with other kernels than four or more: such calls are padded to four rows, and
 each weight shape is checked once, on the loading thread, to give every row the same bits

@@ -113,6 +113,7 @@ def test_openai_agents_sdk_runs_a_tool_step(cluster: Cluster) -> None:
     assert isinstance(result.final_output, Report)
 
 
+@pytest.mark.slow
 def test_langgraph_prebuilt_agent_runs_a_tool_step(cluster: Cluster) -> None:
     from langchain_core.messages import ToolMessage
     from langchain_core.tools import tool

@@ -124,6 +124,7 @@ def test_streamed_tool_calls_match_the_whole_response(client: openai.OpenAI) -> 
     assert [args[i] for i in sorted(args)] == [c.function.arguments for c in expected]
 
 
+@pytest.mark.slow
 def test_json_schema_output_validates_on_every_seed(client: openai.OpenAI) -> None:
     fmt = {"type": "json_schema",
            "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}

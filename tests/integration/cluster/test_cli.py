@@ -23,6 +23,7 @@ def _reader(stream, lines: queue.Queue) -> None:
     lines.put(None)
 
 
+@pytest.mark.slow
 def test_up_serves_and_stops_cleanly(tiny_model: Path, tmp_path: Path) -> None:
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(REPO))

@@ -111,6 +111,7 @@ def _serve_only(cluster: Cluster, node: str) -> None:
         assert status == 200
 
 
+@pytest.mark.slow
 def test_a_chat_with_an_advisory_moves_between_the_compose_nodes(local) -> None:
     cluster, lc = local
     messages = [{"role": "system", "content": "You answer in one line. " * 12},

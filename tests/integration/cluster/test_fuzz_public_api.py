@@ -38,6 +38,7 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 
 # (schemathesis's pytest plugin does not run under this pytest: driven through hypothesis)
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(schemathesis.GenerationMode))
 def test_no_answer_breaks_the_description(cluster: Cluster,
                                           mode: schemathesis.GenerationMode) -> None:

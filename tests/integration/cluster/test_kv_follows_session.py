@@ -108,6 +108,7 @@ def test_turns_alternating_between_nodes_reuse_their_history(
     assert cluster.s3_endpoint
 
 
+@pytest.mark.slow
 def test_a_turn_on_another_node_while_the_save_is_in_flight_gets_it_all(
     tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, reference: list
 ) -> None:
@@ -133,6 +134,7 @@ def test_a_turn_on_another_node_while_the_save_is_in_flight_gets_it_all(
         assert "pulling from peer" in c.procs["node1.kvstore"].tail(200)
 
 
+@pytest.mark.slow
 def test_a_peer_dying_mid_pull_leaves_the_output_correct(
     tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, reference: list
 ) -> None:

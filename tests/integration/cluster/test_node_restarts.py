@@ -282,6 +282,7 @@ def up(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[U
         yield u
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("part", ["engine", "kvstore", "nodemgr"])
 def test_a_killed_part_restarts_and_its_session_continues(
     up: Up, part: str, reference: dict[str, Transcript]
@@ -296,6 +297,7 @@ def test_a_killed_part_restarts_and_its_session_continues(
         assert kv_from in ("peer", "s3"), (kv_from, up.tail())
 
 
+@pytest.mark.slow
 def test_without_s3_a_dead_kvstore_means_recompute_still_correct(
     tiny_model: Path, tmp_path: Path, reference: dict[str, Transcript]
 ) -> None:

@@ -78,6 +78,7 @@ class RotationWatch:
         self._thread.join()
 
 
+@pytest.mark.slow
 def test_a_burst_beyond_capacity_gets_200_or_429_and_nodes_stay(cluster: Cluster) -> None:
     bodies = [_chat(f"request {i}: tell me about the number {i * 7919}", 24) for i in range(240)]
     with (RotationWatch(cluster, {"node0", "node1"}) as watch,

@@ -21,6 +21,9 @@ from services.models.commands import model_folder
 from services.models.prepare import MARKER, ModelPrepareError, prepare_gguf, slug
 from tests.cluster import REPO, Cluster, start_cluster
 
+# The packaged GGUF is converted once for the module (about half a minute).
+pytestmark = pytest.mark.slow
+
 QUESTION = "What is the capital of France? Answer in one sentence."
 
 

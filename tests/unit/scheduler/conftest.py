@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import pytest
 
+from services.local_cluster import free_port
 from services.nodemgr.app import start as start_nodemgr
 from services.nodemgr.config import NodeManagerConfig
 from services.scheduler.app import Running
@@ -33,6 +34,9 @@ class MiniCluster:
     stack: AsyncExitStack
     engine_servers: list = field(default_factory=list)
     engines: list[FakeEngine] = field(default_factory=list)
+    # Each node's kvstore address: a free port with nothing behind it (the node manager
+    # probes it; a test may serve a health service there).
+    kvstore_ports: list[int] = field(default_factory=list)
 
     async def wait_nodes(self, count: int, timeout: float = 5.0) -> None:
         loop = asyncio.get_running_loop()
@@ -65,6 +69,7 @@ async def make_cluster(
         [engine] if engine else [FakeEngine(token_delay_s=token_delay_s) for _ in range(nodes)]
     )
     servers = []
+    kvstore_ports = [free_port() for _ in range(nodes)]
     for i in range(nodes):
         node_engine = engines[i % len(engines)]
         server = await stack.enter_async_context(
@@ -89,13 +94,14 @@ async def make_cluster(
                 "engine_address": f"127.0.0.1:{server.port}",
                 "heartbeat_interval_s": 0.1,
                 "engine_wait_s": 5,
-                "kvstore_address": f"127.0.0.1:{7000 + i}",
+                "kvstore_address": f"127.0.0.1:{kvstore_ports[i]}",
             },
         )
         await start_nodemgr(nm, stack)
     http = await stack.enter_async_context(aiohttp.ClientSession())
     cluster = MiniCluster(
-        sched, engines[0], http, f"http://127.0.0.1:{sched.http_port}", stack, servers, engines
+        sched, engines[0], http, f"http://127.0.0.1:{sched.http_port}", stack, servers, engines,
+        kvstore_ports,
     )
     await cluster.wait_nodes(nodes)
     return cluster

@@ -127,8 +127,7 @@ async def _behind_then_429(two: MiniCluster) -> None:
 
 async def test_a_node_without_its_kvstore_is_degraded_but_serves(two: MiniCluster) -> None:
     # node1's kvstore answers health checks; node0's address has nothing behind it.
-    port = 7001
-    async with serve_grpc("127.0.0.1", port, register=[],
+    async with serve_grpc("127.0.0.1", two.kvstore_ports[1], register=[],
                           service_names=["overture.v1.KVStore"], grace_s=0.1):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 5
