@@ -35,7 +35,7 @@ import torch
 from services.engine.admission import Admission
 from services.engine.api_types import EngineStatus
 from services.engine.engine_core import EngineCore, Event, Failure
-from services.engine.errors import INTERNAL, EngineError
+from services.engine.errors import INTERNAL, UNAVAILABLE, EngineError
 from services.engine.worker.commands import Add, Command, apply
 
 log = logging.getLogger(__name__)
@@ -112,9 +112,12 @@ class Worker:
             self._task = None
 
     def detach(self) -> None:
-        """(after ``halt``, the core closed) Forget the core and what was queued for it."""
+        """(after ``halt``, the core closed) Forget the core and what was queued for it:
+        its queue, and the adds that never reached it (their streams were failed), so the
+        next model's admission starts from an empty queue."""
         self._core = None
         self._inbox.clear()
+        self._pending_adds = self._waiting = 0
         self.snapshot = None
         self._stopping = False
 
@@ -178,8 +181,10 @@ class Worker:
         try:
             return await asyncio.wait_for(asyncio.shield(self._fresh), max_wait_s)
         except TimeoutError:
-            assert self.snapshot is not None  # (taken when serving began)
-            return dataclasses.replace(self.snapshot, step_started=self.step_started)
+            snapshot = self.snapshot  # (taken when serving began; None once detached)
+            if snapshot is None:
+                raise EngineError(UNAVAILABLE, "the engine stopped serving its model") from None
+            return dataclasses.replace(snapshot, step_started=self.step_started)
 
     async def _fresh_status(self, core: EngineCore) -> EngineStatus:
         await self.flush()

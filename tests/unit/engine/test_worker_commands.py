@@ -8,9 +8,12 @@ import asyncio
 import threading
 from typing import cast
 
+import pytest
+
 from services.engine.admission import Admission
 from services.engine.api_types import EngineStatus, GenerateOutput, SamplingParams
 from services.engine.engine_core import EngineCore, Event
+from services.engine.errors import UNAVAILABLE, EngineError
 from services.engine.offload import PrefetchOrder
 from services.engine.reuse_plan import ReusePlan
 from services.engine.validation import PreparedRequest
@@ -165,3 +168,37 @@ async def test_an_add_counts_as_queued_until_a_step_applies_it() -> None:
         assert worker.queued == 0 and worker.snapshot is not None
     finally:
         await stopped(worker)
+
+
+async def test_detaching_forgets_the_adds_that_never_reached_the_core() -> None:
+    core, sink = RecordingCore(), Sink()
+    worker = await served(core, sink)
+    try:
+        await worker.halt()  # stepping ends (a model is being evicted)
+        worker.submit(Add(REQUEST))
+        worker.submit(Add(PreparedRequest("r2", [1], SamplingParams(), 4, b"seed", 0)))
+        assert worker.queued == 2
+        worker.detach()
+        # The next model's admission must not count requests of the old one as queued.
+        assert worker.queued == 0 and core.calls == []
+    finally:
+        worker.shutdown()
+
+
+async def test_a_status_that_times_out_after_detaching_is_unavailable() -> None:
+    core, sink = RecordingCore(), Sink()
+    worker = await served(core, sink)
+    gate = threading.Event()
+    try:
+        blocker = worker.run(gate.wait)  # the thread is busy (a long forward pass)
+        asked = asyncio.ensure_future(worker.status(max_wait_s=0.2))
+        await asyncio.sleep(0.05)  # the question waits behind the busy thread
+        worker.detach()  # the model goes meanwhile: no snapshot to answer from
+        with pytest.raises(EngineError) as raised:
+            await asked
+        assert raised.value.code == UNAVAILABLE
+    finally:
+        gate.set()
+    await blocker
+    await worker.halt()
+    worker.shutdown()
