@@ -35,6 +35,8 @@ from services.models.commands import cmd_models as models_command
 from services.models.prepare import ModelPrepareError, slug
 from services.s3_server import S3ServerError, s3_server_spec
 from services.supervisor import supervise
+from shared.cluster_config import SECRET_ENV, new_secret
+from shared.config import ConfigError, load_yaml, parse_size
 from shared.cpus import available_cpus, divide_cpus, format_cpus
 
 SERVICES = ("scheduler", "nodemgr", "engine", "kvstore")
@@ -65,14 +67,12 @@ def ensure_demo_model(size: str, root: Path = DEMO_DIR) -> Path:
 def _yaml_section_value(config: str | None, section: str, key: str) -> object | None:
     if not config:
         return None
-    from shared.config import load_yaml
 
     sect = load_yaml(config).get(section) or {}
     return sect.get(key) if isinstance(sect, dict) else None
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from shared.config import ConfigError
 
     try:
         port = args.port or _yaml_section_value(args.config, "scheduler", "port") or 8000
@@ -142,7 +142,6 @@ def _has_api_keys(config: str | None) -> bool:
 def _cluster_secret(config: str | None) -> None:
     """Unless the operator gave one (environment or YAML), a fresh cluster secret for this
     run, handed to every child through its environment (never on a command line)."""
-    from shared.cluster_config import SECRET_ENV, new_secret
 
     if os.environ.get(SECRET_ENV) or os.environ.get(SECRET_ENV + "_FILE") or any(
             _yaml_section_value(config, "cluster", k) for k in ("secret", "secret_file")):
@@ -183,7 +182,6 @@ def _model(args: argparse.Namespace, dtype: str, spec: str | None) -> tuple[str,
 
 
 def _size(text: str) -> int:
-    from shared.config import parse_size
 
     return parse_size(text)
 
@@ -209,7 +207,7 @@ def _interruptible(
 
 
 def cmd_demo_model(args: argparse.Namespace) -> int:
-    from services.engine.model import write_demo_model
+    from services.engine.model import write_demo_model  # heavy (torch): import on demand
 
     if args.several:
         # Several models of each size (different seeds) for trying multi-model serving:
@@ -239,7 +237,6 @@ def run_service(name: str, argv: Sequence[str]) -> int:
 
 
 def cmd_secret(args: argparse.Namespace) -> int:
-    from shared.cluster_config import new_secret
 
     print(new_secret())
     return 0

@@ -18,12 +18,14 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from services.s3_server import S3ServerError, s3_server_spec
+from shared.cluster_config import new_secret
+
 DEMO_MODEL = "demo"  # the folder under --models the init job writes
 
 
 def cmd_init(args: argparse.Namespace) -> int:
-    from services.engine.model import write_demo_model
-    from shared.cluster_config import new_secret
+    from services.engine.model import write_demo_model  # heavy (torch): import on demand
 
     models = Path(args.models)
     target = models / DEMO_MODEL
@@ -48,7 +50,6 @@ def cmd_init(args: argparse.Namespace) -> int:
 def cmd_s3_server(args: argparse.Namespace) -> int:
     """Become ``weed mini`` as ``overture up`` runs it (its ports chosen free but the S3
     one): signals reach the server itself, as a container's stop needs."""
-    from services.s3_server import S3ServerError, s3_server_spec
 
     try:
         spec = s3_server_spec(Path(args.dir), host=args.host, s3_port=args.s3_port)

@@ -15,7 +15,10 @@ from pathlib import Path
 
 from services.s3_server import S3ServerSpec, bucket_ready
 from services.supervisor import ChildSpec
+from shared.config import load_yaml
 from shared.cpus import format_cpus
+from shared.device_ledger import create_ledger
+from shared.model_catalog import ModelEntry, write_catalog
 
 # Ports handed to children come from below the kernel's ephemeral range (32768-60999 on
 # Linux): a port picked there can be taken as the source port of some outgoing connection
@@ -143,7 +146,6 @@ def cluster_specs(
 
 def has_catalog(path: str) -> bool:
     """Whether the YAML file lists a model catalogue (``models:``)."""
-    from shared.config import load_yaml
 
     return bool(load_yaml(path).get("models"))
 
@@ -152,7 +154,6 @@ def catalog_file(config: str | None, served: list[tuple[str, str]], state_dir: P
     """The model catalogue of a local cluster: the config's ``models:`` list when it has
     one, else the served (folder, name) pairs with the default SLOs, written to
     ``state_dir/models.yaml``."""
-    from shared.model_catalog import ModelEntry, write_catalog
 
     if config and has_catalog(config):
         return config
@@ -163,7 +164,6 @@ def catalog_file(config: str | None, served: list[tuple[str, str]], state_dir: P
 
 def node_ledgers(nodes: int, budget_bytes: int) -> list[Path]:
     """A fresh device ledger per node (in shared memory), for its engines to share."""
-    from shared.device_ledger import create_ledger
 
     tag = uuid.uuid4().hex[:8]
     return [create_ledger(Path("/dev/shm") / f"overture-ledger-node{i}-{tag}", budget_bytes)

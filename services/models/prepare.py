@@ -135,6 +135,7 @@ def _convert(gguf: Path, out: Path, dtype: str) -> None:
 
 def _check(folder: Path, dtype: str) -> str:
     """The engine's greedy answer to a short question, from ``folder``."""
+    # The engine (torch) only when a prepared model is checked: `overture models` stays quick.
     from services.engine.api_types import ChatMessage, GenerateRequest, SamplingParams
     from services.engine.async_engine import AsyncEngine
     from services.engine.config import EngineConfig
