@@ -52,8 +52,11 @@ async def make_cluster(
     engine: FakeEngine | None = None,
     nodes: int = 1,
     token_delay_s: float = 0.0,
+    kvstore_ports: list[int] | None = None,
     **scheduler_overrides: object,
 ) -> MiniCluster:
+    """The scheduler and ``nodes`` node managers, each node's kvstore at
+    ``kvstore_ports[i]`` (default: free ports with nothing behind them)."""
     overrides = {
         "port": 0,
         "grpc_port": 0,
@@ -69,7 +72,8 @@ async def make_cluster(
         [engine] if engine else [FakeEngine(token_delay_s=token_delay_s) for _ in range(nodes)]
     )
     servers = []
-    kvstore_ports = [free_port() for _ in range(nodes)]
+    if kvstore_ports is None:
+        kvstore_ports = [free_port() for _ in range(nodes)]
     for i in range(nodes):
         node_engine = engines[i % len(engines)]
         server = await stack.enter_async_context(

@@ -10,6 +10,7 @@ from contextlib import AsyncExitStack
 
 import pytest
 
+from services.local_cluster import free_port
 from services.scheduler.advisory import (
     EXPIRED,
     FOLLOWED,
@@ -92,13 +93,15 @@ class FakeKVStore(kvstore_pb2_grpc.KVStoreServicer):
 async def two() -> AsyncIterator[tuple[MiniCluster, list[FakeKVStore]]]:
     async with AsyncExitStack() as stack:
         stores = [FakeKVStore(), FakeKVStore()]
-        for i, store in enumerate(stores):  # at the kvstore addresses the nodes name
+        ports = [free_port(), free_port()]
+        for port, store in zip(ports, stores, strict=True):  # where the nodes' kvstores are
             await stack.enter_async_context(serve_grpc(
-                "127.0.0.1", 7000 + i,
+                "127.0.0.1", port,
                 register=[lambda s, k=store: kvstore_pb2_grpc.add_KVStoreServicer_to_server(k, s)],
                 service_names=["overture.v1.KVStore"], grace_s=0.1))
-        c = await make_cluster(stack, nodes=2, advisory_ttl_s=0.2, advisory_throttle_after=2,
-                               advisory_min_useful=0.5, advisory_throttle_rate=0.05)
+        c = await make_cluster(stack, nodes=2, kvstore_ports=ports, advisory_ttl_s=0.2,
+                               advisory_throttle_after=2, advisory_min_useful=0.5,
+                               advisory_throttle_rate=0.05)
         yield c, stores
 
 
@@ -134,7 +137,7 @@ async def test_an_advised_turn_goes_where_its_kv_was_prefetched(two) -> None:
         await asyncio.sleep(0.02)
     sent = store.prefetches[-1]
     assert (sent.session.session_id, sent.session.tenant) == ("s1", "default")
-    assert sent.peer_address == f"127.0.0.1:{7000 + int(holder[-1])}"
+    assert sent.peer_address == f"127.0.0.1:{c.kvstore_ports[int(holder[-1])]}"
     # The turn's length: the holder waits for its save of the turn if still running.
     assert sent.wait_tokens == turn["usage"]["total_tokens"] > 0
     # Undrained and made busier, the holder would win a tie; the advised node wins anyway.

@@ -57,7 +57,7 @@ async def test_the_next_turn_on_another_node_names_where_the_kv_is(two: MiniClus
     _, node = await turn(two, "s1")
     assert node == "node1"
     sent = two.engines[1].requests[-1]
-    assert sent.kv_source == "127.0.0.1:7000"  # node0's kvstore
+    assert sent.kv_source == f"127.0.0.1:{two.kvstore_ports[0]}"  # node0's kvstore
     assert sent.kv_source_tokens == first
     # Back on node1 again: its own KV, no source named.
     _, node = await turn(two, "s1")
@@ -90,7 +90,8 @@ async def test_save_reports_reach_the_scheduler_and_the_admin_view(two: MiniClus
             break
         assert loop.time() < deadline, where
         await asyncio.sleep(0.05)
-    assert where["node"] == "node0" and where["kvstore_address"] == "127.0.0.1:7000"
+    assert where["node"] == "node0"
+    assert where["kvstore_address"] == f"127.0.0.1:{two.kvstore_ports[0]}"
     assert where["node_alive"] is True and where["turn_tokens"] > 0
     # The node manager asks only for saves after the ones the scheduler acknowledged.
     while max(two.engines[0].status_calls) < 1:
@@ -113,7 +114,8 @@ async def test_a_save_report_teaches_a_scheduler_that_never_saw_the_turn(
     await serve_only(two, "node0")
     await turn(two, "learnt")
     sent = two.engines[0].requests[-1]
-    assert sent.kv_source == "127.0.0.1:7001" and sent.kv_source_tokens == 77
+    assert sent.kv_source == f"127.0.0.1:{two.kvstore_ports[1]}"
+    assert sent.kv_source_tokens == 77
 
 
 async def test_drain_and_undrain(two: MiniCluster) -> None:
@@ -189,6 +191,6 @@ async def test_a_holder_whose_heartbeat_is_late_is_still_named(two: MiniCluster)
     # (synchronous from here: no heartbeat can land between setting the beat and asking)
     holder.last_beat = reg.clock() - reg.timeout * 1.5
     assert not reg.alive(holder)
-    assert node_request(request, plan, place, reg).kv_source == "127.0.0.1:7000"
+    assert node_request(request, plan, place, reg).kv_source == f"127.0.0.1:{two.kvstore_ports[0]}"
     holder.last_beat = reg.clock() - reg.timeout * (HOLDER_SLACK + 1)
     assert node_request(request, plan, place, reg).kv_source == ""
