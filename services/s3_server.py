@@ -51,14 +51,21 @@ def _free(host: str, port: int) -> bool:
     return True
 
 
+def _ephemeral(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
 def pick_ports(host: str = "127.0.0.1", count: int = len(_ROLES)) -> list[int]:
     """``count`` ports that are free, each with its +10000 gRPC sibling free too."""
     out: list[int] = []
     for _ in range(200):
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        if port + GRPC_OFFSET > 65535 or port in out:
+        port = _ephemeral(host)
+        taken = set(out) | {p + GRPC_OFFSET for p in out}
+        # Neither the port nor its sibling may be another role's port or sibling
+        # (a master on 33293 and a volume server on 43293 both want 43293).
+        if port + GRPC_OFFSET > 65535 or port in taken or port + GRPC_OFFSET in taken:
             continue
         if _free(host, port + GRPC_OFFSET):
             out.append(port)

@@ -18,7 +18,7 @@ from pathlib import Path
 from bench.harness.cluster import Cluster
 from bench.harness.secret import use_cluster_secret
 from services.local_cluster import free_port, service_command
-from services.s3_server import s3_server_spec, wait_ready
+from services.s3_server import S3ServerError, s3_server_spec, wait_ready
 from shared import internal_auth
 from shared.device_ledger import create_ledger
 
@@ -141,12 +141,23 @@ def _new_cluster(work_dir: Path) -> Cluster:
 
 
 def _start_s3(cluster: Cluster, data_dir: Path) -> dict[str, object]:
-    """The cluster's S3 server, ready; the kvstore flags that point at it."""
-    spec = s3_server_spec(data_dir)
-    proc = cluster.spawn("s3", spec.argv()).popen
-    wait_ready(spec, 60.0, alive=lambda: proc.poll() is None)
-    cluster.s3_endpoint = spec.endpoint_url
-    return spec.kvstore_flags()
+    """The cluster's S3 server, ready; the kvstore flags that point at it.
+
+    Its five ports (and their gRPC siblings) are free when picked but another process on
+    the machine may take one before ``weed`` binds it: a server that exits during
+    start-up is started again on fresh ports, twice at most."""
+    for attempt in range(3):
+        spec = s3_server_spec(data_dir)
+        proc = cluster.spawn("s3", spec.argv()).popen
+        try:
+            wait_ready(spec, 60.0, alive=lambda: proc.poll() is None)
+        except S3ServerError:
+            if proc.poll() is None or attempt == 2:
+                raise S3ServerError(f"the S3 server did not start\n{cluster.logs()}") from None
+            continue
+        cluster.s3_endpoint = spec.endpoint_url
+        return spec.kvstore_flags()
+    raise AssertionError("unreachable")
 
 
 def _start_scheduler(cluster: Cluster, flags: dict[str, object]) -> None:
