@@ -9,10 +9,11 @@ Fast failure detection (heartbeats every 0.2 s) keeps the fault tests short.
 from __future__ import annotations
 
 import contextlib
+import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from bench.harness.cluster import Cluster
@@ -150,7 +151,7 @@ def _start_s3(cluster: Cluster, data_dir: Path) -> dict[str, object]:
         spec = s3_server_spec(data_dir)
         proc = cluster.spawn("s3", spec.argv()).popen
         try:
-            wait_ready(spec, 60.0, alive=lambda: proc.poll() is None)
+            wait_ready(spec, 60.0, alive=_running(proc))
         except S3ServerError:
             if proc.poll() is None or attempt == 2:
                 raise S3ServerError(f"the S3 server did not start\n{cluster.logs()}") from None
@@ -158,6 +159,10 @@ def _start_s3(cluster: Cluster, data_dir: Path) -> dict[str, object]:
         cluster.s3_endpoint = spec.endpoint_url
         return spec.kvstore_flags()
     raise AssertionError("unreachable")
+
+
+def _running(proc: subprocess.Popen) -> Callable[[], bool]:
+    return lambda: proc.poll() is None
 
 
 def _start_scheduler(cluster: Cluster, flags: dict[str, object]) -> None:
