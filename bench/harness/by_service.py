@@ -161,7 +161,7 @@ def _start_s3(cluster: Cluster, data_dir: Path) -> dict[str, object]:
     raise AssertionError("unreachable")
 
 
-def _running(proc: subprocess.Popen) -> Callable[[], bool]:
+def _running(proc: subprocess.Popen[bytes]) -> Callable[[], bool]:
     return lambda: proc.poll() is None
 
 
