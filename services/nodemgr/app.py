@@ -12,6 +12,7 @@ from services.nodemgr.advisory_prefetcher import AdvisoryPrefetcher
 from services.nodemgr.config import NodeManagerConfig
 from services.nodemgr.engine_set import EngineSet, UnknownModel
 from services.nodemgr.grpc_service import NodeManagerServicer
+from services.nodemgr.held_sessions import HeldSessions
 from services.nodemgr.kvstore_probe import KVStoreProbe
 from services.nodemgr.memory_broker import EngineMemory, MemoryBroker
 from services.nodemgr.metrics import NodeMgrMetrics
@@ -86,6 +87,7 @@ async def start(config: NodeManagerConfig, stack: AsyncExitStack) -> asyncio.Tas
         in_flight=lambda: servicer.in_flight,
         kvstore=kvstore,
         engine_stall_s=config.engine_stall_s,
+        held=HeldSessions(config.held_sessions_max),
     )
     beats = asyncio.create_task(registrar.run(), name="registrar")
     if config.device_ledger:

@@ -61,5 +61,9 @@ class NodeManagerConfig:
         min=0.05,
     )
     register_backoff_max_s: float = opt(
-        2.0, "longest pause between registration attempts", min=0.05
+        2.0, "longest pause between registration attempts (each pause jittered to 50-100% "
+        "of its value)", min=0.05
     )
+    held_sessions_max: int = opt(
+        100_000, "sessions saved here that the node remembers and reports when it "
+        "registers (a restarted scheduler rebuilds its session directory from them)", min=1)

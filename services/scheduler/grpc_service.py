@@ -40,11 +40,18 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 grpc.StatusCode.INVALID_ARGUMENT, "node_id and address are required"
             )
         self.registry.register(info)
+        restored = 0
+        if self.sessions is not None:
+            for h in request.sessions:
+                restored += self.sessions.restore(h.tenant, h.session_id, info.node_id,
+                                                  h.tokens, h.age_s)
         log.info(
-            "node %s registered at %s serving %s",
+            "node %s registered at %s serving %s (KV of %d sessions here, %d news to us)",
             info.node_id,
             info.address,
             ", ".join(m.name for m in info.models) or "no models",
+            len(request.sessions),
+            restored,
         )
         return wire.register_reply(self.interval)
 
