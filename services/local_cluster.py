@@ -90,7 +90,8 @@ def cluster_specs(
             "scheduler",
             service_command(
                 "scheduler", {"host": host, "port": http_port, "grpc_port": grpc_port,
-                              **({"anonymous": "true"} if anonymous else {})}, config
+                              **({"anonymous": "true"} if anonymous else {}),
+                              **_scheduler_state(state_dir, s3)}, config
             ),
         )
     ]
@@ -168,3 +169,14 @@ def node_ledgers(nodes: int, budget_bytes: int) -> list[Path]:
     tag = uuid.uuid4().hex[:8]
     return [create_ledger(Path("/dev/shm") / f"overture-ledger-node{i}-{tag}", budget_bytes)
             for i in range(nodes)]
+
+
+def _scheduler_state(state_dir: Path | None, s3: S3ServerSpec | None) -> dict[str, object]:
+    """Where the scheduler keeps what must outlive it (stored responses): the cluster's S3
+    bucket when there is one, its own folder beside the nodes' otherwise."""
+    flags: dict[str, object] = {}
+    if state_dir is not None:
+        flags["state_dir"] = str(state_dir / "scheduler")
+    if s3 is not None:
+        flags.update(s3.kvstore_flags())
+    return flags

@@ -17,7 +17,7 @@ from services.scheduler.grpc_service import SchedulerServicer
 from services.scheduler.http import ApiState, HardenedRunner, build_app
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.placement import PlacementLoop
-from services.scheduler.responses import ResponseStore
+from services.scheduler.responses import ResponseStore, response_archive
 from services.scheduler.routing import Dispatcher, DispatchSettings, make_policy
 from services.scheduler.tenants import TenantLimits, key_book
 from shared.grpc_server import serve_grpc
@@ -76,7 +76,8 @@ def build_state(
         keys=key_book(config),
         max_body_bytes=config.max_body_bytes,
         advisor=advisor,
-        responses=ResponseStore(config.responses_ttl_s, config.responses_max),
+        responses=ResponseStore(config.responses_ttl_s, config.responses_max,
+                                archive=response_archive(config)),
     )
 
 
@@ -97,6 +98,15 @@ async def _watch_nodes(registry: NodeRegistry, period_s: float) -> None:
             )
             log.warning("node %s left rotation: %s", node_id, why)
         await asyncio.sleep(period_s)
+
+
+async def _sweep_responses(store: ResponseStore, ttl_s: float) -> None:
+    """Delete archived responses past their TTL: at start, then every tenth of the TTL."""
+    while True:
+        gone = await asyncio.to_thread(store.archive.sweep, store.expired)
+        if gone:
+            log.info("deleted %d expired stored responses", gone)
+        await asyncio.sleep(max(1.0, min(ttl_s / 10, 600.0)))
 
 
 @dataclass
@@ -151,6 +161,14 @@ async def start(config: SchedulerConfig, stack: AsyncExitStack) -> Running:
         await state.advisor.close()
 
     stack.push_async_callback(stop_advisor)
+    sweeping = asyncio.create_task(_sweep_responses(state.responses, config.responses_ttl_s),
+                                   name="responses-sweeper")
+
+    async def stop_sweeping() -> None:
+        sweeping.cancel()
+        await asyncio.gather(sweeping, return_exceptions=True)
+
+    stack.push_async_callback(stop_sweeping)
     catalog = tuple(state.dispatcher.catalog.values())
     if catalog and config.placement_interval_s > 0:
         placement = PlacementLoop(registry, channels, catalog, state.dispatcher.rates,

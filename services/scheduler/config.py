@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.config import opt
+from shared.config import opt, sub
+from shared.s3_config import S3Config
 
 
 @dataclass(frozen=True)
@@ -118,3 +119,9 @@ class SchedulerConfig:
     unavailable_retries: int = opt(
         2, "re-routes of a request whose node is unreachable before any output", min=0, max=16
     )
+    # ---- surviving a restart (stored responses; see docs/operations.md)
+    state_dir: str = opt(
+        "", "folder the scheduler keeps its state in (stored responses, owner-only) when "
+        "s3.bucket is empty; empty: stored responses live in memory only")
+    s3: S3Config = sub(S3Config, "the cluster's shared S3 bucket (the same keys as "
+                       "kvstore.s3): stored responses go there, under the tenant")

@@ -67,7 +67,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     history: tuple[Message, ...] = ()
     session = v.get("session_id", "")
     if "previous_response_id" in v:
-        prev = state.responses.get(tenant, v["previous_response_id"])
+        prev = await state.responses.get(tenant, v["previous_response_id"])
         if prev is None:
             raise _not_found(v["previous_response_id"], "previous_response_id")
         history, session = prev.messages, session or prev.session_id
@@ -104,14 +104,14 @@ async def _run(request: web.Request, state: ApiState, req: ApiRequest, v: dict[s
                 st.add(chunk)
                 timing.tokens(0, len(chunk.token_ids))
                 node = node or chunk.node
-            body = _finished(state, req, v, rid, model, st, conversation)
+            body = await _finished(state, req, v, rid, model, st, conversation)
             return web.json_response(body, headers={NODE_HEADER: node} if node else None)
     finally:
         timing.done()
         state.metrics.in_flight.dec()
 
 
-def _finished(state: ApiState, req: ApiRequest, v: dict[str, Any], rid: str, model: str,
+async def _finished(state: ApiState, req: ApiRequest, v: dict[str, Any], rid: str, model: str,
               st: ChoiceState, conversation: tuple[Message, ...],
               output: list[dict[str, Any]] | None = None,
               created: int | None = None) -> dict[str, Any]:
@@ -119,7 +119,7 @@ def _finished(state: ApiState, req: ApiRequest, v: dict[str, Any], rid: str, mod
     body = items.response_object(rid, model, v, req.session_id, status="completed",
                                  output=output, st=st, created=created)
     if v.get("store", True):
-        state.responses.put(req.tenant, body,
+        await state.responses.put(req.tenant, body,
                             (*conversation, items.assistant_message(st)), req.session_id)
     return body
 
@@ -188,8 +188,8 @@ async def _stream(request: web.Request, state: ApiState, req: ApiRequest, v: dic
             if not text_open:
                 await _open_text(out, msg_id, len(output))
             output.append(await _close_text(out, msg_id, len(output), st))
-        body = _finished(state, req, v, rid, model, st, conversation, output,
-                         shell["created_at"])
+        body = await _finished(state, req, v, rid, model, st, conversation, output,
+                               shell["created_at"])
         kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
         await out.send(kind, response=body)
         await resp.write_eof()
@@ -235,7 +235,7 @@ async def retrieve(request: web.Request) -> web.Response:
     state = request.app[STATE]
     tenant = tenant_of(state, request)
     rid = request.match_info["response_id"]
-    stored = state.responses.get(tenant, rid)
+    stored = await state.responses.get(tenant, rid)
     if stored is None:
         raise _not_found(rid)
     return web.json_response(stored.body)
@@ -245,7 +245,7 @@ async def delete(request: web.Request) -> web.Response:
     state = request.app[STATE]
     tenant = tenant_of(state, request)
     rid = request.match_info["response_id"]
-    if not state.responses.delete(tenant, rid):
+    if not await state.responses.delete(tenant, rid):
         raise _not_found(rid)
     return web.json_response({"id": rid, "object": "response", "deleted": True})
 
