@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
+from pathlib import Path
 
+import aiohttp
 from aiohttp import web
 
 from services.scheduler.advisory import Advisor, AdvisoryBook, AdvisoryThrottle
@@ -15,11 +19,13 @@ from services.scheduler.cluster import NodeChannels, NodeRegistry, SessionDirect
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.grpc_service import SchedulerServicer
 from services.scheduler.http import ApiState, HardenedRunner, build_app
+from services.scheduler.lease import LeaseElector, LeaseSettings, ssl_context
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.placement import PlacementLoop
 from services.scheduler.responses import ResponseStore, response_archive
 from services.scheduler.routing import Dispatcher, DispatchSettings, make_policy
 from services.scheduler.tenants import TenantLimits, key_book
+from shared.config import ConfigError
 from shared.grpc_server import serve_grpc
 from shared.model_catalog import load_catalog
 from shared.proto import scheduler_pb2_grpc
@@ -109,6 +115,44 @@ async def _sweep_responses(store: ResponseStore, ttl_s: float) -> None:
         await asyncio.sleep(max(1.0, min(ttl_s / 10, 600.0)))
 
 
+async def _elect(config: SchedulerConfig, stack: AsyncExitStack,
+                 on_change: Callable[[bool], None]) -> LeaseElector:
+    """Run the Lease election until ``stack`` closes (releasing the Lease if held)."""
+    if config.lease_renew_s * 3 > config.lease_duration_s:
+        raise ConfigError(f"scheduler.lease_renew_s={config.lease_renew_s:g} must be at most "
+                          f"a third of scheduler.lease_duration_s={config.lease_duration_s:g}; "
+                          "lower the one or raise the other")
+    namespace = config.lease_namespace or _pod_namespace(config.lease_token_file)
+    identity = config.lease_identity or socket.gethostname()
+    settings = LeaseSettings(config.lease_name, namespace, identity, config.lease_api_url,
+                             config.lease_token_file, config.lease_ca_file,
+                             config.lease_duration_s, config.lease_renew_s)
+    connector = aiohttp.TCPConnector(ssl=ssl_context(config.lease_ca_file)
+                                     if config.lease_api_url.startswith("https") else False)
+    http = await stack.enter_async_context(aiohttp.ClientSession(connector=connector))
+    elector = LeaseElector(settings, http, on_change=on_change)
+    electing = asyncio.create_task(elector.run(), name="lease-election")
+
+    async def stop_electing() -> None:
+        electing.cancel()
+        await asyncio.gather(electing, return_exceptions=True)
+
+    stack.push_async_callback(stop_electing)
+    log.info("electing the active scheduler through Lease %s/%s as %s", namespace,
+             config.lease_name, identity)
+    return elector
+
+
+def _pod_namespace(token_file: str) -> str:
+    """The pod's namespace, beside its service account token."""
+    path = Path(token_file).with_name("namespace")
+    try:
+        return path.read_text().strip()
+    except OSError as e:
+        raise ConfigError(f"scheduler.lease_namespace is empty and {path} is unreadable "
+                          f"({e.strerror}); set scheduler.lease_namespace") from None
+
+
 @dataclass
 class Running:
     """A started scheduler: where it listens and its live state (for tests and logs)."""
@@ -124,7 +168,10 @@ async def start(config: SchedulerConfig, stack: AsyncExitStack) -> Running:
     channels = NodeChannels()
     stack.push_async_callback(channels.close)
     sessions = SessionDirectory(config.sessions_max, config.sessions_ttl_s)
-    servicer = SchedulerServicer(registry, config.heartbeat_interval_s, sessions)
+    leadership: list[LeaseElector] = []  # (filled below when the replicas elect a leader)
+    servicer = SchedulerServicer(registry, config.heartbeat_interval_s, sessions,
+                                 leader=lambda: not config.lease_name
+                                 or any(e.is_leader for e in leadership))
     grpc_server = await stack.enter_async_context(
         serve_grpc(
             config.grpc_host,
@@ -135,6 +182,9 @@ async def start(config: SchedulerConfig, stack: AsyncExitStack) -> Running:
     )
     stack.push_async_callback(servicer.close)  # runs before the server stops
     state = build_state(config, registry, channels, sessions)
+    state.leader = servicer.leader
+    if config.lease_name:
+        leadership.append(await _elect(config, stack, servicer.leadership_changed))
     # Cancel a handler when its client disconnects, so the generation is cancelled too.
     runner = HardenedRunner(build_app(state), config.header_timeout_s,
                             config.keepalive_timeout_s, handler_cancellation=True,

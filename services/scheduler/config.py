@@ -125,3 +125,24 @@ class SchedulerConfig:
         "s3.bucket is empty; empty: stored responses live in memory only")
     s3: S3Config = sub(S3Config, "the cluster's shared S3 bucket (the same keys as "
                        "kvstore.s3): stored responses go there, under the tenant")
+    lease_name: str = opt(
+        "", "Kubernetes Lease (coordination.k8s.io/v1) the replicas elect their one active "
+        "scheduler through; empty: no election, this scheduler always serves")
+    lease_namespace: str = opt(
+        "", "the Lease's namespace (empty: the pod's, from its service account)")
+    lease_identity: str = opt(
+        "", "this replica's name in the Lease (empty: the host name, i.e. the pod's)")
+    lease_api_url: str = opt("https://kubernetes.default.svc", "the Kubernetes API server")
+    lease_token_file: str = opt(
+        "/var/run/secrets/kubernetes.io/serviceaccount/token",
+        "the service account token the election authenticates with (re-read every call)")
+    lease_ca_file: str = opt(
+        "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt",
+        "CA bundle of the API server (empty: the system's)")
+    lease_duration_s: float = opt(
+        6.0, "a Lease not renewed this long is taken over by the standby; the leader stops "
+        "serving once its renewals have failed for this long minus lease_renew_s",
+        min=1.0, max=300.0)
+    lease_renew_s: float = opt(
+        1.0, "how often the leader renews and the standby looks (at most a third of "
+        "lease_duration_s)", min=0.1, max=60.0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -21,20 +21,33 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         registry: NodeRegistry,
         heartbeat_interval_s: float,
         sessions: SessionDirectory | None = None,
+        leader: Callable[[], bool] = lambda: True,
     ) -> None:
         self.registry = registry
         self.interval = heartbeat_interval_s
         self.sessions = sessions
+        self.leader = leader
         self._closing = asyncio.Event()
 
     async def close(self) -> None:
         """End the open heartbeat streams, so that the server stops without waiting on them."""
         self._closing.set()
 
+    def leadership_changed(self, leader: bool) -> None:
+        """A replica that lost the Lease ends its nodes' streams (they register again, with
+        the new leader); one that won it takes streams again."""
+        if leader:
+            self._closing = asyncio.Event()
+        else:
+            self._closing.set()
+
     async def RegisterNode(
         self, request: scheduler_pb2.RegisterNodeRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.RegisterNodeReply:
         info = wire.node_info(request)
+        if not self.leader():
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "this scheduler replica is a standby; register with the leader")
         if not info.node_id or not info.address:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "node_id and address are required"

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -31,6 +32,8 @@ class ApiState:
     tenants: TenantLimits = field(default_factory=lambda: TenantLimits(0, 0, 0))
     body_timeout_s: float = 30.0
     responses: ResponseStore = field(default_factory=lambda: ResponseStore(3600.0, 10_000))
+    # Whether this replica is the one that serves (scheduler/lease.py; always without one).
+    leader: Callable[[], bool] = field(default=lambda: True)
 
 
 STATE = web.AppKey("state", ApiState)
