@@ -6,7 +6,8 @@ processes and logs):
 
 - ``start_cluster``: every service a process of this harness (a scheduler, per node a
   kvstore, an engine per model and a node manager, optionally a SeaweedFS S3 server),
-  each given its flags directly; ``start_scheduler``: a scheduler alone.
+  each given its flags directly; ``start_scheduler``: a scheduler alone;
+  ``restart_scheduler``: the cluster's scheduler again, after a kill.
 - ``overture_up``: ``overture up`` as a user runs it, with a demo model.
 
 Clusters run with the harness's cluster secret (``use_cluster_secret``); a direct gRPC
@@ -19,6 +20,7 @@ from __future__ import annotations
 from bench.harness.by_service import (
     NODEMGR_FLAGS,
     SCHEDULER_FLAGS,
+    restart_scheduler,
     start_cluster,
     start_scheduler,
 )
@@ -38,6 +40,7 @@ __all__ = [
     "Proc",
     "free_port",
     "overture_up",
+    "restart_scheduler",
     "show_progress",
     "start_cluster",
     "start_s3_server",

@@ -173,6 +173,13 @@ def _start_scheduler(cluster: Cluster, flags: dict[str, object]) -> None:
     }))
 
 
+def restart_scheduler(cluster: Cluster, flags: dict[str, object] | None = None) -> None:
+    """Start the cluster's scheduler again on its ports (after ``cluster.kill("scheduler")``)
+    with ``flags`` (those it started with, for the same state); the nodes register again
+    by themselves."""
+    _start_scheduler(cluster, flags or {})
+
+
 def _healthy(cluster: Cluster) -> bool:
     try:
         with urllib.request.urlopen(cluster.url + "/healthz", timeout=1.0) as r:
