@@ -86,6 +86,11 @@ class SchedulerMetrics:
             "generations cut because their node sent nothing within the inactivity bound",
             ["node"], registry=r,
         )
+        self.retried = Counter(
+            "overture_requests_retried_after_node_failure",
+            "requests whose node's engine failed before their first token, sent to another "
+            "node", registry=r,
+        )
         self.advisories = Counter(
             "overture_advisories",
             "advisories by event: received, followed (its request came), expired (spurious), "

@@ -14,6 +14,11 @@ with ``Retry-After`` at once (back-pressure, not collapse). A node that sends no
 even the engine's keepalives, for ``stream_idle_timeout_s`` is stopped (SIGSTOP, a hung
 host): its streams are cut with a clean error (retried elsewhere if nothing was sent yet)
 and it leaves rotation until it beats again.
+
+A node whose engine fails a request before its first token (the engine crashed: the
+status is ``UNKNOWN``, ``INTERNAL`` or another of ``NODE_FAILURES`` rather than an answer
+about the request) gets it retried once on another node; the client, having seen nothing
+yet, sees one answer. After the first token a failure ends the stream with an error.
 """
 
 from __future__ import annotations
@@ -44,6 +49,12 @@ from shared.model_catalog import ModelEntry
 from shared.proto import common_pb2
 
 log = logging.getLogger(__name__)
+
+# Statuses that say the node or its engine broke under the request, not that the request is
+# wrong or the cluster full: before any output, the request is retried once elsewhere.
+NODE_FAILURES = frozenset({grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+                           grpc.StatusCode.ABORTED, grpc.StatusCode.DATA_LOSS,
+                           grpc.StatusCode.CANCELLED})
 
 
 @dataclass(frozen=True)
@@ -113,10 +124,10 @@ class Dispatcher:
                 raise self._unavailable(None)
             await self.registry.wait_changed(remaining)
 
-    async def pick(self, route: RouteRequest,
-                   behind: frozenset[str] = frozenset()) -> RoutePlan:
-        """The policy's plan on a healthy node for ``route.model``; waits up to
-        ``no_node_wait_s`` for one.
+    async def pick(self, route: RouteRequest, behind: frozenset[str] = frozenset(),
+                   failed: frozenset[str] = frozenset()) -> RoutePlan:
+        """The policy's plan on a healthy node for ``route.model`` other than those that
+        ``failed`` this request; waits up to ``no_node_wait_s`` for one.
 
         Raises 404 at once when healthy nodes exist and none of the registered nodes serve
         the model; 429 when every healthy one is in ``behind`` (refused this request as
@@ -124,7 +135,8 @@ class Dispatcher:
         """
         deadline = self._loop_time() + self.settings.no_node_wait_s
         while True:
-            healthy = self.registry.healthy(route.model)
+            healthy = [n for n in self.registry.healthy(route.model)
+                       if n.node_id not in failed]
             evicted = not healthy and route.model in self.catalog
             if evicted:  # a catalogue model active nowhere: any node activates it
                 healthy = self.registry.healthy()
@@ -196,8 +208,9 @@ class Dispatcher:
         if place is not None:
             route = dataclasses.replace(route, holder=place.node_id)
         behind: set[str] = set()  # nodes that refused this request as overloaded
+        failed: set[str] = set()  # nodes whose engine failed it before its first token
         while True:
-            plan = await self.pick(route, frozenset(behind))
+            plan = await self.pick(route, frozenset(behind), frozenset(failed))
             node = plan.node
             if self.advisor is not None and route.session_id:
                 # (once per request: the other choices of an n > 1 request find it ended)
@@ -238,6 +251,15 @@ class Dispatcher:
                     if not produced and retries > 0:
                         retries -= 1
                         continue
+                elif (e.code() in NODE_FAILURES and not produced and not failed
+                      and self._elsewhere(route.model, node.node_id)):
+                    log.warning("node %s failed a request before its first token (%s %s); "
+                                "retrying it once on another node", node.node_id,
+                                e.code().name, e.details())
+                    failed.add(node.node_id)
+                    if self.metrics is not None:
+                        self.metrics.retried.inc()
+                    continue
                 raise from_grpc(e.code(), e.details(), node.node_id) from None
             except NodeStalled:
                 idle = self.settings.stream_idle_timeout_s
@@ -256,6 +278,10 @@ class Dispatcher:
             finally:
                 call.cancel()
                 self.registry.end(node.node_id)
+
+    def _elsewhere(self, model: str, node_id: str) -> bool:
+        """Whether a healthy node other than ``node_id`` serves ``model``."""
+        return any(n.node_id != node_id for n in self.registry.healthy(model))
 
     async def _next(self, call: grpc.aio.UnaryStreamCall) -> common_pb2.GenerateChunk | None:
         """The call's next chunk that is not a keepalive (None at its end). Raises
