@@ -162,6 +162,7 @@ def openapi_document(limits: Limits) -> dict[str, Any]:
                     "200": _json({"type": "object"}, "deleted"), **_ERRORS}}},
             "/healthz": health,
             "/readyz": health,
+            "/leaderz": health,  # (503: a standby replica)
             "/openapi.json": {"get": {"security": [], "responses": {
                 "200": _json({"type": "object"}, "this document")}}},
             "/": _page("text/html", "the demo chat page"),
