@@ -17,6 +17,8 @@ from services.scheduler.responses.s3_archive import S3Archive, s3_client_kwargs
 from shared.config import build
 from shared.s3_config import S3Config
 
+pytestmark = pytest.mark.slow
+
 RID = "resp_" + uuid.uuid4().hex
 
 
