@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from contextlib import AsyncExitStack
 
+import pytest
+
 from tests.unit.scheduler.conftest import MiniCluster, call, make_cluster
 from tests.unit.scheduler.http.test_http_api import CHAT, post
 
@@ -148,3 +150,20 @@ async def test_strict_fields_refuses_unknown_fields() -> None:
         assert err["error"]["code"] == "unknown_field"
         status, _ = await post(c, "/v1/completions", {**COMPLETION, "logprobs": 1})
         assert status == 200
+
+
+async def test_openai_client_strict_fields() -> None:
+    """The official client: an extra field is a 400 naming it under strict_fields."""
+    import openai
+
+    async with AsyncExitStack() as stack:
+        c = await make_cluster(stack, strict_fields=True)
+        client = openai.AsyncOpenAI(base_url=c.url + "/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.chat.completions.create(model="demo", messages=CHAT["messages"],
+                                                 max_tokens=2, extra_body={"frobnicate": 1})
+        assert e.value.body["param"] == "frobnicate"
+        r = await client.chat.completions.create(model="demo", messages=CHAT["messages"],
+                                                 max_tokens=2, logprobs=True, top_logprobs=2)
+        assert [t.token for t in r.choices[0].logprobs.content] == ["t0 ", "t1 "]
+        await client.close()
