@@ -25,6 +25,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0  # vLLM's: no EOS or stop token id before this many output tokens
     # Log-probabilities (logprobs.py): -1 = none; n >= 0 = the sampled token's and the n
     # most likely alternatives'. ``prompt_logprobs`` does the same for the prompt's own
     # tokens (OpenAI's ``echo``), computed in prefill.
@@ -39,7 +40,7 @@ class SamplingParams:
     def processed(self) -> bool:
         """Whether any logits processor changes this request's distribution."""
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
-                    or self.repetition_penalty != 1.0)
+                    or self.repetition_penalty != 1.0 or self.min_tokens)
 
 
 @dataclass(frozen=True)

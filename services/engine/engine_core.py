@@ -243,11 +243,19 @@ class EngineCore:
         lives = [self._live[s.request_id] for s in due]
         width = logits.shape[-1]
         masks = [lv.constraint.allowed(width) if lv.constraint else None for lv in lives]
-        histories = [History(s.token_ids, s.num_prompt_tokens) for s in due]
+        histories = [History(s.token_ids, s.num_prompt_tokens, self._banned(s)) for s in due]
         got = self.runner.sample(logits, rows, due, [lv.generator for lv in lives], masks,
                                  histories)
         return [self._append(lv, t, self.spelling.token(lp) if lp is not None else None)
                 for lv, t, lp in zip(lives, got.tokens, got.logprobs, strict=True)]
+
+    def _banned(self, s: Sequence) -> tuple[int, ...]:
+        """What ``min_tokens`` holds back from ``s`` now."""
+        p = s.sampling
+        if s.num_output_tokens >= p.min_tokens:
+            return ()
+        eos = () if p.ignore_eos else tuple(self.loaded.config.eos_token_ids)
+        return eos + p.stop_token_ids
 
     def _prompt_logprobs(self, logits: torch.Tensor, lr: LogitRows) -> None:
         """The prompt positions this step computed, for the requests that asked (echo): the

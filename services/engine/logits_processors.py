@@ -7,6 +7,8 @@ row, so a batch mixing penalized and plain requests samples the plain ones exact
 would without the others.
 
     logit_bias          l[t] += bias[t]                                   (OpenAI)
+    min_tokens          l[t] = -inf for EOS and stop token ids while the output is
+                        shorter (unless nothing else is allowed: a grammar's end)  (vLLM)
     repetition_penalty  l[t] = l[t] / r if l[t] > 0 else l[t] * r,
                         for every t in the prompt or the output            (vLLM, CTRL)
     frequency_penalty   l[t] -= f * count_out(t)                          (OpenAI)
@@ -28,13 +30,15 @@ from .api_types import SamplingParams
 
 class History:
     """The tokens a row has seen: ``token_ids`` (prompt then output) and where the output
-    starts."""
+    starts; ``banned``: the tokens ``min_tokens`` holds back now (EOS, stop token ids)."""
 
-    __slots__ = ("num_prompt", "token_ids")
+    __slots__ = ("banned", "num_prompt", "token_ids")
 
-    def __init__(self, token_ids: Sequence[int], num_prompt: int) -> None:
+    def __init__(self, token_ids: Sequence[int], num_prompt: int,
+                 banned: Sequence[int] = ()) -> None:
         self.token_ids = token_ids
         self.num_prompt = num_prompt
+        self.banned = banned
 
 
 def apply_processors(logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -51,6 +55,8 @@ def apply_processors(logits: torch.Tensor, params: Sequence[SamplingParams],
         if histories is None:
             continue
         h = histories[i]
+        if h.banned:
+            _ban(row, torch.tensor(h.banned, dtype=torch.int64))
         if p.repetition_penalty != 1.0 and h.token_ids:
             seen = torch.tensor(h.token_ids, dtype=torch.int64).unique()
             vals = row[seen]
@@ -61,6 +67,13 @@ def apply_processors(logits: torch.Tensor, params: Sequence[SamplingParams],
             counts = torch.bincount(torch.tensor(out, dtype=torch.int64), minlength=v)[:v]
             counts = counts.to(row.dtype)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def _ban(row: torch.Tensor, ids: torch.Tensor) -> None:
+    kept = row[ids].clone()
+    row[ids] = float("-inf")
+    if not bool(torch.isfinite(row).any()):  # only an end was allowed (a grammar's): keep it
+        row[ids] = kept
 
 
 def min_p_mask(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -94,6 +94,8 @@ def check_processors(p: SamplingParams, vocab_size: int) -> None:
                    f"[0, {vocab_size})")
     if any(not (math.isfinite(b) and -100 <= b <= 100) for _, b in p.logit_bias):
         raise _bad("logit_bias values must be in [-100, 100]")
+    if p.min_tokens < 0 or (p.max_tokens and p.min_tokens > p.max_tokens):
+        raise _bad(f"min_tokens must be in [0, max_tokens], got {p.min_tokens}")
     if not (-1 <= p.logprobs <= 20 and -1 <= p.prompt_logprobs <= 20):
         raise _bad("logprobs and prompt_logprobs must be in [0, 20] (-1: none)")
 

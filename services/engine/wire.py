@@ -55,6 +55,7 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
         repetition_penalty=p.repetition_penalty or 1.0,  # proto3 default 0 = off
         min_p=p.min_p,
         logit_bias=tuple(sorted(p.logit_bias.items())),
+        min_tokens=p.min_tokens,
         logprobs=p.logprobs if p.HasField("logprobs") else -1,
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else -1,
     )

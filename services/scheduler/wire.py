@@ -96,6 +96,7 @@ def generate_request(
         repetition_penalty=s.repetition_penalty,
         min_p=s.min_p,
         logit_bias=dict(s.logit_bias),
+        min_tokens=s.min_tokens,
     )
     if choice.seed is not None:
         sampling.seed = choice.seed

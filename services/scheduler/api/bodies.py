@@ -160,6 +160,8 @@ def _controls(chat: bool) -> dict[str, Node]:
                      "likely; 0 = off", default=0.0),
         "logit_bias": MapOf(Num(-100.0, 100.0), INT32_MAX, MAX_LOGIT_BIAS,
                             "token id -> bias added to its logit"),
+        "min_tokens": Int(0, INT32_MAX, "vLLM's: no EOS or stop token id before this many "
+                          "output tokens", default=0),
         "user": Str("accepted, no effect on the output"),
     }
     if chat:

@@ -69,6 +69,7 @@ class Sampling:
     repetition_penalty: float = 1.0  # vLLM's; 1 = off
     min_p: float = 0.0  # vLLM's; 0 = off
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    min_tokens: int = 0  # vLLM's: no EOS or stop token id before this many tokens
     logprobs: int = -1  # -1: none; n: the token's and the n most likely (chat: top_logprobs)
     echo: bool = False  # completions: the prompt's text (and log-probabilities) first
 

@@ -139,6 +139,7 @@ def _sampling(v: dict[str, Any], limits: Limits) -> Sampling:
         frequency_penalty=v.get("frequency_penalty", 0.0),
         repetition_penalty=v.get("repetition_penalty", 1.0),
         min_p=v.get("min_p", 0.0),
+        min_tokens=v.get("min_tokens", 0),
         logit_bias=v.get("logit_bias", ()),
         logprobs=_logprobs(v),
         echo=v.get("echo", False),

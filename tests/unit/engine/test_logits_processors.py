@@ -116,3 +116,23 @@ async def test_penalties_and_bias_under_a_json_schema(loaded: LoadedModel) -> No
             jsonschema.validate(json.loads("".join(o.text for o in outs)), SCHEMA)
             assert sum(len(o.logprobs) for o in outs) == sum(len(o.token_ids) for o in outs)
         await idle(eng)
+
+
+async def test_min_tokens_holds_back_eos_and_stop_ids(loaded: LoadedModel) -> None:
+    eos = loaded.config.eos_token_ids[0]
+
+    def req(**kw: object) -> GenerateRequest:
+        return GenerateRequest(prompt="Hello", sampling=SamplingParams(
+            max_tokens=12, logit_bias=((eos, 100.0),), **kw))
+
+    async with engine(loaded) as eng:
+        quick = await collect(eng, req())
+        held = await collect(eng, req(min_tokens=5))
+        stop = await collect(eng, GenerateRequest(prompt="Hello", sampling=SamplingParams(
+            max_tokens=12, ignore_eos=True, stop_token_ids=(7,), logit_bias=((7, 100.0),),
+            min_tokens=3)))
+    assert [t for o in quick for t in o.token_ids] == [eos]
+    held_ids = [t for o in held for t in o.token_ids]
+    assert len(held_ids) == 6 and held_ids[-1] == eos and eos not in held_ids[:-1]
+    stop_ids = [t for o in stop for t in o.token_ids]
+    assert len(stop_ids) == 4 and stop_ids[-1] == 7 and 7 not in stop_ids[:-1]

@@ -167,3 +167,8 @@ async def test_openai_client_strict_fields() -> None:
                                                  max_tokens=2, logprobs=True, top_logprobs=2)
         assert [t.token for t in r.choices[0].logprobs.content] == ["t0 ", "t1 "]
         await client.close()
+
+
+async def test_min_tokens_reaches_the_engine(cluster: MiniCluster) -> None:
+    status, _ = await post(cluster, "/v1/completions", {**COMPLETION, "min_tokens": 2})
+    assert status == 200 and cluster.engine.requests[-1].sampling.min_tokens == 2
