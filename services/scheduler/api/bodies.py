@@ -139,7 +139,7 @@ def _sampling(limits: Limits, chat: bool) -> dict[str, Node]:
         fields["tool_choice"] = TOOL_CHOICE
         fields["parallel_tool_calls"] = Bool(default=True)
     fields["response_format"] = RESPONSE_FORMAT
-    fields.update(_controls(chat))
+    fields.update(_controls(limits, chat))
     return fields
 
 
@@ -147,7 +147,7 @@ def _sampling(limits: Limits, chat: bool) -> dict[str, Node]:
 MAX_LOGIT_BIAS = 1024
 
 
-def _controls(chat: bool) -> dict[str, Node]:
+def _controls(limits: Limits, chat: bool) -> dict[str, Node]:
     fields: dict[str, Node] = {
         "presence_penalty": Num(-2.0, 2.0, "OpenAI's: minus this for every token already in "
                                 "the output", default=0.0),
@@ -160,8 +160,8 @@ def _controls(chat: bool) -> dict[str, Node]:
                      "likely; 0 = off", default=0.0),
         "logit_bias": MapOf(Num(-100.0, 100.0), INT32_MAX, MAX_LOGIT_BIAS,
                             "token id -> bias added to its logit"),
-        "min_tokens": Int(0, INT32_MAX, "vLLM's: no EOS or stop token id before this many "
-                          "output tokens", default=0),
+        "min_tokens": Int(0, limits.max_tokens, "vLLM's: no EOS or stop token id before "
+                          "this many output tokens (at most max_tokens)", default=0),
         "user": Str("accepted, no effect on the output"),
     }
     if chat:

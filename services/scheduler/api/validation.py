@@ -125,6 +125,8 @@ def _prompts(p: str | list[Any]) -> tuple[Prompt, ...]:
 
 def _sampling(v: dict[str, Any], limits: Limits) -> Sampling:
     max_tokens = v.get("max_completion_tokens", v.get("max_tokens"))
+    if max_tokens is not None and v.get("min_tokens", 0) > max_tokens:
+        raise invalid("'min_tokens' must not exceed 'max_tokens'", "min_tokens", "out_of_range")
     stop = v.get("stop", ())
     return Sampling(
         temperature=v.get("temperature", 1.0),

@@ -257,3 +257,9 @@ def test_logprobs_penalties_and_ignored_fields_parsed() -> None:
     with pytest.raises(ApiError) as e:
         validate(chat(vendor_x=1), "chat", strict)
     assert (e.value.status, e.value.param, e.value.code) == (400, "vendor_x", "unknown_field")
+
+
+def test_min_tokens_bounded_by_max_tokens() -> None:
+    assert validate(chat(min_tokens=3, max_tokens=3), "chat", LIMITS).sampling.min_tokens == 3
+    assert fail(chat(min_tokens=4, max_tokens=3)).param == "min_tokens"
+    assert fail(chat(min_tokens=2**31)).param == "min_tokens"
