@@ -68,11 +68,11 @@ def log_probs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
 def row_logprobs(lp: torch.Tensor, token: int, k: int) -> RowLogprobs:
     """``lp`` (V,): the token's value and the top ``k`` (a forbidden token's -inf becomes
     OpenAI's -9999.0, JSON having no infinity)."""
-    lp = lp.clamp(min=FLOOR)
-    top = lp.topk(k) if k else None
-    return RowLogprobs(token, float(lp[token]),
-                       tuple(top.indices.tolist()) if top is not None else (),
-                       tuple(top.values.tolist()) if top is not None else ())
+    if not k:
+        return RowLogprobs(token, max(float(lp[token]), FLOOR), (), ())
+    top = lp.topk(k)  # (only the values read are floored: no copy of the row)
+    return RowLogprobs(token, max(float(lp[token]), FLOOR), tuple(top.indices.tolist()),
+                       tuple(max(v, FLOOR) for v in top.values.tolist()))
 
 
 FLOOR = -9999.0
