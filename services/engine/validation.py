@@ -76,6 +76,28 @@ def check_sampling(p: SamplingParams, vocab_size: int) -> None:
     bad = [t for t in p.stop_token_ids if not 0 <= t < vocab_size]
     if bad:
         raise _bad(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+    check_processors(p, vocab_size)
+
+
+def check_processors(p: SamplingParams, vocab_size: int) -> None:
+    """The processors' and log-probabilities' ranges (OpenAI's and vLLM's)."""
+    for name, v, lo, hi in (("presence_penalty", p.presence_penalty, -2.0, 2.0),
+                            ("frequency_penalty", p.frequency_penalty, -2.0, 2.0),
+                            ("min_p", p.min_p, 0.0, 1.0)):
+        if not (math.isfinite(v) and lo <= v <= hi):
+            raise _bad(f"{name} must be in [{lo}, {hi}], got {v}")
+    if not (math.isfinite(p.repetition_penalty) and p.repetition_penalty > 0):
+        raise _bad(f"repetition_penalty must be > 0 (1 = off), got {p.repetition_penalty}")
+    bad = [t for t, b in p.logit_bias if not 0 <= t < vocab_size]
+    if bad:
+        raise _bad(f"logit_bias token ids {bad[:5]} are outside the vocabulary "
+                   f"[0, {vocab_size})")
+    if any(not (math.isfinite(b) and -100 <= b <= 100) for _, b in p.logit_bias):
+        raise _bad("logit_bias values must be in [-100, 100]")
+    if p.min_tokens < 0 or (p.max_tokens and p.min_tokens > p.max_tokens):
+        raise _bad(f"min_tokens must be in [0, max_tokens], got {p.min_tokens}")
+    if not (-1 <= p.logprobs <= 20 and -1 <= p.prompt_logprobs <= 20):
+        raise _bad("logprobs and prompt_logprobs must be in [0, 20] (-1: none)")
 
 
 def prepare(
@@ -126,7 +148,10 @@ def prepare(
         session_id=req.session_id,
         kv_source=req.kv_source,
         kv_source_tokens=req.kv_source_tokens,
-        no_reuse=req.no_reuse,
+        # The prompt's log-probabilities need every prompt position's logits, so its whole
+        # forward runs anyway: reused KV would save nothing, and the request is simplest
+        # computed from scratch (docs/api.md, "echo").
+        no_reuse=req.no_reuse or req.sampling.prompt_logprobs >= 0,
         constraint=guidance.constraint(req.guidance) if guidance else None,
         tool_stream=guidance.output_stream(req.guidance) if guidance else None,
     )

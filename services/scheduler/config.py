@@ -97,6 +97,9 @@ class SchedulerConfig:
         min=1)
     responses_max: int = opt(10_000, "stored responses per tenant (least recently used "
                              "dropped)", min=1)
+    strict_fields: bool = opt(
+        False, "a request field no one documents (not OpenAI's, not a known extension) is "
+        "a 400 naming it; off: ignored, named in X-Overture-Ignored-Fields and counted")
     max_n: int = opt(8, "largest `n`; each choice is a separate generation", min=1, max=64)
     max_prompts: int = opt(8, "most prompts in one /v1/completions request", min=1, max=64)
     default_max_tokens: int = opt(

@@ -39,6 +39,12 @@ class SchedulerMetrics:
         self.tokens = Counter(
             "overture_generated_tokens", "tokens generated, by model", ["model"], registry=r
         )
+        # By route only: the names come from clients, a label per name would be theirs to
+        # multiply (the response header names them).
+        self.ignored_fields = Counter(
+            "overture_ignored_fields", "request fields ignored (nobody documents them)",
+            ["route"], registry=r,
+        )
         self.in_flight = Gauge(
             "overture_requests_in_flight", "generation requests being served", registry=r
         )

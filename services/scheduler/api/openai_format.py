@@ -8,7 +8,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.scheduler.api.chunk import Chunk, ToolCallOut
+from services.scheduler.api.chunk import Chunk, TokenLogprob, ToolCallOut
+from services.scheduler.api.logprobs_format import chat_logprobs, legacy_logprobs
 from services.scheduler.api.request import Endpoint
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -40,8 +41,17 @@ class ChoiceState:
     cached_tokens: int = 0
     finish_reason: str | None = None
     tool_calls: list[ToolCallOut] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    echo: str | None = None  # the prompt's text to put first (None: no echo)
+    text_offset: int = 0  # streamed legacy log-probabilities: the next token's offset
 
     def add(self, chunk: Chunk) -> None:
+        self.logprobs.extend(chunk.logprobs)
+        if chunk.prompt_logprobs:
+            self.prompt_logprobs = chunk.prompt_logprobs
+            if self.echo == "":  # a token-id prompt: its tokens spell it
+                self.echo = "".join(t.token for t in chunk.prompt_logprobs)
         if chunk.text:
             self.text.append(chunk.text)
         self.tool_calls.extend(chunk.tool_calls)
@@ -111,9 +121,10 @@ def stream_chunk(
     prompt_token_ids: tuple[int, ...] | None = None,
     include_usage: bool = False,
     tool_calls: list[dict[str, Any]] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One streamed chunk for choice ``index`` (a role header, a text delta, tool call
-    deltas or the finish)."""
+    deltas or the finish), with its tokens' ``logprobs`` (logprobs_format.py)."""
     if env.endpoint == "chat":
         delta: dict[str, Any] = {}
         if role:
@@ -126,7 +137,7 @@ def stream_chunk(
         choice: dict[str, Any] = {"index": index, "delta": delta}
     else:
         choice = {"index": index, "text": text}
-    choice["logprobs"] = None
+    choice["logprobs"] = logprobs
     choice["finish_reason"] = finish_reason
     if token_ids is not None:
         choice["token_ids"] = list(token_ids)
@@ -156,11 +167,13 @@ def usage_chunk(env: Envelope, states: list[ChoiceState]) -> dict[str, Any]:
 
 
 def full_response(
-    env: Envelope, states: list[ChoiceState], return_token_ids: bool
+    env: Envelope, states: list[ChoiceState], return_token_ids: bool, logprobs: bool = False
 ) -> dict[str, Any]:
+    """``logprobs``: each choice carries its tokens' log-probabilities (and the echoed
+    prompt's, first)."""
     choices = []
     for s in sorted(states, key=lambda s: s.index):
-        text = "".join(s.text)
+        text = (s.echo or "") + "".join(s.text)
         if env.endpoint == "chat":
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if s.tool_calls:
@@ -170,6 +183,11 @@ def full_response(
         else:
             choice = {"index": s.index, "text": text}
         choice["logprobs"] = None
+        if logprobs and env.endpoint == "chat":
+            choice["logprobs"] = chat_logprobs(s.logprobs)
+        elif logprobs:
+            entries = [*s.prompt_logprobs, *s.logprobs] if s.echo is not None else s.logprobs
+            choice["logprobs"] = legacy_logprobs(entries, 0)[0]
         choice["finish_reason"] = s.finish_reason or "stop"
         if return_token_ids:
             choice["token_ids"] = list(s.token_ids)

@@ -39,6 +39,7 @@ class ApiState:
 STATE = web.AppKey("state", ApiState)
 CLIENT_GONE = "overture.client_gone"  # request key: the client left mid-stream (counted as 499)
 NODE_HEADER = "X-Overture-Node"  # the node that served a generation
+IGNORED_HEADER = "X-Overture-Ignored-Fields"  # request fields ignored, comma-separated
 
 
 def tenant_of(state: ApiState, request: web.Request) -> str:
