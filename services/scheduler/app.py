@@ -9,9 +9,15 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from services.scheduler.advisory import Advisor, AdvisoryBook, AdvisoryThrottle
+from services.scheduler.advisory import Advisor, AdvisoryBook, AdvisoryThrottle, ToolLatencies
 from services.scheduler.api import Limits
-from services.scheduler.cluster import NodeChannels, NodeRegistry, SessionDirectory
+from services.scheduler.cluster import (
+    InFlight,
+    NodeChannels,
+    NodeRegistry,
+    PrefixMap,
+    SessionDirectory,
+)
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.grpc_service import SchedulerServicer
 from services.scheduler.http import ApiState, HardenedRunner, build_app
@@ -32,19 +38,23 @@ def build_state(
     registry: NodeRegistry,
     channels: NodeChannels,
     sessions: SessionDirectory | None = None,
+    prefixes: PrefixMap | None = None,
 ) -> ApiState:
     metrics = SchedulerMetrics()
     if sessions is None:
         sessions = SessionDirectory(config.sessions_max, config.sessions_ttl_s)
     policy = make_policy(config.policy)
     catalog = load_catalog(config.models_config)
+    inflight = InFlight(config.tpot_default_s)
+    latencies = (ToolLatencies(config.tool_latency_default_s, config.tool_latency_quantile)
+                 if config.infer_advisories else None)
     advisor = Advisor(
         AdvisoryBook(config.advisory_ttl_s, config.advisories_max,
                      per_tenant=config.advisories_per_tenant),
         AdvisoryThrottle(config.advisory_min_useful, config.advisory_throttle_rate, 5.0,
                          config.advisory_throttle_after),
         registry, policy, channels, sessions, metrics,
-        catalog=frozenset(m.name for m in catalog),
+        catalog=frozenset(m.name for m in catalog), inflight=inflight, latencies=latencies,
     )
     dispatcher = Dispatcher(
         registry,
@@ -63,6 +73,8 @@ def build_state(
         metrics,
         advisor,
         catalog=catalog,
+        inflight=inflight,
+        prefixes=prefixes,
     )
     return ApiState(
         registry=registry,
@@ -77,6 +89,7 @@ def build_state(
         max_body_bytes=config.max_body_bytes,
         advisor=advisor,
         responses=ResponseStore(config.responses_ttl_s, config.responses_max),
+        session_headers=tuple(config.session_headers),
     )
 
 
@@ -114,7 +127,8 @@ async def start(config: SchedulerConfig, stack: AsyncExitStack) -> Running:
     channels = NodeChannels()
     stack.push_async_callback(channels.close)
     sessions = SessionDirectory(config.sessions_max, config.sessions_ttl_s)
-    servicer = SchedulerServicer(registry, config.heartbeat_interval_s, sessions)
+    prefixes = PrefixMap(config.sessions_max, config.sessions_max)
+    servicer = SchedulerServicer(registry, config.heartbeat_interval_s, sessions, prefixes)
     grpc_server = await stack.enter_async_context(
         serve_grpc(
             config.grpc_host,
@@ -124,7 +138,7 @@ async def start(config: SchedulerConfig, stack: AsyncExitStack) -> Running:
         )
     )
     stack.push_async_callback(servicer.close)  # runs before the server stops
-    state = build_state(config, registry, channels, sessions)
+    state = build_state(config, registry, channels, sessions, prefixes)
     # Cancel a handler when its client disconnects, so the generation is cancelled too.
     runner = HardenedRunner(build_app(state), config.header_timeout_s,
                             config.keepalive_timeout_s, handler_cancellation=True,

@@ -16,6 +16,7 @@ from services.scheduler.api.openai_format import (
     ChoiceState,
     Envelope,
     full_response,
+    kv_source,
     new_id,
     sse,
     stream_chunk,
@@ -40,7 +41,7 @@ __all__ = [
     "ADVISORY", "SSE_DONE", "ApiError", "ApiRequest", "Choice", "ChoiceState", "Chunk",
     "Endpoint", "Envelope", "Guidance", "Limits", "Message", "Prompt", "Sampling", "ToolCall",
     "ToolCallOut", "body_schema", "check_body_size", "check_prompt_length", "from_grpc",
-    "full_response", "guidance", "invalid", "new_id", "openapi_document", "parse_json",
+    "full_response", "guidance", "invalid", "kv_source", "new_id", "openapi_document", "parse_json",
     "responses_body", "sse", "stream_chunk", "tool_call_deltas", "usage_chunk", "validate",
     "without_addresses",
 ]
