@@ -3,7 +3,7 @@ job completion time and per-turn latency with and without the advisories the sch
 infers from tool calls (issue 41).
 
     python -m bench.agents.tool_loop [--jobs 1,6] [--calls 5,20] [--latency 0.3,5]
-        [--reps 3] [--size small] [--device-mb 8] [--variants ...]
+        [--reps 3] [--size small] [--device-mb 96] [--variants ...]
 
 One cluster per variant (scheduler, two nodes of kvstore + engine + node manager, the demo
 model in fp32), each node's device KV budget ``--device-mb`` so that the jobs' sessions do
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--latency", default="0.3,5", help="a tool's latency in seconds: lo,hi")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--size", default="small", choices=("tiny", "small"))
-    p.add_argument("--device-mb", type=int, default=8, help="each node's device KV budget")
+    p.add_argument("--device-mb", type=int, default=96, help="each node's device KV budget")
     p.add_argument("--variants", default=",".join(VARIANTS))
     a = p.parse_args(argv)
     jobs = [int(x) for x in a.jobs.split(",")]
