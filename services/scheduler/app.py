@@ -13,9 +13,15 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from services.scheduler.advisory import Advisor, AdvisoryBook, AdvisoryThrottle
+from services.scheduler.advisory import Advisor, AdvisoryBook, AdvisoryThrottle, ToolLatencies
 from services.scheduler.api import Limits
-from services.scheduler.cluster import NodeChannels, NodeRegistry, SessionDirectory
+from services.scheduler.cluster import (
+    InFlight,
+    NodeChannels,
+    NodeRegistry,
+    PrefixMap,
+    SessionDirectory,
+)
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.grpc_service import SchedulerServicer
 from services.scheduler.http import ApiState, HardenedRunner, build_app
@@ -38,19 +44,23 @@ def build_state(
     registry: NodeRegistry,
     channels: NodeChannels,
     sessions: SessionDirectory | None = None,
+    prefixes: PrefixMap | None = None,
 ) -> ApiState:
     metrics = SchedulerMetrics()
     if sessions is None:
         sessions = SessionDirectory(config.sessions_max, config.sessions_ttl_s)
     policy = make_policy(config.policy)
     catalog = load_catalog(config.models_config)
+    inflight = InFlight(config.tpot_default_s)
+    latencies = (ToolLatencies(config.tool_latency_default_s, config.tool_latency_quantile)
+                 if config.infer_advisories else None)
     advisor = Advisor(
         AdvisoryBook(config.advisory_ttl_s, config.advisories_max,
                      per_tenant=config.advisories_per_tenant),
         AdvisoryThrottle(config.advisory_min_useful, config.advisory_throttle_rate, 5.0,
                          config.advisory_throttle_after),
         registry, policy, channels, sessions, metrics,
-        catalog=frozenset(m.name for m in catalog),
+        catalog=frozenset(m.name for m in catalog), inflight=inflight, latencies=latencies,
     )
     dispatcher = Dispatcher(
         registry,
@@ -69,6 +79,8 @@ def build_state(
         metrics,
         advisor,
         catalog=catalog,
+        inflight=inflight,
+        prefixes=prefixes,
     )
     return ApiState(
         registry=registry,
@@ -85,6 +97,7 @@ def build_state(
         advisor=advisor,
         responses=ResponseStore(config.responses_ttl_s, config.responses_max,
                                 archive=response_archive(config)),
+        session_headers=tuple(config.session_headers),
     )
 
 
@@ -169,10 +182,12 @@ async def start(config: SchedulerConfig, stack: AsyncExitStack) -> Running:
     channels = NodeChannels()
     stack.push_async_callback(channels.close)
     sessions = SessionDirectory(config.sessions_max, config.sessions_ttl_s)
+    prefixes = PrefixMap(config.sessions_max, config.sessions_max)
     leadership: list[LeaseElector] = []  # (filled below when the replicas elect a leader)
     servicer = SchedulerServicer(registry, config.heartbeat_interval_s, sessions,
                                  leader=lambda: not config.lease_name
-                                 or any(e.is_leader for e in leadership))
+                                 or any(e.is_leader for e in leadership),
+                                 prefixes=prefixes)
     grpc_server = await stack.enter_async_context(
         serve_grpc(
             config.grpc_host,
@@ -182,7 +197,7 @@ async def start(config: SchedulerConfig, stack: AsyncExitStack) -> Running:
         )
     )
     stack.push_async_callback(servicer.close)  # runs before the server stops
-    state = build_state(config, registry, channels, sessions)
+    state = build_state(config, registry, channels, sessions, prefixes)
     state.leader = servicer.leader
     if config.lease_name:
         leadership.append(await _elect(config, stack, servicer.leadership_changed))

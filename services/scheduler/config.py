@@ -149,3 +149,24 @@ class SchedulerConfig:
     lease_renew_s: float = opt(
         1.0, "how often the leader renews and the standby looks (at most a third of "
         "lease_duration_s)", min=0.1, max=60.0)
+    # -- agents (docs/agents.md) --
+    infer_advisories: bool = opt(
+        True, "a turn ending in tool calls makes the scheduler advise the session's next "
+        "turn itself (expected after the tools' learnt latency); false: only clients advise",
+    )
+    tool_latency_default_s: float = opt(
+        2.0, "a tool's expected latency until a few of its calls were seen", min=0.0,
+        max=3600.0,
+    )
+    tool_latency_quantile: float = opt(
+        0.95, "quantile of a tool's latency past which its session's inferred advisory "
+        "expires (its device blocks give way)", min=0.5, max=1.0,
+    )
+    session_headers: list[str] = opt(
+        ["x-claude-code-session-id"], "request headers read as the session id when "
+        "X-Session-Id is absent (those agent CLIs send), in order",
+    )
+    tpot_default_s: float = opt(
+        0.05, "a node's time per output token until measured (when running requests are "
+        "expected to end, for placing advisories)", min=0.0001, max=10.0,
+    )

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from services.scheduler import wire
-from services.scheduler.cluster import NodeRegistry, SessionDirectory
+from services.scheduler.cluster import NodeRegistry, PrefixMap, SessionDirectory
 from shared.proto import scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -22,11 +22,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         heartbeat_interval_s: float,
         sessions: SessionDirectory | None = None,
         leader: Callable[[], bool] = lambda: True,
+        prefixes: PrefixMap | None = None,
     ) -> None:
         self.registry = registry
         self.interval = heartbeat_interval_s
         self.sessions = sessions
         self.leader = leader
+        self.prefixes = prefixes  # fed by the save reports too
         self._closing = asyncio.Event()
 
     async def close(self) -> None:
@@ -99,6 +101,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 if known and self.sessions is not None:
                     for s in wire.saved_sessions(beat):
                         self.sessions.saved(s.tenant, s.session_id, node_id, s.tokens)
+                        if self.prefixes is not None:
+                            self.prefixes.saved(s.tenant, s.session_id, node_id)
                 node = self.registry.get(node_id)
                 if node is not None and generation is None:
                     generation = node.generation

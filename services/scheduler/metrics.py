@@ -100,8 +100,9 @@ class SchedulerMetrics:
         self.advisories = Counter(
             "overture_advisories",
             "advisories by event: received, followed (its request came), expired (spurious), "
-            "invalidated, replaced (a newer one for the session), throttled (refused: 429)",
-            ["event"], registry=r,
+            "invalidated, replaced (a newer one for the session), throttled (refused: 429); "
+            "source: client (POST /v1/advisory) or inferred (from a turn calling tools)",
+            ["event", "source"], registry=r,
         )
         self.advisory_lead_time = Histogram(
             "overture_advisory_lead_time_seconds",

@@ -110,6 +110,16 @@ STOP = AnyOf([Str(min_len=1), ListOf(Str(min_len=1), min_items=1, max_items=MAX_
              "text that ends a choice (not included in it)")
 
 
+# OpenAI's prompt caching fields (issue 41): a session key when no session is named, and
+# how long the session's KV is kept (``scheduler.retention_max_s`` bounds it).
+CACHE_FIELDS: dict[str, Node] = {
+    "prompt_cache_key": session_field("the session when neither X-Session-Id nor "
+                                      "session_id names one"),
+    "prompt_cache_retention": Str("how long the session's KV is kept", enum=("in_memory",
+                                                                              "24h")),
+}
+
+
 def _sampling(limits: Limits, chat: bool) -> dict[str, Node]:
     fields = {
         "model": MODEL,
@@ -131,6 +141,7 @@ def _sampling(limits: Limits, chat: bool) -> dict[str, Node]:
         "session_id": session_field("the conversation; its KV is reused across turns (the "
                                     "X-Session-Id header wins)"),
         "priority": Int(-MAX_PRIORITY, MAX_PRIORITY, "higher first under load", default=0),
+        **CACHE_FIELDS,
     }
     if chat:
         fields["max_completion_tokens"] = Int(1, limits.max_tokens, "as max_tokens (wins)")

@@ -39,6 +39,7 @@ class ChoiceState:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    kv_from: str = ""  # where the reused KV came from (the engine's label; issue 41)
     finish_reason: str | None = None
     tool_calls: list[ToolCallOut] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -65,6 +66,7 @@ class ChoiceState:
             self.completion_tokens, chunk.completion_tokens, len(self.token_ids)
         )
         self.cached_tokens = max(self.cached_tokens, chunk.cached_tokens)
+        self.kv_from = self.kv_from or chunk.kv_from
         if chunk.finish_reason:
             self.finish_reason = chunk.finish_reason
 
@@ -86,8 +88,19 @@ def usage(states: list[ChoiceState]) -> dict[str, Any]:
         "prompt_tokens": p,
         "completion_tokens": c,
         "total_tokens": p + c,
-        "prompt_tokens_details": {"cached_tokens": sum(cached.values())},
+        "prompt_tokens_details": {"cached_tokens": sum(cached.values()),
+                                  **kv_source(states)},
     }
+
+
+def kv_source(states: list[ChoiceState]) -> dict[str, str]:
+    """Where the first choice's reused KV came from, when it reused any: device,
+    device_prefetched (an advisory's), device_partial, local (the node's DRAM or SSD),
+    peer or s3."""
+    s = states[0] if states else None
+    if s is None or not s.cached_tokens or s.kv_from in ("", "recompute"):
+        return {}
+    return {"kv_from": s.kv_from}
 
 
 @dataclass(frozen=True)

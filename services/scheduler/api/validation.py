@@ -184,7 +184,7 @@ def validate(
             "stream_options",
             "invalid_value",
         )
-    session = v.get("session_id", "")
+    session = v.get("session_id") or v.get("prompt_cache_key", "")
     if session_header:
         session = session_field("", required=True).check(session_header, "X-Session-Id")
     return ApiRequest(

@@ -79,6 +79,11 @@ class Node:
         by ``score`` alone sends every advisory made while a node is idle to that node."""
         return self.score() + self.advised
 
+    def expected_at(self, gone: int) -> int:
+        """``expected`` at an advised request's arrival, when ``gone`` of the load counted
+        now will have left (``AdvisoryPlacement.gone``)."""
+        return max(0, self.expected() - gone)
+
 
 def least_kv_pressure(nodes: list[Node]) -> Node | None:
     """The node to activate an evicted model on (Prism §6.2: "the GPU with the lowest KV

@@ -8,6 +8,7 @@ no node, an unknown model) keep their HTTP status; a failure after it is an erro
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
@@ -43,7 +44,9 @@ from services.scheduler.http.state import (
     NODE_HEADER,
     STATE,
     ApiState,
+    call_session,
     read_body,
+    session_header,
     tenant_of,
 )
 from services.scheduler.http.timing import Timing
@@ -61,9 +64,13 @@ async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
         body,
         endpoint,
         state.limits,
-        session_header=request.headers.get("X-Session-Id", ""),
+        session_header=session_header(state, request),
         tenant=tenant,
     )
+    if not req.session_id and len(req.prompts) == 1 and req.prompts[0].kind == "chat":
+        session = call_session(state, tenant, req.prompts[0].messages,
+                               bool(req.guidance.tools_json), new_id("chat"))
+        req = dataclasses.replace(req, session_id=session)
     model = await state.dispatcher.resolve_model(req.model)
     check_prompt_length(req, state.registry.max_model_len(model))
     if req.ignored_fields:

@@ -43,7 +43,9 @@ from services.scheduler.http.state import (
     NODE_HEADER,
     STATE,
     ApiState,
+    call_session,
     read_body,
+    session_header,
     tenant_of,
 )
 from services.scheduler.http.timing import Timing
@@ -65,14 +67,15 @@ async def create(request: web.Request) -> web.StreamResponse:
     v = responses_body(state.limits).check(parse_json(await read_body(state, request)))
     rid = items.new_item_id("resp")
     history: tuple[Message, ...] = ()
-    session = v.get("session_id", "")
+    session = v.get("session_id") or v.get("prompt_cache_key", "")
     if "previous_response_id" in v:
         prev = await state.responses.get(tenant, v["previous_response_id"])
         if prev is None:
             raise _not_found(v["previous_response_id"], "previous_response_id")
         history, session = prev.messages, session or prev.session_id
-    session = request.headers.get("X-Session-Id") or session or rid
     conversation = (*history, *items.to_messages(v["input"]))
+    session = (session_header(state, request) or session
+               or call_session(state, tenant, conversation, True, rid))
     system = (Message("system", v["instructions"]),) if v.get("instructions") else ()
     req = ApiRequest(
         endpoint="chat", model=v.get("model"),

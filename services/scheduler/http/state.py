@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from aiohttp import web
 
 from services.scheduler.advisory import Advisor
-from services.scheduler.api import ApiError, Limits, check_body_size
+from services.scheduler.api import ApiError, Limits, Message, check_body_size
 from services.scheduler.cluster import NodeRegistry
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.responses import ResponseStore
@@ -34,6 +34,7 @@ class ApiState:
     responses: ResponseStore = field(default_factory=lambda: ResponseStore(3600.0, 10_000))
     # Whether this replica is the one that serves (scheduler/lease.py; always without one).
     leader: Callable[[], bool] = field(default=lambda: True)
+    session_headers: tuple[str, ...] = ()  # read after X-Session-Id (agent CLIs' own)
 
 
 STATE = web.AppKey("state", ApiState)
@@ -45,6 +46,25 @@ IGNORED_HEADER = "X-Overture-Ignored-Fields"  # request fields ignored, comma-se
 def tenant_of(state: ApiState, request: web.Request) -> str:
     """The tenant of the request's API key (401 without a known one)."""
     return state.keys.tenant_of(request.headers.get("Authorization", ""))
+
+
+def session_header(state: ApiState, request: web.Request) -> str:
+    """The session a header names: ``X-Session-Id``, else the first of the configured
+    headers agent CLIs send (``scheduler.session_headers``); "" for none."""
+    for name in ("X-Session-Id", *state.session_headers):
+        if value := request.headers.get(name, ""):
+            return value
+    return ""
+
+
+def call_session(state: ApiState, tenant: str, messages: Sequence[Message],
+                 offers_tools: bool, new_session: str) -> str:
+    """The session of a request that names none: the one whose tool calls its history
+    answers (``cluster/tool_calls.py``), else ``new_session`` when it offers tools (its
+    calls will name it), else ""."""
+    ids = [i for m in messages for i in (m.tool_call_id, *(c.id for c in m.tool_calls)) if i]
+    found = state.dispatcher.tool_sessions.session_of(tenant, ids)
+    return found or (new_session if offers_tools else "")
 
 
 async def read_body(state: ApiState, request: web.Request) -> bytes:

@@ -35,9 +35,12 @@ import grpc
 from services.scheduler import wire
 from services.scheduler.api import ApiError, Chunk, from_grpc
 from services.scheduler.cluster import (
+    InFlight,
     NodeChannels,
     NodeRegistry,
+    PrefixMap,
     SessionDirectory,
+    ToolCallSessions,
     least_kv_pressure,
 )
 from services.scheduler.metrics import SchedulerMetrics
@@ -79,6 +82,12 @@ class Advisories(Protocol):
         """End the session's advisory as followed; the node it chose ("": none, or lapsed)."""
         ...
 
+    def infer(self, tenant: str, session_id: str, model: str, tools: tuple[str, ...],
+              priority: int) -> None:
+        """The session's turn ended calling ``tools``: its next turn (their results) is
+        coming, so the scheduler advises it itself (``advisory/inferred.py``)."""
+        ...
+
 
 class NodeStalled(Exception):
     """The node sent nothing within the inactivity bound."""
@@ -95,8 +104,14 @@ class Dispatcher:
         metrics: SchedulerMetrics | None = None,
         advisor: Advisories | None = None,
         catalog: tuple[ModelEntry, ...] = (),
+        inflight: InFlight | None = None,
+        prefixes: PrefixMap | None = None,
     ) -> None:
         self.registry = registry
+        # The generations running, to place advisories by the load at their arrival.
+        self.inflight = inflight if inflight is not None else InFlight()
+        self.prefixes = prefixes if prefixes is not None else PrefixMap()
+        self.tool_sessions = ToolCallSessions()  # call id -> the session that made it
         # Models the cluster may serve though no node runs them now (shared/model_catalog).
         self.catalog = {m.name: m for m in catalog}
         self.rates = ModelRates()  # requests per model (the placement's r_j)
@@ -147,7 +162,9 @@ class Dispatcher:
             if evicted:  # (Prism §6.2: the node of least KV pressure activates it)
                 lightest = least_kv_pressure(free)
                 free = [lightest] if lightest is not None else []
-            plan = self.policy.route(free, route)
+            # (generations that ended since a node's last beat are not its load)
+            plan = self.policy.route(free, dataclasses.replace(
+                route, gone=self.inflight.gone(free)))
             if plan is not None:
                 return plan
             known = any(n.serves(route.model) for n in self.registry.all())
@@ -207,6 +224,8 @@ class Dispatcher:
         place = self.sessions.where(route.tenant, route.session_id) if route.session_id else None
         if place is not None:
             route = dataclasses.replace(route, holder=place.node_id)
+        elif route.prefix:  # a new session: the nodes holding its leading context
+            route = dataclasses.replace(route, prefix_nodes=self.prefixes.holders(route.prefix))
         behind: set[str] = set()  # nodes that refused this request as overloaded
         failed: set[str] = set()  # nodes whose engine failed it before its first token
         while True:
@@ -216,15 +235,19 @@ class Dispatcher:
                 # (once per request: the other choices of an n > 1 request find it ended)
                 self.advisor.follow(route.tenant, route.session_id)
             self.registry.begin(node.node_id)
+            ticket = self.inflight.begin(node.node_id, request.sampling.max_tokens)
             call = self.channels.stub(node.info.address).Generate(
                 node_request(request, plan, place, self.registry),
                 timeout=self.settings.request_timeout_s,
             )
             produced = False
             last: Chunk | None = None
+            calls: list[tuple[str, str]] = []  # (id, function) of the turn's tool calls
             try:
                 while (msg := await self._next(call)) is not None:
                     last = wire.chunk(msg, node.node_id)
+                    self.inflight.progress(ticket, len(last.token_ids))
+                    calls.extend((c.id, c.name) for c in last.tool_calls if c.name)
                     if not produced and self.metrics is not None:
                         self.metrics.turns.labels(last.kv_from or "unknown").inc()
                     produced = True
@@ -234,6 +257,8 @@ class Dispatcher:
                         self.sessions.turn_served(route.tenant, route.session_id,
                                                   node.node_id,
                                                   last.prompt_tokens + last.completion_tokens)
+                        self._turn_ended(route, ticket, node.node_id, last.finish_reason, calls)
+                        ticket = 0
                     yield last
                 return
             except grpc.aio.AioRpcError as e:
@@ -277,7 +302,21 @@ class Dispatcher:
                 ) from None
             finally:
                 call.cancel()
-                self.registry.end(node.node_id)
+                if ticket:
+                    self.inflight.end(ticket)
+                    self.registry.end(node.node_id)
+
+    def _turn_ended(self, route: RouteRequest, ticket: int, node_id: str, finish: str,
+                    calls: list[tuple[str, str]]) -> None:
+        """The turn no longer loads its node; the node holds its leading context now; a
+        turn that ends calling tools announces the session's next one (Symphony §3.5)."""
+        self.inflight.end(ticket)
+        self.registry.end(node_id)
+        self.prefixes.turn_ended(route.tenant, route.session_id, route.prefix, node_id)
+        self.tool_sessions.record(route.tenant, (i for i, _ in calls), route.session_id)
+        if finish == "tool_calls" and self.advisor is not None:
+            self.advisor.infer(route.tenant, route.session_id, route.model,
+                               tuple(dict.fromkeys(n for _, n in calls)), route.priority)
 
     def _elsewhere(self, model: str, node_id: str) -> bool:
         """Whether a healthy node other than ``node_id`` serves ``model``."""

@@ -13,7 +13,8 @@ advisory chose. The policy answers with a plan that the callers carry out as it 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from services.scheduler.cluster import Node
 
@@ -26,6 +27,10 @@ class RouteRequest:
     priority: int = 0
     holder: str = ""  # the node holding the session's KV (its last turn's), if known
     advised: str = ""  # the node an advisory chose for this request (its KV goes there)
+    # An advisory's: per node, the load counted now that will be gone when it arrives.
+    gone: Mapping[str, int] = field(default_factory=dict)
+    prefix: tuple[str, ...] = ()  # the chat's leading context (cluster/prefixes.py)
+    prefix_nodes: tuple[str, ...] = ()  # the nodes holding that context, best first
 
 
 @dataclass(frozen=True)

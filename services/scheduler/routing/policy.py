@@ -50,6 +50,15 @@ def _holder_elsewhere(node: Node, request: RouteRequest) -> str:
     return request.holder if request.holder != node.node_id else ""
 
 
+def _prefix_rank(node: Node, request: RouteRequest) -> int:
+    """0 for the node most recently holding the request's leading context, 1 the next...;
+    past all of them for the others (a new session's locality: ``cluster/prefixes.py``)."""
+    try:
+        return request.prefix_nodes.index(node.node_id)
+    except ValueError:
+        return len(request.prefix_nodes)
+
+
 def _least_loaded(nodes: Sequence[Node]) -> Node:
     return min(nodes, key=lambda n: (n.score(), n.routed, n.last_routed, n.node_id))
 
@@ -58,8 +67,11 @@ class BalancedPolicy:
     """A request that follows an advisory goes to the node the advisory chose (its KV is
     being prefetched there) while that node can take it. Otherwise (and for advisories):
     least loaded by the load expected at arrival (running + waiting + routed + advisories
-    pending there, ``Node.expected``); ties: the node holding the session's KV,
-    then fewest routed, then least recently used (Symphony §3.3: load before locality).
+    pending there, ``Node.expected``, less what will be gone by then, ``Node.expected_at``:
+    generations that ended since the node's last beat and, for an advisory, those
+    expected to end before it arrives); ties: the node holding the session's KV,
+    then the node holding its leading context (a shared system prompt), then fewest
+    routed, then least recently used (Symphony §3.3: load before locality).
     The KV follows the session: the chosen node pulls it from the holder's kvstore, and an
     advisory's node prefetches it."""
 
@@ -84,8 +96,10 @@ class BalancedPolicy:
             for n in nodes:
                 if n.node_id == request.advised:
                     return n
-        return min(nodes, key=lambda n: (n.expected(), n.node_id != request.holder,
-                                         n.routed, n.last_routed, n.node_id))
+        return min(nodes, key=lambda n: (n.expected_at(request.gone.get(n.node_id, 0)),
+                                         n.node_id != request.holder,
+                                         _prefix_rank(n, request), n.routed,
+                                         n.last_routed, n.node_id))
 
 
 class PriorityPolicy(BalancedPolicy):
@@ -107,8 +121,10 @@ class PriorityPolicy(BalancedPolicy):
     def _choose(self, nodes: Sequence[Node], request: RouteRequest) -> Node | None:
         if not nodes or request.priority <= 0 or request.advised:
             return super()._choose(nodes, request)
-        return min(nodes, key=lambda n: (n.advised_priority, n.expected(),
-                                         n.node_id != request.holder, n.routed,
+        return min(nodes, key=lambda n: (n.advised_priority,
+                                         n.expected_at(request.gone.get(n.node_id, 0)),
+                                         n.node_id != request.holder,
+                                         _prefix_rank(n, request), n.routed,
                                          n.last_routed, n.node_id))
 
 

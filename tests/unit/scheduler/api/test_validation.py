@@ -203,6 +203,25 @@ def test_session_from_body_and_defaults() -> None:
     assert validate({"messages": CHAT["messages"]}, "chat", LIMITS).model is None
 
 
+def test_prompt_cache_key_names_the_session_when_nothing_else_does() -> None:
+    """Issue 41: OpenAI's prompt_cache_key is the session key; session_id and the header
+    win over it; prompt_cache_retention takes OpenAI's two values."""
+    assert validate(chat(prompt_cache_key="k1"), "chat", LIMITS).session_id == "k1"
+    assert validate(chat(prompt_cache_key="k1", session_id="s1"), "chat",
+                    LIMITS).session_id == "s1"
+    assert validate(chat(prompt_cache_key="k1"), "chat", LIMITS,
+                    session_header="h1").session_id == "h1"
+    assert validate({"prompt": "x", "prompt_cache_key": "k2"}, "completion",
+                    LIMITS).session_id == "k2"
+    for retention in ("in_memory", "24h"):
+        validate(chat(prompt_cache_retention=retention), "chat", LIMITS)
+    with pytest.raises(ApiError) as e:
+        validate(chat(prompt_cache_retention="forever"), "chat", LIMITS)
+    assert e.value.status == 400 and e.value.param == "prompt_cache_retention"
+    with pytest.raises(ApiError):
+        validate(chat(prompt_cache_key="a/b"), "chat", LIMITS)  # as session_id: no '/'
+
+
 def test_completion_prompt_forms_fan_out_prompt_major() -> None:
     req = validate({"prompt": ["a", [5, 6]], "n": 2}, "completion", LIMITS)
     assert [p.kind for p in req.prompts] == ["text", "tokens"]
