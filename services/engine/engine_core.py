@@ -41,6 +41,7 @@ from .sampling import make_generator
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .validation import PreparedRequest
+from .wait_forecast import StepCost
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +124,8 @@ class EngineCore:
         # monotonic time, after the broker had a chance to reclaim pages (0.0: not waiting).
         self.budget_retry_at = 0.0
         self.steps = 0  # calls of step(), scheduled or not
+        # Measured step costs and output lengths: admission's forecast of a queue's wait.
+        self.step_cost = StepCost(config.offload.prefill_s_per_token)
         self._arrivals = itertools.count()
         self._seeds = random.Random(config.seed)
         self.model_info = ModelInfo(
@@ -218,6 +221,8 @@ class EngineCore:
             return self._fail_unservable()
         self.budget_retry_at = 0.0  # the queue moves: no wait for the node's budget
         rows = {s.request_id: i for i, s in enumerate(out.sequences)}  # logits rows
+        decodes = sum(1 for n in out.num_scheduled_tokens.values() if n == 1)
+        prefills = out.total_tokens - decodes
         started = time.perf_counter()
         with self.offload.forward(out) as wait_for_layer:
             logits = self.runner.execute(out, wait_for_layer)  # (num_seqs, vocab)
@@ -226,6 +231,8 @@ class EngineCore:
         due = self.scheduler.advance(out)
         events = self._sample(logits, [rows[s.request_id] for s in due], due)
         self.offload.after_sample([s for s in due if s.request_id in self._live])
+        if not out.loads:  # (a step that waited for loaded layers says nothing of compute)
+            self.step_cost.observe(decodes, prefills, time.perf_counter() - started)
         if self.debug_checks:
             self.check_integrity()
         return events
@@ -244,6 +251,7 @@ class EngineCore:
         live.add_token(token)
         if live.finished:
             seq = live.seq
+            self.step_cost.finished(seq.num_output_tokens)
             self.offload.finished(seq)
             self.scheduler.finish(seq)
             del self._live[seq.request_id]
@@ -308,6 +316,7 @@ class EngineCore:
             oldest_waiting_since=self.scheduler.oldest_waiting_since(),
             admitted=self.scheduler.num_admitted,
             reuse=self.offload.stats(),
+            queue=self.scheduler.queue_shape(self.step_cost),
         )
 
     def drop_cached(self) -> int:
