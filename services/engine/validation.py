@@ -11,6 +11,7 @@ from shared.hashing import hash_seed
 from .api_types import GenerateRequest, SamplingParams
 from .errors import INVALID_ARGUMENT, NOT_FOUND, EngineError
 from .guidance import ModelGuidance
+from .input_size import check_input_size
 from .structured import Constraint
 from .tools import ToolCallStream
 
@@ -94,6 +95,7 @@ def prepare(
             NOT_FOUND, f"model {req.model!r} is not served here; this engine serves {model_name!r}"
         )
     check_sampling(req.sampling, vocab_size)
+    check_input_size(req, max_model_len)  # before tokenizing or compiling a grammar
     if guidance is None and not req.guidance.empty:
         raise _bad("tools and response_format need a model with a tokenizer for them")
     ids = tokenize(req, tokenizer, guidance)

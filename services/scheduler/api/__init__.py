@@ -9,6 +9,7 @@ and OpenAI-shaped errors.
 from services.scheduler.api.bodies import ADVISORY, body_schema
 from services.scheduler.api.chunk import Chunk, ToolCallOut
 from services.scheduler.api.errors import ApiError, from_grpc, invalid, without_addresses
+from services.scheduler.api.input_budget import check_input_budget
 from services.scheduler.api.json_body import check_body_size, parse_json
 from services.scheduler.api.limits import Limits
 from services.scheduler.api.openai_format import (
@@ -34,12 +35,12 @@ from services.scheduler.api.request import (
     ToolCall,
 )
 from services.scheduler.api.responses_body import responses_body
-from services.scheduler.api.validation import check_prompt_length, guidance, validate
+from services.scheduler.api.validation import guidance, validate
 
 __all__ = [
     "ADVISORY", "SSE_DONE", "ApiError", "ApiRequest", "Choice", "ChoiceState", "Chunk",
     "Endpoint", "Envelope", "Guidance", "Limits", "Message", "Prompt", "Sampling", "ToolCall",
-    "ToolCallOut", "body_schema", "check_body_size", "check_prompt_length", "from_grpc",
+    "ToolCallOut", "body_schema", "check_body_size", "check_input_budget", "from_grpc",
     "full_response", "guidance", "invalid", "new_id", "openapi_document", "parse_json",
     "responses_body", "sse", "stream_chunk", "tool_call_deltas", "usage_chunk", "validate",
     "without_addresses",

@@ -23,7 +23,7 @@ from services.scheduler.api import (
     Chunk,
     Endpoint,
     Envelope,
-    check_prompt_length,
+    check_input_budget,
     full_response,
     new_id,
     parse_json,
@@ -60,7 +60,7 @@ async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
         tenant=tenant,
     )
     model = await state.dispatcher.resolve_model(req.model)
-    check_prompt_length(req, state.registry.max_model_len(model))
+    check_input_budget(req, state.registry.max_model_len(model))
     with state.tenants.in_flight(tenant):
         return await _generate_in_flight(request, state, req, endpoint, model)
 

@@ -33,7 +33,7 @@ from services.scheduler.api import (
     Message,
     Prompt,
     Sampling,
-    check_prompt_length,
+    check_input_budget,
     guidance,
     parse_json,
     responses_body,
@@ -84,7 +84,7 @@ async def create(request: web.Request) -> web.StreamResponse:
         stream=v.get("stream", False), session_id=session, tenant=tenant,
         priority=v.get("priority", 0), guidance=guidance(items.chat_guidance_fields(v)))
     model = await state.dispatcher.resolve_model(req.model)
-    check_prompt_length(req, state.registry.max_model_len(model))
+    check_input_budget(req, state.registry.max_model_len(model))
     with state.tenants.in_flight(tenant):
         return await _run(request, state, req, v, rid, model, conversation)
 
