@@ -135,6 +135,7 @@ class EngineCore:
             dtype=str(loaded.dtype).removeprefix("torch."),
             num_layers=mc.num_layers,
             block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
         )
 
     # ---- requests -----------------------------------------------------------------------

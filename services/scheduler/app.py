@@ -19,7 +19,7 @@ from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.placement import PlacementLoop
 from services.scheduler.responses import ResponseStore
 from services.scheduler.routing import Dispatcher, DispatchSettings, make_policy
-from services.scheduler.tenants import TenantLimits, key_book
+from services.scheduler.tenants import TenantLimits, Turns, key_book
 from shared.grpc_server import serve_grpc
 from shared.model_catalog import load_catalog
 from shared.proto import scheduler_pb2_grpc
@@ -71,7 +71,9 @@ def build_state(
         limits=Limits(config.max_n, config.max_prompts, config.default_max_tokens,
                       config.max_messages, config.max_tokens_limit),
         tenants=TenantLimits(config.tenant_requests_per_s, config.tenant_advisories_per_s,
-                             config.tenant_max_in_flight),
+                             config.tenant_max_in_flight, seats=registry.seats,
+                             in_flight_per_seat=config.tenant_in_flight_per_seat),
+        turns=Turns(config.retry_after_s),
         body_timeout_s=config.body_timeout_s,
         keys=key_book(config),
         max_body_bytes=config.max_body_bytes,

@@ -39,6 +39,7 @@ from services.scheduler.http.state import (
     STATE,
     ApiState,
     read_body,
+    retry_key,
     tenant_of,
 )
 from services.scheduler.http.timing import Timing
@@ -61,7 +62,9 @@ async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
     )
     model = await state.dispatcher.resolve_model(req.model)
     check_input_budget(req, state.registry.max_model_len(model))
-    with state.tenants.in_flight(tenant):
+    # Refused requests go first as seats free (a retrying client is never starved).
+    with state.turns.attempt(tenant, retry_key(request, req.session_id)), \
+            state.tenants.in_flight(tenant):
         return await _generate_in_flight(request, state, req, endpoint, model)
 
 

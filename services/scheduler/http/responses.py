@@ -44,6 +44,7 @@ from services.scheduler.http.state import (
     STATE,
     ApiState,
     read_body,
+    retry_key,
     tenant_of,
 )
 from services.scheduler.http.timing import Timing
@@ -85,7 +86,8 @@ async def create(request: web.Request) -> web.StreamResponse:
         priority=v.get("priority", 0), guidance=guidance(items.chat_guidance_fields(v)))
     model = await state.dispatcher.resolve_model(req.model)
     check_input_budget(req, state.registry.max_model_len(model))
-    with state.tenants.in_flight(tenant):
+    with state.turns.attempt(tenant, retry_key(request, session)), \
+            state.tenants.in_flight(tenant):
         return await _run(request, state, req, v, rid, model, conversation)
 
 

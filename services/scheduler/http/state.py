@@ -14,7 +14,7 @@ from services.scheduler.cluster import NodeRegistry
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.responses import ResponseStore
 from services.scheduler.routing import Dispatcher
-from services.scheduler.tenants import KeyBook, TenantLimits
+from services.scheduler.tenants import TOKEN_HEADER, KeyBook, TenantLimits, Turns
 
 
 @dataclass
@@ -31,16 +31,25 @@ class ApiState:
     tenants: TenantLimits = field(default_factory=lambda: TenantLimits(0, 0, 0))
     body_timeout_s: float = 30.0
     responses: ResponseStore = field(default_factory=lambda: ResponseStore(3600.0, 10_000))
+    turns: Turns = field(default_factory=lambda: Turns(1))
 
 
 STATE = web.AppKey("state", ApiState)
 CLIENT_GONE = "overture.client_gone"  # request key: the client left mid-stream (counted as 499)
 NODE_HEADER = "X-Overture-Node"  # the node that served a generation
+MAX_TOKEN_CHARS = 256  # a retry token sent back (a session id at most)
 
 
 def tenant_of(state: ApiState, request: web.Request) -> str:
     """The tenant of the request's API key (401 without a known one)."""
     return state.keys.tenant_of(request.headers.get("Authorization", ""))
+
+
+def retry_key(request: web.Request, session: str) -> str:
+    """What identifies a client's retries (``tenants/turns.py``): the retry token its
+    last 429 gave it, else the request's session ("" if neither)."""
+    token = request.headers.get(TOKEN_HEADER, "")
+    return token if 0 < len(token) <= MAX_TOKEN_CHARS and token.isprintable() else session
 
 
 async def read_body(state: ApiState, request: web.Request) -> bytes:
