@@ -14,7 +14,7 @@ from services.scheduler.api import Limits
 from services.scheduler.cluster import NodeChannels, NodeRegistry, SessionDirectory
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.grpc_service import SchedulerServicer
-from services.scheduler.http import ApiState, HardenedRunner, build_app
+from services.scheduler.http import ApiState, BodyBudget, HardenedRunner, build_app
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.placement import PlacementLoop
 from services.scheduler.responses import ResponseStore
@@ -74,6 +74,7 @@ def build_state(
                              config.tenant_max_in_flight, seats=registry.seats,
                              in_flight_per_seat=config.tenant_in_flight_per_seat),
         turns=Turns(config.retry_after_s),
+        bodies=BodyBudget(config.tenant_body_bytes, config.max_body_bytes),
         body_timeout_s=config.body_timeout_s,
         keys=key_book(config),
         max_body_bytes=config.max_body_bytes,

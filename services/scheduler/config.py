@@ -19,6 +19,10 @@ class SchedulerConfig:
         2.0, "how long a request waits for a healthy node before 503", min=0
     )
     max_body_bytes: int = opt(4 << 20, "largest accepted request body", min=1024)
+    tenant_body_bytes: int = opt(
+        64 << 20, "bytes of request bodies one tenant may have being read at once (a body "
+        "counts its Content-Length, or max_body_bytes without one); beyond: 429, and 413 "
+        "for a body larger than this; 0 = no limit", min=0)
     body_timeout_s: float = opt(
         30.0, "a request body not fully received this long after its headers is refused "
         "(408)", min=0.1)

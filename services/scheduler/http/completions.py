@@ -52,7 +52,7 @@ async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
     state = request.app[STATE]
     tenant = tenant_of(state, request)
     state.tenants.request(tenant)
-    body = parse_json(await read_body(state, request))
+    body = parse_json(await read_body(state, request, tenant))
     req = validate(
         body,
         endpoint,

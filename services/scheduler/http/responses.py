@@ -63,7 +63,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     tenant = tenant_of(state, request)
     state.tenants.request(tenant)
-    v = responses_body(state.limits).check(parse_json(await read_body(state, request)))
+    v = responses_body(state.limits).check(parse_json(await read_body(state, request, tenant)))
     rid = items.new_item_id("resp")
     history: tuple[Message, ...] = ()
     session = v.get("session_id", "")

@@ -11,6 +11,7 @@ from aiohttp import web
 from services.scheduler.advisory import Advisor
 from services.scheduler.api import ApiError, Limits, check_body_size
 from services.scheduler.cluster import NodeRegistry
+from services.scheduler.http.body_budget import BodyBudget
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.responses import ResponseStore
 from services.scheduler.routing import Dispatcher
@@ -32,6 +33,7 @@ class ApiState:
     body_timeout_s: float = 30.0
     responses: ResponseStore = field(default_factory=lambda: ResponseStore(3600.0, 10_000))
     turns: Turns = field(default_factory=lambda: Turns(1))
+    bodies: BodyBudget = field(default_factory=lambda: BodyBudget(0, 4 << 20))
 
 
 STATE = web.AppKey("state", ApiState)
@@ -52,13 +54,17 @@ def retry_key(request: web.Request, session: str) -> str:
     return token if 0 < len(token) <= MAX_TOKEN_CHARS and token.isprintable() else session
 
 
-async def read_body(state: ApiState, request: web.Request) -> bytes:
-    """The whole body, within the size limit and ``body_timeout_s`` (a client trickling
-    its upload holds no memory and no connection for long)."""
+async def read_body(state: ApiState, request: web.Request, tenant: str) -> bytes:
+    """The whole body, within the size limit, ``tenant``'s bytes being read at once
+    (``body_budget.py``) and ``body_timeout_s`` (a client trickling its upload holds no
+    memory and no connection for long: after its 408 the connection is closed)."""
     check_body_size(request.content_length, state.max_body_bytes)
-    try:
-        async with asyncio.timeout(state.body_timeout_s):
-            return await request.read()
-    except TimeoutError:
-        raise ApiError(408, f"the request body did not arrive within "
-                       f"{state.body_timeout_s:g} s", code="body_timeout") from None
+    with state.bodies.reading(tenant, request.content_length):
+        try:
+            async with asyncio.timeout(state.body_timeout_s):
+                return await request.read()
+        except TimeoutError:
+            pass
+    state.bodies.stalled()
+    raise ApiError(408, f"the request body did not arrive within {state.body_timeout_s:g} s",
+                   code="body_timeout", headers={"Connection": "close"})
