@@ -12,7 +12,7 @@ are handed out along that line:
     the head of the line, or a waiter holding a turn ─► tried on the nodes
     anyone else, while live waiters wait ─► 429 at once ("not_your_turn")
 
-A request's key is its session (``X-Session-Id``, ``session_id``, ``prompt_cache_key``)
+A request's key is its session (``X-Session-Id`` or ``session_id``)
 or, for one without, the retry token its 429 carried (``X-Overture-Retry-Token``, to be
 sent back with the retry). A client that never retries stays tentative and slows nobody
 down. A turn not taken within ``turn_s`` passes to the next waiter; a waiter not seen for
