@@ -65,3 +65,20 @@ async def test_a_4mb_tool_schema_is_refused_before_tokenizing(
         outs = [o async for o in eng.generate(small)]
         assert outs[-1].finish_reason is not None and len(calls) == 1
         await idle(eng)
+
+
+async def test_memory_grown_for_a_large_input_is_handed_back(
+        loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    trims: list[int] = []
+    monkeypatch.setattr(validation, "trim_heap", lambda: trims.append(1) or True)
+    monkeypatch.setattr(validation, "LARGE_INPUT_CHARS", 2000)
+    async with engine(loaded, max_model_len=256) as eng:
+        small = GenerateRequest(messages=HI, sampling=SamplingParams(max_tokens=2))
+        [o async for o in eng.generate(small)]
+        assert trims == []
+        large = GenerateRequest(messages=(ChatMessage("user", "ab " * 1000),),
+                                sampling=SamplingParams(max_tokens=2))
+        with pytest.raises(EngineError):  # (within the budget, but over the context)
+            [o async for o in eng.generate(large)]
+        assert trims == [1]  # the tokenizer's scratch went back, failed or not
+        await idle(eng)
