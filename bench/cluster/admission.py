@@ -19,8 +19,13 @@ token seen by the client: the engine's queue wait plus the prefill of a short pr
 scheduler's and the node's hops and the stream's first write (an upper bound on the wait
 itself: with the demo models the rest is a few milliseconds); the throughput (200s per
 second) and its ratio to the same rep's 1×; the share of 429s (every one with
-``Retry-After``). The median over reps is reported with its range, and the machine's load
-average while the level ran (the machine may be shared).
+``Retry-After``). Beside the client's view, the scheduler's: its
+``overture_time_to_first_token_seconds`` histogram (from the request's arrival in the
+scheduler's handler to its first token leaving) read from ``/metrics`` before and after
+the level, p50 / p99 interpolated within its buckets; the difference between the two is
+time the request spent in neither the scheduler's handler nor the engines (the client's
+and the scheduler's event loops, the connections). The median over reps is reported with
+its range, and the machine's load average while the level ran (the machine may be shared).
 
 Goals (issue 43): admitted p99 ≤ 2 × the limit at 10×; throughput at 10× ≥ 0.9× of 1×.
 """
@@ -40,6 +45,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import aiohttp
 
 from bench.cluster.chat_client import Client, Result
 from bench.cluster.overload import measure_capacity, open_loop
@@ -72,6 +79,43 @@ def level_stats(results: list[Result], duration: float) -> dict[str, Any]:
     }
 
 
+TTFT_METRIC = "overture_time_to_first_token_seconds_bucket"
+
+
+async def ttft_buckets(url: str) -> dict[float, float]:
+    """The scheduler's TTFT histogram, all models: cumulative count per upper bound."""
+    out: dict[float, float] = {}
+    async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
+        text = await r.text()
+    for line in text.splitlines():
+        if line.startswith(TTFT_METRIC + "{"):
+            labels, _, value = line.rpartition(" ")
+            le = labels.split('le="', 1)[1].split('"', 1)[0]
+            bound = float("inf") if le == "+Inf" else float(le)
+            out[bound] = out.get(bound, 0.0) + float(value)
+    return out
+
+
+def bucket_quantile(before: dict[float, float], after: dict[float, float], q: float
+                    ) -> float | None:
+    """The ``q`` quantile of what was observed between two reads of a histogram, linearly
+    interpolated within its bucket (None: nothing observed, or past the last bound)."""
+    bounds = sorted(after)
+    counts = [after[b] - before.get(b, 0.0) for b in bounds]
+    total = counts[-1] if counts else 0.0
+    if total <= 0:
+        return None
+    rank, lo, below = q * total, 0.0, 0.0
+    for bound, cum in zip(bounds, counts, strict=True):
+        if cum >= rank:
+            if bound == float("inf"):
+                return None
+            inside = cum - below
+            return lo + (bound - lo) * ((rank - below) / inside if inside else 1.0)
+        lo, below = bound, cum
+    return None
+
+
 def rotations(loads: list[float], reps: int) -> list[list[float]]:
     """The level order of each rep: ``loads`` rotated by one each time."""
     return [loads[i % len(loads):] + loads[:i % len(loads)] for i in range(reps)]
@@ -99,14 +143,18 @@ async def run_levels(url: str, model: str, args: argparse.Namespace) -> dict[str
         for rep, order in enumerate(rotations(args.loads, args.reps)):
             for mult in order:
                 await asyncio.sleep(args.pause)
-                before = _loadavg()
+                before, hist = _loadavg(), await ttft_buckets(url)
                 level = await open_loop(client, f"{mult:g}×", mult * rate, args.duration,
                                         args.max_tokens, args.request_timeout, rng)
                 s = level_stats(level.results, args.duration)
-                s.update(rep=rep, multiple=mult, loadavg=(before + _loadavg()) / 2)
+                after = await ttft_buckets(url)
+                s.update(rep=rep, multiple=mult, loadavg=(before + _loadavg()) / 2,
+                         server_p50_s=bucket_quantile(hist, after, 0.5),
+                         server_p99_s=bucket_quantile(hist, after, 0.99))
                 runs.append(s)
                 _log(f"rep {rep} {mult:g}×: {s['ok']}/{s['sent']} admitted, p99 wait "
-                     f"{_ms(s['wait_p99_s'])}, load {s['loadavg']:.1f}")
+                     f"{_ms(s['wait_p99_s'])} (scheduler {_ms(s['server_p99_s'])}), "
+                     f"load {s['loadavg']:.1f}")
     return {"capacity": cap, "runs": runs}
 
 
@@ -127,7 +175,9 @@ def summarize(res: dict[str, Any], loads: list[float]) -> list[dict[str, Any]]:
             return (statistics.median(xs), min(xs), max(xs)) if xs else None
 
         rows.append({"multiple": mult, "wait_p50_s": med("wait_p50_s"),
-                     "wait_p99_s": med("wait_p99_s"), "throughput_rps": med("throughput_rps"),
+                     "wait_p99_s": med("wait_p99_s"), "server_p50_s": med("server_p50_s"),
+                     "server_p99_s": med("server_p99_s"),
+                     "throughput_rps": med("throughput_rps"),
                      "vs_1x": (statistics.median(vs), min(vs), max(vs)) if vs else None,
                      "share_429": med("share_429"), "loadavg": med("loadavg"),
                      "failed": sum(r["failed"] for r in mine),
@@ -172,14 +222,16 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"capacity {cap['capacity_rps']:.2f} req/s ({cap['clients']} clients, closed loop)")
     print(f"\nPoisson arrivals, {args.duration:g} s per level, {args.reps} reps in rotated "
           "order; median [range] over reps; wait = time to first token of the 200s")
-    print("| load | admitted p50 wait | admitted p99 wait | p99 / limit | throughput req/s "
-          "| vs 1× | 429 | load avg |")
-    print("| --- " * 8 + "|")
+    print("| load | admitted p50 wait | admitted p99 wait | p99 / limit | scheduler p50 / p99 "
+          "| throughput req/s | vs 1× | 429 | load avg |")
+    print("| --- " * 9 + "|")
     for r in rows:
         p99 = r["wait_p99_s"]
         ratio = f"{p99[0] / args.limit:.2f}×" if p99 else "-"
+        sp50, sp99 = r["server_p50_s"], r["server_p99_s"]
+        server = f"{_ms(sp50[0] if sp50 else None)} / {_ms(sp99[0] if sp99 else None)}"
         print(f"| {r['multiple']:g}× | {_spread(r['wait_p50_s'])} | {_spread(p99)} | {ratio} "
-              f"| {_spread(r['throughput_rps'], 'f')} | {_spread(r['vs_1x'], 'x')} "
+              f"| {server} | {_spread(r['throughput_rps'], 'f')} | {_spread(r['vs_1x'], 'x')} "
               f"| {_spread(r['share_429'], '%')} | {_spread(r['loadavg'], 'f')} |")
     failed = sum(r["failed"] for r in rows)
     bare = sum(r["429_without_retry_after"] for r in rows)
