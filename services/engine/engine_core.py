@@ -125,7 +125,9 @@ class EngineCore:
         self.budget_retry_at = 0.0
         self.steps = 0  # calls of step(), scheduled or not
         # Measured step costs and output lengths: admission's forecast of a queue's wait.
-        self.step_cost = StepCost(config.offload.prefill_s_per_token)
+        # (No prior: a guess would refuse a burst on an engine that never ran; the first
+        # steps measure the costs, and the queue's age bounds the wait until then.)
+        self.step_cost = StepCost()
         self._arrivals = itertools.count()
         self._seeds = random.Random(config.seed)
         self.model_info = ModelInfo(

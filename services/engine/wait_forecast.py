@@ -15,9 +15,8 @@ A request waits for two things, whichever comes later:
 
                   decode_left (ascending)  [3, 9, 40, 200]   k = 2 → 9 steps
 
-Both step costs are measured by the core (``StepCost``); until they are, a prior (the
-configured prefill cost) stands in, and a zero cost predicts no wait (the backstop of the
-queue's oldest request still bounds it).
+Both step costs are measured by the core (``StepCost``); until they are, a cost of zero
+predicts no wait from them (the backstop of the queue's oldest request still bounds it).
 """
 
 from __future__ import annotations
@@ -81,8 +80,10 @@ class StepCost:
         if prefill_tokens == 0 and decode_tokens > 0:
             self.decode_step_s = _ewma(self.decode_step_s, seconds, self.decode_step_s == 0)
         elif prefill_tokens >= MIN_PREFILL_TOKENS:
-            base = self.decode_step_s if decode_tokens else 0.0
-            sample = max(0.0, seconds - base) / prefill_tokens
+            # A step costs its fixed part (launch, sampling, bookkeeping: what a decode-only
+            # step measures) with or without decodes: left in, it would be charged to each
+            # prompt token, and a small model's forecast would be several times too long.
+            sample = max(0.0, seconds - self.decode_step_s) / prefill_tokens
             self.prefill_s_per_token = _ewma(self.prefill_s_per_token, sample,
                                              self._prefill_samples == 0)
             self._prefill_samples += 1
