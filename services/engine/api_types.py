@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from shared.model_info import ModelInfo
 
+from .wait_forecast import QueueShape
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -203,6 +205,7 @@ class EngineStatus:
     step_started: float = 0.0  # time.monotonic() the step under way began (0.0: idle)
     admitted: int = 0  # sequences that left the waiting queue for a seat, since start
     reuse: ReuseStats = field(default_factory=ReuseStats)
+    queue: QueueShape = field(default_factory=QueueShape)  # what admission forecasts from
 
 
 def merge_outputs(a: GenerateOutput, b: GenerateOutput) -> GenerateOutput:

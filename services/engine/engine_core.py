@@ -43,6 +43,7 @@ from .scheduler import Scheduler
 from .sequence import Sequence
 from .token_text import TokenText
 from .validation import PreparedRequest
+from .wait_forecast import StepCost
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,10 @@ class EngineCore:
         # monotonic time, after the broker had a chance to reclaim pages (0.0: not waiting).
         self.budget_retry_at = 0.0
         self.steps = 0  # calls of step(), scheduled or not
+        # Measured step costs and output lengths: admission's forecast of a queue's wait.
+        # (No prior: a guess would refuse a burst on an engine that never ran; the first
+        # steps measure the costs, and the queue's age bounds the wait until then.)
+        self.step_cost = StepCost()
         self._arrivals = itertools.count()
         self._seeds = random.Random(config.seed)
         self.model_info = ModelInfo(
@@ -135,6 +140,7 @@ class EngineCore:
             dtype=str(loaded.dtype).removeprefix("torch."),
             num_layers=mc.num_layers,
             block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
         )
 
     # ---- requests -----------------------------------------------------------------------
@@ -222,6 +228,8 @@ class EngineCore:
         self.budget_retry_at = 0.0  # the queue moves: no wait for the node's budget
         lr = logit_rows(out)
         rows = {s.request_id: lr.last[i] for i, s in enumerate(out.sequences)}  # logits rows
+        decodes = sum(1 for n in out.num_scheduled_tokens.values() if n == 1)
+        prefills = out.total_tokens - decodes
         started = time.perf_counter()
         with self.offload.forward(out) as wait_for_layer:
             logits = self.runner.execute(out, wait_for_layer)  # (num_seqs, vocab)
@@ -232,6 +240,8 @@ class EngineCore:
             self._prompt_logprobs(logits, lr)
         events = self._sample(logits, [rows[s.request_id] for s in due], due)
         self.offload.after_sample([s for s in due if s.request_id in self._live])
+        if not out.loads:  # (a step that waited for loaded layers says nothing of compute)
+            self.step_cost.observe(decodes, prefills, time.perf_counter() - started)
         if self.debug_checks:
             self.check_integrity()
         return events
@@ -276,6 +286,7 @@ class EngineCore:
         live.add_token(token)
         if live.finished:
             seq = live.seq
+            self.step_cost.finished(seq.num_output_tokens)
             self.offload.finished(seq)
             self.scheduler.finish(seq)
             del self._live[seq.request_id]
@@ -340,6 +351,7 @@ class EngineCore:
             oldest_waiting_since=self.scheduler.oldest_waiting_since(),
             admitted=self.scheduler.num_admitted,
             reuse=self.offload.stats(),
+            queue=self.scheduler.queue_shape(self.step_cost),
         )
 
     def drop_cached(self) -> int:

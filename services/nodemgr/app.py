@@ -61,7 +61,7 @@ async def start(config: NodeManagerConfig, stack: AsyncExitStack) -> asyncio.Tas
         config.admission_depth, config.prefill_tokens_per_s,
         slo=lambda model: activator.catalog[model].ttft_slo_s
         if model in activator.catalog else DEFAULT_TTFT_SLO_S,
-        max_waiting=config.admission_max_waiting)
+        max_waiting=config.admission_max_waiting, max_delay_s=config.admission_max_delay_s)
     servicer = NodeManagerServicer(config.node_id, engine, config.kvstore_address, engine_failed,
                                    prefetcher, activator, admission)
     server = await stack.enter_async_context(

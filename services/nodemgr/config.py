@@ -39,6 +39,10 @@ class NodeManagerConfig:
     admission_max_waiting: int = opt(
         1024, "requests the node's deadline queue holds at most; more are refused (429)",
         min=1)
+    admission_max_delay_s: float = opt(
+        0.5, "with several engines: a new request whose predicted wait in the node's queue "
+        "(the prefill queued ahead for its engine, or the oldest's age) is over this is "
+        "refused (429 upstream), as an engine's max_queue_delay_s does; 0 = off", min=0.0)
     prefill_tokens_per_s: float = opt(
         2000.0, "a model's chunked-prefill speed until measured (for the deadline order)",
         min=1)

@@ -24,13 +24,13 @@ from services.scheduler.cluster import (
 )
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.grpc_service import SchedulerServicer
-from services.scheduler.http import ApiState, HardenedRunner, build_app
+from services.scheduler.http import ApiState, BodyBudget, HardenedRunner, build_app
 from services.scheduler.lease import LeaseElector, LeaseSettings, ssl_context
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.placement import PlacementLoop
 from services.scheduler.responses import ResponseStore, response_archive
 from services.scheduler.routing import Dispatcher, DispatchSettings, make_policy
-from services.scheduler.tenants import TenantLimits, key_book
+from services.scheduler.tenants import TenantLimits, Turns, key_book
 from shared.config import ConfigError
 from shared.grpc_server import serve_grpc
 from shared.model_catalog import load_catalog
@@ -90,7 +90,10 @@ def build_state(
                       config.max_messages, config.max_tokens_limit,
                       strict_fields=config.strict_fields),
         tenants=TenantLimits(config.tenant_requests_per_s, config.tenant_advisories_per_s,
-                             config.tenant_max_in_flight),
+                             config.tenant_max_in_flight, seats=registry.seats,
+                             in_flight_per_seat=config.tenant_in_flight_per_seat),
+        turns=Turns(config.retry_after_s),
+        bodies=BodyBudget(config.tenant_body_bytes, config.max_body_bytes),
         body_timeout_s=config.body_timeout_s,
         keys=key_book(config),
         max_body_bytes=config.max_body_bytes,

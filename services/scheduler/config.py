@@ -20,6 +20,10 @@ class SchedulerConfig:
         2.0, "how long a request waits for a healthy node before 503", min=0
     )
     max_body_bytes: int = opt(4 << 20, "largest accepted request body", min=1024)
+    tenant_body_bytes: int = opt(
+        64 << 20, "bytes of request bodies one tenant may have being read at once (a body "
+        "counts its Content-Length, or max_body_bytes without one); beyond: 429, and 413 "
+        "for a body larger than this; 0 = no limit", min=0)
     body_timeout_s: float = opt(
         30.0, "a request body not fully received this long after its headers is refused "
         "(408)", min=0.1)
@@ -38,7 +42,11 @@ class SchedulerConfig:
         100.0, "advisories per second one tenant may send (burst: 2 s worth; 0 = no limit)",
         min=0.0)
     tenant_max_in_flight: int = opt(
-        512, "generations one tenant may have running at once (0 = no limit)", min=0)
+        0, "generations one tenant may have running at once; 0 = sized from the cluster's "
+        "capacity (tenant_in_flight_per_seat)", min=0)
+    tenant_in_flight_per_seat: float = opt(
+        2.0, "with tenant_max_in_flight 0: generations one tenant may have in flight per "
+        "seat (engine.max_num_seqs) of the nodes in rotation; 0 = no limit", min=0.0)
     request_timeout_s: float = opt(600.0, "upper bound on one request's duration", min=1)
     api_keys: dict[str, str] = opt(
         {}, "bearer key (or sha256:<hex> of it) -> tenant; environment: key=tenant,... "

@@ -25,7 +25,8 @@ def node_info(msg: scheduler_pb2.RegisterNodeRequest) -> NodeInfo:
         node_id=msg.node_id,
         address=msg.address,
         models=tuple(
-            ModelSpec(m.name, m.fingerprint, m.max_model_len, m.dtype) for m in msg.models
+            ModelSpec(m.name, m.fingerprint, m.max_model_len, m.dtype, m.max_num_seqs)
+            for m in msg.models
         ),
         kvstore_address=msg.kvstore_address,
     )

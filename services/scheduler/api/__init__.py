@@ -9,6 +9,7 @@ and OpenAI-shaped errors.
 from services.scheduler.api.bodies import ADVISORY, body_schema
 from services.scheduler.api.chunk import Chunk, TokenLogprob, ToolCallOut
 from services.scheduler.api.errors import ApiError, from_grpc, invalid, without_addresses
+from services.scheduler.api.input_budget import check_input_budget
 from services.scheduler.api.json_body import check_body_size, parse_json
 from services.scheduler.api.limits import Limits
 from services.scheduler.api.logprobs_format import chat_logprobs, legacy_logprobs
@@ -36,7 +37,7 @@ from services.scheduler.api.request import (
     ToolCall,
 )
 from services.scheduler.api.responses_body import responses_body
-from services.scheduler.api.validation import check_prompt_length, guidance, validate
+from services.scheduler.api.validation import guidance, validate
 
 __all__ = [
     "ADVISORY",
@@ -59,7 +60,7 @@ __all__ = [
     "body_schema",
     "chat_logprobs",
     "check_body_size",
-    "check_prompt_length",
+    "check_input_budget",
     "from_grpc",
     "full_response",
     "guidance",

@@ -203,25 +203,3 @@ def validate(
         guidance=guidance(v),
         ignored_fields=ignored,
     )
-
-
-# No tokenizer packs more characters than this into one token on average: a prompt with
-# more characters than this many times the context cannot fit, and is refused before a
-# node spends seconds tokenizing megabytes of it.
-CHARS_PER_TOKEN_BOUND = 32
-
-
-def check_prompt_length(req: ApiRequest, max_model_len: int) -> None:
-    """400 for a prompt that cannot fit ``max_model_len`` tokens (0: not known yet)."""
-    if max_model_len <= 0:
-        return
-    for p in req.prompts:
-        if p.kind == "tokens":
-            size, unit, bound = len(p.token_ids), "tokens", max_model_len
-        else:
-            size = len(p.text) + sum(len(m.content) for m in p.messages)
-            unit, bound = "characters", max_model_len * CHARS_PER_TOKEN_BOUND
-        if size > bound:
-            param = "messages" if p.kind == "chat" else "prompt"
-            raise invalid(f"the prompt has {size} {unit}, far more than the model's context "
-                          f"of {max_model_len} tokens holds", param, "context_length_exceeded")

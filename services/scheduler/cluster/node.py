@@ -13,6 +13,7 @@ class ModelSpec:
     fingerprint: str = ""
     max_model_len: int = 0
     dtype: str = ""
+    seats: int = 0  # sequences its engine runs at once (0: not said)
 
 
 @dataclass(frozen=True)

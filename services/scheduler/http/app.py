@@ -24,7 +24,10 @@ log = logging.getLogger(__name__)
 
 
 def error_response(e: ApiError) -> web.Response:
-    return web.json_response(e.body(), status=e.status, headers=e.headers or None)
+    resp = web.json_response(e.body(), status=e.status, headers=e.headers or None)
+    if e.headers.get("Connection") == "close":
+        resp.force_close()  # (a stalled body: its connection goes, with what it buffered)
+    return resp
 
 
 @web.middleware

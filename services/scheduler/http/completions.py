@@ -27,7 +27,7 @@ from services.scheduler.api import (
     Prompt,
     TokenLogprob,
     chat_logprobs,
-    check_prompt_length,
+    check_input_budget,
     full_response,
     legacy_logprobs,
     new_id,
@@ -46,6 +46,7 @@ from services.scheduler.http.state import (
     ApiState,
     call_session,
     read_body,
+    retry_key,
     session_header,
     tenant_of,
 )
@@ -59,7 +60,7 @@ async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
     state = request.app[STATE]
     tenant = tenant_of(state, request)
     state.tenants.request(tenant)
-    body = parse_json(await read_body(state, request))
+    body = parse_json(await read_body(state, request, tenant))
     req = validate(
         body,
         endpoint,
@@ -72,10 +73,12 @@ async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
                                bool(req.guidance.tools_json), new_id("chat"))
         req = dataclasses.replace(req, session_id=session)
     model = await state.dispatcher.resolve_model(req.model)
-    check_prompt_length(req, state.registry.max_model_len(model))
+    check_input_budget(req, state.registry.max_model_len(model))
     if req.ignored_fields:
         state.metrics.ignored_fields.labels(endpoint).inc(len(req.ignored_fields))
-    with state.tenants.in_flight(tenant):
+    # Refused requests go first as seats free (a retrying client is never starved).
+    with state.turns.attempt(tenant, retry_key(request, req.session_id)), \
+            state.tenants.in_flight(tenant):
         return await _generate_in_flight(request, state, req, endpoint, model)
 
 

@@ -33,7 +33,7 @@ from services.scheduler.api import (
     Message,
     Prompt,
     Sampling,
-    check_prompt_length,
+    check_input_budget,
     guidance,
     parse_json,
     responses_body,
@@ -45,6 +45,7 @@ from services.scheduler.http.state import (
     ApiState,
     call_session,
     read_body,
+    retry_key,
     session_header,
     tenant_of,
 )
@@ -64,7 +65,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     tenant = tenant_of(state, request)
     state.tenants.request(tenant)
-    v = responses_body(state.limits).check(parse_json(await read_body(state, request)))
+    v = responses_body(state.limits).check(parse_json(await read_body(state, request, tenant)))
     rid = items.new_item_id("resp")
     history: tuple[Message, ...] = ()
     session = v.get("session_id") or v.get("prompt_cache_key", "")
@@ -87,8 +88,9 @@ async def create(request: web.Request) -> web.StreamResponse:
         stream=v.get("stream", False), session_id=session, tenant=tenant,
         priority=v.get("priority", 0), guidance=guidance(items.chat_guidance_fields(v)))
     model = await state.dispatcher.resolve_model(req.model)
-    check_prompt_length(req, state.registry.max_model_len(model))
-    with state.tenants.in_flight(tenant):
+    check_input_budget(req, state.registry.max_model_len(model))
+    with state.turns.attempt(tenant, retry_key(request, session)), \
+            state.tenants.in_flight(tenant):
         return await _run(request, state, req, v, rid, model, conversation)
 
 

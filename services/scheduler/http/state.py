@@ -12,10 +12,11 @@ from aiohttp import web
 from services.scheduler.advisory import Advisor
 from services.scheduler.api import ApiError, Limits, Message, check_body_size
 from services.scheduler.cluster import NodeRegistry
+from services.scheduler.http.body_budget import BodyBudget
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.responses import ResponseStore
 from services.scheduler.routing import Dispatcher
-from services.scheduler.tenants import KeyBook, TenantLimits
+from services.scheduler.tenants import TOKEN_HEADER, KeyBook, TenantLimits, Turns
 
 
 @dataclass
@@ -35,12 +36,15 @@ class ApiState:
     # Whether this replica is the one that serves (scheduler/lease.py; always without one).
     leader: Callable[[], bool] = field(default=lambda: True)
     session_headers: tuple[str, ...] = ()  # read after X-Session-Id (agent CLIs' own)
+    turns: Turns = field(default_factory=lambda: Turns(1))
+    bodies: BodyBudget = field(default_factory=lambda: BodyBudget(0, 4 << 20))
 
 
 STATE = web.AppKey("state", ApiState)
 CLIENT_GONE = "overture.client_gone"  # request key: the client left mid-stream (counted as 499)
 NODE_HEADER = "X-Overture-Node"  # the node that served a generation
 IGNORED_HEADER = "X-Overture-Ignored-Fields"  # request fields ignored, comma-separated
+MAX_TOKEN_CHARS = 256  # a retry token sent back (a session id at most)
 
 
 def tenant_of(state: ApiState, request: web.Request) -> str:
@@ -67,13 +71,24 @@ def call_session(state: ApiState, tenant: str, messages: Sequence[Message],
     return found or (new_session if offers_tools else "")
 
 
-async def read_body(state: ApiState, request: web.Request) -> bytes:
-    """The whole body, within the size limit and ``body_timeout_s`` (a client trickling
-    its upload holds no memory and no connection for long)."""
+def retry_key(request: web.Request, session: str) -> str:
+    """What identifies a client's retries (``tenants/turns.py``): the retry token its
+    last 429 gave it, else the request's session ("" if neither)."""
+    token = request.headers.get(TOKEN_HEADER, "")
+    return token if 0 < len(token) <= MAX_TOKEN_CHARS and token.isprintable() else session
+
+
+async def read_body(state: ApiState, request: web.Request, tenant: str) -> bytes:
+    """The whole body, within the size limit, ``tenant``'s bytes being read at once
+    (``body_budget.py``) and ``body_timeout_s`` (a client trickling its upload holds no
+    memory and no connection for long: after its 408 the connection is closed)."""
     check_body_size(request.content_length, state.max_body_bytes)
-    try:
-        async with asyncio.timeout(state.body_timeout_s):
-            return await request.read()
-    except TimeoutError:
-        raise ApiError(408, f"the request body did not arrive within "
-                       f"{state.body_timeout_s:g} s", code="body_timeout") from None
+    with state.bodies.reading(tenant, request.content_length):
+        try:
+            async with asyncio.timeout(state.body_timeout_s):
+                return await request.read()
+        except TimeoutError:
+            pass
+    state.bodies.stalled()
+    raise ApiError(408, f"the request body did not arrive within {state.body_timeout_s:g} s",
+                   code="body_timeout", headers={"Connection": "close"})
