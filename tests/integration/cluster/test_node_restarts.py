@@ -32,6 +32,7 @@ from services.engine.model import LoadedModel, load_model
 from services.local_cluster import free_port
 from tests.cluster import REPO, Cluster
 from tests.integration.reuse.harness import USER_TURNS, reference_transcript
+from tests.s3_server import aws_keys
 
 CONFIG = """
 scheduler:
@@ -179,8 +180,7 @@ def _kv_from_counts(up: Up) -> dict[str, float]:
 
 
 def _s3_keys(endpoint: str) -> int:
-    client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="overture",
-                          aws_secret_access_key="overture", region_name="us-east-1")
+    client = boto3.client("s3", endpoint_url=endpoint, **aws_keys(), region_name="us-east-1")
     return client.list_objects_v2(Bucket="overture-kv").get("KeyCount", 0)
 
 

@@ -21,7 +21,7 @@ from tests.integration.reuse.harness import (
     saves_settled,
     turn_request,
 )
-from tests.s3_server import free_port
+from tests.s3_server import aws_keys, free_port, s3_keys
 from tests.unit.kvstore.tier_faults import lose, overwrite
 
 TURNS = ["Tell me a story about a robot that learns to paint.", "Why is the sky blue?"]
@@ -87,8 +87,8 @@ async def test_corrupt_s3_chunk_falls_back(
     loaded: LoadedModel, reference, tmp_path: Path, s3_endpoint: str
 ) -> None:
     bucket = f"kv-{uuid.uuid4().hex[:12]}"
-    s3 = {"endpoint_url": s3_endpoint, "bucket": bucket, "access_key_id": "test",
-          "secret_access_key": "test", "backoff_s": 0.01, "backoff_max_s": 0.05,
+    s3 = {"endpoint_url": s3_endpoint, "bucket": bucket, **s3_keys(), "backoff_s": 0.01,
+          "backoff_max_s": 0.05,
           "max_attempts": 2, "timeout_s": 2.0}
     port = free_port()
     (msgs1, want1, _), (msgs2, want2, _) = reference
@@ -97,8 +97,7 @@ async def test_corrupt_s3_chunk_falls_back(
             assert await eng.kv_connector.attach(timeout=10.0)
             assert (await run_turn(eng, turn_request(msgs1, "s")))[0] == want1
             await saves_settled(eng)
-        client = boto3.client("s3", endpoint_url=s3_endpoint, aws_access_key_id="test",
-                              aws_secret_access_key="test", region_name="us-east-1")
+        client = boto3.client("s3", endpoint_url=s3_endpoint, **aws_keys(), region_name="us-east-1")
         objects = client.list_objects_v2(Bucket=bucket)["Contents"]
         layer0 = [o["Key"] for o in objects if o["Key"].endswith("/0")]
         assert layer0
