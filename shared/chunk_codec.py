@@ -13,14 +13,12 @@ The fixed 28-byte preamble plus the msgpack map (tenant, model fingerprint, laye
 hashes, dtype, shape, payload length) form the header. The tag covers the msgpack header
 and the payload, so a flipped byte anywhere after the preamble is caught.
 
-Why a keyed MAC (format 3; 2 was an unkeyed XXH3-64): anyone who can write to a tier (a
-shared S3 bucket, a disk) could re-seal a forged chunk with an unkeyed checksum. The tag
-is HMAC-SHA256 with the tenant's key derived from the cluster secret (``chunk_mac``), over
-the header, which names the chunk's identity, and the payload. A reader that asked for
-key K accepts only a blob whose header is K's (``verify_chunk(blob, key)``), so a genuine
-chunk moved under another key (another session's prefix, another tenant) is refused too.
-It costs more than XXH3 (``bench/kvstore/chunk_mac.py`` has the numbers); every SSD, S3
-and peer read pays it, DRAM reads do not (those blobs never left the process).
+Why a keyed MAC (format 3; 2 was an unkeyed XXH3-64 anyone who can write to a tier could
+recompute): HMAC-SHA256 under the tenant's key from the cluster secret (``chunk_mac``)
+over the header, which names the chunk's identity, and the payload; a reader that asked
+for key K accepts only K's header (``verify_chunk(blob, key)``), so a forged chunk or one
+moved under another key (another session's, tenant's) is refused. Every SSD, S3 and peer
+read pays it (``bench/kvstore/chunk_mac.py``); DRAM reads do not (never left the process).
 
 Why a separate *seal* step: the copy of a KV block out of the engine's pool is on the
 critical path (the block stays pinned until the copy is acknowledged); the MAC is not.
@@ -67,6 +65,7 @@ from shared.chunk_format import (  # re-exported: the codec is where callers loo
     _chunk_tag,
     _dtype,
     _payload_offset,
+    _tenant_of,
     _torch,
     chunk_key,
 )
@@ -203,18 +202,6 @@ def seal_chunk(blob: bytearray) -> None:
     tag = _chunk_tag(blob, _tenant_of(blob))
     blob[_SUM_OFFSET : _SUM_OFFSET + chunk_mac.TAG_BYTES] = tag
     struct.pack_into("<H", blob, 6, flags | _FLAG_SEALED)
-
-
-def _tenant_of(blob: bytearray) -> str:
-    """The header's tenant, for the key of the MAC; "" when unreadable (sealing does not
-    judge the header: ``verify_chunk`` refuses a malformed one anyway)."""
-    _m, _v, _f, hlen, _t = _parse_preamble(blob)
-    try:
-        h = msgpack.unpackb(memoryview(blob)[PREAMBLE_BYTES : PREAMBLE_BYTES + hlen])
-    except (ValueError, msgpack.UnpackException):
-        return ""
-    tenant = h.get("tenant") if isinstance(h, dict) else None
-    return tenant if isinstance(tenant, str) else ""
 
 
 def is_sealed(blob: bytes | bytearray | memoryview) -> bool:

@@ -11,6 +11,8 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import msgpack
+
 from shared import chunk_mac
 
 if TYPE_CHECKING:
@@ -129,6 +131,18 @@ def chunk_key(tenant: str, model_fp: str, last_block_hash: bytes, layer: int) ->
     if not 0 <= layer <= MAX_LAYER:
         raise ChunkFormatError(f"layer must be in [0, {MAX_LAYER}], got {layer}")
     return f"{tenant}/{model_fp}/{bytes(last_block_hash).hex()}/{layer}"
+
+
+def _tenant_of(blob: bytearray) -> str:
+    """The header's tenant, for the key of the MAC; "" when unreadable (sealing does not
+    judge the header: ``verify_chunk`` refuses a malformed one anyway)."""
+    hlen = _PREAMBLE.unpack_from(blob, 0)[3]
+    try:
+        h = msgpack.unpackb(memoryview(blob)[PREAMBLE_BYTES : PREAMBLE_BYTES + hlen])
+    except (ValueError, msgpack.UnpackException):
+        return ""
+    tenant = h.get("tenant") if isinstance(h, dict) else None
+    return tenant if isinstance(tenant, str) else ""
 
 
 def _chunk_tag(blob: bytes | bytearray | memoryview, tenant: str) -> bytes:
