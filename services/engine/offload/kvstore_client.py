@@ -74,6 +74,9 @@ class KVStoreClient:
         self.num_layers = geometry.num_layers
         self.pool_id = ""
         self.blocks_per_chunk = 0
+        # The pool was attached and a call just found it forgotten (a kvstore restart):
+        # the next save waits for the re-attachment instead of being skipped (once).
+        self._pool_lost = False
         self.stats = ClientStats()
         self.saved = SaveLog()  # session saves that landed, for the scheduler
         self._channel: grpc.aio.Channel | None = None
@@ -156,6 +159,7 @@ class KVStoreClient:
             self._warn("AttachPool", e)
             return False
         self.pool_id, self.blocks_per_chunk = wire.attach_reply(reply)
+        self._pool_lost = False
         self._warned.clear()
         if self._on_attached is not None:
             self._on_attached(self.blocks_per_chunk)
@@ -167,6 +171,7 @@ class KVStoreClient:
         """An RPC failed: if the kvstore is down or restarted (and forgot the pool), attach
         again in the background; other errors (a bad tenant name, a deadline) keep it."""
         if err.code() == grpc.StatusCode.UNAVAILABLE or "AttachPool" in (err.details() or ""):
+            self._pool_lost = self._pool_lost or bool(self.pool_id)
             self.pool_id = ""
             self._ensure_attaching()
 
@@ -305,8 +310,9 @@ class KVStoreClient:
     async def _save_once(self, job: SaveJob, retry: bool) -> bool:
         """One SaveFromPool; if the kvstore forgot the pool (restarted) or went away and
         ``retry``, once more after re-attaching. A save that finds the pool being attached
-        again (another call saw the kvstore restart) waits for that first."""
-        if not self.attached and not await self._reattached():
+        again (another call saw the kvstore restart) waits for that first; with no
+        kvstore at all it is skipped at once."""
+        if not self.attached and not (self._pool_lost and await self._reattached()):
             self.stats.save_errors += 1
             return False
         if self._stub is None:
@@ -340,6 +346,7 @@ class KVStoreClient:
         task = self._attach_task
         if task is not None and not task.done():
             await asyncio.wait([task], timeout=self.config.offload.save_timeout_s)
+        self._pool_lost = False  # (still down: the saves after this one skip at once)
         return self.attached
 
 
