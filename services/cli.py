@@ -35,7 +35,7 @@ from services.models.commands import cmd_models as models_command
 from services.models.prepare import ModelPrepareError, slug
 from services.s3_server import S3ServerError, s3_server_spec
 from services.supervisor import supervise
-from shared.cluster_config import SECRET_ENV, new_secret
+from shared.cluster_config import SECRET_ENV, cluster_s3_credentials, new_secret
 from shared.config import ConfigError, load_yaml, parse_size
 from shared.cpus import available_cpus, divide_cpus, format_cpus
 
@@ -89,15 +89,16 @@ def cmd_up(args: argparse.Namespace) -> int:
     except (ModelNotFound, ModelPrepareError) as e:
         print(f"overture up: {e}", file=sys.stderr)
         return 2
+    _cluster_secret(args.config)
     s3 = None
     if not args.no_s3 and not _yaml_section_value(args.config, "kvstore", "s3"):
         try:
-            s3 = s3_server_spec((STATE_DIR / "s3").resolve())
+            s3 = s3_server_spec((STATE_DIR / "s3").resolve(),
+                                cluster_s3_credentials(args.config))
             s3.argv()  # the binary is there (S3ServerError otherwise)
-        except S3ServerError as e:
+        except (S3ServerError, ConfigError) as e:
             print(f"overture up: {e}", file=sys.stderr)
             return 2
-    _cluster_secret(args.config)
     anonymous = not _has_api_keys(args.config)
     if anonymous:
         print("overture up: no API keys configured: the public API is anonymous (every "

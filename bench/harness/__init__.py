@@ -27,7 +27,14 @@ from bench.harness.by_service import (
 from bench.harness.cluster import Cluster
 from bench.harness.processes import REPO, Proc, start_service, stop_processes
 from bench.harness.s3 import start_s3_server
-from bench.harness.secret import CLUSTER_SECRET, sync_channel, use_cluster_secret
+from bench.harness.secret import (
+    CLUSTER_SECRET,
+    aws_keys,
+    cluster_s3_credentials,
+    s3_keys,
+    sync_channel,
+    use_cluster_secret,
+)
 from bench.harness.up import overture_up, show_progress
 from services.local_cluster import free_port
 
@@ -38,9 +45,12 @@ __all__ = [
     "SCHEDULER_FLAGS",
     "Cluster",
     "Proc",
+    "aws_keys",
+    "cluster_s3_credentials",
     "free_port",
     "overture_up",
     "restart_scheduler",
+    "s3_keys",
     "show_progress",
     "start_cluster",
     "start_s3_server",

@@ -49,6 +49,7 @@ def _describe(registry: NodeRegistry, n: Node) -> dict[str, Any]:
         "in_rotation": registry.in_rotation(n),
         "alive": registry.alive(n),
         "drained": n.drained,
+        "degraded": n.load.degraded,  # a part down but serving (e.g. "... s3 degraded: ...")
         "running": n.load.running,
         "waiting": n.load.waiting,
         "routed": n.routed,

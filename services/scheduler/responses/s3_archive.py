@@ -19,6 +19,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from services.scheduler.responses.archive import ArchiveUnavailable, ExpiredCheck
 from shared.s3_config import S3Config
+from shared.s3_credentials import boto_keys
 
 _MISSING = {"NoSuchKey", "404", "NotFound"}
 
@@ -33,10 +34,7 @@ def s3_client_kwargs(cfg: S3Config) -> dict[str, Any]:
     }
     if cfg.endpoint_url:
         kwargs["endpoint_url"] = cfg.endpoint_url
-    if cfg.access_key_id:
-        kwargs["aws_access_key_id"] = cfg.access_key_id
-        kwargs["aws_secret_access_key"] = cfg.secret_access_key
-    return kwargs
+    return {**kwargs, **boto_keys(cfg)}
 
 
 class S3Archive:
