@@ -28,6 +28,7 @@ class PreparedRequest:
     kv_source: str = ""  # see GenerateRequest
     kv_source_tokens: int = 0
     no_reuse: bool = False
+    device_only: bool = False
     constraint: Constraint | None = None  # the grammar the output must follow
     tool_stream: ToolCallStream | None = None  # lifts tool calls out of the output
 
@@ -127,6 +128,7 @@ def prepare(
         kv_source=req.kv_source,
         kv_source_tokens=req.kv_source_tokens,
         no_reuse=req.no_reuse,
+        device_only=req.device_only,
         constraint=guidance.constraint(req.guidance) if guidance else None,
         tool_stream=guidance.output_stream(req.guidance) if guidance else None,
     )

@@ -18,7 +18,7 @@ from services.scheduler.http import ApiState, HardenedRunner, build_app
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.placement import PlacementLoop
 from services.scheduler.responses import ResponseStore
-from services.scheduler.routing import Dispatcher, DispatchSettings, make_policy
+from services.scheduler.routing import Dispatcher, DispatchSettings, PrefixIndex, make_policy
 from services.scheduler.tenants import TenantLimits, key_book
 from shared.grpc_server import serve_grpc
 from shared.model_catalog import load_catalog
@@ -63,6 +63,8 @@ def build_state(
         metrics,
         advisor,
         catalog=catalog,
+        prefix_index=(PrefixIndex(config.prefix_index_blocks)
+                      if config.policy == "prefix" else None),
     )
     return ApiState(
         registry=registry,

@@ -141,6 +141,14 @@ def without_reuse(request: common_pb2.GenerateRequest) -> common_pb2.GenerateReq
     return out
 
 
+def device_only(request: common_pb2.GenerateRequest) -> common_pb2.GenerateRequest:
+    """``request`` marked to reuse only the device prefix cache (the ``prefix`` policy)."""
+    out = common_pb2.GenerateRequest()
+    out.CopyFrom(request)
+    out.device_only = True
+    return out
+
+
 def beat(msg: scheduler_pb2.HeartbeatMsg) -> tuple[str, Load]:
     """(node_id, load) of one heartbeat."""
     return msg.node_id, load(msg)

@@ -40,6 +40,7 @@ from services.scheduler.placement import ModelRates
 from services.scheduler.routing.kv_source import node_request
 from services.scheduler.routing.plan import RoutePlan, RouteRequest
 from services.scheduler.routing.policy import Policy
+from services.scheduler.routing.prefix_index import PrefixIndex, request_hashes
 from shared.model_catalog import ModelEntry
 from shared.proto import common_pb2
 
@@ -84,6 +85,7 @@ class Dispatcher:
         metrics: SchedulerMetrics | None = None,
         advisor: Advisories | None = None,
         catalog: tuple[ModelEntry, ...] = (),
+        prefix_index: PrefixIndex | None = None,
     ) -> None:
         self.registry = registry
         # Models the cluster may serve though no node runs them now (shared/model_catalog).
@@ -95,6 +97,8 @@ class Dispatcher:
         self.sessions = sessions if sessions is not None else SessionDirectory(100_000, 86400.0)
         self.metrics = metrics
         self.advisor = advisor
+        # Which node's device holds which prompt prefixes (the ``prefix`` policy only).
+        self.prefix_index = prefix_index
 
     def _loop_time(self) -> float:
         return asyncio.get_running_loop().time()
@@ -195,6 +199,11 @@ class Dispatcher:
         place = self.sessions.where(route.tenant, route.session_id) if route.session_id else None
         if place is not None:
             route = dataclasses.replace(route, holder=place.node_id)
+        hashes: tuple[bytes, ...] = ()
+        if self.prefix_index is not None:
+            hashes = request_hashes(request)
+            route = dataclasses.replace(route, prefix_hits=tuple(self.prefix_index.matches(
+                (n.node_id for n in self.registry.all()), hashes).items()))
         behind: set[str] = set()  # nodes that refused this request as overloaded
         while True:
             plan = await self.pick(route, frozenset(behind))
@@ -221,6 +230,8 @@ class Dispatcher:
                         self.sessions.turn_served(route.tenant, route.session_id,
                                                   node.node_id,
                                                   last.prompt_tokens + last.completion_tokens)
+                    if last.finish_reason and self.prefix_index is not None:
+                        self.prefix_index.served(node.node_id, hashes)
                     yield last
                 return
             except grpc.aio.AioRpcError as e:
