@@ -42,6 +42,7 @@ class Registrar:
         in_flight: Callable[[], int],
         kvstore: KVStoreProbe | None = None,
         engine_stall_s: float = 120.0,
+        metrics: dict[str, str] | None = None,
     ) -> None:
         self.node_id = node_id
         self.address = address
@@ -54,6 +55,8 @@ class Registrar:
         self.in_flight = in_flight
         self.kvstore = kvstore
         self.engine_stall_s = engine_stall_s
+        # service -> host:port of its /metrics, told to the scheduler (GET /admin/nodes)
+        self.metrics = dict(metrics or {})
         self.problem = ""
         self.degraded = ""
         self._poke = asyncio.Event()
@@ -87,7 +90,8 @@ class Registrar:
             await channel.close()
 
     async def _register(self, stub: scheduler_pb2_grpc.SchedulerStub) -> float:
-        req = wire.register_request(self.node_id, self.address, self.models, self.kvstore_address)
+        req = wire.register_request(self.node_id, self.address, self.models,
+                                    self.kvstore_address, self.metrics)
         reply = await stub.RegisterNode(req, timeout=max(2.0, self.interval_s * 2))
         log.info(
             "registered with the scheduler at %s as %s (%s)",

@@ -46,13 +46,15 @@ def snapshot(msg: engine_pb2.EngineStatus) -> EngineSnapshot:
 
 
 def register_request(
-    node_id: str, address: str, models: tuple[ModelInfo, ...], kvstore_address: str
+    node_id: str, address: str, models: tuple[ModelInfo, ...], kvstore_address: str,
+    metrics: dict[str, str] | None = None,
 ) -> scheduler_pb2.RegisterNodeRequest:
     return scheduler_pb2.RegisterNodeRequest(
         node_id=node_id,
         address=address,
         models=[m.to_proto() for m in models],
         kvstore_address=kvstore_address,
+        metrics=metrics or {},
     )
 
 

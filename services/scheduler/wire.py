@@ -20,6 +20,7 @@ def node_info(msg: scheduler_pb2.RegisterNodeRequest) -> NodeInfo:
             ModelSpec(m.name, m.fingerprint, m.max_model_len, m.dtype) for m in msg.models
         ),
         kvstore_address=msg.kvstore_address,
+        metrics=tuple(sorted(msg.metrics.items())),
     )
 
 
