@@ -74,6 +74,8 @@ class Profile:
     model_size: str = "small"  # the random-weight demo model ``overture up`` serves
     warmup_users: int = 2  # an unmeasured replay of this many users first warms a cluster
     reps: int = 3  # repetitions of every replay (variants interleaved): the intervals' n
+    workload: str = "sharegpt"  # or "agent" (bench.workloads.sessions.SHAPES)
+    sigma: float = 1.0  # lognormal spread of turn lengths (session-length variance)
 
     @property
     def high_load(self) -> int:

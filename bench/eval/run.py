@@ -112,6 +112,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--results-dir", default=str(RESULTS),
                     help="where the results folders are [bench/results]")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--users", type=int, nargs="*", default=None,
+                    help="active users per load level [the profile's]")
+    ap.add_argument("--workload", choices=("sharegpt", "agent"), default=None)
+    ap.add_argument("--sigma", type=float, default=None, help="turn-length lognormal spread")
+    ap.add_argument("--cv", type=float, default=None, help="burstiness: arrival gaps' CV")
+    ap.add_argument("--device-mib", type=int, default=None,
+                    help="device KV per engine, MiB (memory pressure) [the profile's]")
     ap.add_argument("--reps", type=int, default=0,
                     help="repetitions of every replay, variants interleaved [the profile's]")
     ap.add_argument("--variants", nargs="*", default=None, help="only these variants")
@@ -124,6 +131,11 @@ def main(argv: list[str] | None = None) -> None:
     profile = PROFILES["quick" if args.quick else args.profile]
     if args.reps:
         profile = dataclasses.replace(profile, reps=args.reps)
+    # A point of the simulator's map (bench.sim.map prints these flags for each point).
+    point = {"users": tuple(args.users) if args.users else None, "workload": args.workload,
+             "sigma": args.sigma, "gap_cv": args.cv,
+             "device_memory_bytes": args.device_mib << 20 if args.device_mib else None}
+    profile = dataclasses.replace(profile, **{k: v for k, v in point.items() if v is not None})
     if args.variants:
         profile = dataclasses.replace(profile, variants=tuple(
             v for v in profile.variants if v.name in args.variants))
