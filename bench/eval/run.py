@@ -92,6 +92,7 @@ def run(profile: Profile, run_dir: Path, seed: int, ready_timeout: float) -> lis
                     m = asyncio.run(measure(cluster.url, cluster.model, trace,
                                             profile.time_scale, profile.max_answer_tokens))
                     records.append(record(job, m, time.monotonic() - t0, rep))
+                    _save(run_dir, profile, seed, records)  # (a run cut short keeps these)
                     bar.update()
                     errors = sum(1 for r in m.results if r.error)
                     if errors:
@@ -99,9 +100,13 @@ def run(profile: Profile, run_dir: Path, seed: int, ready_timeout: float) -> lis
                                    f"(first: {next(r.error for r in m.results if r.error)})",
                                    file=sys.stderr)
     bar.close()
+    _save(run_dir, profile, seed, records)
+    return records
+
+
+def _save(run_dir: Path, profile: Profile, seed: int, records: list[dict]) -> None:
     (run_dir / "results.json").write_text(json.dumps(
         {"profile": dataclasses.asdict(profile), "seed": seed, "records": records}, indent=1))
-    return records
 
 
 def main(argv: list[str] | None = None) -> None:
