@@ -46,7 +46,7 @@ from bench.workloads.trace import build_trace
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE.parent / "results"
 POLICIES = ("recompute", "sticky", "prefix", "balanced")
-FLOOR_TOKENS = 1024  # the least device KV a point gets, in tokens
+FLOOR_TOKENS = 2048  # the least device KV a point gets, in tokens (the eval's 48 MiB)
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,12 @@ def normalized(point: Point, policy: str, nodes: int, cal: Calibration, seed: in
                         mean_gap_s=point.mean_gap_s, cv=point.cv, max_user=point.max_user,
                         max_answer=point.max_answer, workload=point.workload,
                         sigma=point.sigma)
-    c = dataclasses.replace(cal, device_kv_bytes=point.device_kv_bytes(cal))
+    # The longest session must fit on a device while it runs (the simulated engine, like
+    # the real one, cannot run a request larger than its KV memory).
+    longest = max(sum(t.user_tokens + min(t.answer_tokens, point.max_answer)
+                      for t in s.turns) for s in trace.sessions)
+    device = max(point.device_kv_bytes(cal), (longest + 64) * cal.kv_bytes_per_token)
+    c = dataclasses.replace(cal, device_kv_bytes=device)
     out = simulate(trace, policy=policy, nodes=nodes, calibration=c,
                    time_scale=point.time_scale, max_answer_tokens=point.max_answer)
     return float(summary(out.results).get("normalized_latency_s", 0.0))
