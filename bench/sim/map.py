@@ -176,7 +176,8 @@ def heatmaps(cells: list[Cell], ax1: str, ax2: str, axes: dict[str, tuple[float,
 def command(point: Point, nodes: int, cal: Calibration) -> str:
     """The ``bench.eval.run`` command that runs ``point`` on the real cluster."""
     mib = point.device_kv_bytes(cal) >> 20
-    return (f"python -m bench.eval.run --quick --variants recompute sticky prefix balanced "
+    return (f"python -m bench.eval.run --profile load --variants recompute sticky prefix "
+            f"balanced "
             f"--users {int(point.sessions * nodes)} --workload {point.workload} "
             f"--sigma {point.sigma:g} --cv {point.cv:g} --device-mib {max(1, mib)}")
 

@@ -56,6 +56,6 @@ def test_the_map_picks_its_axes_and_points(capsys: pytest.CaptureFixture[str],
     assert "## sharegpt: each axis alone" in out
     assert "## sharegpt: the two most telling axes" in out
     assert "| sharegpt, largest balanced vs sticky |" in out
-    assert "python -m bench.eval.run --quick --variants recompute sticky prefix balanced" in out
+    assert "python -m bench.eval.run --profile load --variants recompute sticky prefix" in out
     assert (tmp_path / "map.md").read_text() in out + "\n"
     assert (tmp_path / "map-sharegpt.png").stat().st_size > 0
