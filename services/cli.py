@@ -28,7 +28,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from services.deploy_commands import add_deploy_parsers
-from services.local_cluster import catalog_file, cluster_specs, has_catalog, node_ledgers
+from services.local_cluster import (
+    catalog_file,
+    cluster_specs,
+    has_catalog,
+    node_ledgers,
+    write_file_sd,
+)
 from services.models.catalog import DEFAULT_MODEL, PACKAGED, ModelNotFound
 from services.models.commands import add_models_parser, model_folder
 from services.models.commands import cmd_models as models_command
@@ -41,6 +47,8 @@ from shared.cpus import available_cpus, divide_cpus, format_cpus
 
 SERVICES = ("scheduler", "nodemgr", "engine", "kvstore")
 STATE_DIR = Path(".overture")
+# Every service's /metrics, for a Prometheus file_sd_configs entry (or the eval runner).
+METRICS_FILE_SD = "prometheus-targets.json"
 DEMO_DIR = STATE_DIR / "models"
 
 
@@ -127,6 +135,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         state_dir=None if _yaml_section_value(args.config, "kvstore", "ssd_path") else STATE_DIR,
         cores=_node_cores(args),
     )
+    targets = write_file_sd(specs, STATE_DIR / METRICS_FILE_SD)
+    print(f"metrics of every service: {targets} (Prometheus file_sd_configs; also "
+          "GET /admin/nodes)", flush=True)
     try:
         return asyncio.run(supervise(specs, url, args.nodes, args.ready_timeout))
     finally:

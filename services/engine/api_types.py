@@ -126,6 +126,7 @@ class GenerateRequest:
     kv_source: str = ""  # the kvstore holding the session's KV when not this node's
     kv_source_tokens: int = 0  # the length of the turn saved there
     no_reuse: bool = False  # reuse no KV (device cache or kvstore) and save none (baseline)
+    device_only: bool = False  # reuse only the device cache; no kvstore load or save
     guidance: Guidance = field(default_factory=Guidance)
     node_admitted: bool = False  # the node's deadline queue started it: no delay refusal
 

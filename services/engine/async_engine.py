@@ -153,7 +153,8 @@ class AsyncEngine:
             planner = self._slot.planner
             with self._streams.planning(rid):
                 plan = (await planner.plan(prepared)
-                        if planner is not None and not prepared.no_reuse else None)
+                        if planner is not None and not prepared.no_reuse
+                        and not prepared.device_only else None)
             aborted = self._streams.take_abort(rid)
             # Stopped or restarted during planning, or aborted meanwhile.
             if self._slot.core is not core or self._worker.stopping or aborted:

@@ -162,6 +162,7 @@ class EngineCore:
             tenant=req.tenant,
             session_id=req.session_id,
             no_reuse=req.no_reuse,
+            device_only=req.device_only,
         )
         seq.offload.plan = self.offload.accept(plan)
         detok = IncrementalDetokenizer(self.loaded.tokenizer, req.prompt_token_ids)

@@ -30,6 +30,7 @@ class PreparedRequest:
     kv_source: str = ""  # see GenerateRequest
     kv_source_tokens: int = 0
     no_reuse: bool = False
+    device_only: bool = False
     constraint: Constraint | None = None  # the grammar the output must follow
     tool_stream: ToolCallStream | None = None  # lifts tool calls out of the output
 
@@ -165,6 +166,7 @@ def prepare(
         # forward runs anyway: reused KV would save nothing, and the request is simplest
         # computed from scratch (docs/api.md, "echo").
         no_reuse=req.no_reuse or req.sampling.prompt_logprobs >= 0,
+        device_only=req.device_only,
         constraint=guidance.constraint(req.guidance) if guidance else None,
         tool_stream=guidance.output_stream(req.guidance) if guidance else None,
     )

@@ -81,6 +81,7 @@ def request_from_proto(r: common_pb2.GenerateRequest) -> GenerateRequest:
         "kv_source": r.kv_source,
         "kv_source_tokens": r.kv_source_tokens,
         "no_reuse": r.no_reuse,
+        "device_only": r.device_only,
         "node_admitted": r.node_admitted,
         "guidance": guidance_from_proto(r.guidance),
     }

@@ -12,6 +12,10 @@ class NodeManagerConfig:
     host: str = opt("127.0.0.1", "address the NodeManager gRPC server binds to")
     port: int = opt(50052, "NodeManager gRPC port (0 = pick a free port)", min=0, max=65535)
     metrics_port: int = opt(0, "Prometheus /metrics HTTP port (0 = off)", min=0, max=65535)
+    metrics_targets: list[str] = opt(
+        [], "the node's other services' /metrics as service=host:port (e.g. "
+        "kvstore=127.0.0.1:9101), reported to the scheduler with the nodemgr's own so "
+        "GET /admin/nodes lists them; overture up sets it")
     advertise_address: str = opt("", "host:port the scheduler should dial; default host:port")
     node_id: str = opt("node-0", "unique id of this node in the cluster")
     scheduler_address: str = opt("127.0.0.1:50051", "Scheduler gRPC address")

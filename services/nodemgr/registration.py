@@ -56,6 +56,7 @@ class Registrar:
         engine_stall_s: float = 120.0,
         held: HeldSessions | None = None,
         rng: random.Random | None = None,
+        metrics: dict[str, str] | None = None,
     ) -> None:
         self.node_id = node_id
         self.address = address
@@ -71,6 +72,8 @@ class Registrar:
         self.held = held if held is not None else HeldSessions(100_000)
         self._rng = rng if rng is not None else random.Random()
         self.registrations = 0  # successful ones (the first, then one per reconnect)
+        # service -> host:port of its /metrics, told to the scheduler (GET /admin/nodes)
+        self.metrics = dict(metrics or {})
         self.problem = ""
         self.degraded = ""
         self._poke = asyncio.Event()
@@ -111,7 +114,7 @@ class Registrar:
     async def _register(self, stub: scheduler_pb2_grpc.SchedulerStub) -> float:
         held = self.held.held()
         req = wire.register_request(self.node_id, self.address, self.models,
-                                    self.kvstore_address, held)
+                                    self.kvstore_address, held, self.metrics)
         reply = await stub.RegisterNode(req, timeout=max(2.0, self.interval_s * 2))
         self.registrations += 1
         log.info(

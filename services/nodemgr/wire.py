@@ -50,6 +50,7 @@ def snapshot(msg: engine_pb2.EngineStatus) -> EngineSnapshot:
 def register_request(
     node_id: str, address: str, models: tuple[ModelInfo, ...], kvstore_address: str,
     held: Sequence[HeldSession] = (),
+    metrics: dict[str, str] | None = None,
 ) -> scheduler_pb2.RegisterNodeRequest:
     return scheduler_pb2.RegisterNodeRequest(
         node_id=node_id,
@@ -58,6 +59,7 @@ def register_request(
         kvstore_address=kvstore_address,
         sessions=[scheduler_pb2.HeldSession(tenant=h.tenant, session_id=h.session_id,
                                             tokens=h.tokens, age_s=h.age_s) for h in held],
+        metrics=metrics or {},
     )
 
 

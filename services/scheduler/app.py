@@ -29,7 +29,7 @@ from services.scheduler.lease import LeaseElector, LeaseSettings, ssl_context
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.placement import PlacementLoop
 from services.scheduler.responses import ResponseStore, response_archive
-from services.scheduler.routing import Dispatcher, DispatchSettings, make_policy
+from services.scheduler.routing import Dispatcher, DispatchSettings, PrefixIndex, make_policy
 from services.scheduler.tenants import TenantLimits, Turns, key_book
 from shared.config import ConfigError
 from shared.grpc_server import serve_grpc
@@ -81,6 +81,8 @@ def build_state(
         catalog=catalog,
         inflight=inflight,
         prefixes=prefixes,
+        prefix_index=(PrefixIndex(config.prefix_index_blocks)
+                      if config.policy == "prefix" else None),
     )
     return ApiState(
         registry=registry,

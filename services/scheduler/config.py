@@ -70,9 +70,14 @@ class SchedulerConfig:
         "balanced", "placement policy: balanced (load first; KV follows the session; "
         "advisories prefetch), priority (balanced; high-priority sessions spread evenly and "
         "prefetched straight into device memory), sticky (a session stays on its first "
-        "node; baseline), recompute (no KV reuse at all; baseline)",
-        choices=("balanced", "priority", "sticky", "recompute"),
+        "node; baseline), recompute (no KV reuse at all; baseline), prefix (the node whose "
+        "device holds the longest prompt prefix; KV only in device memory; baseline)",
+        choices=("balanced", "priority", "sticky", "recompute", "prefix"),
     )
+    prefix_index_blocks: int = opt(
+        8192, "policy prefix: prompt blocks (64 characters, about 16 tokens) each node's "
+        "device is assumed to hold; the least recently served go first (set it to the "
+        "engines' device KV capacity)", min=1)
     advisory_ttl_s: float = opt(
         30.0, "an advisory not followed by its request this long after its expected arrival "
         "is dropped as spurious", min=0.1, max=3600.0,

@@ -29,6 +29,7 @@ def node_info(msg: scheduler_pb2.RegisterNodeRequest) -> NodeInfo:
             for m in msg.models
         ),
         kvstore_address=msg.kvstore_address,
+        metrics=tuple(sorted(msg.metrics.items())),
     )
 
 
@@ -164,6 +165,14 @@ def without_reuse(request: common_pb2.GenerateRequest) -> common_pb2.GenerateReq
     out = common_pb2.GenerateRequest()
     out.CopyFrom(request)
     out.no_reuse = True
+    return out
+
+
+def device_only(request: common_pb2.GenerateRequest) -> common_pb2.GenerateRequest:
+    """``request`` marked to reuse only the device prefix cache (the ``prefix`` policy)."""
+    out = common_pb2.GenerateRequest()
+    out.CopyFrom(request)
+    out.device_only = True
     return out
 
 

@@ -24,6 +24,8 @@ class NodeInfo:
     address: str
     models: tuple[ModelSpec, ...]
     kvstore_address: str = ""
+    # service -> host:port of its /metrics ("nodemgr", "kvstore", "engine"...)
+    metrics: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,7 @@ def _describe(registry: NodeRegistry, n: Node) -> dict[str, Any]:
         "routed": n.routed,
         "kvstore_address": n.info.kvstore_address,
         "models": [m.name for m in n.info.models],
+        "metrics": {name: f"http://{addr}/metrics" for name, addr in n.info.metrics},
     }
 
 

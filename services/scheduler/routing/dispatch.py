@@ -48,6 +48,7 @@ from services.scheduler.placement import ModelRates
 from services.scheduler.routing.kv_source import node_request
 from services.scheduler.routing.plan import RoutePlan, RouteRequest
 from services.scheduler.routing.policy import Policy
+from services.scheduler.routing.prefix_index import PrefixIndex, request_hashes
 from shared.model_catalog import ModelEntry
 from shared.proto import common_pb2
 
@@ -106,6 +107,7 @@ class Dispatcher:
         catalog: tuple[ModelEntry, ...] = (),
         inflight: InFlight | None = None,
         prefixes: PrefixMap | None = None,
+        prefix_index: PrefixIndex | None = None,
     ) -> None:
         self.registry = registry
         # The generations running, to place advisories by the load at their arrival.
@@ -121,6 +123,8 @@ class Dispatcher:
         self.sessions = sessions if sessions is not None else SessionDirectory(100_000, 86400.0)
         self.metrics = metrics
         self.advisor = advisor
+        # Which node's device holds which prompt prefixes (the ``prefix`` policy only).
+        self.prefix_index = prefix_index
 
     def _loop_time(self) -> float:
         return asyncio.get_running_loop().time()
@@ -224,7 +228,12 @@ class Dispatcher:
         place = self.sessions.where(route.tenant, route.session_id) if route.session_id else None
         if place is not None:
             route = dataclasses.replace(route, holder=place.node_id)
-        elif route.prefix:  # a new session: the nodes holding its leading context
+        hashes: tuple[bytes, ...] = ()
+        if self.prefix_index is not None:
+            hashes = request_hashes(request)
+            route = dataclasses.replace(route, prefix_hits=tuple(self.prefix_index.matches(
+                (n.node_id for n in self.registry.all()), hashes).items()))
+        if place is None and route.prefix:  # a new session: the nodes holding its context
             route = dataclasses.replace(route, prefix_nodes=self.prefixes.holders(route.prefix))
         behind: set[str] = set()  # nodes that refused this request as overloaded
         failed: set[str] = set()  # nodes whose engine failed it before its first token
@@ -259,6 +268,8 @@ class Dispatcher:
                                                   last.prompt_tokens + last.completion_tokens)
                         self._turn_ended(route, ticket, node.node_id, last.finish_reason, calls)
                         ticket = 0
+                    if last.finish_reason and self.prefix_index is not None:
+                        self.prefix_index.served(node.node_id, hashes)
                     yield last
                 return
             except grpc.aio.AioRpcError as e:

@@ -12,10 +12,13 @@ carry out; the registry keeps the facts. Policies are looked up by name in ``POL
                over the nodes first                                      > 0 straight to device
     sticky     the holder while in rotation      reused where it is      only recorded
     recompute  least loaded                      not reused at all       only recorded
+    prefix     longest device prefix; none:      device cache only; no   only recorded
+               least loaded                      DRAM/SSD/S3 tiers
 
 ``priority`` follows Symphony §3.6 and §4.5; ``sticky`` is an InferCept-like baseline (a
 session stays on its first node; KV never moves between nodes); ``recompute`` a
-vLLM-without-offload baseline (not even the device prefix cache is reused).
+vLLM-without-offload baseline (not even the device prefix cache is reused); ``prefix``
+precise prefix-aware routing as llm-d does it (KV only in device memory).
 """
 
 from __future__ import annotations
@@ -165,9 +168,37 @@ class RecomputePolicy:
         return AdvisoryPlan(_least_loaded(nodes), prefetch=False) if nodes else None
 
 
+class PrefixPolicy:
+    """Precise prefix-aware routing, a baseline users pick today (llm-d's KV-cache-aware
+    scorer): the node whose device holds the longest leading run of the prompt's block
+    hashes (``request.prefix_hits``), ties to the least loaded of them; when no node holds
+    any, the least loaded. KV lives only in device memory: the engine reuses its device
+    prefix cache and nothing else (no DRAM, SSD or S3 tier, no pull from a peer, nothing
+    saved); advisories are only recorded."""
+
+    name = "prefix"
+
+    def route(self, nodes: Sequence[Node], request: RouteRequest) -> RoutePlan | None:
+        node = self._choose(nodes, request)
+        return RoutePlan(node, reuse_kv=True, device_only=True) if node is not None else None
+
+    def advise(self, nodes: Sequence[Node], request: RouteRequest) -> AdvisoryPlan | None:
+        node = self._choose(nodes, request)
+        return AdvisoryPlan(node, prefetch=False) if node is not None else None
+
+    def _choose(self, nodes: Sequence[Node], request: RouteRequest) -> Node | None:
+        if not nodes:
+            return None
+        hits = dict(request.prefix_hits)
+        best = max(hits.get(n.node_id, 0) for n in nodes)
+        if best == 0:
+            return _least_loaded(nodes)
+        return _least_loaded([n for n in nodes if hits.get(n.node_id, 0) == best])
+
+
 POLICIES: dict[str, type[Policy]] = {
     "balanced": BalancedPolicy, "priority": PriorityPolicy, "sticky": StickyPolicy,
-    "recompute": RecomputePolicy,
+    "recompute": RecomputePolicy, "prefix": PrefixPolicy,
 }
 
 
