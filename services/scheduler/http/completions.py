@@ -13,6 +13,7 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from typing import Any
+from urllib.parse import quote
 
 from aiohttp import web
 
@@ -118,7 +119,10 @@ def _echo(req: ApiRequest, prompt: Prompt) -> str | None:
 
 
 def _ignored_header(req: ApiRequest) -> dict[str, str]:
-    return {IGNORED_HEADER: ",".join(req.ignored_fields)} if req.ignored_fields else {}
+    # Percent-encoded: a field's name may hold a comma, a control character or non-ASCII,
+    # none of which a header value may carry as is (aiohttp drops the connection).
+    names = ",".join(quote(n, safe="") for n in req.ignored_fields)
+    return {IGNORED_HEADER: names} if names else {}
 
 
 def _logprobs(req: ApiRequest, env: Envelope, st: ChoiceState,

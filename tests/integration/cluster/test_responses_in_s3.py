@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import boto3
 import pytest
 
-from bench.harness import start_s3_server
+from bench.harness import s3_keys, start_s3_server
 from services.scheduler.api import ApiError, Message
 from services.scheduler.responses import ResponseStore
 from services.scheduler.responses.s3_archive import S3Archive, s3_client_kwargs
@@ -33,7 +33,7 @@ def endpoint() -> Iterator[str]:
 
 def config(endpoint: str, bucket: str) -> S3Config:
     return build(S3Config, {"endpoint_url": endpoint, "bucket": bucket, "prefix": "ovt/",
-                            "access_key_id": "test", "secret_access_key": "test",
+                            **s3_keys(),
                             "max_attempts": 1, "timeout_s": 1.0})
 
 

@@ -105,7 +105,8 @@ def wait_idle(cluster: Cluster) -> None:
         status, ready = cluster.get("/readyz")
         nodes = ready.get("nodes", {}).values()
         if status == 200 and len(nodes) == 2 and all(
-                n["running"] == n["waiting"] == n["routed"] == 0 for n in nodes):
+                n["running"] == n["waiting"] == n["routed"] == 0 for n in nodes) and sorted(
+                ready["healthy_nodes"]) == ["node0", "node1"]:  # (the retry needs the other)
             return
         assert time.monotonic() < deadline, (ready, cluster.logs())
         time.sleep(0.1)

@@ -91,8 +91,10 @@ def test_a_killed_scheduler_loses_no_node_no_chain_and_no_session(
         cluster: Cluster, state_dir: Path,
         reference: list[tuple[list[ChatMessage], list[int], str]]) -> None:
     (first, first_tokens, _), (second, second_tokens, _) = reference
-    # Two conversations: the first lands on node0, the second on node1 (least routed).
-    assert chat(cluster, "s-a", first)[2] == "node0"
+    # Two conversations: the first lands on node0, the second on node1 (least routed; the
+    # first's system prompt differs, so node0 holds no prefix of the second's).
+    other = [ChatMessage("system", "You are terse."), *first[1:]]
+    assert chat(cluster, "s-a", other)[2] == "node0"
     tokens, _, node_b = chat(cluster, "s-b", first)
     assert tokens == first_tokens and node_b == "node1"
     status, r1 = cluster.post("/v1/responses", {

@@ -142,6 +142,15 @@ async def test_unknown_fields_named_in_header_and_counted(cluster: MiniCluster) 
         assert r.headers["X-Overture-Ignored-Fields"] == "chat_template_kwargs,frobnicate"
 
 
+async def test_an_unknown_field_a_header_cannot_carry_is_named_encoded(
+        cluster: MiniCluster) -> None:
+    # The fuzz test's case: a control character in a field's name dropped the connection.
+    body = {**CHAT, "\u001f": None, "a,b": 1, "caf\u00e9": 2}
+    status, _, headers = await call(cluster, "POST", "/v1/chat/completions", body)
+    assert status == 200
+    assert headers["X-Overture-Ignored-Fields"] == "%1F,a%2Cb,caf%C3%A9"
+
+
 async def test_strict_fields_refuses_unknown_fields() -> None:
     async with AsyncExitStack() as stack:
         c = await make_cluster(stack, strict_fields=True)
