@@ -42,27 +42,14 @@ import signal
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from bench.cluster.chat_client import Client, Result
-from bench.cluster.overload import measure_capacity, open_loop
+from bench.cluster.overload import log_line, measure_capacity, open_loop, pct
 from bench.harness import overture_up, show_progress
-
-
-def _log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def pct(values: list[float], q: float) -> float | None:
-    """The ``q`` quantile (nearest rank) of ``values`` (None: no values)."""
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
 def level_stats(results: list[Result], duration: float) -> dict[str, Any]:
@@ -131,12 +118,12 @@ def _loadavg() -> float:
 async def run_levels(url: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     async with Client(url, model, rng) as client:
-        _log(f"capacity: {args.capacity_clients} clients ...")
+        log_line(f"capacity: {args.capacity_clients} clients ...")
         cap = await measure_capacity(client, args.capacity_clients, args.warmup,
                                      args.capacity_duration, args.max_tokens,
                                      args.request_timeout)
         rate = cap["capacity_rps"]
-        _log(f"capacity {rate:.2f} req/s")
+        log_line(f"capacity {rate:.2f} req/s")
         runs: list[dict[str, Any]] = []
         if rate <= 0:
             return {"capacity": cap, "runs": runs}
@@ -152,7 +139,7 @@ async def run_levels(url: str, model: str, args: argparse.Namespace) -> dict[str
                          server_p50_s=bucket_quantile(hist, after, 0.5),
                          server_p99_s=bucket_quantile(hist, after, 0.99))
                 runs.append(s)
-                _log(f"rep {rep} {mult:g}×: {s['ok']}/{s['sent']} admitted, p99 wait "
+                log_line(f"rep {rep} {mult:g}×: {s['ok']}/{s['sent']} admitted, p99 wait "
                      f"{_ms(s['wait_p99_s'])} (scheduler {_ms(s['server_p99_s'])}), "
                      f"load {s['loadavg']:.1f}")
     return {"capacity": cap, "runs": runs}

@@ -98,20 +98,6 @@ def restart_engine(cluster: Cluster, node: str) -> None:
         time.sleep(0.2)
 
 
-def wait_idle(cluster: Cluster) -> None:
-    """Until both nodes report nothing running or queued (load comes before locality)."""
-    deadline = time.monotonic() + 30
-    while True:
-        status, ready = cluster.get("/readyz")
-        nodes = ready.get("nodes", {}).values()
-        if status == 200 and len(nodes) == 2 and all(
-                n["running"] == n["waiting"] == n["routed"] == 0 for n in nodes) and sorted(
-                ready["healthy_nodes"]) == ["node0", "node1"]:  # (the retry needs the other)
-            return
-        assert time.monotonic() < deadline, (ready, cluster.logs())
-        time.sleep(0.1)
-
-
 def other(node: str) -> str:
     return "node1" if node == "node0" else "node0"
 
@@ -124,7 +110,7 @@ def test_an_engine_dying_before_the_first_token_costs_the_client_nothing(
     tokens, holder = turn(cluster, session, first)
     assert tokens == first_tokens
     arm(cluster, holder)
-    wait_idle(cluster)
+    cluster.wait_idle(2)
     tokens, node = (stream_turn if stream else turn)(cluster, session, second)
     engine = cluster.procs[f"{holder}.engine"]
     assert engine.popen.wait(timeout=30) == 70, engine.tail()  # it did get the request

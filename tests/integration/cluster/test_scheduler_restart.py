@@ -69,19 +69,6 @@ def wait_saved(cluster: Cluster, session: str) -> None:
         time.sleep(0.1)
 
 
-def wait_idle(cluster: Cluster) -> None:
-    """Until both nodes report nothing running or queued (load comes before locality)."""
-    deadline = time.monotonic() + 30
-    while True:
-        status, ready = cluster.get("/readyz")
-        nodes = ready.get("nodes", {}).values()
-        if status == 200 and len(nodes) == 2 and all(
-                n["running"] == n["waiting"] == 0 for n in nodes):
-            return
-        assert time.monotonic() < deadline, (ready, cluster.logs())
-        time.sleep(0.1)
-
-
 def text_of(response: dict) -> str:
     return "".join(part["text"] for item in response["output"] if item["type"] == "message"
                    for part in item["content"])
@@ -128,7 +115,7 @@ def test_a_killed_scheduler_loses_no_node_no_chain_and_no_session(
     assert text_of(r2) == fresh["choices"][0]["message"]["content"]
 
     # The conversation on node1 goes back to node1 and reuses its KV, exactly.
-    wait_idle(cluster)
+    cluster.wait_idle(2)
     tokens, cached, node = chat(cluster, "s-b", second)
     assert node == "node1", cluster.logs()
     assert cached > 0, cluster.logs()
