@@ -254,7 +254,8 @@ class EngineCore:
         lives = [self._live[s.request_id] for s in due]
         width = logits.shape[-1]
         masks = [lv.constraint.allowed(width) if lv.constraint else None for lv in lives]
-        histories = [History(s.token_ids, s.num_prompt_tokens, self._banned(s)) for s in due]
+        histories = [History(s.token_ids, s.num_prompt_tokens, self._banned(s), lv.tally)
+                     for s, lv in zip(due, lives, strict=True)]
         got = self.runner.sample(logits, rows, due, [lv.generator for lv in lives], masks,
                                  histories)
         return [self._append(lv, t, self.spelling.token(lp) if lp is not None else None)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .api_types import GenerateOutput, TokenLogprob, ToolCall
+from .logits_processors import TokenTally
 from .output_state import STOP, OutputState
 from .sequence import Sequence
 from .structured import Constraint
@@ -35,6 +36,7 @@ class LiveRequest:
     # The prompt's tokens with their log-probabilities (echo), gathered over its prefill
     # chunks and sent with the first output; entry i is prompt token i.
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    tally: TokenTally = field(default_factory=TokenTally)  # its tokens, for the penalties
 
     @property
     def finished(self) -> bool:

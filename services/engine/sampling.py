@@ -62,6 +62,8 @@ def log_probs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     """(S, V) log-probabilities of processed ``logits`` at ``temperature`` (S,) (0: greedy,
     whose distribution is the logits' own, as at temperature 1)."""
     t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    if bool((t == 1.0).all()):  # greedy or T=1 rows: no division over the vocabulary
+        return logits.log_softmax(dim=-1)
     return (logits / t[:, None]).log_softmax(dim=-1)
 
 
@@ -148,6 +150,17 @@ class Sampler:
             return result
         temps = torch.tensor([params[i].temperature for i in rows], dtype=logits.dtype)
         lp = log_probs(logits[torch.tensor(rows)], temps)  # (R, V)
+        # One gather and one top-k for all rows (each row reads its own k of them).
+        chosen = lp.gather(1, torch.tensor([[out[i]] for i in rows])).squeeze(1).tolist()
+        k_max = max(params[i].logprobs for i in rows)
+        top_vs: list[list[float]] = []
+        top_is: list[list[int]] = []
+        if k_max:
+            top = lp.topk(k_max, dim=-1)
+            top_vs, top_is = top.values.tolist(), top.indices.tolist()
         for j, i in enumerate(rows):
-            result[i] = row_logprobs(lp[j], out[i], params[i].logprobs)
+            k = params[i].logprobs
+            result[i] = RowLogprobs(out[i], max(chosen[j], FLOOR),
+                                    tuple(top_is[j][:k]) if k else (),
+                                    tuple(max(x, FLOOR) for x in top_vs[j][:k]) if k else ())
         return result

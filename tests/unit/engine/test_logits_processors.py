@@ -136,3 +136,28 @@ async def test_min_tokens_holds_back_eos_and_stop_ids(loaded: LoadedModel) -> No
     assert len(held_ids) == 6 and held_ids[-1] == eos and eos not in held_ids[:-1]
     stop_ids = [t for o in stop for t in o.token_ids]
     assert len(stop_ids) == 4 and stop_ids[-1] == 7 and 7 not in stop_ids[:-1]
+
+
+def test_running_tally_matches_a_fresh_one_step_by_step() -> None:
+    """The engine keeps one TokenTally per request and feeds it only the new tokens: at
+    every step the penalized logits equal those computed from the whole history anew."""
+    from services.engine.logits_processors import TokenTally, apply_processors
+
+    g = torch.Generator().manual_seed(3)
+    p = SamplingParams(presence_penalty=0.7, frequency_penalty=0.3, repetition_penalty=1.4,
+                       logit_bias=((1, 2.0),))
+    tokens = [5, 9, 5, 0]  # the prompt
+    tally = TokenTally()
+    for _ in range(12):
+        raw = torch.randn(2, 16, generator=g)
+        kept, fresh = raw.clone(), raw.clone()
+        apply_processors(kept, [p, p], [History(tokens, 4, tally=tally)] * 2)
+        apply_processors(fresh, [p, p], [History(list(tokens), 4)] * 2)
+        assert torch.equal(kept, fresh)
+        tokens.append(int(torch.randint(0, 16, (1,), generator=g)))
+    # A history that is not the one tallied (shorter) starts the tally again.
+    short = torch.randn(1, 16, generator=g)
+    again = short.clone()
+    apply_processors(short, [p], [History([2, 3], 1, tally=tally)])
+    apply_processors(again, [p], [History([2, 3], 1)])
+    assert torch.equal(short, again)
