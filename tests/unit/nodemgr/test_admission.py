@@ -137,8 +137,13 @@ async def test_a_waiting_stream_sends_keepalives(monkeypatch) -> None:
     from services.nodemgr import grpc_service
 
     monkeypatch.setattr(grpc_service, "KEEPALIVE_S", 0.02)
-    task = asyncio.ensure_future(asyncio.sleep(0.15))
-    chunks = [c async for c in grpc_service._until_done(task, "r1")]
+    released = asyncio.Event()
+    task = asyncio.ensure_future(released.wait())
+    chunks = []
+    async for c in grpc_service._until_done(task, "r1"):  # ends only once the task is done
+        chunks.append(c)
+        if len(chunks) == 4:
+            released.set()
     assert len(chunks) >= 4 and all(c.keepalive and c.request_id == "r1" for c in chunks)
     assert task.done() and not task.cancelled()
 
