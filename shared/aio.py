@@ -33,3 +33,17 @@ def freeze_startup_heap() -> None:
     """
     gc.collect()
     gc.freeze()
+
+
+def raise_if_cancel_requested() -> None:
+    """Re-raise a cancellation something below swallowed.
+
+    A retry loop that outlives every error can outlive its own cancellation when a library
+    turns the CancelledError into an error of its own (grpc.aio may report a cancelled
+    call as CANCELLED) or drops it (Python 3.11's ``asyncio.wait_for`` returns the result
+    when the awaited future finished in the same pass as the cancel). The task's cancel
+    request stays counted (``Task.cancelling()``): such a loop calls this each round so it
+    stops when asked."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError

@@ -52,13 +52,18 @@ async def serve_grpc(
     ``service_names`` are the full names (``overture.v1.Engine``) reported SERVING, plus the
     overall server ("").
     """
-    server = grpc.aio.server(options=CHANNEL_OPTIONS,
+    # No SO_REUSEPORT (gRPC's default): a second process on the same port must fail to
+    # bind, not silently take part of the first one's connections.
+    server = grpc.aio.server(options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)],
                              interceptors=internal_auth.server_interceptors())
     for add in register:
         add(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # (grpcio raises where older versions returned 0)
+        bound = 0
     if bound == 0:
         raise OSError(f"could not bind gRPC server to {host}:{port} (port in use?)")
     await server.start()

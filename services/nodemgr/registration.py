@@ -32,6 +32,7 @@ from services.nodemgr.channels import fast_channel
 from services.nodemgr.engine_set import EngineSet, EngineUnavailable
 from services.nodemgr.held_sessions import HeldSessions
 from services.nodemgr.kvstore_probe import KVStoreProbe
+from shared.aio import raise_if_cancel_requested
 from shared.proto import scheduler_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,7 @@ class Registrar:
                     log.log(level, "scheduler at %s: %s; retrying", self.scheduler_address, _why(e))
                 except Exception:  # (a node must outlive any scheduler fault: never exit)
                     log.exception("registration with %s failed; retrying", self.scheduler_address)
+                raise_if_cancel_requested()  # (an error above may have been our own cancel)
                 # Full jitter in [backoff/2, backoff]: after a scheduler restart the nodes
                 # come back spread out instead of all at once.
                 await asyncio.sleep(backoff * self._rng.uniform(0.5, 1.0))
@@ -181,6 +183,7 @@ class Registrar:
                     await asyncio.wait_for(self._poke.wait(), interval)
                 except TimeoutError:
                     pass
+                raise_if_cancel_requested()
         finally:
             call.cancel()
 
