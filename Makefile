@@ -46,10 +46,10 @@ lint: setup
 
 test: lint browser
 	@if command -v chromium >/dev/null 2>&1; then \
-	  $(PY) -m pytest -q tests/unit tests/integration tests/bench tests/browser; \
+	  $(PY) -m pytest -q --durations=20 tests/unit tests/integration tests/bench tests/browser; \
 	else \
 	  echo "*** tests/browser LEFT OUT: no chromium. Install it: apt-get install chromium ***"; \
-	  $(PY) -m pytest -q tests/unit tests/integration tests/bench; \
+	  $(PY) -m pytest -q --durations=20 tests/unit tests/integration tests/bench; \
 	fi
 
 # The widget's tests drive Debian's chromium (Playwright's own browser download is not
