@@ -15,6 +15,7 @@ from services.scheduler.api import (
     ToolCallOut,
 )
 from services.scheduler.cluster import Load, ModelSpec, NodeInfo
+from shared.model_residency import ModelResidency
 from shared.proto import common_pb2, scheduler_pb2
 
 GenerateProto = common_pb2.GenerateRequest  # what run_choices hands the dispatcher
@@ -48,6 +49,9 @@ def load(msg: scheduler_pb2.HeartbeatMsg) -> Load:
         prefetch_purged_by_layer=tuple(msg.prefetch.purged_blocks_by_layer),
         prefetch_sessions=msg.prefetch.sessions,
         device_budget_bytes=msg.device_budget_bytes,
+        residency=tuple(ModelResidency(r.model, r.resident_bytes, r.total_bytes, r.active)
+                        for r in msg.residency),
+        load_bytes_per_s=msg.load_bytes_per_s,
     )
 
 
