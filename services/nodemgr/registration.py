@@ -32,6 +32,7 @@ from services.nodemgr.channels import fast_channel
 from services.nodemgr.engine_set import EngineSet, EngineUnavailable
 from services.nodemgr.held_sessions import HeldSessions
 from services.nodemgr.kvstore_probe import KVStoreProbe
+from shared.model_residency import ResidencySource
 from shared.proto import scheduler_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ class Registrar:
         held: HeldSessions | None = None,
         rng: random.Random | None = None,
         metrics: dict[str, str] | None = None,
+        residency: ResidencySource | None = None,
     ) -> None:
         self.node_id = node_id
         self.address = address
@@ -74,6 +76,9 @@ class Registrar:
         self.registrations = 0  # successful ones (the first, then one per reconnect)
         # service -> host:port of its /metrics, told to the scheduler (GET /admin/nodes)
         self.metrics = dict(metrics or {})
+        # What of each model's weights the node holds and its load bandwidth, told in each
+        # beat (Tangram §3.4): the node's Reuse Store, or ``residency.NodeResidency``.
+        self.residency = residency
         self.problem = ""
         self.degraded = ""
         self._poke = asyncio.Event()
@@ -167,7 +172,7 @@ class Registrar:
                     self.models = snap.models
                     return
                 await call.write(wire.heartbeat(self.node_id, snap, self.in_flight(), self.problem,
-                                                self.degraded))
+                                                self.degraded, self.residency))
                 ack = await call.read()
                 if ack is grpc.aio.EOF:
                     raise StreamEnded("the scheduler closed the heartbeat stream")

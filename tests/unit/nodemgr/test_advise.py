@@ -32,6 +32,15 @@ class Activator:
     def used(self, model: str) -> None:
         pass
 
+    def hold(self, advisory_id: str, model: str, ttl_s: float) -> None:
+        pass
+
+    def release(self, advisory_id: str) -> bool:
+        return False
+
+    def holding(self) -> frozenset[str]:
+        return frozenset()
+
     async def engine_for(self, model: str) -> str:
         await self.loading.wait()
         self.engines.active.add(model)
