@@ -82,6 +82,10 @@ class Registrar:
         self.problem = ""
         self.degraded = ""
         self._poke = asyncio.Event()
+        # The heartbeat stream of a registration being replaced (the models changed): it
+        # ends only once the new registration is in, so the scheduler never sees the node
+        # gone meanwhile (it would take it out of rotation, and its models with it).
+        self._replaced: grpc.aio.StreamStreamCall | None = None
 
     def models_changed(self) -> None:
         """A model was activated or evicted here: register the new list now."""
@@ -100,6 +104,7 @@ class Registrar:
             while True:
                 try:
                     interval = await self._register(stub)
+                    self._end_replaced()
                     backoff = FIRST_BACKOFF_S
                     await self._beat(stub, interval)
                 except (grpc.aio.AioRpcError, StreamEnded, asyncio.InvalidStateError,
@@ -109,12 +114,19 @@ class Registrar:
                     log.log(level, "scheduler at %s: %s; retrying", self.scheduler_address, _why(e))
                 except Exception:  # (a node must outlive any scheduler fault: never exit)
                     log.exception("registration with %s failed; retrying", self.scheduler_address)
+                self._end_replaced()
                 # Full jitter in [backoff/2, backoff]: after a scheduler restart the nodes
                 # come back spread out instead of all at once.
                 await asyncio.sleep(backoff * self._rng.uniform(0.5, 1.0))
                 backoff = min(backoff * 2, self.backoff_max_s)
         finally:
+            self._end_replaced()
             await channel.close()
+
+    def _end_replaced(self) -> None:
+        if self._replaced is not None:
+            self._replaced.cancel()
+            self._replaced = None
 
     async def _register(self, stub: scheduler_pb2_grpc.SchedulerStub) -> float:
         held = self.held.held()
@@ -170,6 +182,7 @@ class Registrar:
                 if snap is not None and snap.models != self.models:
                     log.info("engine models changed; registering again")
                     self.models = snap.models
+                    self._replaced, call = call, None  # (ended after the registration)
                     return
                 await call.write(wire.heartbeat(self.node_id, snap, self.in_flight(), self.problem,
                                                 self.degraded, self.residency))
@@ -187,7 +200,8 @@ class Registrar:
                 except TimeoutError:
                     pass
         finally:
-            call.cancel()
+            if call is not None:
+                call.cancel()
 
 
 class StreamEnded(Exception):

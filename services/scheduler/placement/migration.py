@@ -32,6 +32,8 @@ from shared.proto import nodemgr_pb2
 log = logging.getLogger(__name__)
 
 MOVE_CALL_S = 120.0
+GONE_WAIT_S = 10.0  # the longest the source's new registration is waited for
+GONE_POLL_S = 0.1
 
 DONE = "done"
 ABANDONED = "abandoned"
@@ -109,6 +111,7 @@ class Migrator:
                 nodemgr_pb2.ModelRequest(model=m.model), timeout=MOVE_CALL_S)
             if reply.done:
                 log.info("placement: moved %s from %s to %s", m.model, m.source, m.target)
+                await self._until_gone(m)
                 return DONE
             m.refusals += 1
             if self.metrics is not None:
@@ -120,6 +123,14 @@ class Migrator:
                     m.refusals)
         await self._undo(m)
         return ABANDONED
+
+    async def _until_gone(self, m: Migration) -> None:
+        """Keep the source marked leaving until its registration without the model is in
+        (bounded): a request sent there meanwhile would activate the model again."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + GONE_WAIT_S
+        while self._serves(m.source, m.model) and loop.time() < deadline:
+            await self.registry.wait_changed(GONE_POLL_S)
 
     def _serves(self, node_id: str, model: str) -> bool:
         node = self.registry.get(node_id)
