@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -70,9 +71,13 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
         try:
             # Activating the model, then the node's deadline queue, may take a while: the
             # stream sends keepalives meanwhile (a silent one is cut as a stopped node).
+            activating = self._evicted_here(request.model)
+            asked_at = time.monotonic()
             finding = asyncio.ensure_future(self.activator.engine_for(request.model))
             async for keepalive in _until_done(finding, rid):
                 yield keepalive
+            # (the wait is the request's even if another request's activation did the work)
+            waited = time.monotonic() - asked_at if activating else 0.0
             try:
                 link = finding.result()
             except UnknownModel:
@@ -106,6 +111,8 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
             async for chunk in call:
                 if chunk.token_ids or chunk.finish_reason:
                     started(chunk.prompt_tokens)
+                if waited and not chunk.keepalive:
+                    chunk.activation_s, waited = waited, 0.0
                 yield chunk
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNAVAILABLE:

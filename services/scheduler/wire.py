@@ -70,6 +70,7 @@ def chunk(msg: common_pb2.GenerateChunk, node: str = "") -> Chunk:
                          for c in msg.tool_calls),
         logprobs=tuple(_logprob(t) for t in msg.logprobs),
         prompt_logprobs=tuple(_logprob(t) for t in msg.prompt_logprobs),
+        activation_s=msg.activation_s,
     )
 
 
