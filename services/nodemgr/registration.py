@@ -114,7 +114,6 @@ class Registrar:
                     log.log(level, "scheduler at %s: %s; retrying", self.scheduler_address, _why(e))
                 except Exception:  # (a node must outlive any scheduler fault: never exit)
                     log.exception("registration with %s failed; retrying", self.scheduler_address)
-                self._end_replaced()
                 # Full jitter in [backoff/2, backoff]: after a scheduler restart the nodes
                 # come back spread out instead of all at once.
                 await asyncio.sleep(backoff * self._rng.uniform(0.5, 1.0))
