@@ -52,7 +52,7 @@ class SchedulerMetrics:
             "overture_affinity_activations",
             "models activated where Tangram Algorithm 2 put them (least expected load "
             "time), by what asked (request, advisory, placement) and how much of the model "
-            "the node already held (all, part, none)", ["origin", "reuse"], registry=r)
+            "the node already held (all, part, none, unknown)", ["origin", "reuse"], registry=r)
         self.migrations = Counter(
             "overture_model_migrations",
             "placement moves (Prism Algorithm 1) by outcome: done (active on the target, "

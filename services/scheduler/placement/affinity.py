@@ -42,7 +42,10 @@ class Estimate:
 
     @property
     def reuse(self) -> str:
-        """How much of the model the node held: "all", "part" or "none" (a metric label)."""
+        """How much of the model the node held: "all", "part", "none" or "unknown" (its
+        size is known neither to the node nor to the scheduler; a metric label)."""
+        if not self.total_bytes:
+            return "unknown"
         if not self.missing_bytes:
             return "all"
         return "none" if self.missing_bytes >= self.total_bytes else "part"
