@@ -80,8 +80,11 @@ class Activator:
                  evict_idle_s: float, wait_s: float,
                  on_change: Callable[[], None] = lambda: None,
                  clock: Callable[[], float] = time.monotonic,
-                 metrics: NodeMgrMetrics | None = None) -> None:
+                 metrics: NodeMgrMetrics | None = None,
+                 on_loaded: Callable[[str, float], None] = lambda model, seconds: None
+                 ) -> None:
         self.engines = engines
+        self.on_loaded = on_loaded  # (model, seconds): the node's load bandwidth measure
         self.catalog = {m.name: m for m in catalog}
         self.evict_idle_s = evict_idle_s
         self.wait_s = wait_s
@@ -96,6 +99,9 @@ class Activator:
         # (one would evict or overwrite the model the other is loading).
         self._claimed: set[str] = set()
         self._requests: dict[str, int] = {}  # model -> requests in the node (enter/leave)
+        # advisory id -> (model, until when): an advised model's request is on its way, so
+        # it is not evicted before it comes (released when it comes, or the advisory ends)
+        self._advised: dict[str, tuple[str, float]] = {}
 
     def used(self, model: str) -> None:
         self.last_used[model] = self._clock()
@@ -114,8 +120,29 @@ class Activator:
         else:
             self._requests.pop(model, None)
 
+    def hold(self, advisory_id: str, model: str, ttl_s: float) -> None:
+        """An advisory for ``model`` is pending: keep it from eviction for up to ``ttl_s``
+        (the advisory's own life: an end the scheduler fails to tell does not pin it)."""
+        self._advised[advisory_id] = (model, self._clock() + ttl_s)
+
+    def release(self, advisory_id: str) -> bool:
+        """The advisory was followed, invalidated or expired: its model may go again."""
+        return self._advised.pop(advisory_id, None) is not None
+
+    def holding(self) -> frozenset[str]:
+        """The advisories whose models are held now."""
+        self.advised()
+        return frozenset(self._advised)
+
+    def advised(self) -> frozenset[str]:
+        now = self._clock()
+        for aid, (_, until) in list(self._advised.items()):
+            if until <= now:
+                del self._advised[aid]
+        return frozenset(model for model, _ in self._advised.values())
+
     def _in_use(self) -> frozenset[str]:
-        return frozenset(self._requests)
+        return frozenset(self._requests) | self.advised()
 
     async def engine_for(self, model: str) -> EngineLink:
         """The engine serving ``model``, activating it first if need be. Raises
@@ -188,6 +215,7 @@ class Activator:
             return None
         seconds = self._clock() - started
         self.activations.append((entry.name, seconds))
+        self.on_loaded(entry.name, seconds)
         self.metrics.activations.labels(entry.name).inc()
         self.metrics.activation_seconds.labels(entry.name).observe(seconds)
         self.used(entry.name)
@@ -202,7 +230,7 @@ class Activator:
         async with self._locks.setdefault(model, asyncio.Lock()):
             for v in await self._views():
                 if (v.model == model and not v.running and not v.waiting
-                        and model not in self._requests):
+                        and model not in self._in_use()):
                     await v.link.stub.Evict(engine_pb2.EvictRequest(),
                                             timeout=ACTIVATE_TIMEOUT_S)
                     self.evictions += 1

@@ -17,6 +17,7 @@ from services.nodemgr.kvstore_probe import KVStoreProbe
 from services.nodemgr.memory_broker import EngineMemory, MemoryBroker
 from services.nodemgr.metrics import NodeMgrMetrics
 from services.nodemgr.registration import Registrar
+from services.nodemgr.residency import NodeResidency
 from services.nodemgr.weight_cache import WeightCache
 from shared.device_ledger import DeviceLedger
 from shared.grpc_server import serve_grpc
@@ -53,10 +54,13 @@ async def start(config: NodeManagerConfig, stack: AsyncExitStack) -> asyncio.Tas
     weights = WeightCache()
     stack.callback(weights.close)
     weights.hold(catalog)
+    # What the node's heartbeats say of each model's weights (Tangram §3.4); a Reuse Store
+    # implementing shared/model_residency.py:ResidencySource takes this one's place.
+    residency = NodeResidency(catalog, weights, engine.served)
     activator = Activator(engine, catalog, evict_idle_s=config.evict_idle_s,
                           wait_s=config.activation_wait_s,
                           on_change=lambda: registrar.models_changed() if registrar else None,
-                          metrics=metrics)
+                          metrics=metrics, on_loaded=residency.loaded)
     admission = DeadlineAdmission(
         config.admission_depth, config.prefill_tokens_per_s,
         slo=lambda model: activator.catalog[model].ttft_slo_s
@@ -89,6 +93,7 @@ async def start(config: NodeManagerConfig, stack: AsyncExitStack) -> asyncio.Tas
         engine_stall_s=config.engine_stall_s,
         held=HeldSessions(config.held_sessions_max),
         metrics=metrics_targets(config),
+        residency=residency,
     )
     beats = asyncio.create_task(registrar.run(), name="registrar")
     if config.device_ledger:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -19,6 +20,9 @@ from services.nodemgr.engine_set import EngineSet, EngineUnavailable, UnknownMod
 from shared.proto import common_pb2, nodemgr_pb2, nodemgr_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+PRUNE_AT = 4096  # advised sessions remembered before the lapsed ones are dropped
+DEFAULT_HOLD_S = 60.0  # an advised model is held this long when the advisory names no TTL
 
 
 class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
@@ -42,6 +46,9 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
         self.in_flight = 0
         # advisory id -> the activation it started, until that prefetches or the advisory ends
         self._activating: dict[str, asyncio.Task[None]] = {}
+        # (tenant, session) -> its pending advisory, whose model is held from eviction
+        # until the session's request comes or the advisory ends (``Activator.hold``)
+        self._advised: dict[tuple[str, str], str] = {}
 
     async def Generate(
         self, request: common_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -54,16 +61,23 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
         self.in_flight += 1
         if self.prefetcher is not None:
             self.prefetcher.followed(request.tenant, request.session_id)
-        self.activator.enter(request.model)
+        self.activator.enter(request.model)  # (in use while it runs: the hold can go)
+        advisory = self._advised.pop((request.tenant, request.session_id), None)
+        if advisory is not None:
+            self.activator.release(advisory)
         rid = wire.request_id_of(request)
         call = None
         slot = entering = None  # the admission slot, and the wait for it
         try:
             # Activating the model, then the node's deadline queue, may take a while: the
             # stream sends keepalives meanwhile (a silent one is cut as a stopped node).
+            activating = self._evicted_here(request.model)
+            asked_at = time.monotonic()
             finding = asyncio.ensure_future(self.activator.engine_for(request.model))
             async for keepalive in _until_done(finding, rid):
                 yield keepalive
+            # (the wait is the request's even if another request's activation did the work)
+            waited = time.monotonic() - asked_at if activating else 0.0
             try:
                 link = finding.result()
             except UnknownModel:
@@ -97,6 +111,8 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
             async for chunk in call:
                 if chunk.token_ids or chunk.finish_reason:
                     started(chunk.prompt_tokens)
+                if waited and not chunk.keepalive:
+                    chunk.activation_s, waited = waited, 0.0
                 yield chunk
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNAVAILABLE:
@@ -132,6 +148,18 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
                         request.straight_to_device, request.kv_tokens, request.model)
         if self.prefetcher is None:
             return nodemgr_pb2.AdviseReply(accepted=False)
+        if request.model in self.activator.catalog:
+            # Its request is on its way: the model stays (or becomes) active until it
+            # comes or the advisory ends (then it may be evicted again).
+            self.activator.hold(advice.advisory_id, request.model,
+                                request.ttl_s if request.ttl_s > 0 else DEFAULT_HOLD_S)
+            old = self._advised.get((request.tenant, request.session_id))
+            if old is not None and old != advice.advisory_id:
+                self.activator.release(old)  # (replaced by this one)
+            self._advised[(request.tenant, request.session_id)] = advice.advisory_id
+            if len(self._advised) > PRUNE_AT:  # (ends the scheduler never told: lapsed)
+                held = self.activator.holding()
+                self._advised = {k: v for k, v in self._advised.items() if v in held}
         if self._evicted_here(request.model):
             # The advised model is in the catalogue but no engine here serves it: activate
             # it now, as its request would (Prism §6.2), then prefetch the session into it;
@@ -170,6 +198,9 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
         self, request: nodemgr_pb2.InvalidateRequest, context: grpc.aio.ServicerContext
     ) -> nodemgr_pb2.InvalidateReply:
         activating = self._activating.pop(request.advisory_id, None) is not None
+        if self.activator.release(request.advisory_id):
+            self._advised = {k: v for k, v in self._advised.items()
+                             if v != request.advisory_id}
         found = self.prefetcher is not None and self.prefetcher.invalidate(
             request.advisory_id, request.expired)
         return nodemgr_pb2.InvalidateReply(found=found or activating)

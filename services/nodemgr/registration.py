@@ -33,6 +33,7 @@ from services.nodemgr.engine_set import EngineSet, EngineUnavailable
 from services.nodemgr.held_sessions import HeldSessions
 from services.nodemgr.kvstore_probe import KVStoreProbe
 from shared.aio import raise_if_cancel_requested
+from shared.model_residency import ResidencySource
 from shared.proto import scheduler_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class Registrar:
         held: HeldSessions | None = None,
         rng: random.Random | None = None,
         metrics: dict[str, str] | None = None,
+        residency: ResidencySource | None = None,
     ) -> None:
         self.node_id = node_id
         self.address = address
@@ -75,9 +77,16 @@ class Registrar:
         self.registrations = 0  # successful ones (the first, then one per reconnect)
         # service -> host:port of its /metrics, told to the scheduler (GET /admin/nodes)
         self.metrics = dict(metrics or {})
+        # What of each model's weights the node holds and its load bandwidth, told in each
+        # beat (Tangram §3.4): the node's Reuse Store, or ``residency.NodeResidency``.
+        self.residency = residency
         self.problem = ""
         self.degraded = ""
         self._poke = asyncio.Event()
+        # The heartbeat stream of a registration being replaced (the models changed): it
+        # ends only once the new registration is in, so the scheduler never sees the node
+        # gone meanwhile (it would take it out of rotation, and its models with it).
+        self._replaced: grpc.aio.StreamStreamCall | None = None
 
     def models_changed(self) -> None:
         """A model was activated or evicted here: register the new list now."""
@@ -96,6 +105,7 @@ class Registrar:
             while True:
                 try:
                     interval = await self._register(stub)
+                    self._end_replaced()
                     backoff = FIRST_BACKOFF_S
                     await self._beat(stub, interval)
                 except (grpc.aio.AioRpcError, StreamEnded, asyncio.InvalidStateError,
@@ -111,7 +121,13 @@ class Registrar:
                 await asyncio.sleep(backoff * self._rng.uniform(0.5, 1.0))
                 backoff = min(backoff * 2, self.backoff_max_s)
         finally:
+            self._end_replaced()
             await channel.close()
+
+    def _end_replaced(self) -> None:
+        if self._replaced is not None:
+            self._replaced.cancel()
+            self._replaced = None
 
     async def _register(self, stub: scheduler_pb2_grpc.SchedulerStub) -> float:
         held = self.held.held()
@@ -167,9 +183,10 @@ class Registrar:
                 if snap is not None and snap.models != self.models:
                     log.info("engine models changed; registering again")
                     self.models = snap.models
+                    self._replaced, call = call, None  # (ended after the registration)
                     return
                 await call.write(wire.heartbeat(self.node_id, snap, self.in_flight(), self.problem,
-                                                self.degraded))
+                                                self.degraded, self.residency))
                 ack = await call.read()
                 if ack is grpc.aio.EOF:
                     raise StreamEnded("the scheduler closed the heartbeat stream")
@@ -185,7 +202,8 @@ class Registrar:
                     pass
                 raise_if_cancel_requested()
         finally:
-            call.cancel()
+            if call is not None:
+                call.cancel()
 
 
 class StreamEnded(Exception):

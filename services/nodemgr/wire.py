@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from services.nodemgr.held_sessions import HeldSession
 from shared.model_info import ModelInfo
+from shared.model_residency import ResidencySource
 from shared.proto import common_pb2, engine_pb2, nodemgr_pb2, scheduler_pb2
 
 
@@ -64,11 +65,18 @@ def register_request(
 
 
 def heartbeat(
-    node_id: str, snap: EngineSnapshot | None, in_flight: int, problem: str, degraded: str = ""
+    node_id: str, snap: EngineSnapshot | None, in_flight: int, problem: str, degraded: str = "",
+    residency: ResidencySource | None = None,
 ) -> scheduler_pb2.HeartbeatMsg:
     msg = scheduler_pb2.HeartbeatMsg(
         node_id=node_id, in_flight=in_flight, problem=problem, degraded=degraded
     )
+    if residency is not None:
+        msg.residency.extend(
+            scheduler_pb2.ModelResidency(model=r.model, resident_bytes=r.resident_bytes,
+                                         total_bytes=r.total_bytes, active=r.active)
+            for r in residency.residency())
+        msg.load_bytes_per_s = residency.load_bytes_per_s()
     if snap is not None:
         msg.queue_delay_s = snap.queue_delay_s
         msg.running = snap.running

@@ -27,7 +27,7 @@ from services.scheduler.grpc_service import SchedulerServicer
 from services.scheduler.http import ApiState, BodyBudget, HardenedRunner, build_app
 from services.scheduler.lease import LeaseElector, LeaseSettings, ssl_context
 from services.scheduler.metrics import SchedulerMetrics
-from services.scheduler.placement import PlacementLoop
+from services.scheduler.placement import MigrationSettings, PlacementLoop
 from services.scheduler.responses import ResponseStore, response_archive
 from services.scheduler.routing import Dispatcher, DispatchSettings, PrefixIndex, make_policy
 from services.scheduler.tenants import TenantLimits, Turns, key_book
@@ -242,8 +242,10 @@ async def start(config: SchedulerConfig, stack: AsyncExitStack) -> Running:
     stack.push_async_callback(stop_sweeping)
     catalog = tuple(state.dispatcher.catalog.values())
     if catalog and config.placement_interval_s > 0:
-        placement = PlacementLoop(registry, channels, catalog, state.dispatcher.rates,
-                                  config.placement_tau)
+        placement = PlacementLoop(
+            registry, channels, catalog, state.dispatcher.rates, config.placement_tau,
+            MigrationSettings(config.migration_attempts, config.migration_backoff_s,
+                              config.migration_backoff_s * 16), state.metrics)
         placing = asyncio.create_task(placement.run(config.placement_interval_s),
                                       name="model-placement")
 

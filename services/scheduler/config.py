@@ -105,6 +105,13 @@ class SchedulerConfig:
     placement_tau: float = opt(
         0.5, "Algorithm 1's migration threshold τ: a model moves only when the KV pressure "
         "(SLO-weighted requests/s per GiB of free device memory) drops by more", min=0)
+    migration_attempts: int = opt(
+        8, "a placement move asks the source to evict the model this many times while it "
+        "is busy before the move is abandoned (the target's copy is evicted again)",
+        min=1, max=1000)
+    migration_backoff_s: float = opt(
+        0.5, "the wait before a placement move asks a busy source again; doubles each "
+        "time, up to 16x", min=0.01, max=60)
     responses_ttl_s: float = opt(
         3600.0, "stored Responses API responses (previous_response_id) live this long",
         min=1)

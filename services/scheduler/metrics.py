@@ -48,6 +48,21 @@ class SchedulerMetrics:
         self.in_flight = Gauge(
             "overture_requests_in_flight", "generation requests being served", registry=r
         )
+        self.affinity_choices = Counter(
+            "overture_affinity_activations",
+            "models activated where Tangram Algorithm 2 put them (least expected load "
+            "time), by what asked (request, advisory, placement) and how much of the model "
+            "the node already held (all, part, none, unknown)", ["origin", "reuse"], registry=r)
+        self.migrations = Counter(
+            "overture_model_migrations",
+            "placement moves (Prism Algorithm 1) by outcome: done (active on the target, "
+            "evicted from the source), abandoned (the source stayed busy; the target's copy "
+            "evicted again), target_refused (the target could not activate it), failed (a "
+            "node did not answer)", ["outcome"], registry=r)
+        self.migration_retries = Counter(
+            "overture_model_migration_retries",
+            "evictions a busy source refused during a migration, each retried later",
+            registry=r)
         self.node_load = Gauge(
             "overture_node_load",
             "load a node reports (running, waiting) or is routed (routed)",

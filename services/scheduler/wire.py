@@ -15,6 +15,7 @@ from services.scheduler.api import (
     ToolCallOut,
 )
 from services.scheduler.cluster import Load, ModelSpec, NodeInfo
+from shared.model_residency import ModelResidency
 from shared.proto import common_pb2, scheduler_pb2
 
 GenerateProto = common_pb2.GenerateRequest  # what run_choices hands the dispatcher
@@ -48,6 +49,9 @@ def load(msg: scheduler_pb2.HeartbeatMsg) -> Load:
         prefetch_purged_by_layer=tuple(msg.prefetch.purged_blocks_by_layer),
         prefetch_sessions=msg.prefetch.sessions,
         device_budget_bytes=msg.device_budget_bytes,
+        residency=tuple(ModelResidency(r.model, r.resident_bytes, r.total_bytes, r.active)
+                        for r in msg.residency),
+        load_bytes_per_s=msg.load_bytes_per_s,
     )
 
 
@@ -66,6 +70,7 @@ def chunk(msg: common_pb2.GenerateChunk, node: str = "") -> Chunk:
                          for c in msg.tool_calls),
         logprobs=tuple(_logprob(t) for t in msg.logprobs),
         prompt_logprobs=tuple(_logprob(t) for t in msg.prompt_logprobs),
+        activation_s=msg.activation_s,
     )
 
 

@@ -111,6 +111,8 @@ class Advisor:
             self._ended(old, how, tell_node=old.node_id != node.node_id)
         if not placed.plan.prefetch:  # (a baseline: the advisory is only recorded)
             return adv
+        if placed.warm is not None:  # (the node activates the model first: Advise)
+            self.metrics.affinity_choices.labels("advisory", placed.warm.reuse).inc()
         source = placed.source
         self._call(node, "Advise", nodemgr_pb2.AdviseRequest(
             advisory_id=adv.advisory_id, tenant=tenant, session_id=asked.session_id,

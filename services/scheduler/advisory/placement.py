@@ -22,8 +22,8 @@ from services.scheduler.cluster import (
     NodeRegistry,
     SessionDirectory,
     SessionPlace,
-    least_kv_pressure,
 )
+from services.scheduler.placement import Estimate, best_node
 from services.scheduler.routing import AdvisoryPlan, Policy, RouteRequest
 
 
@@ -34,6 +34,8 @@ class Placed:
     ended: list[tuple[Advisory, str]]  # the advisories it ended (replaced, crowded out)
     place: SessionPlace | None  # where the session's KV is, if known
     source: Node | None  # the live node to pull the KV from (None: the node's own tiers)
+    # The model runs nowhere: the node (Tangram Algorithm 2) activates it now (warms it)
+    warm: Estimate | None = None
 
     @property
     def node(self) -> Node:
@@ -66,7 +68,7 @@ class AdvisoryPlacement:
         """Plan the advisory and record it; None when no node serves ``model``.
         Raises ``TooManyAdvisories`` when the tenant has its share pending."""
         place = self.sessions.where(tenant, session_id)
-        nodes = self._candidates(model)
+        nodes, warm = self._candidates(model)
         route = RouteRequest(model, session_id, tenant, priority,
                              holder=place.node_id if place else "",
                              gone=self.inflight.gone(nodes, expected_arrival_s)
@@ -85,18 +87,19 @@ class AdvisoryPlacement:
             holder = self.registry.get(plan.pull_from)
             if holder is not None and self.registry.alive(holder, slack=HOLDER_SLACK):
                 source = holder
-        return Placed(adv, plan, ended, place, source)
+        return Placed(adv, plan, ended, place, source, warm)
 
-    def _candidates(self, model: str) -> list[Node]:
-        """The nodes a request for ``model`` could go to now (those behind only if all are)."""
+    def _candidates(self, model: str) -> tuple[list[Node], Estimate | None]:
+        """The nodes a request for ``model`` could go to now (those behind only if all are).
+        A catalogue model active nowhere: the one node its request would activate it on,
+        by expected load time (Tangram §3.4, Algorithm 2), which activates it now, before
+        the request, then prefetches the session (its estimate is the second value)."""
         serving = self.registry.healthy(model)
         if not serving and model in self.catalog:
-            # A catalogue model active nowhere: the node a request would activate it on
-            # (Prism §6.2, lowest KV pressure) activates it now, then prefetches.
-            lightest = least_kv_pressure([n for n in self.registry.healthy()
-                                          if not self.registry.behind(n)])
-            return [lightest] if lightest is not None else []
-        return [n for n in serving if not self.registry.behind(n)] or serving
+            warm = best_node(model, [n for n in self.registry.healthy()
+                                     if not self.registry.behind(n)])
+            return ([warm.node] if warm is not None else []), warm
+        return [n for n in serving if not self.registry.behind(n)] or serving, None
 
     def follow(self, tenant: str, session_id: str) -> tuple[Advisory | None, str]:
         """The session's advisory, ended by its request (see ``AdvisoryBook.follow``)."""

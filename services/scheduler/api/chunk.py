@@ -22,6 +22,7 @@ class Chunk:
     tool_calls: tuple[ToolCallOut, ...] = ()  # calls completed in this piece
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token of ``token_ids``, if asked
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # the first chunk, if asked (echo)
+    activation_s: float = 0.0  # the first chunk: the wait for the model's activation
 
 
 @dataclass(frozen=True)

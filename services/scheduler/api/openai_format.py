@@ -40,6 +40,7 @@ class ChoiceState:
     completion_tokens: int = 0
     cached_tokens: int = 0
     kv_from: str = ""  # where the reused KV came from (the engine's label; issue 41)
+    activation_s: float = 0.0  # its wait for the model's activation on the node
     finish_reason: str | None = None
     tool_calls: list[ToolCallOut] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -67,6 +68,7 @@ class ChoiceState:
         )
         self.cached_tokens = max(self.cached_tokens, chunk.cached_tokens)
         self.kv_from = self.kv_from or chunk.kv_from
+        self.activation_s = max(self.activation_s, chunk.activation_s)
         if chunk.finish_reason:
             self.finish_reason = chunk.finish_reason
 
@@ -84,12 +86,15 @@ def usage(states: list[ChoiceState]) -> dict[str, Any]:
                                      s.cached_tokens)
     p = sum(prompt_tokens.values())
     c = sum(s.completion_tokens for s in states)
+    activation = max((s.activation_s for s in states), default=0.0)
     return {
         "prompt_tokens": p,
         "completion_tokens": c,
         "total_tokens": p + c,
         "prompt_tokens_details": {"cached_tokens": sum(cached.values()),
                                   **kv_source(states)},
+        # (only when the request waited for its model to be activated: part of its TTFT)
+        **({"model_activation_s": round(activation, 4)} if activation > 0 else {}),
     }
 
 

@@ -7,7 +7,14 @@ chat's leading context (``prefixes.py``), the session of each tool call
 
 from services.scheduler.cluster.channels import NodeChannels
 from services.scheduler.cluster.inflight import InFlight
-from services.scheduler.cluster.node import Load, ModelSpec, Node, NodeInfo, least_kv_pressure
+from services.scheduler.cluster.node import (
+    Load,
+    ModelSpec,
+    Node,
+    NodeInfo,
+    by_kv_pressure,
+    least_kv_pressure,
+)
 from services.scheduler.cluster.prefixes import PrefixMap, prompt_prefix
 from services.scheduler.cluster.registry import HOLDER_SLACK, NodeRegistry
 from services.scheduler.cluster.sessions import SessionDirectory, SessionPlace
@@ -26,6 +33,7 @@ __all__ = [
     "SessionDirectory",
     "SessionPlace",
     "ToolCallSessions",
+    "by_kv_pressure",
     "least_kv_pressure",
     "prompt_prefix",
 ]

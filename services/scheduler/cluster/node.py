@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shared.model_residency import ModelResidency
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -47,6 +49,13 @@ class Load:
     prefetch_purged_by_layer: tuple[int, ...] = ()
     prefetch_sessions: int = 0
     device_budget_bytes: int = 0  # the node's device memory (model placement's capacity)
+    # What of each model's weights the node holds, and its measured weight load bandwidth
+    # (0: none measured yet): the affinity placement's inputs (Tangram §3.4).
+    residency: tuple[ModelResidency, ...] = ()
+    load_bytes_per_s: float = 0.0
+
+    def residency_of(self, model: str) -> ModelResidency | None:
+        return next((r for r in self.residency if r.model == model), None)
 
 
 @dataclass
@@ -64,6 +73,9 @@ class Node:
     advised_priority: int = 0  # pending high-priority advisories placed here
     advised: int = 0  # pending advisories of any priority placed here: requests to come
     generation: int = 0  # bumps on every registration, so late news of an old one is ignored
+    # Models a placement move is taking away from this node: while another node serves
+    # them, new requests for them go there, so that this node drains and can evict them.
+    leaving: set[str] = field(default_factory=set)
 
     @property
     def node_id(self) -> str:
@@ -88,10 +100,15 @@ class Node:
         return max(0, self.expected() - gone)
 
 
+def by_kv_pressure(nodes: list[Node]) -> list[Node]:
+    """``nodes`` from the least KV pressure up (Prism §6.2: "the GPU with the lowest KV
+    pressure ratio" activates a model): the least work per free KV block, as the nodes
+    last reported."""
+    return sorted(nodes, key=lambda n: ((n.score() + n.advised + 1) / max(n.load.blocks_free, 1),
+                                        n.node_id))
+
+
 def least_kv_pressure(nodes: list[Node]) -> Node | None:
-    """The node to activate an evicted model on (Prism §6.2: "the GPU with the lowest KV
-    pressure ratio"): the least work per free KV block, as the nodes last reported."""
-    if not nodes:
-        return None
-    return min(nodes, key=lambda n: ((n.score() + n.advised + 1) / max(n.load.blocks_free, 1),
-                                     n.node_id))
+    """The first of ``by_kv_pressure``."""
+    ordered = by_kv_pressure(nodes)
+    return ordered[0] if ordered else None

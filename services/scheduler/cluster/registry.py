@@ -51,6 +51,7 @@ class NodeRegistry:
             advised_priority=old.advised_priority if old else 0,
             advised=old.advised if old else 0,
             generation=self._generation,
+            leaving=old.leaving if old else set(),
         )
         self._nodes[info.node_id] = node
         self._notify()
@@ -93,6 +94,17 @@ class NodeRegistry:
 
     def behind(self, node: Node) -> bool:
         return self.clock() < node.behind_until
+
+    def set_leaving(self, node_id: str, model: str, leaving: bool) -> None:
+        """A placement move is (or no longer is) taking ``model`` away from the node."""
+        node = self._nodes.get(node_id)
+        if node is None:
+            return
+        if leaving:
+            node.leaving.add(model)
+        else:
+            node.leaving.discard(model)
+        self._notify()
 
     def drain(self, node_id: str, drained: bool = True) -> Node | None:
         """Stop (or resume) routing new requests to a node; None if unknown."""
@@ -149,7 +161,13 @@ class NodeRegistry:
         return sorted(self._nodes.values(), key=lambda n: n.node_id)
 
     def healthy(self, model: str | None = None) -> list[Node]:
-        return [n for n in self.all() if self.in_rotation(n) and (model is None or n.serves(model))]
+        """The nodes in rotation (serving ``model``, if given). A node a placement move is
+        taking ``model`` from (``Node.leaving``) is left out while another serves it."""
+        nodes = [n for n in self.all()
+                 if self.in_rotation(n) and (model is None or n.serves(model))]
+        if model is None:
+            return nodes
+        return [n for n in nodes if model not in n.leaving] or nodes
 
     def models(self, healthy_only: bool = True) -> list[ModelSpec]:
         """Distinct models (by name) of the nodes, in order of node id."""

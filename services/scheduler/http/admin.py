@@ -55,6 +55,12 @@ def _describe(registry: NodeRegistry, n: Node) -> dict[str, Any]:
         "routed": n.routed,
         "kvstore_address": n.info.kvstore_address,
         "models": [m.name for m in n.info.models],
+        "leaving": sorted(n.leaving),  # models a placement move is taking away
+        # what of each model's weights it holds, its load bandwidth (Tangram §3.4)
+        "residency": {r.model: {"resident_bytes": r.resident_bytes,
+                                "total_bytes": r.total_bytes, "active": r.active}
+                      for r in n.load.residency},
+        "load_bytes_per_s": n.load.load_bytes_per_s,
         "metrics": {name: f"http://{addr}/metrics" for name, addr in n.info.metrics},
     }
 

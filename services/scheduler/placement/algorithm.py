@@ -15,7 +15,7 @@ A node whose memory is used up (shared_kv <= 0) has infinite pressure.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -39,8 +39,14 @@ def kvpr(weighted_rate: float, shared_kv: float) -> float:
 
 
 def place_models(models: Sequence[ModelDemand], capacity: Mapping[str, int],
-                 tau: float) -> dict[str, str]:
-    """Model name -> node id (Algorithm 1); ``capacity``: each node's device bytes (C)."""
+                 tau: float, load_s: Callable[[str, str], float] | None = None
+                 ) -> dict[str, str]:
+    """Model name -> node id (Algorithm 1); ``capacity``: each node's device bytes (C).
+    ``load_s(model, node)``: the time to activate the model there (Tangram Eq. 3), which
+    breaks line 5's ties between nodes of equal KV pressure (idle nodes all have 0)."""
+    def tie(model: str, node: str) -> float:
+        return load_s(model, node) if load_s is not None else 0.0
+
     if not capacity:
         return {}
     order = sorted(models, key=lambda m: m.weighted_rate, reverse=True)  # line 1
@@ -49,7 +55,7 @@ def place_models(models: Sequence[ModelDemand], capacity: Mapping[str, int],
     w_req = dict.fromkeys(nodes, 0.0)
     placement: dict[str, str] = {}
     for m in order:  # line 4
-        best = min(nodes, key=lambda n: kvpr(w_req[n], shared[n]))  # line 5
+        best = min(nodes, key=lambda n: (kvpr(w_req[n], shared[n]), tie(m.name, n)))  # line 5
         best_r = kvpr(w_req[best], shared[best])
         chosen = best
         if m.current in shared:

@@ -41,10 +41,9 @@ from services.scheduler.cluster import (
     PrefixMap,
     SessionDirectory,
     ToolCallSessions,
-    least_kv_pressure,
 )
 from services.scheduler.metrics import SchedulerMetrics
-from services.scheduler.placement import ModelRates
+from services.scheduler.placement import ModelRates, best_node
 from services.scheduler.routing.kv_source import node_request
 from services.scheduler.routing.plan import RoutePlan, RouteRequest
 from services.scheduler.routing.policy import Policy
@@ -163,9 +162,11 @@ class Dispatcher:
                     if n.node_id not in behind and not self.registry.behind(n)]
             if healthy and not free:
                 raise self._overloaded(route.model)
-            if evicted:  # (Prism §6.2: the node of least KV pressure activates it)
-                lightest = least_kv_pressure(free)
-                free = [lightest] if lightest is not None else []
+            if evicted:  # the node of least expected load time activates it (Tangram §3.4)
+                chosen = best_node(route.model, free, self.catalog_bytes(route.model))
+                free = [chosen.node] if chosen is not None else []
+                if chosen is not None and self.metrics is not None:
+                    self.metrics.affinity_choices.labels("request", chosen.reuse).inc()
             # (generations that ended since a node's last beat are not its load)
             plan = self.policy.route(free, dataclasses.replace(
                 route, gone=self.inflight.gone(free)))
@@ -178,6 +179,15 @@ class Dispatcher:
             if remaining <= 0:
                 raise self._unavailable(route.model)
             await self.registry.wait_changed(remaining)
+
+    def catalog_bytes(self, model: str) -> int:
+        """The model's weight bytes as the catalogue's files say (0: not readable here; the
+        nodes' residency reports say it then)."""
+        entry = self.catalog.get(model)
+        try:
+            return entry.weight_bytes() if entry is not None else 0
+        except OSError:
+            return 0
 
     def known_model(self, model: str) -> bool:
         return model in self.catalog or any(n.serves(model) for n in self.registry.all())

@@ -93,3 +93,30 @@ async def test_a_model_with_a_request_on_its_way_is_not_evicted(tmp_path: Any) -
     activator.leave("alpha")
     await asyncio.wait_for(swap, 5.0)
     assert fake.calls == ["evict alpha", "activate beta"]
+
+
+async def test_an_advised_model_is_held_until_its_advisory_ends(tmp_path: Any) -> None:
+    """An advisory for alpha is pending (its request is coming): alpha is idle but not
+    swapped out for beta; once the advisory ends (invalidated, expired, followed) it may be."""
+    activator, fake = one_engine_node(tmp_path)
+    fake.model = "alpha"
+    fake.gate.set()
+    await activator.engines.status()
+    activator.hold("adv-1", "alpha", ttl_s=60.0)
+    swap = asyncio.create_task(activator.engine_for("beta"))
+    await asyncio.sleep(0.35)
+    assert fake.calls == [] and not swap.done()
+    assert not await activator.evict("alpha")  # (nor by a placement move)
+    assert activator.release("adv-1") and not activator.release("adv-1")
+    await asyncio.wait_for(swap, 5.0)
+    assert fake.calls == ["evict alpha", "activate beta"]
+
+
+async def test_a_hold_whose_advisory_lapsed_untold_ends_by_itself(tmp_path: Any) -> None:
+    now = [0.0]
+    activator, _ = one_engine_node(tmp_path)
+    activator._clock = lambda: now[0]
+    activator.hold("adv-1", "alpha", ttl_s=10.0)
+    assert activator.advised() == {"alpha"} and activator.holding() == {"adv-1"}
+    now[0] = 10.5
+    assert activator.advised() == frozenset() and activator.holding() == frozenset()

@@ -28,8 +28,21 @@ class Activator:
         self.engines = engines
         self.loading = asyncio.Event()  # set: the activation completes
         self.activated: list[str] = []
+        self.held: dict[str, str] = {}  # advisory id -> the model it keeps from eviction
 
     def used(self, model: str) -> None:
+        pass
+
+    def hold(self, advisory_id: str, model: str, ttl_s: float) -> None:
+        self.held[advisory_id] = model
+
+    def release(self, advisory_id: str) -> bool:
+        return self.held.pop(advisory_id, None) is not None
+
+    def holding(self) -> frozenset[str]:
+        return frozenset(self.held)
+
+    def enter(self, model: str) -> None:
         pass
 
     async def engine_for(self, model: str) -> str:
@@ -88,3 +101,17 @@ async def test_an_advisory_ended_while_its_model_loads_prefetches_nothing() -> N
     for _ in range(5):
         await asyncio.sleep(0)
     assert activator.activated == ["evicted"] and prefetcher.advised == []
+
+
+async def test_an_advisory_holds_its_model_until_it_is_invalidated_or_replaced() -> None:
+    s, activator, _ = servicer()
+    await s.Advise(advise("a1", "here"), cast(Any, None))
+    assert activator.held == {"a1": "here"}
+    await s.Advise(advise("a2", "here"), cast(Any, None))  # (the same session: replaced)
+    assert activator.held == {"a2": "here"}
+    await s.Invalidate(nodemgr_pb2.InvalidateRequest(advisory_id="a2", expired=True),
+                       cast(Any, None))
+    assert activator.held == {}
+    # A model outside the catalogue is not held (the node does not manage it).
+    await s.Advise(advise("a3", "elsewhere"), cast(Any, None))
+    assert activator.held == {}

@@ -55,6 +55,7 @@ class Engines:
 class Activator:
     def __init__(self, link: Link) -> None:
         self.link = link
+        self.catalog: dict[str, object] = {}  # (no catalogue model: none is activated)
 
     def enter(self, model: str) -> None:
         pass

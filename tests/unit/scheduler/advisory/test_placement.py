@@ -16,6 +16,7 @@ from services.scheduler.cluster import (
     SessionDirectory,
 )
 from services.scheduler.routing import make_policy
+from shared.model_residency import ModelResidency
 from tests.unit.scheduler.conftest import Clock
 
 
@@ -77,6 +78,21 @@ def test_a_catalogue_model_running_nowhere_is_advised_to_the_least_pressed_node(
     placed = p.place("t", "s", "other")
     assert placed is not None and placed.node.node_id == "node1" and placed.plan.prefetch
     assert p.place("t", "s", "unknown") is None
+
+
+def test_an_advisory_warms_a_model_running_nowhere_where_it_loads_soonest() -> None:
+    """Tangram Algorithm 2: node0 is more pressed but holds most of the model's weights;
+    the advisory (which activates the model there) goes to node0, with its estimate."""
+    p, reg, _ = placement("balanced", catalog=frozenset({"other"}))
+    held = (ModelResidency("other", 90 << 20, 100 << 20, False),)
+    reg.heartbeat("node0", Load(blocks_free=10, residency=held, load_bytes_per_s=1e8))
+    reg.heartbeat("node1", Load(blocks_free=100, load_bytes_per_s=1e8))
+    placed = p.place("t", "s", "other")
+    assert placed is not None and placed.node.node_id == "node0" and placed.plan.prefetch
+    assert placed.warm is not None and placed.warm.missing_bytes == 10 << 20
+    assert placed.warm.reuse == "part"
+    # A model that runs somewhere warms nothing.
+    assert p.place("t", "s2", "m").warm is None  # type: ignore[union-attr]
 
 
 def test_a_successor_goes_to_the_holder_when_its_predecessor_ends_first() -> None:
