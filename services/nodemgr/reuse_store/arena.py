@@ -34,6 +34,7 @@ class Arena(Protocol):
     path: str
     nbytes: int
 
+    def commit(self, offset: int, size: int) -> None: ...
     def move(self, src: int, dst: int, size: int) -> None: ...
     def release(self, offset: int, size: int) -> None: ...
     def resident_bytes(self) -> int: ...
@@ -56,6 +57,9 @@ class ShmArena:
             os.unlink(self.path)
             raise
         self._closed = False
+
+    def commit(self, offset: int, size: int) -> None:
+        """Nothing to do: a tmpfs page is committed when an engine first writes it."""
 
     def view(self, offset: int, size: int) -> memoryview:
         """The arena's bytes [offset, offset + size) (tests and the bench read them)."""

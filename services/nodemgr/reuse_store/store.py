@@ -219,6 +219,7 @@ class ReuseStore:
             self.stats.compaction_seconds += time.perf_counter() - moved_at
         for k, n in new.items():
             self._tensors[k] = _Resident(aligned(n), n, False)
+            self.arena.commit(placement.offsets[k], aligned(n))
 
     def _candidates(self) -> list[Candidate]:
         """Unpinned resident tensors with their Equation 2 cost."""
