@@ -53,6 +53,24 @@ class MappedLoad:
     fill_seconds: float
 
 
+def _fill(view: torch.Tensor, parts: list[torch.Tensor]) -> None:
+    """Write the checkpoint's ``parts`` (views of its file, in their own dtype) into the
+    arena ``view``, one after the other along dim 0, converting on the way: one pass over
+    the bytes, where converting first and concatenating after would make two copies.
+
+        view (rows, ...):  | part 0 rows | part 1 rows | part 2 rows |
+    """
+    at = 0
+    with torch.no_grad():
+        for part in parts:
+            if not view.dim():  # (a scalar tensor: one part)
+                view.copy_(part)
+                return
+            rows = part.shape[0]
+            view[at:at + rows].copy_(part)
+            at += rows
+
+
 def load_mapped(path: str | Path, stored: StoredWeights, dtype: torch.dtype,
                 served_name: str = "") -> MappedLoad:
     folder = Path(path)
@@ -80,9 +98,7 @@ def load_mapped(path: str | Path, stored: StoredWeights, dtype: torch.dtype,
         view = arena[t.offset:t.offset + t.nbytes].view(dtype).view(spec.shape)
         if t.fill:
             started = time.perf_counter()
-            parts = [src.get(p) for p in spec.parts]
-            with torch.no_grad():
-                view.copy_(parts[0] if len(parts) == 1 else torch.cat(parts, dim=0))
+            _fill(view, [src.where[p].tensor(p) for p in spec.parts])
             fill_s += time.perf_counter() - started
             filled += t.nbytes
         views[t.name] = view
