@@ -7,7 +7,6 @@ still-resident tensors and loads nothing."""
 from __future__ import annotations
 
 import asyncio
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -103,11 +102,9 @@ def test_a_resident_model_comes_back_without_loading(cluster: Cluster,
         generate(cluster, m)  # (both active, whatever ran before)
     generate(cluster, "c")  # evicts a (the loosest SLO): its tensors stay resident
     before = gauges(cluster)
-    deadline = time.monotonic() + 10
     assert before["reuse_loaded_bytes"] > 0
     tokens = generate(cluster, "a")  # evicts b or c, maps a's tensors again
     after = gauges(cluster)
     assert after["reuse_loaded_bytes"] == before["reuse_loaded_bytes"], cluster.logs()
     assert after["reuse_hits"] > before["reuse_hits"]
     assert tokens == alone(models["a"])
-    assert time.monotonic() < deadline + 60
