@@ -6,44 +6,24 @@ still-resident tensors and loads nothing."""
 
 from __future__ import annotations
 
-import asyncio
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from services.engine.api_types import GenerateRequest, SamplingParams
-from services.engine.async_engine import AsyncEngine
-from services.engine.config import EngineConfig
-from services.engine.model import write_demo_model
 from services.local_cluster import free_port
 from services.nodemgr.reuse_store import index_model
 from shared.model_catalog import ModelEntry, write_catalog
 from tests.cluster import Cluster, start_cluster
+from tests.integration.multimodel.reuse_models import alone, generate, write_models
+from tests.integration.multimodel.reuse_models import gauges as scrape
 
-PROMPT = "Tell me about the overture of an opera."
 METRICS = free_port()
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("models")
-    out = {"base": write_demo_model(root / "base", size="tiny", seed=9)}
-    for name, seed in (("a", 1), ("b", 2), ("c", 3)):
-        out[name] = write_demo_model(root / name, size="tiny", seed=seed, base_seed=0,
-                                     share=0.5)
-    return out
-
-
-def alone(path: Path) -> list[int]:
-    async def run() -> list[int]:
-        cfg = EngineConfig(model_path=str(path), dtype="float32", device_memory_bytes=8 << 20)
-        async with AsyncEngine(cfg) as eng:
-            req = GenerateRequest(prompt=PROMPT, sampling=SamplingParams(max_tokens=8,
-                                                                         ignore_eos=True))
-            return [t async for o in eng.generate(req) for t in o.token_ids]
-    return asyncio.run(run())
+    return write_models(tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(scope="module")
@@ -62,23 +42,8 @@ def cluster(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
         yield c
 
 
-def generate(cluster: Cluster, model: str) -> list[int]:
-    status, body = cluster.post("/v1/completions", {
-        "model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
-        "ignore_eos": True, "return_token_ids": True})
-    assert status == 200, (body, cluster.logs())
-    return body["choices"][0]["token_ids"]
-
-
 def gauges(cluster: Cluster) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{METRICS}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("overture_nodemgr_reuse_"):
-            name, value = line.rsplit(" ", 1)
-            out[name.removeprefix("overture_nodemgr_")] = float(value)
-    return out
+    return scrape(METRICS)
 
 
 def test_shared_tensors_are_held_once_and_answers_match(cluster: Cluster,
