@@ -3,7 +3,7 @@
     overture up [--nodes N] [--port P] [--model PATH]... [--node-memory B] [--dtype D]
                 [--config FILE] [--no-s3] [--cores divided|shared]
     overture models list | prepare NAME|FILE.gguf [--dtype D] [--out DIR]
-    overture demo-model PATH [--size tiny|small] [--seed S] [--several N]
+    overture demo-model PATH [--size tiny|small] [--seed S] [--several N [--share F]]
     overture scheduler|nodemgr|engine|kvstore [flags]    (one service, in this process)
 
 ``up`` starts the cluster's S3 server (SeaweedFS, the shared durable tier every kvstore
@@ -221,6 +221,18 @@ def _interruptible(
 def cmd_demo_model(args: argparse.Namespace) -> int:
     from services.engine.model import write_demo_model  # heavy (torch): import on demand
 
+    if args.several and args.share is not None:
+        # Fine-tunes of one base sharing a fraction of their tensors (Tangram's reuse):
+        # model i keeps ``share`` of the base's bytes and redraws the rest from seed i.
+        if not 0.0 <= args.share <= 1.0:
+            print("--share must be between 0 and 1", file=sys.stderr)
+            return 2
+        for seed in range(1, args.several + 1):
+            path = Path(args.path) / f"{args.size}-share-{seed}"
+            write_demo_model(path, size=args.size, seed=seed, base_seed=0, share=args.share)
+            print(f"wrote the {args.size} demo model {seed} (sharing {args.share:.0%} of "
+                  f"its tensor bytes with the others) to {path}")
+        return 0
     if args.several:
         # Several models of each size (different seeds) for trying multi-model serving:
         # overture up --model DIR/tiny-1 --model DIR/small-1 ...
@@ -324,6 +336,10 @@ def _parser() -> argparse.ArgumentParser:
     dm.add_argument("--several", type=int, default=0, metavar="N",
                     help="write N models of each --size into PATH/<size>-<seed> instead")
     dm.add_argument("--seed", type=int, default=0, help="weight seed [default: 0]")
+    dm.add_argument("--share", type=float, default=None, metavar="F",
+                    help="with --several: the models are fine-tunes of one base sharing a "
+                    "fraction F of their weight bytes (whole tensors), written to "
+                    "PATH/<size>-share-<i>")
     dm.set_defaults(func=_interruptible(cmd_demo_model))
     sec = cmds.add_parser("secret", help="print a new random cluster secret (for "
                           "OVERTURE_CLUSTER__SECRET or cluster.secret_file)")

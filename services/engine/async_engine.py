@@ -45,6 +45,7 @@ from .engine_core import EngineCore
 from .errors import UNAVAILABLE, EngineError
 from .input_size import check_input_size, estimate_tokens
 from .model import LoadedModel
+from .model.mapped import StoredWeights
 from .model_slot import ModelSlot, idle_status
 from .offload import RECOMPUTE, KVStoreClient, SavedSession
 from .streams import RequestStreams
@@ -91,9 +92,15 @@ class AsyncEngine:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
-    async def activate(self, model_path: str, served_name: str = "") -> ModelInfo:
+    async def activate(self, model_path: str, served_name: str = "",
+                       stored: StoredWeights | None = None) -> ModelInfo:
         """Serve ``model_path`` in this running engine (see ``ModelSlot.activate``)."""
-        return await self._slot.activate(model_path, served_name)
+        return await self._slot.activate(model_path, served_name, stored)
+
+    @property
+    def last_fill(self) -> tuple[int, float]:
+        """(bytes, seconds) the last activation wrote into the node's weight arena."""
+        return self._slot.last_fill
 
     async def evict(self) -> bool:
         """Stop serving the active model; whether one was (see ``ModelSlot.evict``)."""

@@ -31,8 +31,9 @@ from .config import EngineConfig
 from .engine_core import EngineCore
 from .errors import INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE, EngineError
 from .guidance import ModelGuidance
-from .loading import load_for
+from .loading import DTYPES, load_for
 from .model import LoadedModel
+from .model.mapped import StoredWeights, load_mapped
 from .offload import RECOMPUTE, KVStoreLink, ReusePlanner
 from .worker import InboxAnswers, Worker
 
@@ -56,6 +57,8 @@ class ModelSlot:
         self._streams = streams
         self._ledger: DeviceLedger | None = None  # the node's shared budget
         self._weights_held = 0
+        self.shared_weights = False  # the weights are views into the node's arena
+        self.last_fill = (0, 0.0)  # (bytes, seconds) the last activation wrote there
         # Two activations at once would both load, the second replacing the first
         # unreleased: activate and evict hold it.
         self._switch_lock = asyncio.Lock()
@@ -93,10 +96,14 @@ class ModelSlot:
             self._ledger = None
 
     # ---- activation ---------------------------------------------------------------------
-    async def activate(self, model_path: str, served_name: str = "") -> ModelInfo:
+    async def activate(self, model_path: str, served_name: str = "",
+                       stored: StoredWeights | None = None) -> ModelInfo:
         """Serve ``model_path`` in this running engine (Prism §5.2: the engine outlives
         the model). Its weights load from the page cache when the node's weight cache
-        holds them. The model already active is kept if it is the same, else refused."""
+        holds them; with ``stored`` they are views into the node's weight arena (Tangram
+        §3.1), the missing ones written there first, and the arena's owner counts them
+        in the node's budget. The model already active is kept if it is the same, else
+        refused."""
         if not self._worker.running:
             raise EngineError(UNAVAILABLE, "the engine is not running")
         async with self._switch_lock:  # (a second caller then finds this one's model)
@@ -108,11 +115,17 @@ class ModelSlot:
             config = dataclasses.replace(self.config, model_path=model_path,
                                          served_model_name=served_name)
             try:
-                loaded = await self._worker.run(load_for, config)
+                if stored is None:
+                    loaded = await self._worker.run(load_for, config)
+                else:
+                    got = await self._worker.run(load_mapped, model_path, stored,
+                                                 DTYPES[config.dtype], served_name)
+                    loaded, self.last_fill = got.loaded, (got.filled_bytes, got.fill_seconds)
             except Exception as e:  # (a bad folder is the caller's mistake, not a crash)
                 raise EngineError(INVALID_ARGUMENT,
                                   f"cannot load {model_path}: {e}") from None
             self.config, self.loaded = config, loaded
+            self.shared_weights = stored is not None
             core = await self._serve()
             return core.model_info
 
@@ -126,6 +139,7 @@ class ModelSlot:
             await self._stop_serving("the model was evicted from this engine")
             self._release_weights()
             self.loaded = self.guidance = None
+            self.shared_weights = False
             await self._worker.run(gc.collect)
             log.info("evicted %s", core.model_info.name)
             return True
@@ -175,7 +189,7 @@ class ModelSlot:
     # ---- the node's ledger --------------------------------------------------------------
     def _hold_weights(self, loaded: LoadedModel) -> None:
         """Count the weights against the node's budget (RESOURCE_EXHAUSTED: no room)."""
-        if self._ledger is None:
+        if self._ledger is None or self.shared_weights:  # (the arena's owner counts those)
             return
         nbytes = weight_bytes(loaded.model)
         self._ledger.label(loaded.name)

@@ -132,12 +132,15 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     ) -> engine_pb2.ActivateReply:
         started = time.perf_counter()
         try:
-            info = await self.engine.activate(request.model_path, request.served_model_name)
+            info = await self.engine.activate(request.model_path, request.served_model_name,
+                                              wire.stored_weights(request))
         except EngineError as e:
             await context.abort(wire.STATUS_CODES[e.code], e.message)
             raise  # unreachable: abort raises
+        filled, fill_s = self.engine.last_fill if request.weights_arena else (0, 0.0)
         return engine_pb2.ActivateReply(model=info.to_proto(),
-                                        seconds=time.perf_counter() - started)
+                                        seconds=time.perf_counter() - started,
+                                        filled_bytes=filled, fill_seconds=fill_s)
 
     async def Evict(
         self, request: engine_pb2.EvictRequest, context: grpc.aio.ServicerContext

@@ -29,6 +29,7 @@ from .errors import (
     UNAVAILABLE,
     EngineError,
 )
+from .model.mapped import StoredTensor, StoredWeights
 from .offload.save_log import SavedSession
 
 STATUS_CODES = {
@@ -170,3 +171,13 @@ def _prefetch_to_proto(p: PrefetchStats | None) -> common_pb2.PrefetchCounters |
         loaded_bytes=p.loaded_bytes, wasted_bytes=p.wasted_bytes,
         purged_blocks_by_layer=p.purged_blocks_by_layer, sessions=p.sessions,
         blocks_resident=p.blocks_resident)
+
+
+def stored_weights(request: engine_pb2.ActivateRequest) -> StoredWeights | None:
+    """Where the node's Reuse Store put the model's tensors (None: load privately)."""
+    if not request.weights_arena:
+        return None
+    return StoredWeights(request.weights_arena, request.weights_arena_bytes,
+                         request.weights_dtype,
+                         tuple(StoredTensor(t.name, t.offset, t.nbytes, t.fill)
+                               for t in request.stored))

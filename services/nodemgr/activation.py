@@ -28,6 +28,7 @@ import grpc
 from services.nodemgr.engine_link import EngineLink
 from services.nodemgr.engine_set import EngineSet, UnknownModel
 from services.nodemgr.metrics import NodeMgrMetrics
+from services.nodemgr.reuse_store import NoRoom, ReuseStore, index_model
 from shared.model_catalog import ModelEntry
 from shared.proto import engine_pb2
 
@@ -81,10 +82,11 @@ class Activator:
                  on_change: Callable[[], None] = lambda: None,
                  clock: Callable[[], float] = time.monotonic,
                  metrics: NodeMgrMetrics | None = None,
-                 on_loaded: Callable[[str, float], None] = lambda model, seconds: None
-                 ) -> None:
+                 on_loaded: Callable[[str, float], None] = lambda model, seconds: None,
+                 store: ReuseStore | None = None) -> None:
         self.engines = engines
         self.on_loaded = on_loaded  # (model, seconds): the node's load bandwidth measure
+        self.store = store  # the node's Reuse Store: weights activate through it
         self.catalog = {m.name: m for m in catalog}
         self.evict_idle_s = evict_idle_s
         self.wait_s = wait_s
@@ -195,11 +197,24 @@ class Activator:
         """Activate ``entry`` on ``target``; None: its weights did not fit and another
         model was evicted to make room (or none could be yet): try again."""
         started = self._clock()
+        request = engine_pb2.ActivateRequest(model_path=entry.path,
+                                             served_model_name=entry.name)
+        if self.store is not None:
+            try:
+                await self._plan(entry, request)
+            except NoRoom as e:
+                log.info("no room for %s's weights (%s): evicting an idle model", entry.name, e)
+                if await self._evict_one(await self._views(), target) is None \
+                        and self._clock() > deadline:
+                    raise CannotActivate(f"the node's weight memory cannot hold "
+                                         f"{entry.name}: {e}") from None
+                await asyncio.sleep(RETRY_S)
+                return None
         try:
-            await target.stub.Activate(engine_pb2.ActivateRequest(
-                model_path=entry.path, served_model_name=entry.name),
-                timeout=ACTIVATE_TIMEOUT_S)
+            reply = await target.stub.Activate(request, timeout=ACTIVATE_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
+            if self.store is not None:
+                self.store.aborted(entry.name)
             if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
                 log.error("activating %s from %s failed: %s", entry.name, entry.path,
                           e.details())
@@ -213,6 +228,12 @@ class Activator:
                     f"model has been idle {self.evict_idle_s:g}s to evict") from None
             await asyncio.sleep(RETRY_S)
             return None
+        except BaseException:
+            if self.store is not None:
+                self.store.aborted(entry.name)
+            raise
+        if self.store is not None:
+            self.store.committed(entry.name, reply.fill_seconds)
         seconds = self._clock() - started
         self.activations.append((entry.name, seconds))
         self.on_loaded(entry.name, seconds)
@@ -225,6 +246,27 @@ class Activator:
         self.on_change()
         return target
 
+    async def _plan(self, entry: ModelEntry, request: engine_pb2.ActivateRequest) -> None:
+        """Ask the Reuse Store where ``entry``'s tensors are (indexing it first, off the
+        loop, if it never was) and put that in ``request``; NoRoom: evict first."""
+        store = self.store
+        assert store is not None
+        if entry.name not in store.indexes:
+            store.add_index(await asyncio.to_thread(index_model, entry.name, entry.path,
+                                                    store.dtype))
+        plan = store.plan(entry.name)
+        request.weights_arena = store.arena.path
+        request.weights_arena_bytes = store.arena.nbytes
+        request.weights_dtype = store.dtype
+        request.stored.extend(engine_pb2.StoredTensor(name=m.name, offset=m.offset,
+                                                      nbytes=m.nbytes, fill=m.fill)
+                              for m in plan)
+
+    def _evicted(self, model: str) -> None:
+        """``model``'s engine no longer serves it: its weights stay resident, unpinned."""
+        if self.store is not None and model in self.store.indexes:
+            self.store.deactivated(model)
+
     async def evict(self, model: str) -> bool:
         """Evict ``model`` from this node if it is idle now (the placement moved it)."""
         async with self._locks.setdefault(model, asyncio.Lock()):
@@ -233,6 +275,7 @@ class Activator:
                         and model not in self._in_use()):
                     await v.link.stub.Evict(engine_pb2.EvictRequest(),
                                             timeout=ACTIVATE_TIMEOUT_S)
+                    self._evicted(model)
                     self.evictions += 1
                     self.metrics.evictions.labels(model).inc()
                     log.info("evicted %s (placed elsewhere) from the engine at %s", model,
@@ -256,6 +299,7 @@ class Activator:
         self._claimed.add(v.link.address)
         try:
             await v.link.stub.Evict(engine_pb2.EvictRequest(), timeout=ACTIVATE_TIMEOUT_S)
+            self._evicted(v.model)
             self.evictions += 1
             self.metrics.evictions.labels(v.model).inc()
             log.info("evicted %s (idle) from the engine at %s", v.model, v.link.address)

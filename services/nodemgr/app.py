@@ -18,11 +18,14 @@ from services.nodemgr.memory_broker import EngineMemory, MemoryBroker
 from services.nodemgr.metrics import NodeMgrMetrics
 from services.nodemgr.registration import Registrar
 from services.nodemgr.residency import NodeResidency
+from services.nodemgr.reuse_store import ReuseStore
+from services.nodemgr.reuse_store.setup import model_gauges, open_store, store_gauges
 from services.nodemgr.weight_cache import WeightCache
 from shared.device_ledger import DeviceLedger
 from shared.grpc_server import serve_grpc
 from shared.metrics_http import serve_metrics
 from shared.model_catalog import DEFAULT_TTFT_SLO_S, load_catalog
+from shared.model_residency import ResidencySource
 from shared.proto import engine_pb2, engine_pb2_grpc, nodemgr_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -54,13 +57,17 @@ async def start(config: NodeManagerConfig, stack: AsyncExitStack) -> asyncio.Tas
     weights = WeightCache()
     stack.callback(weights.close)
     weights.hold(catalog)
-    # What the node's heartbeats say of each model's weights (Tangram §3.4); a Reuse Store
-    # implementing shared/model_residency.py:ResidencySource takes this one's place.
-    residency = NodeResidency(catalog, weights, engine.served)
+    store: ReuseStore | None = None
+    if config.reuse_store_bytes and catalog:
+        store = await open_store(config, catalog, stack)
+    # What the node's heartbeats say of each model's weights (Tangram §3.4): the Reuse
+    # Store's own account when the node has one, else the engines' and the page cache's.
+    fallback = NodeResidency(catalog, weights, engine.served)
+    residency: ResidencySource = store if store is not None else fallback
     activator = Activator(engine, catalog, evict_idle_s=config.evict_idle_s,
                           wait_s=config.activation_wait_s,
                           on_change=lambda: registrar.models_changed() if registrar else None,
-                          metrics=metrics, on_loaded=residency.loaded)
+                          metrics=metrics, on_loaded=fallback.loaded, store=store)
     admission = DeadlineAdmission(
         config.admission_depth, config.prefill_tokens_per_s,
         slo=lambda model: activator.catalog[model].ttft_slo_s
@@ -101,7 +108,9 @@ async def start(config: NodeManagerConfig, stack: AsyncExitStack) -> asyncio.Tas
                               lambda name, pages: _shrink(engine, name, pages),
                               config.broker_interval_s,
                               busy=lambda: servicer.in_flight > 0 or prefetcher.active > 0,
-                              idle_interval_s=config.broker_idle_interval_s)
+                              idle_interval_s=config.broker_idle_interval_s,
+                              release_weights=None if store is None else
+                              lambda: store.release(config.reuse_release_bytes))
         balancing = asyncio.create_task(broker.run(), name="memory-broker")
 
         async def stop_broker() -> None:
@@ -110,9 +119,12 @@ async def start(config: NodeManagerConfig, stack: AsyncExitStack) -> asyncio.Tas
 
         stack.push_async_callback(stop_broker)
     if config.metrics_port:
-        metrics.watch(lambda: {**_state(registrar, servicer), **_budget(config.device_ledger)})
+        metrics.watch(lambda: {**_state(registrar, servicer), **_budget(config.device_ledger),
+                               **(store_gauges(store) if store is not None else {})})
         metrics.watch_models(lambda: _models_state(engine, activator, admission,
                                                    config.device_ledger))
+        if store is not None:
+            metrics.watch_models(lambda: model_gauges(store))
 
         async def render() -> bytes:
             return metrics.render()

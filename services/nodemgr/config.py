@@ -75,3 +75,17 @@ class NodeManagerConfig:
     held_sessions_max: int = opt(
         100_000, "sessions saved here that the node remembers and reports when it "
         "registers (a restarted scheduler rebuilds its session directory from them)", min=1)
+    reuse_store_bytes: int = opt(
+        0, "the node's weight arena (Tangram Reuse Store): catalogue models activate "
+        "through it, their tensors shared across models by fingerprint and kept resident "
+        "after eviction while room allows; in bytes, counted in the device ledger's "
+        "budget when there is one; 0 = off (each engine loads a private copy)", min=0)
+    reuse_store_dir: str = opt(
+        "", "folder of the arena's shared-memory file ('' = /dev/shm)")
+    weights_dtype: str = opt(
+        "bfloat16", "the engines' serving dtype (engine.dtype), which the Reuse Store "
+        "stores tensors in", choices=("bfloat16", "float16", "float32"))
+    reuse_release_bytes: int = opt(
+        16 << 20, "bytes of inactive models' tensors the memory broker evicts per round "
+        "while an engine waits for KV pages and no idle engine's pages could be taken "
+        "back (Tangram §3.3)", min=1)

@@ -55,14 +55,19 @@ class MemoryBroker:
 
     def __init__(self, poll: Callable[[], Awaitable[list[EngineMemory]]],
                  shrink: Callable[[str, int], Awaitable[int]], interval_s: float = 0.1,
-                 busy: Callable[[], bool] | None = None, idle_interval_s: float = 1.0
-                 ) -> None:
+                 busy: Callable[[], bool] | None = None, idle_interval_s: float = 1.0,
+                 release_weights: Callable[[], int] | None = None) -> None:
+        """``release_weights``: evict some of the Reuse Store's inactive tensors (Tangram
+        §3.3), asked when an engine waits and no idle engine had pages to give back: idle
+        models' weights give way to KV after prefetched and cached KV, as DESIGN orders."""
         self._poll = poll
         self._shrink = shrink
         self.interval_s = interval_s
         self._busy = busy
         self.idle_interval_s = max(interval_s, idle_interval_s)
+        self._release_weights = release_weights
         self.reclaimed_pages = 0
+        self.released_weight_bytes = 0
         self.rounds = 0
         self._last_round = -float("inf")
 
@@ -84,6 +89,8 @@ class MemoryBroker:
                 log.info("took %d KV pages back from idle engine %s", pages, name)
             got += pages
         self.reclaimed_pages += got
+        if not got and self._release_weights is not None and any(e.waiting for e in engines):
+            self.released_weight_bytes += self._release_weights()
         return got
 
     async def run(self) -> None:

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from bench.multimodel import activation, load
+from bench.multimodel import activation, load, model_loading
 
 
 @pytest.mark.slow
@@ -35,3 +35,13 @@ def test_activation_against_a_new_process(capsys: pytest.CaptureFixture[str]) ->
         assert re.search(rf"activate, from {source} +[\d.]+ s +\([\d.]+x faster than a new "
                          "process\\)", out), out
     assert "goal: activation from host memory < 1 s:" in out
+
+
+def test_model_loading_through_the_reuse_store(capsys: pytest.CaptureFixture[str]) -> None:
+    model_loading.main(["--size", "tiny", "--reps", "2"])
+    out = capsys.readouterr().out
+    assert "| activation | seconds (mean [95% CI]) | vs plain from host memory |" in out
+    for variant in ("disk", "host", "store 0%", "store 50%", "store 100%"):
+        assert re.search(rf"^\| {variant} \| [\d.]+ \[", out, re.M), out
+    assert re.search(r"memory, four models: \d+ MiB of tensors in the arena", out), out
+    assert "goals: 50% resident >= 2x:" in out

@@ -165,15 +165,41 @@ def _weights(s: DemoSize, seed: int) -> dict[str, torch.Tensor]:
     return w
 
 
-def write_demo_model(path: str | Path, size: str = "tiny", seed: int = 0) -> Path:
-    """Write the demo model folder at ``path`` (created if needed) and return it."""
+def _fine_tune(base: dict[str, torch.Tensor], s: DemoSize, seed: int, share: float
+               ) -> dict[str, torch.Tensor]:
+    """``base`` with a fraction ``1 - share`` of its bytes redrawn from ``seed``, as a
+    fine-tune that froze the rest does: the first layers' projections (and the embedding,
+    head and norms) stay the base's bytes, the later ones change. Whole tensors are kept
+    or changed, the latest layers changed first, as long as the changed bytes stay within
+    the fraction."""
+    fresh = _weights(s, seed)
+    total = sum(t.numel() * t.element_size() for t in base.values())
+    out = dict(base)
+    changed = 0
+    names = sorted((n for n in base if n.startswith("model.layers.") and "norm" not in n),
+                   key=lambda n: (-int(n.split(".")[2]), n))
+    target = (1.0 - share) * total
+    for name in [*names, "lm_head.weight", "model.embed_tokens.weight"]:
+        nbytes = base[name].numel() * base[name].element_size()
+        if changed and changed + nbytes > target:
+            continue  # (would overshoot: a smaller tensor may still fit the fraction)
+        out[name] = fresh[name]
+        changed += nbytes
+    return out
+
+
+def write_demo_model(path: str | Path, size: str = "tiny", seed: int = 0,
+                     base_seed: int | None = None, share: float = 0.0) -> Path:
+    """Write the demo model folder at ``path`` (created if needed) and return it. With
+    ``base_seed``: a fine-tune of the model ``base_seed`` gives, sharing a fraction
+    ``share`` of its weight bytes with it (whole tensors; see ``_fine_tune``)."""
     if size not in SIZES:
         raise ValueError(f"unknown demo model size {size!r}; choose one of {sorted(SIZES)}")
     s = SIZES[size]
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    tok = train_tokenizer(s.vocab, s.corpus_lines, seed)
+    tok = train_tokenizer(s.vocab, s.corpus_lines, seed if base_seed is None else base_seed)
     tok.save(str(out / "tokenizer.json"))
     tok_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -191,6 +217,9 @@ def write_demo_model(path: str | Path, size: str = "tiny", seed: int = 0) -> Pat
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": 0, "eos_token_id": [1, 4], "do_sample": False}, indent=2)
     )
-    save_file(_weights(s, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    weights = _weights(s, seed if base_seed is None else base_seed)
+    if base_seed is not None and share < 1.0:
+        weights = _fine_tune(weights, s, seed, share)
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     log.info("wrote %s demo model to %s in %.1fs", size, out, time.perf_counter() - start)
     return out

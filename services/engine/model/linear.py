@@ -164,17 +164,20 @@ class Linear:
         self._w32: torch.Tensor | None = None
         self._b32: torch.Tensor | None = None
 
-    def choose_kernel(self) -> bool:
+    def choose_kernel(self, copy: bool = True) -> bool:
         """Compute this float32 weight with MKL from now on where ``small_gemm_applies``
         (call it on the thread that will run the model, before ``pack``; the choice is for
         the weight's life: one weight, one kernel, whatever the rows). True if chosen: the
         weight is then a copy in anonymous memory (the owner must take ``w`` in place of
         its own), as a packed one is. A zero-copy view of the checkpoint's file would be
         page cache, which the kernel may page out while the model is idle (this host's
-        DAMON does, after seconds) and read back from disk on its next step."""
+        DAMON does, after seconds) and read back from disk on its next step. ``copy``
+        False: a view into the node's shared weight arena (shared memory, not file cache)
+        stays the weight computed on."""
         if self.w is not None and self._packed is None and small_gemm_applies(self.w, self.b):
             self._small = True
-            self.w = self.w.clone()
+            if copy:
+                self.w = self.w.clone()
             self._pad = torch.zeros(SMALL_GEMM_MIN_ROWS, self.w.shape[1], dtype=self.w.dtype)
         return self._small
 

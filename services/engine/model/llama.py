@@ -143,7 +143,10 @@ class LlamaModel(nn.Module):
         config: ModelConfig,
         weights: dict[str, torch.Tensor | None],
         layers: list[dict[str, torch.Tensor | None]],
+        own_weights: bool = True,
     ) -> None:
+        """``own_weights``: False when the weights are views into the node's shared weight
+        arena (``mapped.py``): they are computed on as they are, never packed or copied."""
         super().__init__()
         self.config = config
         embed = weights["embed"]
@@ -160,6 +163,10 @@ class LlamaModel(nn.Module):
         # The same modules, typed (nn.ModuleList yields plain Modules).
         self.decoder_layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
         self.rope = RotaryTables(config, embed.dtype, embed.device)
+        if not own_weights:
+            for lin in self.linears():
+                lin.choose_kernel(copy=False)
+            return
         for layer in self.decoder_layers:
             layer.pack_linears()
         if self.head.choose_kernel():

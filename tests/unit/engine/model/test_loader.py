@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.engine.model import LoaderError, load_model
+from services.engine.model import LoaderError, load_model, write_demo_model
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -198,3 +198,13 @@ def test_mistral_sliding_window_caps_context(demo_tiny: Path, tmp_path: Path) ->
     assert loaded.config.architecture == "MistralForCausalLM"
     assert loaded.config.max_position_embeddings == 1024
     assert loaded.config.sliding_window == 1024
+
+
+def test_fine_tunes_of_one_base_have_different_fingerprints(tmp_path: Path) -> None:
+    # Same config, tokenizer and safetensors header (names, shapes, offsets): only the
+    # bytes differ, and KV made by one must never serve the other.
+    a = write_demo_model(tmp_path / "a", "tiny", seed=1, base_seed=0, share=0.5)
+    b = write_demo_model(tmp_path / "b", "tiny", seed=2, base_seed=0, share=0.5)
+    fa = load_model(a, dtype=torch.float32).fingerprint
+    fb = load_model(b, dtype=torch.float32).fingerprint
+    assert fa != fb
