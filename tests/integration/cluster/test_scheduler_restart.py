@@ -120,3 +120,34 @@ def test_a_killed_scheduler_loses_no_node_no_chain_and_no_session(
     assert node == "node1", cluster.logs()
     assert cached > 0, cluster.logs()
     assert tokens == second_tokens
+
+
+def test_a_session_survives_a_scheduler_killed_with_its_holders_node_manager(
+        cluster: Cluster, state_dir: Path,
+        reference: list[tuple[list[ChatMessage], list[int], str]]) -> None:
+    # Neither the scheduler nor the node manager of the node holding a conversation's KV
+    # remembers anything after both are killed; its kvstore still holds the session, and
+    # the node manager, started again, registers with the kvstore's listing of it (issue
+    # 43): the next turn goes back to that node and reuses its KV, exactly. (node1: a
+    # scheduler that knows nothing sends a new conversation to node0 first.)
+    (first, first_tokens, _), (second, second_tokens, _) = reference
+    cluster.wait_idle(2)
+    assert cluster.post("/admin/nodes/node0/drain", {})[0] == 200
+    tokens, _, node = chat(cluster, "s-c", first)
+    assert tokens == first_tokens and node == "node1", cluster.logs()
+    assert cluster.post("/admin/nodes/node0/undrain", {})[0] == 200
+    wait_saved(cluster, "s-c")
+
+    nodemgr = cluster.procs["node1.nodemgr"]
+    argv = [str(a) for a in nodemgr.popen.args]
+    cluster.kill("scheduler")
+    cluster.kill("node1.nodemgr")
+    cluster.spawn("node1.nodemgr", argv)
+    restart_scheduler(cluster, {"state_dir": state_dir})
+    cluster.wait_ready(2, 60.0)
+    cluster.wait_idle(2)
+
+    tokens, cached, node = chat(cluster, "s-c", second)
+    assert node == "node1", cluster.logs()
+    assert cached > 0, cluster.logs()
+    assert tokens == second_tokens
