@@ -15,7 +15,8 @@ refused at once (``RESOURCE_EXHAUSTED``, which the scheduler turns into HTTP 429
 
 The limit runs from the request's arrival in the scheduler, not in the engine: the time it
 already spent on its way (``waited_s``: the scheduler's routing and its tries of nodes that
-refused it, the nodemgr, each hop adding its own) is taken off what is left for the queue.
+refused it, the nodemgr, each hop adding its own) is taken off what is left for the queue,
+whenever it would queue at all (one that starts at once is taken however late).
 Under overload the hops themselves lag (a loaded scheduler and node share the cores the
 engine computes on), and a forecast that counted only the engine's queue admitted requests
 whose first token came several times the limit after the client sent them.
@@ -78,18 +79,15 @@ class Admission:
         if not bound or not bound_delay:
             return
         waited_s = max(0.0, waited_s)
-        if waited_s >= bound:
-            raise EngineError(
-                RESOURCE_EXHAUSTED,
-                f"the request waited {waited_s:.2f}s on its way to the engine, past the "
-                f"queue limit of {bound:g}s; retry later",
-            )
         if shape is not None:
             # The core's queue is in ``shape``; what was submitted since, with those still
             # entering, is counted at the entering requests' tokens.
             extra = max(0, queued - shape.waiting)
             wait = predicted_wait(shape, extra, self._tokens_of(extra, shape))
-            if waited_s + wait > bound:
+            # A late request that would start at once is taken all the same: it makes no
+            # one wait, and refused it would only come back later still (a busy machine's
+            # hops alone can take the limit).
+            if wait > bound or (wait > 0 and waited_s + wait > bound):
                 before = f" after {waited_s:.2f}s on its way" if waited_s else ""
                 raise EngineError(
                     RESOURCE_EXHAUSTED,
