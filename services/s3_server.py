@@ -12,7 +12,8 @@ Closed to outsiders (DESIGN §7): the gateway admits one identity, whose key pai
 derived from the cluster secret (``shared/s3_credentials``) and read from an owner-only
 identities file in the data folder, never from a command line; an unsigned request gets
 403. Every role binds the given address only (loopback for ``overture up``), and the
-server runs under umask 077 in a 0700 folder, so its data is owner-only.
+server runs under umask 077 in a 0700 folder (its volume info files, which weed writes
+0644 regardless, closed as they appear), so its data is owner-only.
 """
 
 from __future__ import annotations
@@ -41,8 +42,14 @@ _ROLES = ("master", "volume", "filer", "admin", "s3")
 IDENTITIES_FILE = "s3-identities.json"
 SECURITY_FILE = "security.toml"  # (weed reads it from its working folder)
 # weed creates its files with the process's umask: run it under 077, in its data folder
-# (no secret on this command line: paths only).
-_SHIM = 'umask 077 && cd "$0" && exec "$@"'
+# (no secret on this command line: paths only). All but one: a volume's info file
+# (``<collection>_<id>.vif``, listing the volume's files) is written 0644 whatever the
+# umask, when the volume is grown (the bucket's first write, and later when one fills).
+# A watcher beside the server closes those every second while the server runs ($$ is
+# the server once the shell execs it, so it ends with it); signals still reach weed.
+_SHIM = ('umask 077; cd "$0" || exit 1; '
+         '(while kill -0 $$ 2>/dev/null; do chmod 600 ./*.vif 2>/dev/null; sleep 1; done) & '
+         'exec "$@"')
 
 
 class S3ServerError(RuntimeError):

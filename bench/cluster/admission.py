@@ -67,19 +67,29 @@ def level_stats(results: list[Result], duration: float) -> dict[str, Any]:
 
 
 TTFT_METRIC = "overture_time_to_first_token_seconds_bucket"
+STAGE_METRIC = "overture_first_token_stage_seconds_bucket"
+STAGES = ("scheduler", "to_engine", "engine", "back")
 
 
-async def ttft_buckets(url: str) -> dict[float, float]:
-    """The scheduler's TTFT histogram, all models: cumulative count per upper bound."""
-    out: dict[float, float] = {}
+async def ttft_buckets(url: str) -> dict[str, dict[float, float]]:
+    """The scheduler's TTFT histogram, all models ("ttft"), and its split by stage (each
+    of ``STAGES``: where the time went): cumulative count per upper bound."""
+    out: dict[str, dict[float, float]] = {"ttft": {}, **{s: {} for s in STAGES}}
     async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
         text = await r.text()
     for line in text.splitlines():
         if line.startswith(TTFT_METRIC + "{"):
-            labels, _, value = line.rpartition(" ")
-            le = labels.split('le="', 1)[1].split('"', 1)[0]
-            bound = float("inf") if le == "+Inf" else float(le)
-            out[bound] = out.get(bound, 0.0) + float(value)
+            key = "ttft"
+        elif line.startswith(STAGE_METRIC + "{"):
+            key = line.split('stage="', 1)[1].split('"', 1)[0]
+            if key not in out:
+                continue
+        else:
+            continue
+        labels, _, value = line.rpartition(" ")
+        le = labels.split('le="', 1)[1].split('"', 1)[0]
+        bound = float("inf") if le == "+Inf" else float(le)
+        out[key][bound] = out[key].get(bound, 0.0) + float(value)
     return out
 
 
@@ -101,6 +111,31 @@ def bucket_quantile(before: dict[float, float], after: dict[float, float], q: fl
             return lo + (bound - lo) * ((rank - below) / inside if inside else 1.0)
         lo, below = bound, cum
     return None
+
+
+class LoopLag:
+    """How late this process's event loop wakes up (the load generator's own lag, which
+    its times to first token include): sampled every ``period_s`` while running."""
+
+    def __init__(self, period_s: float = 0.01) -> None:
+        self.period_s = period_s
+        self.lags: list[float] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def _sample(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            t = loop.time()
+            await asyncio.sleep(self.period_s)
+            self.lags.append(max(0.0, loop.time() - t - self.period_s))
+
+    def __enter__(self) -> LoopLag:
+        self._task = asyncio.get_running_loop().create_task(self._sample())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
 
 
 def rotations(loads: list[float], reps: int) -> list[list[float]]:
@@ -131,13 +166,18 @@ async def run_levels(url: str, model: str, args: argparse.Namespace) -> dict[str
             for mult in order:
                 await asyncio.sleep(args.pause)
                 before, hist = _loadavg(), await ttft_buckets(url)
-                level = await open_loop(client, f"{mult:g}×", mult * rate, args.duration,
-                                        args.max_tokens, args.request_timeout, rng)
+                with LoopLag() as lag:
+                    level = await open_loop(client, f"{mult:g}×", mult * rate,
+                                            args.duration, args.max_tokens,
+                                            args.request_timeout, rng)
                 s = level_stats(level.results, args.duration)
                 after = await ttft_buckets(url)
                 s.update(rep=rep, multiple=mult, loadavg=(before + _loadavg()) / 2,
-                         server_p50_s=bucket_quantile(hist, after, 0.5),
-                         server_p99_s=bucket_quantile(hist, after, 0.99))
+                         server_p50_s=bucket_quantile(hist["ttft"], after["ttft"], 0.5),
+                         server_p99_s=bucket_quantile(hist["ttft"], after["ttft"], 0.99))
+                for stage in STAGES:
+                    s[f"{stage}_p99_s"] = bucket_quantile(hist[stage], after[stage], 0.99)
+                s["client_p99_s"] = pct(lag.lags, 0.99)
                 runs.append(s)
                 log_line(f"rep {rep} {mult:g}×: {s['ok']}/{s['sent']} admitted, p99 wait "
                      f"{_ms(s['wait_p99_s'])} (scheduler {_ms(s['server_p99_s'])}), "
@@ -167,6 +207,7 @@ def summarize(res: dict[str, Any], loads: list[float]) -> list[dict[str, Any]]:
                      "throughput_rps": med("throughput_rps"),
                      "vs_1x": (statistics.median(vs), min(vs), max(vs)) if vs else None,
                      "share_429": med("share_429"), "loadavg": med("loadavg"),
+                     **{f"{s}_p99_s": med(f"{s}_p99_s") for s in (*STAGES, "client")},
                      "failed": sum(r["failed"] for r in mine),
                      "429_without_retry_after": sum(
                          round(r["share_429"] * r["sent"]) - r["retry_after_429"]
@@ -220,6 +261,17 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"| {r['multiple']:g}× | {_spread(r['wait_p50_s'])} | {_spread(p99)} | {ratio} "
               f"| {server} | {_spread(r['throughput_rps'], 'f')} | {_spread(r['vs_1x'], 'x')} "
               f"| {_spread(r['share_429'], '%')} | {_spread(r['loadavg'], 'f')} |")
+    print("\nwhere the admitted requests' time to first token went, p99 of each stage (the "
+          "scheduler's histograms): scheduler = arrival to the node call (routing, nodes "
+          "that refused it); to_engine = on through the node manager to the engine; "
+          "engine = the engine's receipt to its first token; back = the token's way back "
+          "to the scheduler; client = this load generator's "
+          "own event-loop lag (in every wait it measures)")
+    print("| load | " + " | ".join((*STAGES, "client")) + " |")
+    print("| --- " * (len(STAGES) + 2) + "|")
+    for r in rows:
+        print(f"| {r['multiple']:g}× | "
+              + " | ".join(_spread(r[f"{s}_p99_s"]) for s in (*STAGES, "client")) + " |")
     failed = sum(r["failed"] for r in rows)
     bare = sum(r["429_without_retry_after"] for r in rows)
     print(f"\nother outcomes (503, timeouts, errors): {failed}; 429s without Retry-After: {bare}")

@@ -13,6 +13,14 @@ refused at once (``RESOURCE_EXHAUSTED``, which the scheduler turns into HTTP 429
 - a request ahead of it has already waited longer than that (in the core's queue or on
   its way there: the backstop while the costs are not measured yet, or are off).
 
+The limit runs from the request's arrival in the scheduler, not in the engine: the time it
+already spent on its way (``waited_s``: the scheduler's routing and its tries of nodes that
+refused it, the nodemgr, each hop adding its own) is taken off what is left for the queue,
+whenever it would queue at all (one that starts at once is taken however late).
+Under overload the hops themselves lag (a loaded scheduler and node share the cores the
+engine computes on), and a forecast that counted only the engine's queue admitted requests
+whose first token came several times the limit after the client sent them.
+
 The forecast is made where the queue is, from what the engine measures itself, so the
 requests it takes start within the limit whatever the model, the cores or the prompts.
 """
@@ -50,13 +58,16 @@ class Admission:
         return next(iter(self._entering)).since if self._entering else 0.0
 
     def check(self, queued: int, oldest_waiting_since: float, now: float,
-              bound_delay: bool = True, shape: QueueShape | None = None) -> None:
+              bound_delay: bool = True, shape: QueueShape | None = None,
+              waited_s: float = 0.0) -> None:
         """Raise EngineError(RESOURCE_EXHAUSTED) when a new request must be refused.
 
         ``queued``: requests ahead of it (waiting in the core's queue or about to enter
         it); ``oldest_waiting_since``: ``time.monotonic()`` the longest-waiting one queued
         (0.0: the core's queue is empty); ``shape``: the core's queue after its last step
-        (None: not known yet). ``bound_delay=False``: the node's deadline queue already
+        (None: not known yet); ``waited_s``: how long the request waited before it got
+        here (the limit's remainder is the queue's). ``bound_delay=False``: the node's
+        deadline queue already
         chose when the request starts (it serves late requests after the others, §6.3),
         so only a full queue refuses it."""
         if queued >= self.max_waiting:
@@ -67,16 +78,22 @@ class Admission:
         bound = self.max_queue_delay_s
         if not bound or not bound_delay:
             return
+        waited_s = max(0.0, waited_s)
         if shape is not None:
             # The core's queue is in ``shape``; what was submitted since, with those still
             # entering, is counted at the entering requests' tokens.
             extra = max(0, queued - shape.waiting)
             wait = predicted_wait(shape, extra, self._tokens_of(extra, shape))
-            if wait > bound:
+            # A late request that would start at once is taken all the same: it makes no
+            # one wait, and refused it would only come back later still (a busy machine's
+            # hops alone can take the limit).
+            if wait > bound or (wait > 0 and waited_s + wait > bound):
+                before = f" after {waited_s:.2f}s on its way" if waited_s else ""
                 raise EngineError(
                     RESOURCE_EXHAUSTED,
                     f"the engine is behind (a new request would wait about {wait:.2f}s "
-                    f"for its first step, over the limit of {bound:g}s); retry later",
+                    f"for its first step{before}, over the limit of {bound:g}s); "
+                    "retry later",
                 )
         oldest = min((t for t in (oldest_waiting_since, self.oldest_entering_since()) if t),
                      default=0.0)

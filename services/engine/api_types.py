@@ -129,6 +129,7 @@ class GenerateRequest:
     device_only: bool = False  # reuse only the device cache; no kvstore load or save
     guidance: Guidance = field(default_factory=Guidance)
     node_admitted: bool = False  # the node's deadline queue started it: no delay refusal
+    waited_s: float = 0.0  # waited before the engine got it (counted against the queue limit)
 
 
 @dataclass(frozen=True)

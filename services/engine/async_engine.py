@@ -131,7 +131,7 @@ class AsyncEngine:
         stream: under load a message per step and request costs more than the step)."""
         core = self._require_core()
         parts = check_input_size(req, core.max_model_len)  # (refused before any work)
-        self._admit(bound_delay=not req.node_admitted)
+        self._admit(bound_delay=not req.node_admitted, waited_s=req.waited_s)
         # Counted as queued until it reaches the inbox, with its prompt's estimated tokens.
         entry = self._admission.enter(estimate_tokens(parts))
         try:
@@ -190,9 +190,9 @@ class AsyncEngine:
             if submitted and not finished:
                 self._worker.submit(Abort(rid))
 
-    def _admit(self, bound_delay: bool = True) -> None:
+    def _admit(self, bound_delay: bool = True, waited_s: float = 0.0) -> None:
         """Raise RESOURCE_EXHAUSTED when the queue is full or (``bound_delay``) too far
-        behind."""
+        behind for a request that has already waited ``waited_s`` on its way here."""
         snap = self._worker.snapshot
         self._admission.check(
             self._worker.queued + self._admission.entering,
@@ -200,6 +200,7 @@ class AsyncEngine:
             time.monotonic(),
             bound_delay,
             snap.queue if snap is not None else None,
+            waited_s,
         )
 
     async def abort(self, request_id: str) -> bool:

@@ -53,11 +53,13 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             log.error("crashing before the first token of a request (fault injection)")
             asyncio.get_running_loop().call_later(0.2, _exit_now)
             raise RuntimeError("engine crashed (fault injection)")
+        received, received_wall = time.monotonic(), time.time()
         try:
             req = wire.request_from_proto(request)
         except EngineError as e:
             await context.abort(wire.STATUS_CODES[e.code], e.message)
         keepalive = common_pb2.GenerateChunk(request_id=req.request_id, keepalive=True)
+        first = True
         outputs = self.engine.generate(req, coalesce=True)
         nxt: asyncio.Future | None = None
         try:
@@ -72,7 +74,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 out = nxt.result()
                 if out is None:
                     break
-                yield wire.chunk_to_proto(out)
+                chunk = wire.chunk_to_proto(out)
+                if first and out.token_ids:  # (the engine's share of the time to first token)
+                    first = False
+                    chunk.engine_wait_ms = round((time.monotonic() - received) * 1000)
+                    chunk.engine_received_us = round(received_wall * 1e6)
+                yield chunk
         except EngineError as e:
             log.info("Generate %s refused: %s %s", req.request_id, e.code, e.message)
             await context.abort(wire.STATUS_CODES[e.code], e.message)

@@ -4,6 +4,7 @@ engine's other proto edge is its kvstore client's, ``offload/kvstore_wire.py``."
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import grpc
@@ -84,6 +85,9 @@ def request_from_proto(r: common_pb2.GenerateRequest) -> GenerateRequest:
         "no_reuse": r.no_reuse,
         "device_only": r.device_only,
         "node_admitted": r.node_admitted,
+        # (its node manager, on this host, stamped when it sent it: the hop's time counts)
+        "waited_s": r.waited_ms / 1000.0 + (
+            min(60.0, max(0.0, time.time() - r.sent_us / 1e6)) if r.sent_us else 0.0),
         "guidance": guidance_from_proto(r.guidance),
     }
     if kind == common_pb2.GenerateRequest.CHAT:

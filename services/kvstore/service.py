@@ -15,6 +15,7 @@ from services.kvstore.engine_path.attach import PoolError
 from services.kvstore.engine_path.data_path import EnginePoolPath
 from services.kvstore.errors import ManifestIncomplete, StorageError, TierUnavailable
 from services.kvstore.manifests import ManifestStore, manifest_key
+from services.kvstore.manifests.listing import MAX_PAGE, list_sessions
 from services.kvstore.peers.pull import pull_session
 from services.kvstore.staging import SessionStager, stage_session
 from services.kvstore.streaming import stream_session
@@ -307,6 +308,16 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         await self._hand_out(found.lease_id, context)  # (it may have waited for a save)
         return wire.find_reply(found)
+
+    async def ListSessions(
+        self, request: pb.ListSessionsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListSessionsReply:
+        held, cursor = await list_sessions(self.manifests, request.after,
+                                           request.limit or MAX_PAGE)
+        return pb.ListSessionsReply(
+            sessions=[pb.StoredSession(tenant=h.tenant, session_id=h.session_id,
+                                       tokens=h.tokens, age_s=h.age_s) for h in held],
+            next=cursor)
 
     async def ReleaseLease(
         self, request: pb.ReleaseLeaseRequest, context: grpc.aio.ServicerContext

@@ -9,6 +9,7 @@ from contextlib import AsyncExitStack
 from services.nodemgr.activation import Activator
 from services.nodemgr.admission import DeadlineAdmission
 from services.nodemgr.advisory_prefetcher import AdvisoryPrefetcher
+from services.nodemgr.clock_offset import ClockOffset
 from services.nodemgr.config import NodeManagerConfig
 from services.nodemgr.engine_set import EngineSet, UnknownModel
 from services.nodemgr.grpc_service import NodeManagerServicer
@@ -73,8 +74,9 @@ async def start(config: NodeManagerConfig, stack: AsyncExitStack) -> asyncio.Tas
         slo=lambda model: activator.catalog[model].ttft_slo_s
         if model in activator.catalog else DEFAULT_TTFT_SLO_S,
         max_waiting=config.admission_max_waiting, max_delay_s=config.admission_max_delay_s)
+    clock = ClockOffset()  # the scheduler's, from the heartbeats
     servicer = NodeManagerServicer(config.node_id, engine, config.kvstore_address, engine_failed,
-                                   prefetcher, activator, admission)
+                                   prefetcher, activator, admission, clock)
     server = await stack.enter_async_context(
         serve_grpc(
             config.host,
@@ -101,6 +103,7 @@ async def start(config: NodeManagerConfig, stack: AsyncExitStack) -> asyncio.Tas
         held=HeldSessions(config.held_sessions_max),
         metrics=metrics_targets(config),
         residency=residency,
+        clock=clock,
     )
     beats = asyncio.create_task(registrar.run(), name="registrar")
     if config.device_ledger:

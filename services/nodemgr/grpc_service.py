@@ -16,6 +16,7 @@ from services.nodemgr import wire
 from services.nodemgr.activation import Activator, CannotActivate
 from services.nodemgr.admission import DeadlineAdmission, NodeQueueFull, estimate_tokens
 from services.nodemgr.advisory_prefetcher import Advice, AdvisoryPrefetcher
+from services.nodemgr.clock_offset import ClockOffset
 from services.nodemgr.engine_set import EngineSet, EngineUnavailable, UnknownModel
 from shared.proto import common_pb2, nodemgr_pb2, nodemgr_pb2_grpc
 
@@ -35,6 +36,7 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
         prefetcher: AdvisoryPrefetcher | None = None,
         activator: Activator | None = None,
         admission: DeadlineAdmission | None = None,
+        clock: ClockOffset | None = None,
     ) -> None:
         self.node_id = node_id
         self.engine = engine
@@ -43,6 +45,7 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
         self.prefetcher = prefetcher
         self.activator = activator or Activator(engine, (), evict_idle_s=0.0, wait_s=1.0)
         self.admission = admission or DeadlineAdmission()
+        self.clock = clock or ClockOffset()  # the scheduler's (sent_us is on its clock)
         self.in_flight = 0
         # advisory id -> the activation it started, until that prefetches or the advisory ends
         self._activating: dict[str, asyncio.Task[None]] = {}
@@ -58,6 +61,9 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
         When the scheduler cancels (its client went away) grpc cancels this handler, and the
         ``finally`` cancels the engine call, which aborts the request in the engine.
         """
+        received = time.monotonic()
+        # On its way here since the scheduler sent it (a busy node's handler starts late).
+        transit = self.clock.transit_s(request.sent_us / 1e6)
         self.in_flight += 1
         if self.prefetcher is not None:
             self.prefetcher.followed(request.tenant, request.session_id)
@@ -107,6 +113,9 @@ class NodeManagerServicer(nodemgr_pb2_grpc.NodeManagerServicer):
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             # The node's queue chose when it starts: the engine does not refuse it as late.
             request.node_admitted = admission is not None
+            # The time spent here counts against the engine's queue limit too.
+            request.waited_ms += round((transit + time.monotonic() - received) * 1000)
+            request.sent_us = round(time.time() * 1e6)  # (the engine shares our clock)
             call = link.stub.Generate(request, timeout=context.time_remaining())
             async for chunk in call:
                 if chunk.token_ids or chunk.finish_reason:

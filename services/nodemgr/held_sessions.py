@@ -9,6 +9,11 @@ it. So the node manager keeps, per (tenant, session), the newest save its engine
 reported here and sends the list with every registration; the scheduler takes the
 freshest report per session across nodes (by the age sent along). Bounded: the least
 recently saved sessions go first past ``capacity``.
+
+Its own record starts empty when the node manager (or the node) restarts, while the
+kvstore still holds what it saved before: before each registration the record is seeded
+from the kvstore's listing of its sessions (``seed``; ``kvstore/manifests/listing.py``),
+so a scheduler restarted together with a node manager still learns where the KV is.
 """
 
 from __future__ import annotations
@@ -50,6 +55,19 @@ class HeldSessions:
             key = SessionKey(s.tenant, s.session_id)
             self._saved.pop(key, None)
             self._saved[key] = (int(s.tokens), now)
+        while len(self._saved) > self.capacity:
+            self._saved.popitem(last=False)
+
+    def seed(self, tenant: str, session_id: str, tokens: int, age_s: float) -> None:
+        """The kvstore holds the session, saved ``age_s`` ago (its listing): known from
+        now on unless a save reported here already says as much (a report is newer)."""
+        if not session_id:
+            return
+        key = SessionKey(tenant, session_id)
+        if key in self._saved:
+            return
+        self._saved[key] = (int(tokens), self._clock() - max(0.0, age_s))
+        self._saved.move_to_end(key, last=False)  # older than every reported save
         while len(self._saved) > self.capacity:
             self._saved.popitem(last=False)
 

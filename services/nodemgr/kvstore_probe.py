@@ -54,6 +54,30 @@ class KVStoreProbe:
             return ""
         return f"kvstore at {self.address}: {status.detail[:300]}"
 
+    async def stored_sessions(self, most: int, page: int = 1024
+                              ) -> list[kv_pb.StoredSession]:
+        """The sessions the kvstore holds on its own tiers (``ListSessions``), at most
+        ``most``, a page at a time. Raises ``grpc.aio.AioRpcError`` when it does not answer
+        (an older kvstore without the call: none)."""
+        if self.kv is None:
+            return []
+        out: list[kv_pb.StoredSession] = []
+        after = ""
+        while len(out) < most:
+            try:
+                reply = await self.kv.ListSessions(
+                    kv_pb.ListSessionsRequest(after=after, limit=min(page, most - len(out))),
+                    timeout=max(self.timeout_s, 5.0))
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    return out
+                raise
+            out.extend(reply.sessions)
+            if not reply.next:
+                break
+            after = reply.next
+        return out[:most]
+
     async def close(self) -> None:
         if self.channel is not None:
             await self.channel.close()

@@ -23,12 +23,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Callable
 
 import grpc
 
 from services.nodemgr import wire
 from services.nodemgr.channels import fast_channel
+from services.nodemgr.clock_offset import ClockOffset
 from services.nodemgr.engine_set import EngineSet, EngineUnavailable
 from services.nodemgr.held_sessions import HeldSessions
 from services.nodemgr.kvstore_probe import KVStoreProbe
@@ -60,6 +62,7 @@ class Registrar:
         rng: random.Random | None = None,
         metrics: dict[str, str] | None = None,
         residency: ResidencySource | None = None,
+        clock: ClockOffset | None = None,
     ) -> None:
         self.node_id = node_id
         self.address = address
@@ -73,6 +76,7 @@ class Registrar:
         self.kvstore = kvstore
         self.engine_stall_s = engine_stall_s
         self.held = held if held is not None else HeldSessions(100_000)
+        self.clock = clock if clock is not None else ClockOffset()  # the scheduler's
         self._rng = rng if rng is not None else random.Random()
         self.registrations = 0  # successful ones (the first, then one per reconnect)
         # service -> host:port of its /metrics, told to the scheduler (GET /admin/nodes)
@@ -129,7 +133,23 @@ class Registrar:
             self._replaced.cancel()
             self._replaced = None
 
+    async def _seed_held(self) -> None:
+        """Learn the sessions the kvstore holds (it keeps them across restarts of this
+        process and of the scheduler); what it cannot tell now is left for the next
+        registration (the node registers all the same)."""
+        if self.kvstore is None:
+            return
+        try:
+            stored = await self.kvstore.stored_sessions(self.held.capacity)
+        except grpc.aio.AioRpcError as e:
+            log.warning("the kvstore did not list its sessions (%s); registering with the "
+                        "%d sessions saved here", e.code().name, len(self.held))
+            return
+        for s in stored:
+            self.held.seed(s.tenant, s.session_id, s.tokens, s.age_s)
+
     async def _register(self, stub: scheduler_pb2_grpc.SchedulerStub) -> float:
+        await self._seed_held()
         held = self.held.held()
         req = wire.register_request(self.node_id, self.address, self.models,
                                     self.kvstore_address, held, self.metrics)
@@ -185,11 +205,13 @@ class Registrar:
                     self.models = snap.models
                     self._replaced, call = call, None  # (ended after the registration)
                     return
+                sent = time.time()
                 await call.write(wire.heartbeat(self.node_id, snap, self.in_flight(), self.problem,
                                                 self.degraded, self.residency))
                 ack = await call.read()
                 if ack is grpc.aio.EOF:
                     raise StreamEnded("the scheduler closed the heartbeat stream")
+                self.clock.observe(sent, time.time(), ack.scheduler_time_us / 1e6)
                 if not ack.known:
                     log.info("the scheduler does not know this node; registering again")
                     return

@@ -28,7 +28,7 @@ from services.scheduler.http import ApiState, BodyBudget, HardenedRunner, build_
 from services.scheduler.lease import LeaseElector, LeaseSettings, ssl_context
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.placement import MigrationSettings, PlacementLoop
-from services.scheduler.responses import ResponseStore, response_archive
+from services.scheduler.responses import ArchiveUnavailable, ResponseStore, response_archive
 from services.scheduler.routing import Dispatcher, DispatchSettings, PrefixIndex, make_policy
 from services.scheduler.tenants import TenantLimits, Turns, key_book
 from shared.config import ConfigError
@@ -125,13 +125,19 @@ async def _watch_nodes(registry: NodeRegistry, period_s: float) -> None:
         await asyncio.sleep(period_s)
 
 
-async def _sweep_responses(store: ResponseStore, ttl_s: float) -> None:
-    """Delete archived responses past their TTL: at start, then every tenth of the TTL."""
+async def _sweep_responses(store: ResponseStore, every_s: float) -> None:
+    """Delete archived responses past their TTL: at start, then every ``every_s``
+    (``scheduler.responses_sweep_s``); an archive that cannot be swept now is swept next
+    time."""
     while True:
-        gone = await asyncio.to_thread(store.archive.sweep, store.expired)
-        if gone:
-            log.info("deleted %d expired stored responses", gone)
-        await asyncio.sleep(max(1.0, min(ttl_s / 10, 600.0)))
+        try:
+            gone = await asyncio.to_thread(store.archive.sweep, store.expired)
+        except ArchiveUnavailable as e:
+            log.warning("stored responses not swept: %s", e)
+        else:
+            if gone:
+                log.info("deleted %d expired stored responses", gone)
+        await asyncio.sleep(every_s)
 
 
 async def _elect(config: SchedulerConfig, stack: AsyncExitStack,
@@ -232,7 +238,7 @@ async def start(config: SchedulerConfig, stack: AsyncExitStack) -> Running:
         await state.advisor.close()
 
     stack.push_async_callback(stop_advisor)
-    sweeping = asyncio.create_task(_sweep_responses(state.responses, config.responses_ttl_s),
+    sweeping = asyncio.create_task(_sweep_responses(state.responses, config.responses_sweep_s),
                                    name="responses-sweeper")
 
     async def stop_sweeping() -> None:

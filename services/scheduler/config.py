@@ -117,6 +117,14 @@ class SchedulerConfig:
         min=1)
     responses_max: int = opt(10_000, "stored responses per tenant (least recently used "
                              "dropped)", min=1)
+    responses_sweep_s: float = opt(
+        600.0, "how often stored responses past responses_ttl_s are deleted from their "
+        "archive (the state folder, or the S3 bucket); the first sweep runs at start",
+        min=1)
+    responses_sweep_max: int = opt(
+        1000, "stored responses one sweep of the S3 archive reads at most (it resumes "
+        "where the last stopped: a sweep is bounded work however many the bucket holds)",
+        min=1)
     strict_fields: bool = opt(
         False, "a request field no one documents (not OpenAI's, not a known extension) is "
         "a 400 naming it; off: ignored, named in X-Overture-Ignored-Fields and counted")

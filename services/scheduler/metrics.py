@@ -29,6 +29,16 @@ class SchedulerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.first_token_stage = Histogram(
+            "overture_first_token_stage_seconds",
+            "where the time to first token went: 'scheduler' (arrival to the node call, "
+            "with the tries of nodes that refused it), 'to_engine' (on to the engine: the "
+            "node manager, the connections), 'engine' (the engine's receipt to its first "
+            "token: queue, tokenizing, loading, prefill), 'back' (the token's way back)",
+            ["stage"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.itl = Histogram(
             "overture_inter_token_latency_seconds",
             "time between consecutive generated tokens of one choice",

@@ -3,6 +3,7 @@ besides the gRPC edges)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from services.scheduler.api import (
@@ -187,7 +188,8 @@ def beat(msg: scheduler_pb2.HeartbeatMsg) -> tuple[str, Load]:
 
 
 def heartbeat_ack(known: bool, in_rotation: bool) -> scheduler_pb2.HeartbeatAck:
-    return scheduler_pb2.HeartbeatAck(known=known, in_rotation=in_rotation)
+    return scheduler_pb2.HeartbeatAck(known=known, in_rotation=in_rotation,
+                                      scheduler_time_us=round(time.time() * 1e6))
 
 
 def register_reply(heartbeat_interval_s: float) -> scheduler_pb2.RegisterNodeReply:

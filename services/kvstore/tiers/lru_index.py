@@ -138,6 +138,10 @@ class IndexedTtl:
 
     _index: PriorityLru
 
+    def keys(self) -> list[str]:
+        """Every key held (a snapshot)."""
+        return self._index.keys()
+
     async def written_at(self, key: str) -> float | None:
         e = self._index.get(key)
         return None if e is None else e.touched

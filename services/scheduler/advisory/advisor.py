@@ -127,6 +127,12 @@ class Advisor:
 
     def invalidate(self, tenant: str, advisory_id: str) -> Advisory:
         adv = self.placement.invalidate(tenant, advisory_id)
+        if adv is None and self.book.made_before_restart(advisory_id):
+            raise ApiError(404, f"advisory '{advisory_id}' was made by a scheduler that has "
+                           "restarted (or handed over) since: pending advisories end with "
+                           "it, so the session's next request is served unadvised; advise "
+                           "again if it is still to come", param="advisory_id",
+                           code="advisory_lost_in_restart")
         if adv is None:
             raise ApiError(404, f"no pending advisory '{advisory_id}' (unknown, expired, "
                            "followed, or another tenant's)", param="advisory_id",

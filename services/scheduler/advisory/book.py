@@ -12,6 +12,7 @@ injectable clock when asked, and ``sweep()`` reports the ones that lapsed.
 
 from __future__ import annotations
 
+import re
 import secrets
 import sys
 import time
@@ -47,8 +48,13 @@ class Advisory:
     tools: tuple[str, ...] = ()  # an inferred one's: the functions its session's turn called
 
 
-def new_advisory_id() -> str:
-    return "adv-" + secrets.token_hex(12)
+def new_advisory_id(incarnation: str = "") -> str:
+    """``adv-`` and 24 hex digits, the first of them the issuing scheduler process's
+    ``incarnation`` (so a restarted one can tell an advisory of its predecessor)."""
+    return "adv-" + incarnation + secrets.token_hex(12 - len(incarnation) // 2)
+
+
+ADVISORY_ID = re.compile(r"^adv-[0-9a-f]{24}$")
 
 
 class AdvisoryBook:
@@ -59,12 +65,21 @@ class AdvisoryBook:
         # One tenant cannot crowd out the others (None: no limit but ``capacity``).
         self.per_tenant = per_tenant if per_tenant is not None else sys.maxsize
         self.clock = clock
+        # Pending advisories live in this process only (they last seconds, and what they
+        # set in motion is on the nodes): its ids say which process made them.
+        self.incarnation = secrets.token_hex(4)
         self._by_id: OrderedDict[str, Advisory] = OrderedDict()  # oldest first
         self._by_session: dict[SessionKey, str] = {}
         self._pending: dict[str, int] = {}  # per tenant
 
     def __len__(self) -> int:
         return len(self._by_id)
+
+    def made_before_restart(self, advisory_id: str) -> bool:
+        """Whether ``advisory_id`` is one another scheduler process made (this one's
+        predecessor before a restart, or the replica it took over from)."""
+        return (bool(ADVISORY_ID.match(advisory_id))
+                and not advisory_id.startswith("adv-" + self.incarnation))
 
     def add(self, tenant: str, session_id: str, model: str, node_id: str, priority: int,
             expected_arrival_s: float, prefetch: bool = True, source: str = CLIENT,
@@ -79,7 +94,8 @@ class AdvisoryBook:
         if self._pending.get(tenant, 0) >= self.per_tenant and not replacing:
             raise TooManyAdvisories(tenant)
         life = life_s if life_s > 0 else expected_arrival_s + self.ttl_s
-        adv = Advisory(new_advisory_id(), tenant, session_id, model, node_id, priority,
+        adv = Advisory(new_advisory_id(self.incarnation), tenant, session_id, model, node_id,
+                       priority,
                        created=now, expires_at=now + life, wall_expires_at=time.time() + life,
                        prefetch=prefetch, source=source, tools=tools)
         ended: list[tuple[Advisory, str]] = []

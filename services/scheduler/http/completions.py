@@ -91,7 +91,8 @@ async def _generate_in_flight(request: web.Request, state: ApiState, req: ApiReq
     timing = Timing(state.metrics, model, state.dispatcher.catalog.get(model))
     state.metrics.in_flight.inc()
     try:
-        async with aclosing(run_choices(state.dispatcher, req, model, env.id)) as events:
+        async with aclosing(run_choices(state.dispatcher, req, model, env.id,
+                                           arrived=timing.start)) as events:
             if req.stream:
                 return await _stream(request, req, env, states, timing, events)
             nodes: list[str] = []

@@ -100,7 +100,8 @@ async def _run(request: web.Request, state: ApiState, req: ApiRequest, v: dict[s
     timing = Timing(state.metrics, model, state.dispatcher.catalog.get(model))
     state.metrics.in_flight.inc()
     try:
-        async with aclosing(run_choices(state.dispatcher, req, model, rid)) as events:
+        async with aclosing(run_choices(state.dispatcher, req, model, rid,
+                                           arrived=timing.start)) as events:
             if req.stream:
                 return await _stream(request, state, req, v, rid, model, st, timing, events,
                                      conversation)

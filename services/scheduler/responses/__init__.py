@@ -7,8 +7,9 @@ routes are in ``http/responses.py``; this package holds the store, its archive (
 disk or the shared S3, so chains survive a scheduler restart) and the items.
 """
 
-from services.scheduler.responses.archive import ResponseArchive
+from services.scheduler.responses.archive import ArchiveUnavailable, ResponseArchive
 from services.scheduler.responses.choose import response_archive
 from services.scheduler.responses.store import ResponseStore, StoredResponse
 
-__all__ = ["ResponseArchive", "ResponseStore", "StoredResponse", "response_archive"]
+__all__ = ["ArchiveUnavailable", "ResponseArchive", "ResponseStore", "StoredResponse",
+           "response_archive"]

@@ -13,7 +13,7 @@ from services.scheduler.responses.s3_archive import S3Archive
 
 def response_archive(config: SchedulerConfig) -> ResponseArchive:
     if config.s3.bucket:
-        return S3Archive(config.s3)
+        return S3Archive(config.s3, sweep_max=config.responses_sweep_max)
     if config.state_dir:
         return DiskArchive(Path(config.state_dir) / "responses")
     return NullArchive()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Protocol
@@ -255,6 +256,11 @@ class Dispatcher:
                 self.advisor.follow(route.tenant, route.session_id)
             self.registry.begin(node.node_id)
             ticket = self.inflight.begin(node.node_id, request.sampling.max_tokens)
+            # What it waited so far (routing, nodes that refused it) is taken off the
+            # engine's queue limit: the limit runs from its arrival here.
+            sent, sent_wall = time.monotonic(), time.time()
+            request.waited_ms = round(max(0.0, sent - (route.arrived or sent)) * 1000)
+            request.sent_us = round(sent_wall * 1e6)
             call = self.channels.stub(node.info.address).Generate(
                 node_request(request, plan, place, self.registry),
                 timeout=self.settings.request_timeout_s,
@@ -269,6 +275,7 @@ class Dispatcher:
                     calls.extend((c.id, c.name) for c in last.tool_calls if c.name)
                     if not produced and self.metrics is not None:
                         self.metrics.turns.labels(last.kv_from or "unknown").inc()
+                        self._stages(route.arrived, sent, sent_wall, msg)
                     produced = True
                     if last.finish_reason and route.session_id:
                         # Before the client sees the end: its next turn may come at once
@@ -326,6 +333,22 @@ class Dispatcher:
                 if ticket:
                     self.inflight.end(ticket)
                     self.registry.end(node.node_id)
+
+    def _stages(self, arrived: float, sent: float, sent_wall: float,
+                first: common_pb2.GenerateChunk) -> None:
+        """Where the time to this first token went (a chunk without ``engine_wait_ms`` is
+        from an older engine: not counted). The way to the engine is told apart from the
+        way back by the engine's wall clock (as far as the hosts' clocks agree)."""
+        if self.metrics is None or not first.engine_wait_ms or not arrived:
+            return
+        engine = first.engine_wait_ms / 1000
+        hops = max(0.0, time.monotonic() - sent - engine)
+        there = min(hops, max(0.0, first.engine_received_us / 1e6 - sent_wall))
+        stage = self.metrics.first_token_stage
+        stage.labels("scheduler").observe(sent - arrived)
+        stage.labels("to_engine").observe(there)
+        stage.labels("engine").observe(engine)
+        stage.labels("back").observe(hops - there)
 
     def _turn_ended(self, route: RouteRequest, ticket: int, node_id: str, finish: str,
                     calls: list[tuple[str, str]]) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
@@ -36,11 +37,14 @@ def _leading_context(req: ApiRequest, model: str) -> tuple[str, ...]:
 
 
 async def run_choices(
-    dispatcher: Dispatcher, req: ApiRequest, model: str, base_id: str
+    dispatcher: Dispatcher, req: ApiRequest, model: str, base_id: str, arrived: float = 0.0
 ) -> AsyncGenerator[tuple[int, Chunk], None]:
+    """``arrived``: ``time.monotonic()`` the request arrived (its queue limit runs from
+    then; 0.0: now)."""
     route = RouteRequest(model, req.session_id, req.tenant, req.priority,
                          advised=dispatcher.advised_node(req.tenant, req.session_id),
-                         prefix=_leading_context(req, model))
+                         prefix=_leading_context(req, model),
+                         arrived=arrived or time.monotonic())
     choices = req.choices()
     protos = [
         wire.generate_request(req, c, model, _request_id(base_id, c, len(choices))) for c in choices

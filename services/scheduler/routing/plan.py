@@ -35,6 +35,9 @@ class RouteRequest:
     # (node, leading prompt blocks its device holds) for the nodes holding any (the
     # ``prefix`` policy's index, ``prefix_index.py``; empty for the other policies)
     prefix_hits: tuple[tuple[str, int], ...] = ()
+    # ``time.monotonic()`` the request arrived in the scheduler (0.0: unknown): the engine's
+    # queue limit counts from then (``waited_ms`` on the node's request).
+    arrived: float = 0.0
 
 
 @dataclass(frozen=True)

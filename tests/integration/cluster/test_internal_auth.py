@@ -63,6 +63,7 @@ def test_an_outsider_is_refused_everywhere_but_health(cluster: Cluster) -> None:
         _refused(kv.GetManifest, ref)
         _refused(kv.GetChunks, kvstore_pb2.GetChunksRequest(session=ref))
         _refused(kv.Delete, kvstore_pb2.DeleteRequest(session=ref))
+        _refused(kv.ListSessions, kvstore_pb2.ListSessionsRequest())  # (names tenants)
     with grpc.insecure_channel(cluster.engine_addresses["node0"]) as ch:
         _refused(engine_pb2_grpc.EngineStub(ch).Generate,
                  common_pb2.GenerateRequest(request_id="x", tenant="default"))

@@ -60,3 +60,39 @@ async def test_an_unreachable_bucket_is_a_503() -> None:
     with pytest.raises(ApiError) as e:
         await ResponseStore(60.0, 10, archive=S3Archive(cfg)).get("team-a", RID)
     assert e.value.status == 503
+
+
+async def test_a_bounded_sweep_deletes_the_expired_responses_and_nothing_else(
+        endpoint: str) -> None:
+    # Responses past their retention were never deleted from S3 (issue 43): the sweep
+    # deletes them, reading at most sweep_max records per sweep and resuming where it
+    # stopped, and leaves the fresh ones and the tenants' KV objects beside them.
+    cfg = config(endpoint, f"kv-{uuid.uuid4().hex[:12]}")
+    s3 = boto3.client("s3", **s3_client_kwargs(cfg))
+    s3.create_bucket(Bucket=cfg.bucket)
+    now = [1000.0]
+    store = ResponseStore(10.0, 100, clock=lambda: now[0],
+                          archive=S3Archive(cfg, sweep_max=2))
+    chat = (Message("user", "hi"),)
+    old = {("team-a", f"resp_{i:032x}") for i in range(3)} | {("team-b", f"resp_{9:032x}")}
+    for tenant, rid in sorted(old):
+        await store.put(tenant, {"id": rid, "object": "response"}, chat, "s")
+    now[0] = 1008.0
+    fresh = ("team-b", f"resp_{10:032x}")
+    await store.put(*fresh[:1], {"id": fresh[1], "object": "response"}, chat, "s")
+    kv_key = "ovt/team-a/fp0123/chunk/0"
+    s3.put_object(Bucket=cfg.bucket, Key=kv_key, Body=b"kv")
+    now[0] = 1012.0  # the first four are past their 10 s, the fifth is not
+
+    def keys() -> set[str]:
+        return {o["Key"] for o in s3.list_objects_v2(Bucket=cfg.bucket).get("Contents", [])}
+
+    archive = store.archive
+    sweeps = [archive.sweep(store.expired) for _ in range(3)]
+    assert sweeps[0] <= 2 and sweeps[1] <= 2  # bounded: at most two read per sweep
+    assert sum(sweeps) == 4
+    assert keys() == {kv_key, f"ovt/team-b/responses/{fresh[1]}.json"}
+    assert await store.get(*fresh) is not None
+    now[0] = 1030.0
+    assert sum(archive.sweep(store.expired) for _ in range(3)) == 1
+    assert keys() == {kv_key}

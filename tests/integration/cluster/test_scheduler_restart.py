@@ -120,3 +120,44 @@ def test_a_killed_scheduler_loses_no_node_no_chain_and_no_session(
     assert node == "node1", cluster.logs()
     assert cached > 0, cluster.logs()
     assert tokens == second_tokens
+
+
+def test_a_session_survives_a_scheduler_killed_with_its_holders_node_manager(
+        cluster: Cluster, state_dir: Path,
+        reference: list[tuple[list[ChatMessage], list[int], str]]) -> None:
+    # Neither the scheduler nor the node manager and engine of the node holding a
+    # conversation's KV remember anything after all three are killed; its kvstore still
+    # holds the session, and the node manager, started again, registers with the
+    # kvstore's listing of it (issue 43): the next turn goes back to that node and reuses
+    # its KV from the kvstore, exactly. (node1: a
+    # scheduler that knows nothing sends a new conversation to node0 first.)
+    (first, first_tokens, _), (second, second_tokens, _) = reference
+    cluster.wait_idle(2)
+    assert cluster.post("/admin/nodes/node0/drain", {})[0] == 200
+    tokens, _, node = chat(cluster, "s-c", first)
+    assert tokens == first_tokens and node == "node1", cluster.logs()
+    assert cluster.post("/admin/nodes/node0/undrain", {})[0] == 200
+    wait_saved(cluster, "s-c")
+
+    # The scheduler, and node1's node manager and engine (whose log of saves would tell
+    # the new node manager): only node1's kvstore still knows the session.
+    argv = {name: [str(a) for a in cluster.procs[name].popen.args]
+            for name in ("node1.engine", "node1.nodemgr")}
+    cluster.kill("scheduler")
+    for name in argv:
+        cluster.kill(name)
+    for name, command in argv.items():
+        cluster.spawn(name, command)
+    restart_scheduler(cluster, {"state_dir": state_dir})
+    cluster.wait_ready(2, 60.0)
+    cluster.wait_attached(60.0)
+    cluster.wait_idle(2)
+    # The new scheduler knows where the session is from node1's registration alone.
+    wait_saved(cluster, "s-c")
+    _, place = cluster.get("/admin/sessions/s-c")
+    assert place["node"] == "node1" and place["saved_tokens"] > 0, place
+
+    tokens, cached, node = chat(cluster, "s-c", second)
+    assert node == "node1", cluster.logs()
+    assert cached > 0, cluster.logs()
+    assert tokens == second_tokens

@@ -3,7 +3,8 @@
 Started here exactly as ``overture up`` does (``s3_server_spec(...).argv()``), with the
 keys of the harness's cluster secret: a signed client works; anonymous list, get, put and
 delete get 403 and change nothing; the filer's own HTTP port, which serves the same
-objects, refuses requests without its JWT; the data folder is owner-only.
+objects, refuses requests without its JWT; the data folder and every file in it are
+owner-only (the volume info weed writes 0644 too).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -93,5 +95,15 @@ def test_keys_and_data_are_owner_only_and_off_the_command_line(server: S3ServerS
         assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
     data_files = [p for p in server.data_dir.rglob("*") if p.suffix in (".dat", ".idx")]
     assert data_files
-    for p in data_files:  # (weed creates them under the umask it is run with)
-        assert stat.S_IMODE(p.stat().st_mode) & 0o077 == 0, p
+    # Every file weed writes, not only the volumes: the volume info (``.vif``) is written
+    # 0644 whatever the umask, and lists the volume's files.
+    assert [p for p in server.data_dir.rglob("*") if p.suffix == ".vif"]
+    deadline = time.monotonic() + 30.0  # (closed by a watcher within a second or so)
+    while _readable_by_others(server.data_dir) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _readable_by_others(server.data_dir) == []
+
+
+def _readable_by_others(folder: Path) -> list[Path]:
+    return [p for p in folder.rglob("*")
+            if not p.is_symlink() and stat.S_IMODE(p.stat().st_mode) & 0o077]

@@ -82,6 +82,25 @@ def test_requests_on_their_way_to_the_queue_count_in_the_forecast() -> None:
     a.check(0, 0.0, 102.0, shape=shape)
 
 
+def test_the_time_a_request_waited_on_its_way_is_taken_off_the_limit() -> None:
+    # The limit runs from the request's arrival in the scheduler (issue 43): 0.6 s of
+    # queue ahead fits a 1 s limit for a fresh request, not for one that spent 0.5 s in
+    # the scheduler and the node manager; an engine with nothing ahead takes one however
+    # late (it makes no one wait, and refused it would only come back later).
+    a = Admission(max_waiting=100, max_queue_delay_s=1.0)
+    shape = QueueShape(waiting=1, prefill_tokens=600, seats=64, token_budget=1024,
+                       prefill_s_per_token=0.001)
+    a.check(1, 99.9, 100.0, shape=shape)
+    a.check(1, 99.9, 100.0, shape=shape, waited_s=0.3)
+    with pytest.raises(EngineError, match="after 0.50s on its way") as e:
+        a.check(1, 99.9, 100.0, shape=shape, waited_s=0.5)
+    assert e.value.code == "resource_exhausted"
+    a.check(0, 0.0, 100.0, shape=QueueShape(seats=64, token_budget=1024), waited_s=1.2)
+    a.check(0, 0.0, 100.0, waited_s=1.2)  # (costs not measured yet)
+    a.check(0, 0.0, 100.0, bound_delay=False, waited_s=5.0)  # the node's queue chose
+    Admission(max_waiting=3, max_queue_delay_s=0.0).check(0, 0.0, 100.0, waited_s=5.0)
+
+
 def test_step_cost_learns_decode_and_prefill_costs_and_output_lengths() -> None:
     cost = StepCost(prefill_prior_s_per_token=0.5)
     cost.observe(decode_tokens=8, prefill_tokens=0, seconds=0.02)
@@ -246,4 +265,40 @@ async def test_a_stuck_step_sends_no_keepalives(loaded: LoadedModel) -> None:
             with pytest.raises(TimeoutError):  # stuck: silence, which the scheduler cuts
                 await asyncio.wait_for(anext(stream), 0.5)
             eng._worker.step_started = 0.0
+        await idle(eng)
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _AbortContext:
+    async def abort(self, code, details):  # as grpc's does: raise, with what was sent
+        raise _Aborted(f"{code.name}: {details}")
+
+
+async def test_the_engine_counts_what_a_request_waited_on_its_way(loaded: LoadedModel
+                                                                  ) -> None:
+    # The wire carries how long the request waited before the engine got it (issue 43):
+    # waited_ms, plus the hop from its node manager (sent_us, on this host's clock); the
+    # engine's admission weighs it, and its first chunk says how long it held it.
+    async with engine(loaded, max_queue_delay_s=0.5) as eng:
+        servicer = EngineServicer(eng)
+        seen: list[float] = []
+        check = eng._admission.check
+
+        def spy(*args, **kwargs):
+            seen.append(kwargs.get("waited_s", args[5] if len(args) > 5 else 0.0))
+            return check(*args, **kwargs)
+
+        eng._admission.check = spy  # type: ignore[method-assign]
+        late = _hello("w1", 2)
+        late.waited_ms = 600
+        late.sent_us = round((time.time() - 0.2) * 1e6)
+        chunks = [c async for c in servicer.Generate(late, _AbortContext()) if not c.keepalive]
+        assert 0.8 <= seen[0] < 5.0, seen  # 0.6 s before, 0.2 s from the node manager
+        assert sum(len(c.token_ids) for c in chunks) == 2  # (nothing ahead: taken)
+        firsts = [c for c in chunks if c.token_ids]
+        assert firsts[0].engine_wait_ms > 0 and firsts[0].engine_received_us > 0
+        assert all(c.engine_wait_ms == 0 for c in firsts[1:])
         await idle(eng)

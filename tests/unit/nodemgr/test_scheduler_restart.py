@@ -12,11 +12,13 @@ from contextlib import AsyncExitStack
 import grpc
 
 from services.nodemgr import wire
+from services.nodemgr.clock_offset import ClockOffset
 from services.nodemgr.held_sessions import HeldSessions
 from services.nodemgr.registration import Registrar
 from shared.grpc_server import serve_grpc
 from shared.model_info import ModelInfo
 from shared.proto import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from shared.proto import kvstore_pb2 as kv_pb
 
 MODELS = (ModelInfo("demo", "fp", 64),)
 
@@ -115,3 +117,55 @@ async def test_registers_again_with_its_sessions_when_a_killed_scheduler_returns
         sessions = second.registrations[0].sessions
         assert [(s.tenant, s.session_id, s.tokens) for s in sessions] == [("t", "chat-1", 48)]
         assert 0.0 <= sessions[0].age_s < 60.0
+
+
+class ListingKVStore:
+    """The kvstore as the registrar asks it: what it holds on its own tiers."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    async def problem(self) -> str:
+        return ""
+
+    async def stored_sessions(self, most: int) -> list[kv_pb.StoredSession]:
+        self.asked += 1
+        return [kv_pb.StoredSession(tenant="t", session_id="old-chat", tokens=96, age_s=40.0),
+                kv_pb.StoredSession(tenant="t", session_id="chat-1", tokens=16, age_s=50.0)]
+
+
+async def test_a_restarted_node_manager_registers_with_what_its_kvstore_holds() -> None:
+    # Its own record of saves is empty after a restart; the kvstore still holds sessions
+    # saved before (issue 43): the first registration carries them, and a save reported
+    # here since is not overridden by the older listing.
+    async with AsyncExitStack() as stack:
+        sched = DyingScheduler(beats=2)
+        port = await serve(stack, sched)
+        kv = ListingKVStore()
+        held = HeldSessions(10)
+        reg = registrar(port, held)
+        reg.kvstore = kv  # type: ignore[assignment]
+        task = asyncio.create_task(reg.run())
+        try:
+            await wait_for(lambda: len(sched.registrations) >= 2)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        first = {s.session_id: (s.tokens, s.age_s) for s in sched.registrations[0].sessions}
+        assert first.keys() == {"old-chat", "chat-1"}
+        assert first["old-chat"][0] == 96 and 40.0 <= first["old-chat"][1] < 100.0
+        again = {s.session_id: s.tokens for s in sched.registrations[1].sessions}
+        assert again == {"old-chat": 96, "chat-1": 48}  # the engine's report of chat-1 won
+        assert kv.asked >= 2  # asked again at every registration
+
+
+def test_the_schedulers_clock_offset_from_heartbeats() -> None:
+    c = ClockOffset()
+    assert c.transit_s(1000.0, now=1001.0) == 0.0  # no ack yet: nothing counted
+    c.observe(100.0, 100.2, 105.1)  # rtt 0.2: offset 5.0
+    c.observe(101.0, 102.0, 106.0)  # rtt 1.0 (offset 4.5): less trusted
+    assert c.offset_s == 5.0
+    assert c.transit_s(1005.0, now=1000.75) == 0.75  # sent at 1000.0 our time
+    assert c.transit_s(0.0, now=1000.75) == 0.0  # not stamped
+    assert c.transit_s(1010.0, now=1000.0) == 0.0  # (the future: a clock error, not a wait)
+    assert c.transit_s(1.0, now=1000.0) == 60.0  # bounded

@@ -306,3 +306,27 @@ async def test_a_request_no_node_takes_leaves_its_advisory_for_the_retry(two) ->
     assert book.pending_for("default", "r1") is None
     metrics = await (await c.http.get(c.url + "/metrics")).text()
     assert 'overture_advisories_total{event="followed",source="client"} 1.0' in metrics
+
+
+def test_a_restarted_scheduler_tells_an_advisory_of_its_predecessor() -> None:
+    # Pending advisories are not persisted (issue 43: they last seconds, and what they set
+    # in motion is on the nodes); a restarted scheduler says so instead of "unknown".
+    before = AdvisoryBook(ttl_s=10.0, capacity=3, clock=Clock())
+    adv, _ = before.add("t1", "s1", "m", "node0", 0, 0.0)
+    assert len(adv.advisory_id) == len("adv-") + 24
+    after = AdvisoryBook(ttl_s=10.0, capacity=3, clock=Clock())  # a new process
+    assert after.made_before_restart(adv.advisory_id)
+    assert not before.made_before_restart(adv.advisory_id)  # its own
+    mine, _ = after.add("t1", "s1", "m", "node0", 0, 0.0)
+    assert not after.made_before_restart(mine.advisory_id)
+    assert not after.made_before_restart("adv-nonsense")
+
+
+async def test_deleting_an_advisory_made_before_a_restart_says_so(two) -> None:
+    c, _ = two
+    other = AdvisoryBook(ttl_s=10.0, capacity=3, clock=Clock())  # the predecessor's
+    old, _ = other.add("default", "s1", "m", "node0", 0, 0.0)
+    status, body, _ = await call(c, "DELETE", f"/v1/advisory/{old.advisory_id}")
+    assert status == 404 and body["error"]["code"] == "advisory_lost_in_restart", body
+    status, body, _ = await call(c, "DELETE", "/v1/advisory/adv-unknown")
+    assert status == 404 and body["error"]["code"] == "advisory_not_found", body
