@@ -163,6 +163,7 @@ class EngineCore:
             session_id=req.session_id,
             no_reuse=req.no_reuse,
             device_only=req.device_only,
+            cache_retention_s=req.cache_retention_s,
         )
         seq.offload.plan = self.offload.accept(plan)
         detok = IncrementalDetokenizer(self.loaded.tokenizer, req.prompt_token_ids)
