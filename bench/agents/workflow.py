@@ -69,9 +69,9 @@ class Run:
 
 def handbook(seed: int, tokens: int) -> str:
     """The team's shared context: about ``tokens`` tokens of rules (the demo tokenizer
-    makes a word of these about two tokens)."""
+    makes a word of these, with its space, about four tokens; the run prints the count)."""
     rnd = random.Random(seed)
-    words = [rnd.choice(WORDS) for _ in range(tokens // 2)]
+    words = [rnd.choice(WORDS) for _ in range(tokens // 4)]
     lines = [" ".join(words[i:i + 12]) + "." for i in range(0, len(words), 12)]
     return f"Team handbook {seed}:\n" + "\n".join(lines)
 
