@@ -39,6 +39,7 @@ from typing import Annotated
 
 from pydantic import Field
 
+from bench.eval.stats import paired_ratio
 from bench.harness import Cluster, start_cluster
 from services.engine.model import write_demo_model
 
@@ -50,7 +51,6 @@ VARIANTS = {
 }
 RULES = ("You are one worker of a research team. Follow the team's rules: use the lookup "
          "tool for every fact, cite what it returns, keep answers short, never guess. ")
-T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
 
 
 @dataclass(frozen=True)
@@ -172,14 +172,6 @@ def run_variant(name: str, model_path: Path, work: Path, jobs: list[int], reps: 
     return out
 
 
-def _ci(xs: list[float]) -> str:
-    if len(xs) < 2:
-        return f"{xs[0]:.2f}" if xs else "-"
-    m, s = statistics.fmean(xs), statistics.stdev(xs)
-    half = T95.get(len(xs) - 1, 2.0) * s / len(xs) ** 0.5
-    return f"{m:.2f} [{m - half:.2f}, {m + half:.2f}]"
-
-
 def report(results: dict[str, dict[tuple[int, int], Sample]], jobs: list[int], reps: int
            ) -> None:
     base = results.get("unadvised")
@@ -191,15 +183,16 @@ def report(results: dict[str, dict[tuple[int, int], Sample]], jobs: list[int], r
             job_s = [t for s in samples for t in s.job_s]
             turn_s = sorted(t for s in samples for t in s.turn_s)
             p95 = turn_s[min(len(turn_s) - 1, int(0.95 * len(turn_s)))] if turn_s else 0.0
-            ratios = ([statistics.fmean(base[(n, r)].job_s) / statistics.fmean(s.job_s)
-                       for r, s in enumerate(samples)] if base else [])
+            ratio = (paired_ratio([statistics.fmean(base[(n, r)].job_s) for r in range(reps)],
+                                  [statistics.fmean(s.job_s) for s in samples]).fmt(digits=2)
+                     if base else "-")
             kv: dict[str, float] = {}
             for s in samples:
                 for k, v in s.kv_from.items():
                     kv[k] = kv.get(k, 0.0) + v
             print(f"{name:10} {n:4}  {statistics.fmean(job_s):10.2f}  "
                   f"{statistics.fmean(turn_s) if turn_s else 0:.3f}/{p95:.3f}        "
-                  f"{_ci(ratios):30}  "
+                  f"{ratio:30}  "
                   + ", ".join(f"{k} {int(v)}" for k, v in sorted(kv.items())))
 
 

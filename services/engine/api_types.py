@@ -127,6 +127,7 @@ class GenerateRequest:
     kv_source_tokens: int = 0  # the length of the turn saved there
     no_reuse: bool = False  # reuse no KV (device cache or kvstore) and save none (baseline)
     device_only: bool = False  # reuse only the device cache; no kvstore load or save
+    cache_retention_s: float = 0.0  # the kvstore keeps the session this long (0: its TTLs)
     guidance: Guidance = field(default_factory=Guidance)
     node_admitted: bool = False  # the node's deadline queue started it: no delay refusal
     waited_s: float = 0.0  # waited before the engine got it (counted against the queue limit)

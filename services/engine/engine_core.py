@@ -163,6 +163,7 @@ class EngineCore:
             session_id=req.session_id,
             no_reuse=req.no_reuse,
             device_only=req.device_only,
+            cache_retention_s=req.cache_retention_s,
         )
         seq.offload.plan = self.offload.accept(plan)
         detok = IncrementalDetokenizer(self.loaded.tokenizer, req.prompt_token_ids)
@@ -199,7 +200,8 @@ class EngineCore:
     def has_work(self) -> bool:
         # (a wait for the node's budget holds back only an engine with nothing running)
         return (self.scheduler.has_work() and not self._stalled
-                and (bool(self.scheduler.running) or time.monotonic() >= self.budget_retry_at))
+                and (bool(self.scheduler.running) or time.monotonic() >= self.budget_retry_at)
+                ) or self.offload.fill_pending()  # purged advised layers fit again
 
     def unpin(self, job_id: int, ok: bool = True) -> None:
         """A save was answered (``ok``: it stored its chunks): its blocks are let go."""

@@ -46,6 +46,7 @@ class Sequence:
     status: Status = Status.WAITING
     no_reuse: bool = False  # reuses no stored or cached KV and saves none (a baseline)
     device_only: bool = False  # reuses only the device cache; saves nothing (a baseline)
+    cache_retention_s: float = 0.0  # the kvstore keeps its session this long (0: its TTLs)
     overtaken: int = 0  # times a higher-priority arrival was queued ahead of it
     waiting_since: float = 0.0  # time.monotonic() it last entered the waiting queue
     priority: int = 0

@@ -31,6 +31,7 @@ class PreparedRequest:
     kv_source_tokens: int = 0
     no_reuse: bool = False
     device_only: bool = False
+    cache_retention_s: float = 0.0  # see GenerateRequest
     constraint: Constraint | None = None  # the grammar the output must follow
     tool_stream: ToolCallStream | None = None  # lifts tool calls out of the output
 
@@ -167,6 +168,7 @@ def prepare(
         # computed from scratch (docs/api.md, "echo").
         no_reuse=req.no_reuse or req.sampling.prompt_logprobs >= 0,
         device_only=req.device_only,
+        cache_retention_s=req.cache_retention_s,
         constraint=guidance.constraint(req.guidance) if guidance else None,
         tool_stream=guidance.output_stream(req.guidance) if guidance else None,
     )

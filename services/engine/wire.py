@@ -84,6 +84,7 @@ def request_from_proto(r: common_pb2.GenerateRequest) -> GenerateRequest:
         "kv_source_tokens": r.kv_source_tokens,
         "no_reuse": r.no_reuse,
         "device_only": r.device_only,
+        "cache_retention_s": r.cache_retention_s,
         "node_admitted": r.node_admitted,
         # (its node manager, on this host, stamped when it sent it: the hop's time counts)
         "waited_s": r.waited_ms / 1000.0 + (

@@ -44,6 +44,9 @@ class KVStoreConfig:
     )
     local_ttl_s: float = opt(24 * 3600.0, "DRAM/SSD entries idle this long are swept", min=1.0)
     sweep_interval_s: float = opt(30.0, "seconds between sweeps of expired entries", min=0.01)
+    retention_sessions: int = opt(
+        100_000, "sessions saved with a prompt_cache_retention whose expiry is kept in "
+        "memory; past it the oldest falls back to the tiers' TTLs", min=1)
     write_queue: int = opt(
         1024,
         "write-behind queue bound; beyond it the lowest-priority "

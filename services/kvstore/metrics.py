@@ -80,6 +80,10 @@ class KVStoreMetrics:
         self.expired = Counter(
             "kvstore_expired", "entries removed by TTL sweeps", ["tier"], registry=r
         )
+        self.sessions_expired = Counter(
+            "kvstore_sessions_expired",
+            "sessions removed when their prompt_cache_retention ran out", registry=r
+        )
         self.checksum_failures = Counter(
             "kvstore_checksum_failures",
             "corrupt chunks found (deleted, served as a miss)",

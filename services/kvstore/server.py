@@ -17,6 +17,8 @@ from services.kvstore.config import KVStoreConfig
 from services.kvstore.engine_path.copies import lazy_torch
 from services.kvstore.engine_path.data_path import EnginePoolPath
 from services.kvstore.manifests import ManifestStore
+from services.kvstore.manifests.retention import RetentionIndex
+from services.kvstore.manifests.retention_sweep import retention_loop
 from services.kvstore.metrics import KVStoreMetrics
 from services.kvstore.peers.data_plane import ChunkServer
 from services.kvstore.service import KVStoreService
@@ -33,7 +35,8 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "overture.v1.KVStore"
 
 
-def build_store(config: KVStoreConfig, metrics: KVStoreMetrics) -> TieredStore:
+def build_store(config: KVStoreConfig, metrics: KVStoreMetrics,
+                retention: RetentionIndex | None = None) -> TieredStore:
     """A closed store for ``config`` (enter it with ``async with``). Raises ConfigError."""
     return TieredStore(
         build_tiers(config),
@@ -45,6 +48,7 @@ def build_store(config: KVStoreConfig, metrics: KVStoreMetrics) -> TieredStore:
         ttl_s=config.ttl_s,
         sweep_interval_s=config.sweep_interval_s,
         drain_s=config.drain_s,
+        retained=retention.kept_keys if retention is not None else None,
     )
 
 
@@ -61,12 +65,17 @@ async def run(config: KVStoreConfig, stop: asyncio.Event | None = None) -> None:
         loop.add_signal_handler(sig, stop.set)
     metrics = KVStoreMetrics()
     async with AsyncExitStack() as stack:
-        store = await stack.enter_async_context(build_store(config, metrics))
+        retention = RetentionIndex(config.ttl_s, config.retention_sessions)
+        store = await stack.enter_async_context(build_store(config, metrics, retention))
         # The pool path needs torch, whose import takes seconds: start it now (the tiers
         # opened), off the loop, so the engine's first AttachPool does not wait for it.
         warm_torch = asyncio.create_task(asyncio.to_thread(lazy_torch), name="import-torch")
         stack.push_async_callback(asyncio.gather, warm_torch, return_exceptions=True)
-        manifests = await stack.enter_async_context(ManifestStore(store, config.drain_s))
+        manifests = await stack.enter_async_context(
+            ManifestStore(store, config.drain_s, retention))
+        expiry = asyncio.create_task(retention_loop(manifests, config.sweep_interval_s),
+                                     name="kv-retention")
+        stack.push_async_callback(_cancelled, expiry)
         pool_path = await stack.enter_async_context(
             EnginePoolPath(
                 store,
@@ -111,6 +120,11 @@ async def run(config: KVStoreConfig, stop: asyncio.Event | None = None) -> None:
         log.info("kvstore shutting down")
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.remove_signal_handler(sig)
+
+
+async def _cancelled(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 def _render(metrics: KVStoreMetrics) -> Render:

@@ -32,6 +32,7 @@ def manifest_to_pb(m: Manifest) -> pb.SessionManifest:
         num_layers=m.num_layers,
         blocks_per_chunk=m.blocks_per_chunk,
         updated=m.updated,
+        retain_s=m.retain_s,
     )
 
 
@@ -46,6 +47,7 @@ def manifest_from_pb(p: pb.SessionManifest) -> Manifest:
         num_layers=p.num_layers,
         blocks_per_chunk=p.blocks_per_chunk,
         updated=p.updated,
+        retain_s=p.retain_s,
     )
 
 
@@ -141,6 +143,7 @@ def save_from_pb(p: pb.SaveFromPoolRequest) -> SaveRequest:
         block_ids=tuple(p.block_ids),
         num_layers=p.num_layers,
         op_id=p.op_id,
+        retain_s=p.retain_s,
     )
 
 

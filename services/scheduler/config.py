@@ -194,6 +194,15 @@ class SchedulerConfig:
         ["x-claude-code-session-id"], "request headers read as the session id when "
         "X-Session-Id is absent (those agent CLIs send), in order",
     )
+    retention_in_memory_s: float = opt(
+        600.0, "prompt_cache_retention \"in_memory\": seconds the kvstore keeps the session's "
+        "KV after its last turn (the kvstore bounds it by its ttl_s)", min=1.0,
+        max=7 * 86400.0,
+    )
+    retention_24h_s: float = opt(
+        86400.0, "prompt_cache_retention \"24h\": seconds the kvstore keeps the session's KV "
+        "after its last turn (the kvstore bounds it by its ttl_s)", min=1.0, max=7 * 86400.0,
+    )
     tpot_default_s: float = opt(
         0.05, "a node's time per output token until measured (when running requests are "
         "expected to end, for placing advisories)", min=0.0001, max=10.0,

@@ -126,6 +126,7 @@ def generate_request(
         priority=req.priority,
         add_generation_prompt=req.add_generation_prompt,
         guidance=_guidance(req.guidance),
+        cache_retention_s=req.cache_retention_s,
     )
 
 

@@ -104,6 +104,10 @@ class Offload:
         """Block references held here, one entry per reference (integrity checks)."""
         return []
 
+    def fill_pending(self) -> bool:
+        """Whether a step would start loading advised KV into free device memory now."""
+        return False
+
     def stats(self) -> ReuseStats:
         return ReuseStats(device_tokens=self.device_tokens,
                           recomputed_tokens=self.recomputed_tokens)

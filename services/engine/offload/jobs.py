@@ -50,3 +50,4 @@ class SaveJob:
     token_count: int
     first_block: int  # a chunk boundary; block_ids start at this block
     block_ids: tuple[int, ...]  # layer-major over blocks [first_block, len(block_hashes))
+    retain_s: float = 0.0  # the session's prompt_cache_retention in seconds (0: tier TTLs)

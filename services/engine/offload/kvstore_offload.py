@@ -102,6 +102,9 @@ class KVStoreOffload(Offload):
     def holds_blocks(self) -> bool:
         return bool(self.saves.pinned or self.loads.parked) or self.prefetch.loading
 
+    def fill_pending(self) -> bool:
+        return self.prefetch.fill_pending()
+
     # ---- accounting ---------------------------------------------------------------------
     def held_blocks(self) -> list[int]:
         """Block references held here (pins, parked loads, prefetch), one per reference."""

@@ -93,5 +93,5 @@ def save_to_proto(
         model_fp=model_fp,
         block_hashes=list(job.block_hashes), token_count=job.token_count,
         first_block=job.first_block, block_ids=list(job.block_ids), num_layers=num_layers,
-        op_id=op_id,
+        op_id=op_id, retain_s=job.retain_s,
     )

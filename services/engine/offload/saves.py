@@ -67,7 +67,7 @@ class Saves:
         ids = self.kv.table_slice(seq, first, end)
         self.kv.blocks.touch(ids)
         job = SaveJob(next(self._job_ids), seq.session, tuple(seq.block_hashes[:end]),
-                      tokens, first, tuple(ids))
+                      tokens, first, tuple(ids), seq.cache_retention_s)
         self.pinned[job.job_id] = ids
         self._saving[job.job_id] = (seq, first)
         self.transport.start_save(job)

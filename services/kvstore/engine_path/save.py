@@ -94,7 +94,7 @@ async def _save_chunks(
     if manifests is not None:  # (a session deleted while this save ran stays deleted)
         manifest = Manifest(
             req.tenant, sid[1], req.model_fp, req.block_hashes, req.token_count,
-            layers, bpc,
+            layers, bpc, retain_s=manifests.retention.bound(req.retain_s),
         )
         seq = SavedSequence(req.model_fp, req.block_hashes, req.token_count, req.num_layers)
         manifests.remember(seq, manifest, deleted_before)

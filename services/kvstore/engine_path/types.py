@@ -85,6 +85,7 @@ class SaveRequest:
     block_ids: tuple[int, ...]  # layer-major: block_ids[layer * n + i] = block first_block+i
     num_layers: int
     op_id: str = ""  # the engine's id of this call, for FencePoolOp ("" = none)
+    retain_s: float = 0.0  # keep the session this long after the save (0 = tier TTLs)
 
 
 @dataclass(frozen=True)

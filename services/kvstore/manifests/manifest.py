@@ -41,12 +41,17 @@ class Manifest:
     num_layers: int
     blocks_per_chunk: int
     updated: float = field(default_factory=time.time)
+    # OpenAI's prompt_cache_retention, in seconds: the session (its manifest, and its
+    # chunks nobody used since) expires at ``updated + retain_s``; 0 = the tiers' TTLs.
+    retain_s: float = 0.0
 
     def __post_init__(self) -> None:
         manifest_key(self.tenant, self.session_id)  # the names (ChunkFormatError) ...
         chunk_key(self.tenant, self.model_fp, b"\0", 0)  # ... and the model's
         if self.num_layers < 1 or self.blocks_per_chunk < 1 or self.token_count < 0:
             raise ChunkFormatError("num_layers and blocks_per_chunk must be >= 1, token_count >= 0")
+        if not 0.0 <= self.retain_s < float("inf"):
+            raise ChunkFormatError("retain_s must be finite and >= 0")
         # A manifest comes from clients and peers: bound the work it can ask for (every
         # chunk it names is checked for durability before it is written).
         chunks = -(-len(self.block_hashes) // self.blocks_per_chunk) * self.num_layers
@@ -96,6 +101,7 @@ class Manifest:
                 "layers": self.num_layers,
                 "bpc": self.blocks_per_chunk,
                 "updated": self.updated,
+                **({"retain": self.retain_s} if self.retain_s else {}),
             }
         )
 
@@ -125,12 +131,14 @@ class Manifest:
             numbers = [h["tokens"], h["layers"], h["bpc"]]
             if (not all(isinstance(t, str) for t in texts) or not isinstance(h["hashes"], list)
                     or not all(isinstance(n, int) and not isinstance(n, bool) for n in numbers)
-                    or not isinstance(h["updated"], int | float)):
+                    or not isinstance(h["updated"], int | float)
+                    or not isinstance(h.get("retain", 0.0), int | float)):
                 raise ValueError("a field of the wrong type")
             return cls(texts[0], texts[1], texts[2],
                        block_hashes=tuple(h["hashes"]),  # (bytes: checked after)
                        token_count=numbers[0], num_layers=numbers[1],
-                       blocks_per_chunk=numbers[2], updated=float(h["updated"]))
+                       blocks_per_chunk=numbers[2], updated=float(h["updated"]),
+                       retain_s=float(h.get("retain", 0.0)))
         except ChunkFormatError:
             raise
         except (ValueError, KeyError, TypeError, OverflowError) as e:

@@ -20,6 +20,7 @@ from collections.abc import Collection
 from services.kvstore.errors import ManifestIncomplete, TierUnavailable
 from services.kvstore.manifests.latest import LATEST_SESSIONS, LatestSequences, SavedSequence
 from services.kvstore.manifests.manifest import Manifest, manifest_key
+from services.kvstore.manifests.retention import RetentionIndex
 from services.kvstore.manifests.save_waits import SaveWaits
 from services.kvstore.store import TieredStore
 from services.kvstore.store.keys import chunk_tier_key, manifest_tier_key
@@ -41,8 +42,11 @@ class ManifestStore:
     An async context manager: leaving it lets pending manifest writes finish (up to
     ``drain_s``), then cancels the rest."""
 
-    def __init__(self, store: TieredStore, drain_s: float = 5.0) -> None:
+    def __init__(self, store: TieredStore, drain_s: float = 5.0,
+                 retention: RetentionIndex | None = None) -> None:
         self.store = store
+        # sessions saved with a prompt_cache_retention (expired by retention_sweep)
+        self.retention = retention if retention is not None else RetentionIndex(store.ttl_s)
         self.ledger = store.ledger
         self.drain_s = drain_s
         self.sequences = LatestSequences()  # each session's latest, and its manifest
@@ -222,6 +226,7 @@ class ManifestStore:
         if self._forgotten.get(sid) != deleted_before:
             return
         self.sequences.note(sid, seq, manifest)
+        self.retention.note(manifest)
         old = self._manifests.pop(sid, None)
         if old is not None and old not in self._writing:
             old.cancel()  # a newer sequence of the session supersedes it
@@ -266,6 +271,7 @@ class ManifestStore:
         cancelled; one being written is waited for, so the caller's delete comes after)."""
         sid = SessionKey(tenant, session_id)
         self.sequences.drop(sid)
+        self.retention.drop(sid)
         self.saves.forget(sid)
         self._forgotten[sid] = next(self._forgets)  # a save under way will not remember it
         self._forgotten.move_to_end(sid)

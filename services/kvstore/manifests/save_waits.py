@@ -54,6 +54,10 @@ class SaveWaits:
             self._block.pop(old, None)
         self._wake(sid)
 
+    def running(self, sid: SessionKey) -> bool:
+        """Whether a save of the session is under way."""
+        return sid in self._running
+
     def forget(self, sid: SessionKey) -> None:
         self._tokens.pop(sid, None)
         self._block.pop(sid, None)

@@ -1,5 +1,9 @@
 """Expiry: local tiers drop entries idle past ``local_ttl_s``; the lowest tier past ``ttl_s``.
 
+A session saved with a longer retention (``prompt_cache_retention``) keeps its entries in
+the local tiers until it runs out (``retained``); a shorter one is expired by the
+manifests' own retention sweep.
+
 The lowest tier keeps everything until its TTL (DESIGN §3); DRAM and SSD also evict for
 capacity on every put, so the sweep only bounds how long idle data lingers. The sweeper
 works on the tiers and tells the durability ledger what the lowest tier loses; it knows
@@ -10,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 
 from services.kvstore.errors import StorageError, TierUnavailable
 from services.kvstore.metrics import KVStoreMetrics
@@ -28,21 +32,28 @@ class Sweeper:
         metrics: KVStoreMetrics,
         local_ttl_s: float,
         ttl_s: float,
+        retained: Callable[[float], Collection[str]] | None = None,
     ) -> None:
         self.tiers = tiers
         self.lowest = tiers[-1]
         self.ledger = ledger
         self.metrics = metrics
         self.local_ttl_s, self.ttl_s = local_ttl_s, ttl_s
+        # The tier keys of sessions saved with a retention still running at a time: the
+        # local tiers keep them past their idle TTL (manifests/retention.py).
+        self.retained = retained
 
     async def sweep(self, now: float) -> int:
         """One pass over every tier; returns how many entries were removed."""
         removed = 0
+        kept = self.retained(now) if self.retained is not None else ()
         for tier in self.tiers:
             ttl = self.ttl_s if tier is self.lowest else self.local_ttl_s
             try:
                 for key in await tier.scan_expired(now - ttl):
                     if tier is not self.lowest:
+                        if key in kept:
+                            continue
                         removed += await self._expire(tier, key)
                         continue
                     removed += await self._expire_lowest(tier, key, now - ttl)

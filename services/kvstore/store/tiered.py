@@ -76,6 +76,7 @@ class TieredStore:
         ttl_s: float = 7 * 86400.0,
         sweep_interval_s: float = 30.0,
         drain_s: float = 5.0,
+        retained: Callable[[float], Collection[str]] | None = None,
     ) -> None:
         if not tiers or not isinstance(tiers[0], DramTier):
             raise ValueError("the first tier must be a DramTier")
@@ -94,7 +95,7 @@ class TieredStore:
             write_workers=write_workers, retry_backoff_max_s=retry_backoff_max_s,
         )
         self.writer = self.writes.behind
-        self.sweeper = Sweeper(tiers, self.ledger, metrics, local_ttl_s, ttl_s)
+        self.sweeper = Sweeper(tiers, self.ledger, metrics, local_ttl_s, ttl_s, retained)
         self._sweep_task: asyncio.Task[None] | None = None
         self._health_task: asyncio.Task[None] | None = None
         self._opened: list[Tier] = []

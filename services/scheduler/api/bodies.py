@@ -111,7 +111,8 @@ STOP = AnyOf([Str(min_len=1), ListOf(Str(min_len=1), min_items=1, max_items=MAX_
 
 
 # OpenAI's prompt caching fields (issue 41): a session key when no session is named, and
-# how long the session's KV is kept (``scheduler.retention_max_s`` bounds it).
+# how long the session's KV is kept (``scheduler.retention_in_memory_s`` and
+# ``retention_24h_s`` say how long each value is; the kvstore bounds both by its TTL).
 CACHE_FIELDS: dict[str, Node] = {
     "prompt_cache_key": session_field("the session when neither X-Session-Id nor "
                                       "session_id names one"),

@@ -15,3 +15,9 @@ class Limits:
     max_messages: int = 2048  # messages in one chat request (and Responses input items)
     max_tokens: int = 2**31 - 1  # the ceiling of max_tokens (the engine's field is an int32)
     strict_fields: bool = False  # a field nobody documents is a 400 (else ignored, named)
+    # prompt_cache_retention's values in seconds (scheduler.retention_in_memory_s, _24h_s)
+    retention_s: tuple[tuple[str, float], ...] = (("in_memory", 600.0), ("24h", 86400.0))
+
+    def cache_retention_s(self, value: str | None) -> float:
+        """The seconds a ``prompt_cache_retention`` value asks for; 0 for none."""
+        return dict(self.retention_s).get(value or "", 0.0)

@@ -100,6 +100,7 @@ class ApiRequest:
     add_generation_prompt: bool = True
     guidance: Guidance = Guidance()
     ignored_fields: tuple[str, ...] = ()  # body fields nobody documents (a header names them)
+    cache_retention_s: float = 0.0  # prompt_cache_retention in seconds (0: the tiers' TTLs)
 
     def choices(self) -> list[Choice]:
         """Prompt-major fan-out: choice ``p * n + j`` is sample ``j`` of prompt ``p``.

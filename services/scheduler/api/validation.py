@@ -202,4 +202,5 @@ def validate(
         add_generation_prompt=v.get("add_generation_prompt", True),
         guidance=guidance(v),
         ignored_fields=ignored,
+        cache_retention_s=limits.cache_retention_s(v.get("prompt_cache_retention")),
     )

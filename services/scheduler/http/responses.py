@@ -86,7 +86,8 @@ async def create(request: web.Request) -> web.StreamResponse:
                                            state.limits.default_max_tokens),
                           seed=v.get("seed")),
         stream=v.get("stream", False), session_id=session, tenant=tenant,
-        priority=v.get("priority", 0), guidance=guidance(items.chat_guidance_fields(v)))
+        priority=v.get("priority", 0), guidance=guidance(items.chat_guidance_fields(v)),
+        cache_retention_s=state.limits.cache_retention_s(v.get("prompt_cache_retention")))
     model = await state.dispatcher.resolve_model(req.model)
     check_input_budget(req, state.registry.max_model_len(model))
     with state.turns.attempt(tenant, retry_key(request, session)), \

@@ -62,6 +62,17 @@ def _prefix_rank(node: Node, request: RouteRequest) -> int:
         return len(request.prefix_nodes)
 
 
+def _advised_blind(request: RouteRequest) -> bool:
+    """Whether the request's advisory chose its node blind: its session had nothing stored
+    anywhere and its leading context (an agent team's shared system prompt) was on no node
+    yet, so load alone decided, and the advisory could stage nothing. If another node holds
+    that context by the time the turn comes (its predecessor saved it meanwhile), following
+    the advisory would recompute the context there: the turn is routed as if unadvised
+    (issue 41: an advisory never makes a turn slower)."""
+    return (not request.holder and bool(request.prefix_nodes)
+            and request.advised not in request.prefix_nodes)
+
+
 def _least_loaded(nodes: Sequence[Node]) -> Node:
     return min(nodes, key=lambda n: (n.score(), n.routed, n.last_routed, n.node_id))
 
@@ -95,7 +106,7 @@ class BalancedPolicy:
     def _choose(self, nodes: Sequence[Node], request: RouteRequest) -> Node | None:
         if not nodes:
             return None
-        if request.advised:
+        if request.advised and not _advised_blind(request):
             for n in nodes:
                 if n.node_id == request.advised:
                     return n

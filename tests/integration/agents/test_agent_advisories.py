@@ -209,15 +209,37 @@ def test_a_responses_function_call_is_advised_and_followed(cluster: Cluster) -> 
     calls = [o for o in first["output"] if o["type"] == "function_call"]
     assert calls, first
     assert _metric(cluster, received) == before[0] + 1, cluster.logs()
+    results = [{"type": "function_call_output", "call_id": c["call_id"],
+                "output": "18 degrees"} for c in calls]
+    then = {"model": "demo-tiny", "temperature": 0, "instructions": _system("resp"),
+            "max_output_tokens": 8, "tools": [tool], "tool_choice": "none"}
     second, served = _chat(cluster, ALPHA, "", {
-        "model": "demo-tiny", "previous_response_id": first["id"], "temperature": 0,
-        "instructions": _system("resp"), "max_output_tokens": 8, "tools": [tool],
-        "tool_choice": "none",
-        "input": [{"type": "function_call_output", "call_id": c["call_id"],
-                   "output": "18 degrees"} for c in calls]}, path="/v1/responses")
+        **then, "previous_response_id": first["id"], "input": results},
+        path="/v1/responses")
     assert served == node and second["status"] in ("completed", "incomplete"), second
     assert _metric(cluster, followed) == before[1] + 1, cluster.logs()
     assert second["usage"]["input_tokens_details"]["cached_tokens"] > 0
+    assert second["usage"]["input_tokens_details"].get("kv_from") in DEVICE, second["usage"]
+    # recomputed: the whole conversation as items, from a tenant with nothing cached
+    i = next(_refs)
+    ref, _ = _chat(cluster, {"Authorization": f"Bearer key-of-ref{i:02d}"}, "", {
+        **then, "input": [{"role": "user", "content": "(resp) Paris?"},
+                          *[_as_input(o) for o in first["output"]], *results]},
+        path="/v1/responses")
+    assert ref["usage"]["input_tokens_details"]["cached_tokens"] == 0
+    assert _text(second) == _text(ref) and second["status"] == ref["status"], (second, ref)
+
+
+def _as_input(item: dict[str, Any]) -> dict[str, Any]:
+    """An output item as the next call's input item (what the Agents SDK sends)."""
+    if item["type"] == "function_call":
+        return {k: item[k] for k in ("type", "call_id", "name", "arguments")}
+    return {"role": "assistant", "content": _text({"output": [item]})}
+
+
+def _text(response: dict[str, Any]) -> str:
+    return "".join(c.get("text", "") for o in response["output"] if o["type"] == "message"
+                   for c in o["content"])
 
 
 def test_an_explicit_advisory_overrides_the_inferred_one(cluster: Cluster) -> None:

@@ -202,6 +202,24 @@ class DevicePrefetch:
             if id(s) in granted:
                 self._start(s, granted[id(s)])
 
+    def fill_pending(self) -> bool:
+        """Whether a fill would start a load now: an advised session lacks layers (purged
+        under pressure, say while its tool runs) and its next layer fits in free memory and
+        plain cache. The engine steps for it even with nothing else to run, so the purged
+        layers come back before the session's request does (issue 41); never true when no
+        room is there, so an idle engine does not spin on it."""
+        blocks = self.blocks
+        room = (blocks.num_free_or_committable() + blocks.num_evictable
+                - (self.demand.blocks_wanted_next_step() if self.cooperative else 0))
+        here = self.demand.sessions()
+        for s in self.sessions.values():
+            if self._wants_more(s) and s.key not in here:
+                layer = len(s.held)
+                need = sum(blocks.cached_block((h, layer)) is None for h in s.hashes)
+                if need <= room:
+                    return True
+        return False
+
     def _wants_more(self, s: Advised) -> bool:
         return (s.loading is None and not s.failed and not s.retire
                 and len(s.held) < self.kv.num_layers)

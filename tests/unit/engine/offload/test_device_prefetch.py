@@ -461,3 +461,35 @@ def test_the_sessions_order_fills_and_purges_whole_sessions(ablated) -> None:
     d.blocks.allocate(4)  # running requests: the least recently advised session first
     assert (layers(d, "a"), layers(d, "b")) == (0, 4)
     assert d.purged_by_layer == [3, 3, 3, 3]
+
+
+def test_a_tool_pause_purged_under_pressure_is_prefetched_again_before_the_return(
+        book) -> None:
+    """Issue 41: a session waiting on a tool holds its blocks as prefetched ones (a soft
+    pin). Running requests take its later layers first; once they end, while the
+    advisory still runs (the tool has not returned), the purged layers are loaded again
+    from the kvstore's DRAM copy, and the engine steps for it though nothing else runs,
+    so the tool result's turn finds every layer on device."""
+    d, jobs, clock = book
+    o = order("a", 2, ttl_s=30)  # expected back within its advisory's life
+    prefetched(d, jobs, o)
+    assert not d.fill_pending()  # every layer there: nothing to do
+    taken = d.blocks.allocate(14)  # running requests: 8 free, then 3 top layers go
+    assert taken is not None and layers(d, "a") == 1
+    assert d.purged_by_layer == [0, 2, 2, 2]  # later layers first (blocks per layer)
+    assert not d.fill_pending()  # no room: the engine need not step for it
+    d.blocks.free(taken)  # the requests ended; the tool is still running
+    clock.now += 5
+    assert d.fill_pending()  # room again: one more step, idle or not
+    d.begin_step()
+    (job,) = jobs
+    assert job.plan.lease_id == ""  # the first load's lease is spent: the tiers are searched
+    assert layers_in(job, 2) == [1, 2, 3]  # only what was purged
+    finish(jobs)
+    d.begin_step()
+    assert layers(d, "a") == LAYERS and not d.fill_pending()
+    seq = admitted_seq(d, [[d.blocks.cached_block((h, ly)) for ly in range(LAYERS)]  # type: ignore[misc]
+                           for h in o.hashes])
+    d.admitted(seq)  # the tool's result arrives: a device hit on every layer
+    assert seq.offload.prefetched == DEVICE_PREFETCHED and d.outcomes == {"followed": 1}
+    d.blocks.check_integrity()

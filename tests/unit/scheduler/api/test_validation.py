@@ -213,8 +213,11 @@ def test_prompt_cache_key_names_the_session_when_nothing_else_does() -> None:
                     session_header="h1").session_id == "h1"
     assert validate({"prompt": "x", "prompt_cache_key": "k2"}, "completion",
                     LIMITS).session_id == "k2"
-    for retention in ("in_memory", "24h"):
-        validate(chat(prompt_cache_retention=retention), "chat", LIMITS)
+    limits = Limits(retention_s=(("in_memory", 300.0), ("24h", 7200.0)))
+    for retention, seconds in (("in_memory", 300.0), ("24h", 7200.0)):  # the config's
+        req = validate(chat(prompt_cache_retention=retention), "chat", limits)
+        assert req.cache_retention_s == seconds
+    assert validate(chat(), "chat", limits).cache_retention_s == 0.0  # the tiers' TTLs
     with pytest.raises(ApiError) as e:
         validate(chat(prompt_cache_retention="forever"), "chat", LIMITS)
     assert e.value.status == 400 and e.value.param == "prompt_cache_retention"

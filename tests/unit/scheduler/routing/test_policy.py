@@ -76,6 +76,21 @@ def test_an_advised_request_goes_to_its_advisory_node_under_balanced() -> None:
     assert pick(make_policy("balanced"), reg, RouteRequest("m", advised="b")) == "b"
 
 
+def test_a_new_sessions_blind_advisory_gives_way_to_the_node_holding_its_context() -> None:
+    """The architect, advised while the product manager runs, went to the idle node; when
+    it comes, the manager's node holds the team's system prompt it starts with: it goes
+    there rather than recompute the prompt where the advisory staged nothing."""
+    reg, _ = registry("a", "b")
+    policy = make_policy("balanced")
+    blind = RouteRequest("m", "architect", advised="b", prefix_nodes=("a",))
+    assert pick(policy, reg, blind) == "a"
+    # an advisory that chose the context's node, or one for a session with KV, is followed
+    assert pick(policy, reg, RouteRequest("m", "s", advised="b", prefix_nodes=("b", "a"))) == "b"
+    reg.heartbeat("b", Load(running=3))
+    held = RouteRequest("m", "s", holder="b", advised="b", prefix_nodes=("a",))
+    assert pick(policy, reg, held) == "b"
+
+
 def test_sticky_keeps_a_session_on_its_node_and_recompute_ignores_kv() -> None:
     reg, _ = registry("a", "b")
     reg.heartbeat("a", Load(running=5))
