@@ -22,6 +22,7 @@ def model_fingerprint(
     tokenizer_path: Path,
     weights: list[SafetensorsFile],
     kv_dtype: torch.dtype,
+    quant: str = "",
 ) -> str:
     h = hashlib.sha256()
     h.update(b"overture-model-fp-v1\0")
@@ -32,4 +33,6 @@ def model_fingerprint(
         h.update(f"{f.path.name}\0{f.size}\0".encode())
         h.update(hashlib.sha256(f.header_bytes).digest())
     h.update(str(kv_dtype).encode())
+    if quant:  # (absent for float models: their fingerprints stay what they were)
+        h.update(f"\0quant={quant}".encode())
     return h.hexdigest()

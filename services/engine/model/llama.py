@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import overload
+from typing import Any, overload
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,7 @@ from .paged_attention import (
     paged_attention,
     write_kv,
 )
+from .quant import QuantEmbedding, QuantLinear
 from .rope import RotaryTables, apply_rotary
 
 
@@ -60,9 +61,14 @@ class OutputRows:
     plan: AttentionPlan  # build_rows_plan for those rows
 
 
+def _linear(w: Mapping[str, Any], key: str) -> Linear | QuantLinear | None:
+    """A quantized linear given ready-made in the weights (None for a float weight)."""
+    t = w[key]
+    return None if t is None or isinstance(t, torch.Tensor) else t  # type: ignore[no-any-return]
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor | None],
-                 upcast_rows: int) -> None:
+    def __init__(self, config: ModelConfig, w: dict[str, Any], upcast_rows: int) -> None:
         super().__init__()
         self.upcast_rows = upcast_rows
         self.eps = config.rms_norm_eps
@@ -74,22 +80,24 @@ class DecoderLayer(nn.Module):
         self.scale = config.head_dim**-0.5
         self.input_norm = _required(w, "input_norm")
         self.post_norm = _required(w, "post_norm")
-        self.qkv_w = _required(w, "qkv_w")
-        self.qkv_b = _param(w["qkv_b"])
-        self.o_w = _required(w, "o_w")
-        self.o_b = _param(w["o_b"])
-        self.gate_up_w = _required(w, "gate_up_w")
-        self.gate_up_b = _param(w["gate_up_b"])
-        self.down_w = _required(w, "down_w")
-        self.down_b = _param(w["down_b"])
-        # Views over the parameters above that also keep their float32 copies.
-        self.qkv = Linear(self.qkv_w, self.qkv_b)
-        self.o = Linear(self.o_w, self.o_b)
-        self.gate_up = Linear(self.gate_up_w, self.gate_up_b)
-        self.down = Linear(self.down_w, self.down_b)
+        # Quantized linears come ready-made (quant/build.py) and hold their own weights.
+        self.qkv: Linear | QuantLinear
+        self.o: Linear | QuantLinear
+        self.gate_up: Linear | QuantLinear
+        self.down: Linear | QuantLinear
+        for name in ("qkv", "o", "gate_up", "down"):
+            ready = _linear(w, name + "_w")
+            weight = None if ready is not None else _required(w, name + "_w")
+            bias = None if ready is not None else _param(w[name + "_b"])
+            setattr(self, name + "_w", weight)
+            setattr(self, name + "_b", bias)
+            # A view over the parameters above that also keeps their float32 copies.
+            setattr(self, name, ready if ready is not None else Linear(weight, bias))
 
     def linears(self) -> tuple[Linear, ...]:
-        return self.qkv, self.o, self.gate_up, self.down
+        """The float linears (quantized ones have no float copies or packing)."""
+        return tuple(lin for lin in (self.qkv, self.o, self.gate_up, self.down)
+                     if isinstance(lin, Linear))
 
     def pack_linears(self) -> None:
         """Small float32 weights on MKL, other float32 CPU weights in oneDNN's layout (see
@@ -97,6 +105,8 @@ class DecoderLayer(nn.Module):
         small one's replaced by its copy, so the plain one is freed."""
         for name, lin in (("qkv_w", self.qkv), ("o_w", self.o), ("gate_up_w", self.gate_up),
                           ("down_w", self.down)):
+            if not isinstance(lin, Linear):
+                continue
             if lin.choose_kernel():
                 setattr(self, name, _param(lin.w))  # its copy (see Linear.choose_kernel)
             elif lin.pack():
@@ -141,16 +151,20 @@ class LlamaModel(nn.Module):
     def __init__(
         self,
         config: ModelConfig,
-        weights: dict[str, torch.Tensor | None],
-        layers: list[dict[str, torch.Tensor | None]],
+        weights: dict[str, Any],
+        layers: list[dict[str, Any]],
     ) -> None:
         super().__init__()
         self.config = config
         embed = weights["embed"]
         assert embed is not None
         self.dtype = embed.dtype
-        self.embed = _param(embed)
         self.norm = _required(weights, "norm")
+        self.quant_embed: QuantEmbedding | None = None
+        if isinstance(embed, QuantEmbedding):
+            self._init_quantized(config, embed, weights["lm_head"], layers)
+            return
+        self.embed = _param(embed)
         lm_head = weights.get("lm_head")
         # Tied embeddings share the very same tensor, no copy.
         self.lm_head: nn.Parameter | None = self.embed if lm_head is None else _param(lm_head)
@@ -168,6 +182,20 @@ class LlamaModel(nn.Module):
         elif lm_head is not None and self.head.pack():
             self.lm_head = None  # a tied head stays plain: the embedding lookup reads it
 
+    def _init_quantized(self, config: ModelConfig, embed: QuantEmbedding,
+                        head: QuantLinear, layers: list[dict[str, Any]]) -> None:
+        """Weights kept quantized (quant/): the embedding looked up row by row, the head and
+        every projection computed by int4/int8 kernels; activations in ``embed.dtype``."""
+        self.quant_embed = embed
+        self.embed = nn.Parameter(torch.empty(0, dtype=embed.dtype, device=embed.device),
+                                  requires_grad=False)  # (the device and dtype; no table)
+        self.lm_head = None
+        self.head: Linear | QuantLinear = head
+        self.upcast_rows = 0
+        self.layers = nn.ModuleList(DecoderLayer(config, w, 0) for w in layers)
+        self.decoder_layers = list(self.layers)  # type: ignore[arg-type]
+        self.rope = RotaryTables(config, embed.dtype, embed.device)
+
     def set_upcast_rows(self, rows: int) -> None:
         """Override the float32-compute threshold of half-precision linears (0 = never,
         which also frees their float32 weight copies)."""
@@ -179,8 +207,9 @@ class LlamaModel(nn.Module):
                 lin.release_float32()
 
     def linears(self) -> list[Linear]:
-        """Every linear of the model, the head first."""
-        return [self.head, *(lin for layer in self.decoder_layers for lin in layer.linears())]
+        """Every float linear of the model, the head first."""
+        head = [self.head] if isinstance(self.head, Linear) else []
+        return [*head, *(lin for layer in self.decoder_layers for lin in layer.linears())]
 
     @property
     def float32_copy_bytes(self) -> int:
@@ -193,7 +222,10 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
-        h = F.embedding(batch.input_ids, self.embed)  # (T, hidden)
+        if self.quant_embed is not None:
+            h = self.quant_embed.lookup(batch.input_ids)  # (T, hidden)
+        else:
+            h = F.embedding(batch.input_ids, self.embed)  # (T, hidden)
         cos, sin = self.rope.lookup(batch.positions)  # (T, 1, hd) each
         group = self.config.num_heads // self.config.num_kv_heads
         plan = build_plan(batch, kv_cache.shape[2], group, h.dtype)  # shared by every layer

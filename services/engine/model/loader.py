@@ -67,7 +67,10 @@ def load_model(
     dtype: torch.dtype = torch.bfloat16,
     device: str | torch.device = "cpu",
     served_name: str = "",
+    quant: str = "",
 ) -> LoadedModel:
+    """``dtype`` is the activations' and KV's; ``quant`` ("q4", "q8_0") quantizes float
+    weights at load (weights stored quantized stay so whatever it says)."""
     folder = Path(path)
     if not folder.is_dir():
         raise LoaderError(f"{folder}: model folder does not exist")
@@ -78,11 +81,12 @@ def load_model(
     tokenizer = Tokenizer.from_folder(folder, cfg.eos_token_ids)
     files = [read_header(p) for p in weight_files(folder)]
     dev = torch.device(device)
-    glob, layers = build_weights(cfg, TensorSource(files, dtype, dev))
+    glob, layers = build_weights(cfg, TensorSource(files, dtype, dev, quant))
     model = LlamaModel(cfg, glob, layers).eval()
     del glob, layers  # the plain weights that packing replaced (see linear.py) go now
     trim_heap()  # and glibc hands their memory back instead of keeping it for reuse
-    fp = model_fingerprint(raw, folder / "tokenizer.json", files, dtype)
+    # (a load-time quantization changes the weights: it is part of the model's identity)
+    fp = model_fingerprint(raw, folder / "tokenizer.json", files, dtype, quant)
     name = served_name or folder.resolve().name
     log.info(
         "loaded %s (%s, %d layers, %s) in %.2fs, fingerprint %s",
