@@ -64,7 +64,7 @@ class OutputRows:
 def _linear(w: Mapping[str, Any], key: str) -> Linear | QuantLinear | None:
     """A quantized linear given ready-made in the weights (None for a float weight)."""
     t = w[key]
-    return None if t is None or isinstance(t, torch.Tensor) else t  # type: ignore[no-any-return]
+    return None if t is None or isinstance(t, torch.Tensor) else t
 
 
 class DecoderLayer(nn.Module):
@@ -87,12 +87,16 @@ class DecoderLayer(nn.Module):
         self.down: Linear | QuantLinear
         for name in ("qkv", "o", "gate_up", "down"):
             ready = _linear(w, name + "_w")
-            weight = None if ready is not None else _required(w, name + "_w")
-            bias = None if ready is not None else _param(w[name + "_b"])
+            if ready is not None:
+                setattr(self, name + "_w", None)
+                setattr(self, name + "_b", None)
+                setattr(self, name, ready)
+                continue
+            weight, bias = _required(w, name + "_w"), _param(w[name + "_b"])
             setattr(self, name + "_w", weight)
             setattr(self, name + "_b", bias)
             # A view over the parameters above that also keeps their float32 copies.
-            setattr(self, name, ready if ready is not None else Linear(weight, bias))
+            setattr(self, name, Linear(weight, bias))
 
     def linears(self) -> tuple[Linear, ...]:
         """The float linears (quantized ones have no float copies or packing)."""
@@ -161,40 +165,42 @@ class LlamaModel(nn.Module):
         self.dtype = embed.dtype
         self.norm = _required(weights, "norm")
         self.quant_embed: QuantEmbedding | None = None
-        if isinstance(embed, QuantEmbedding):
-            self._init_quantized(config, embed, weights["lm_head"], layers)
-            return
-        self.embed = _param(embed)
-        lm_head = weights.get("lm_head")
-        # Tied embeddings share the very same tensor, no copy.
-        self.lm_head: nn.Parameter | None = self.embed if lm_head is None else _param(lm_head)
-        self.head = Linear(self.embed if lm_head is None else self.lm_head, None)
-        self.upcast_rows = default_upcast_rows(embed.dtype, embed.device)
+        self.head: Linear | QuantLinear
+        self.lm_head: nn.Parameter | None
+        quantized = isinstance(embed, QuantEmbedding)
+        if quantized:
+            # Weights kept quantized (quant/): the embedding looked up row by row, the head
+            # and every projection computed by int4/int8 kernels; activations in its dtype.
+            self.quant_embed = embed
+            self.embed = nn.Parameter(torch.empty(0, dtype=embed.dtype, device=embed.device),
+                                      requires_grad=False)  # (the device and dtype; no table)
+            self.lm_head, self.head = None, weights["lm_head"]
+            self.upcast_rows = 0
+        else:
+            self.embed = _param(embed)
+            # Tied embeddings share the very same tensor, no copy.
+            self.lm_head = self.embed if weights.get("lm_head") is None else _param(
+                weights["lm_head"])
+            self.upcast_rows = default_upcast_rows(embed.dtype, embed.device)
         self.layers = nn.ModuleList(DecoderLayer(config, w, self.upcast_rows) for w in layers)
         # The same modules, typed (nn.ModuleList yields plain Modules).
         self.decoder_layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
         self.rope = RotaryTables(config, embed.dtype, embed.device)
+        if not quantized:
+            self._pack(weights.get("lm_head") is not None)
+
+    def _pack(self, untied: bool) -> None:
+        """Float weights: each linear on its kernel, float32 ones packed (linear.py)."""
         for layer in self.decoder_layers:
             layer.pack_linears()
-        if self.head.choose_kernel():
-            if lm_head is not None:  # (a tied head's copy is its own; the lookup reads embed)
-                self.lm_head = _param(self.head.w)
-        elif lm_head is not None and self.head.pack():
+        assert self.lm_head is not None
+        head = Linear(self.lm_head, None)
+        self.head = head
+        if head.choose_kernel():
+            if untied:  # (a tied head's copy is its own; the lookup reads embed)
+                self.lm_head = _param(head.w)
+        elif untied and head.pack():
             self.lm_head = None  # a tied head stays plain: the embedding lookup reads it
-
-    def _init_quantized(self, config: ModelConfig, embed: QuantEmbedding,
-                        head: QuantLinear, layers: list[dict[str, Any]]) -> None:
-        """Weights kept quantized (quant/): the embedding looked up row by row, the head and
-        every projection computed by int4/int8 kernels; activations in ``embed.dtype``."""
-        self.quant_embed = embed
-        self.embed = nn.Parameter(torch.empty(0, dtype=embed.dtype, device=embed.device),
-                                  requires_grad=False)  # (the device and dtype; no table)
-        self.lm_head = None
-        self.head: Linear | QuantLinear = head
-        self.upcast_rows = 0
-        self.layers = nn.ModuleList(DecoderLayer(config, w, 0) for w in layers)
-        self.decoder_layers = list(self.layers)  # type: ignore[arg-type]
-        self.rope = RotaryTables(config, embed.dtype, embed.device)
 
     def set_upcast_rows(self, rows: int) -> None:
         """Override the float32-compute threshold of half-precision linears (0 = never,

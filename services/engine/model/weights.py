@@ -19,6 +19,7 @@ from .quant import (
     Groups,
     QuantEmbedding,
     from_tensors,
+    kernel_dtype,
     make_linear,
     quantize_int4,
     quantize_int8,
@@ -199,13 +200,13 @@ def build_weights(
 def _quantized_weights(
     cfg: ModelConfig, src: TensorSource
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    act, widen = src.dtype, src.quant == "q8_0"
+    act, widen = kernel_dtype(src.dtype), src.quant == "q8_0"
 
     def lin(names: list[str], biases: list[str] | None) -> Any:
         b = _cat([src.get(n) for n in biases]) if biases else None
         return make_linear([src.groups(n) for n in names], b, act, widen)
 
-    embed = QuantEmbedding(src.groups("model.embed_tokens.weight"), act)
+    embed = QuantEmbedding(src.groups("model.embed_tokens.weight"), src.dtype)
     head = (make_linear([embed.groups()], None, act, widen) if cfg.tie_word_embeddings
             else lin(["lm_head.weight"], None))
     glob = {"embed": embed, "norm": src.get("model.norm.weight"), "lm_head": head}

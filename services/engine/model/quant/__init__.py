@@ -3,7 +3,7 @@ group scales, computed by PyTorch's CPU weight-only int4/int8 GEMMs."""
 
 from __future__ import annotations
 
-from .build import Groups, QuantLinear, SplitLinear, make_linear
+from .build import Groups, QuantLinear, SplitLinear, kernel_dtype, make_linear
 from .embedding import QuantEmbedding
 from .ggml_blocks import (
     BLOCK,
@@ -33,8 +33,32 @@ from .stored import (
 )
 
 __all__ = [
-    "BLOCK", "EIGHT_BIT", "FOUR_BIT", "NAMES", "Q4_0", "Q4_1", "Q4_K", "Q4_SUFFIXES", "Q6_K",
-    "Q8_0", "Q8_SUFFIXES", "QUANT_DTYPES", "Groups", "Int4Groups", "Int4Linear", "Int8Groups",
-    "Int8Linear", "QuantEmbedding", "QuantLinear", "SplitLinear", "decode_int4", "decode_int8",
-    "from_tensors", "make_linear", "quantize_int4", "quantize_int8", "to_tensors",
+    "BLOCK",
+    "EIGHT_BIT",
+    "FOUR_BIT",
+    "NAMES",
+    "Q4_0",
+    "Q4_1",
+    "Q4_K",
+    "Q4_SUFFIXES",
+    "Q6_K",
+    "Q8_0",
+    "Q8_SUFFIXES",
+    "QUANT_DTYPES",
+    "Groups",
+    "Int4Groups",
+    "Int4Linear",
+    "Int8Groups",
+    "Int8Linear",
+    "QuantEmbedding",
+    "QuantLinear",
+    "SplitLinear",
+    "decode_int4",
+    "decode_int8",
+    "from_tensors",
+    "kernel_dtype",
+    "make_linear",
+    "quantize_int4",
+    "quantize_int8",
+    "to_tensors",
 ]

@@ -20,6 +20,15 @@ from .stored import quantize_int8
 Groups = Int4Groups | Int8Groups
 
 
+def kernel_dtype(act: torch.dtype) -> torch.dtype:
+    """The dtype the int4/int8 kernels compute in for activations of ``act``: bfloat16 on
+    CPUs with native bf16 (AVX-512 BF16 / AMX; detected at run time), where PyTorch's
+    kernels have their fast paths (bench/README.md, "Quantized weights"), else ``act``."""
+    if act == torch.float32 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.bfloat16
+    return act
+
+
 class SplitLinear:
     """Several quantized linears on the same input, outputs concatenated (out_1 + ...)."""
 

@@ -4,9 +4,8 @@ CPU int8 weight-only GEMM (``aten._weight_int8pack_mm``).
 GGUF's Q8_0 has a scale per 32 columns and Q6_K one per 16; the kernel takes one per
 output row. Such weights are re-rounded onto a per-row grid (``stored.quantize_int8``): each
 weight moves by at most half the row's step, ``max|w| / 254``; docs/configuration.md gives
-the measured effect on outputs. bench/README.md ("Quantized weights") compares the other
-ways of keeping per-group scales (a GEMM per group, dequantizing per call), which cost
-2-20x more per decode step on the same shapes.
+the bound on outputs. bench/README.md ("Quantized weights") measures the exact ways of
+keeping per-group scales (an int8 GEMM per group; dequantizing on every call) against it.
 """
 
 from __future__ import annotations
@@ -45,5 +44,6 @@ class Int8Linear:
 
     def __call__(self, x: torch.Tensor, upcast_rows: int = 0) -> torch.Tensor:
         """x (rows, in) -> (rows, out) in x's dtype."""
-        y = torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale)
-        return y if self.b is None else y + self.b
+        kx = x.to(self.scale.dtype)  # the kernel's dtype (see build.kernel_dtype)
+        y = torch.ops.aten._weight_int8pack_mm(kx, self.codes, self.scale)
+        return (y if self.b is None else y + self.b).to(x.dtype)

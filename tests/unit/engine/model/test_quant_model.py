@@ -17,7 +17,16 @@ from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file, save_file
 
 from services.engine.model import load_model
-from services.engine.model.quant import NAMES, Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, Int4Linear
+from services.engine.model.quant import (
+    NAMES,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q6_K,
+    Q8_0,
+    Int4Linear,
+    kernel_dtype,
+)
 from services.models.gguf_weights import quantized_state, rope_rows
 
 from .paged import PagedCache, greedy
@@ -117,8 +126,11 @@ def test_a_tiny_gguf_of_each_type_serves_quantized(quantized_pair, kind: int) ->
     prompt = list(range(5, 40))
     lq = PagedCache(q.model, 1, 64).step([prompt], [0])
     lf = PagedCache(f.model, 1, 64).step([prompt], [0])
-    # 4-bit types: the same weights (float32 rounding only); 8-bit ones re-rounded per row
+    # 4-bit types: the same weights (float32 rounding only); 8-bit ones re-rounded per row;
+    # on a CPU with native bf16 the kernels compute in it (scales and inputs rounded)
     tol = 2e-3 if kind in (Q4_0, Q4_1, Q4_K) else 5e-2
+    if kernel_dtype(torch.float32) == torch.bfloat16:
+        tol = 5e-2 if kind in (Q4_0, Q4_1, Q4_K) else 1e-1
     assert (lq - lf).abs().max().item() <= tol * max(1.0, lf.abs().max().item())
     # served step by step (decode after prefill) it continues as prefilling everything does
     out = greedy(q.model, prompt, 6)
