@@ -23,6 +23,8 @@ from services.engine.model.quant import (
     EIGHT_BIT,
     FOUR_BIT,
     Groups,
+    Int4Groups,
+    Int8Groups,
     decode_int4,
     decode_int8,
     quantize_int4,
@@ -62,9 +64,9 @@ def rope_rows(rows: int, heads: int) -> torch.Tensor:
 
 
 def _take_rows(q: Groups, order: torch.Tensor) -> Groups:
-    fields = {k: getattr(q, k) for k in q.__dataclass_fields__}
-    return type(q)(**{k: v[order] if isinstance(v, torch.Tensor) else v
-                      for k, v in fields.items()})
+    if isinstance(q, Int4Groups):
+        return Int4Groups(q.codes[order], q.scale[order], q.min[order], q.group)
+    return Int8Groups(q.codes[order], q.scale[order], q.group)
 
 
 def _float(t: Any, rows: int, cols: int) -> torch.Tensor:
