@@ -28,19 +28,27 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from services.deploy_commands import add_deploy_parsers
-from services.local_cluster import catalog_file, cluster_specs, has_catalog, node_ledgers
+from services.local_cluster import (
+    catalog_file,
+    cluster_specs,
+    has_catalog,
+    node_ledgers,
+    write_file_sd,
+)
 from services.models.catalog import DEFAULT_MODEL, PACKAGED, ModelNotFound
 from services.models.commands import add_models_parser, model_folder
 from services.models.commands import cmd_models as models_command
 from services.models.prepare import ModelPrepareError, slug
 from services.s3_server import S3ServerError, s3_server_spec
 from services.supervisor import supervise
-from shared.cluster_config import SECRET_ENV, new_secret
+from shared.cluster_config import SECRET_ENV, cluster_s3_credentials, new_secret
 from shared.config import ConfigError, load_yaml, parse_size
 from shared.cpus import available_cpus, divide_cpus, format_cpus
 
 SERVICES = ("scheduler", "nodemgr", "engine", "kvstore")
 STATE_DIR = Path(".overture")
+# Every service's /metrics, for a Prometheus file_sd_configs entry (or the eval runner).
+METRICS_FILE_SD = "prometheus-targets.json"
 DEMO_DIR = STATE_DIR / "models"
 
 
@@ -90,15 +98,16 @@ def cmd_up(args: argparse.Namespace) -> int:
     except (ModelNotFound, ModelPrepareError) as e:
         print(f"overture up: {e}", file=sys.stderr)
         return 2
+    _cluster_secret(args.config)
     s3 = None
     if not args.no_s3 and not _yaml_section_value(args.config, "kvstore", "s3"):
         try:
-            s3 = s3_server_spec((STATE_DIR / "s3").resolve())
+            s3 = s3_server_spec((STATE_DIR / "s3").resolve(),
+                                cluster_s3_credentials(args.config))
             s3.argv()  # the binary is there (S3ServerError otherwise)
-        except S3ServerError as e:
+        except (S3ServerError, ConfigError) as e:
             print(f"overture up: {e}", file=sys.stderr)
             return 2
-    _cluster_secret(args.config)
     anonymous = not _has_api_keys(args.config)
     if anonymous:
         print("overture up: no API keys configured: the public API is anonymous (every "
@@ -127,6 +136,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         state_dir=None if _yaml_section_value(args.config, "kvstore", "ssd_path") else STATE_DIR,
         cores=_node_cores(args),
     )
+    targets = write_file_sd(specs, STATE_DIR / METRICS_FILE_SD)
+    print(f"metrics of every service: {targets} (Prometheus file_sd_configs; also "
+          "GET /admin/nodes)", flush=True)
     try:
         return asyncio.run(supervise(specs, url, args.nodes, args.ready_timeout))
     finally:

@@ -18,8 +18,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from services.s3_server import S3ServerError, s3_server_spec
-from shared.cluster_config import new_secret
+from services.s3_server import S3ServerError, S3ServerSpec, s3_server_spec
+from shared.cluster_config import cluster_s3_credentials, new_secret
+from shared.config import ConfigError
 
 DEMO_MODEL = "demo"  # the folder under --models the init job writes
 
@@ -52,9 +53,10 @@ def cmd_s3_server(args: argparse.Namespace) -> int:
     one): signals reach the server itself, as a container's stop needs."""
 
     try:
-        spec = s3_server_spec(Path(args.dir), host=args.host, s3_port=args.s3_port)
+        spec = s3_server_spec(Path(args.dir), cluster_s3_credentials(None), host=args.host,
+                              s3_port=args.s3_port)
         argv = spec.argv()
-    except S3ServerError as e:
+    except (S3ServerError, ConfigError) as e:
         print(f"overture s3-server: {e}", file=sys.stderr)
         return 2
     if args.host == "0.0.0.0":  # (bind everywhere, advertise the name others dial)
@@ -66,6 +68,8 @@ def cmd_s3_server(args: argparse.Namespace) -> int:
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
+    if args.s3:
+        return _probe_s3(args.s3, args.timeout)
     if args.http:
         try:
             with urllib.request.urlopen(args.http, timeout=args.timeout):
@@ -84,6 +88,18 @@ def cmd_probe(args: argparse.Namespace) -> int:
             print(f"unhealthy: {e.code().name}", file=sys.stderr)
             return 1
     return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def _probe_s3(endpoint: str, timeout_s: float) -> int:
+    """The cluster's S3 server answers a request signed with the cluster's pair (an
+    unsigned one gets 403 by design) and has the bucket."""
+    try:
+        spec = S3ServerSpec(Path("."), "", {}, cluster_s3_credentials(None))
+        spec.client(timeout_s, endpoint).head_bucket(Bucket=spec.bucket)
+    except Exception as e:  # (a config error, a refusal, a missing bucket: all unhealthy)
+        print(f"unhealthy: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def add_deploy_parsers(cmds: argparse._SubParsersAction) -> None:
@@ -106,5 +122,7 @@ def add_deploy_parsers(cmds: argparse._SubParsersAction) -> None:
     what = probe.add_mutually_exclusive_group(required=True)
     what.add_argument("--grpc", help="HOST:PORT of a service's gRPC health endpoint")
     what.add_argument("--http", help="URL answering 200 when healthy")
+    what.add_argument("--s3", help="endpoint URL of the cluster's S3 server (a request "
+                      "signed with the keys of the cluster secret)")
     probe.add_argument("--timeout", type=float, default=3.0)
     probe.set_defaults(func=cmd_probe)

@@ -1,4 +1,5 @@
-"""A local cluster as child processes: free loopback ports, each service's command line,
+"""A local cluster as child processes: free loopback ports, each service's command line
+(every service's /metrics on by default, listed for Prometheus by ``write_file_sd``),
 and the specs ``overture up`` supervises (a scheduler, then per node a kvstore, an engine
 per model and a node manager; with several models, the node's shared device ledger and
 the model catalogue).
@@ -7,6 +8,7 @@ the model catalogue).
 from __future__ import annotations
 
 import functools
+import json
 import random
 import socket
 import sys
@@ -72,6 +74,7 @@ def cluster_specs(
     s3: S3ServerSpec | None = None,
     cores: list[tuple[int, ...]] | None = None,
     anonymous: bool = False,
+    metrics: bool = True,
 ) -> tuple[list[ChildSpec], str]:
     """Commands for a scheduler plus ``nodes`` nodes; returns them and the public URL.
     With ``state_dir`` each node's kvstore keeps its SSD tier in ``state_dir/<node>/``;
@@ -79,7 +82,9 @@ def cluster_specs(
     node i's engine and kvstore run on ``cores[i]`` only; ``anonymous``: the scheduler
     serves without API keys (on loopback). ``more_models`` ((folder, served name) each):
     every node also runs an engine for each, all of a node's engines sharing one device
-    budget through its ledger in ``ledgers[i]`` (Prism §5.1)."""
+    budget through its ledger in ``ledgers[i]`` (Prism §5.1). ``metrics``: every service
+    serves Prometheus /metrics on a free port of its own (the scheduler on its HTTP port),
+    named in its spec and told to the scheduler by each nodemgr (``GET /admin/nodes``)."""
     grpc_port = free_port(host)
     specs = []
     if s3 is not None:
@@ -90,8 +95,10 @@ def cluster_specs(
             "scheduler",
             service_command(
                 "scheduler", {"host": host, "port": http_port, "grpc_port": grpc_port,
-                              **({"anonymous": "true"} if anonymous else {})}, config
+                              **({"anonymous": "true"} if anonymous else {}),
+                              **_scheduler_state(state_dir, s3)}, config
             ),
+            metrics=f"{host}:{http_port}" if metrics else "",
         )
     ]
     for i in range(nodes):
@@ -105,8 +112,13 @@ def cluster_specs(
             kv_flags["cpus"] = format_cpus(cores[i])
         if state_dir is not None:
             kv_flags["ssd_path"] = str(state_dir / node_id / "kvstore-ssd")
+        targets: dict[str, str] = {}  # service -> host:port of its /metrics
+        if metrics:
+            kv_flags["metrics_port"] = port = free_port(host)
+            targets["kvstore"] = f"{host}:{port}"
         specs.append(ChildSpec(f"{node_id}.kvstore", service_command("kvstore", kv_flags,
-                                                                      config)))
+                                                                      config),
+                               metrics=targets.get("kvstore", "")))
         for j, (path, served) in enumerate(((model_path, served_name), *more_models)):
             eng = free_port(host)
             engines.append(f"{host}:{eng}")
@@ -123,7 +135,11 @@ def cluster_specs(
             if ledgers:
                 engine_flags["device_ledger"] = str(ledgers[i])
             name = f"{node_id}.engine" + (f"{j}" if j else "")
-            specs.append(ChildSpec(name, service_command("engine", engine_flags, config)))
+            if metrics:
+                engine_flags["metrics_port"] = port = free_port(host)
+                targets[name.split(".", 1)[1]] = f"{host}:{port}"
+            specs.append(ChildSpec(name, service_command("engine", engine_flags, config),
+                                   metrics=targets.get(name.split(".", 1)[1], "")))
         nm_flags: dict[str, object] = {
             "host": host,
             "port": nm,
@@ -139,9 +155,34 @@ def cluster_specs(
             nm_flags["device_ledger"] = str(ledgers[i])
         if models_config:
             nm_flags["models_config"] = models_config
+        if metrics:
+            nm_flags["metrics_targets"] = ",".join(f"{k}={v}" for k, v in targets.items())
+            nm_flags["metrics_port"] = port = free_port(host)
         specs.append(ChildSpec(f"{node_id}.nodemgr",
-                               service_command("nodemgr", nm_flags, config)))
+                               service_command("nodemgr", nm_flags, config),
+                               metrics=f"{host}:{port}" if metrics else ""))
     return specs, f"http://{host}:{http_port}"
+
+
+def write_file_sd(specs: list[ChildSpec], path: Path) -> Path:
+    """Every child's /metrics as a Prometheus file-based service discovery file
+    (``file_sd_configs``: a JSON list of {targets, labels}), written whole then renamed so
+    a Prometheus watching it never reads half a file. Labels: ``service`` (scheduler,
+    kvstore, engine, nodemgr...) and ``node`` (absent for the scheduler)."""
+    groups = []
+    for spec in specs:
+        if not spec.metrics:
+            continue
+        node, _, service = spec.name.rpartition(".")
+        labels = {"job": "overture", "service": service}
+        if node:
+            labels["node"] = node
+        groups.append({"targets": [spec.metrics], "labels": labels})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(groups, indent=1) + "\n")
+    tmp.replace(path)
+    return path
 
 
 def has_catalog(path: str) -> bool:
@@ -168,3 +209,14 @@ def node_ledgers(nodes: int, budget_bytes: int) -> list[Path]:
     tag = uuid.uuid4().hex[:8]
     return [create_ledger(Path("/dev/shm") / f"overture-ledger-node{i}-{tag}", budget_bytes)
             for i in range(nodes)]
+
+
+def _scheduler_state(state_dir: Path | None, s3: S3ServerSpec | None) -> dict[str, object]:
+    """Where the scheduler keeps what must outlive it (stored responses): the cluster's S3
+    bucket when there is one, its own folder beside the nodes' otherwise."""
+    flags: dict[str, object] = {}
+    if state_dir is not None:
+        flags["state_dir"] = str(state_dir / "scheduler")
+    if s3 is not None:
+        flags.update(s3.kvstore_flags())
+    return flags

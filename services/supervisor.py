@@ -38,6 +38,7 @@ class ChildSpec:
     argv: list[str]
     ready: Callable[[], bool] | None = None  # the next children start once this is true
     stop_last: bool = False  # stopped after every other child (the S3 server)
+    metrics: str = ""  # host:port of the child's Prometheus /metrics ("": none)
 
 
 @dataclass(frozen=True)

@@ -1,28 +1,34 @@
-"""The chunk format: one layer x up to ``chunk_tokens`` tokens of KV, checksummed.
+"""The chunk format: one layer x up to ``chunk_tokens`` tokens of KV, under a keyed MAC.
 
 A chunk travels as one contiguous blob::
 
-    0        4    6     8              12            20               20+H+pad       +N
-    | magic  | ver| flg | header len H | xxh3-64     | msgpack header | raw tensor bytes |
-    | b"OVKC"| u16| u16 | u32          | u64         | (H bytes), pad | (N bytes)        |
+    0        4    6     8              12              28               28+H+pad       +N
+    | magic  | ver| flg | header len H | MAC tag       | msgpack header | raw tensor bytes |
+    | b"OVKC"| u16| u16 | u32          | 16 bytes      | (H bytes), pad | (N bytes)        |
 
 The payload starts at the next multiple of 64 after the header (zero padding), so the
 tensor view is aligned for vectorised copies.
 
-The fixed 20-byte preamble plus the msgpack map (tenant, model fingerprint, layer, block
-hashes, dtype, shape, payload length) form the header. The checksum covers the msgpack
-header and the payload, so a flipped byte anywhere after the preamble is caught.
+The fixed 28-byte preamble plus the msgpack map (tenant, model fingerprint, layer, block
+hashes, dtype, shape, payload length) form the header. The tag covers the msgpack header
+and the payload, so a flipped byte anywhere after the preamble is caught.
 
-Why XXH3-64: every SSD or S3 hit is verified on the read path, so the checksum's speed is
-the tier's read speed (an order of magnitude faster than CRC-32, format version 1; the
-kvstore README has the numbers). It detects media and transfer faults; it is not a
-cryptographic guarantee, and 64 bits leave a random corruption a 2^-64 chance to pass.
+Why a keyed MAC (format 3; 2 was an unkeyed XXH3-64 anyone who can write to a tier could
+recompute): HMAC-SHA256 under the tenant's key from the cluster secret (``chunk_mac``)
+over the header, which names the chunk's identity, and the payload; a reader that asked
+for key K accepts only K's header (``verify_chunk(blob, key)``), so a forged chunk or one
+moved under another key (another session's, tenant's) is refused. Every SSD, S3 and peer
+read pays it (``bench/kvstore/chunk_mac.py``); DRAM reads do not (never left the process).
 
 Why a separate *seal* step: the copy of a KV block out of the engine's pool is on the
-critical path (the block stays pinned until the copy is acknowledged); the checksum is not.
-``encode_chunk(..., seal=False)`` copies the tensor only; ``seal`` computes the checksum in place
+critical path (the block stays pinned until the copy is acknowledged); the MAC is not.
+``encode_chunk(..., seal=False)`` copies the tensor only; ``seal`` computes the tag in place
 later (the kvstore does it on its write-behind path), and it must happen before the blob
 leaves the process (SSD, S3, a peer). ``decode_chunk(verify=True)`` rejects unsealed blobs.
+
+One verify, for whole blobs and for a payload read in parts (a ranged or layer-wise
+read): ``verify_chunk`` / ``verify_parts``; a chunk is one layer, so a reader of layer l
+verifies exactly the chunks of layer l it read.
 
 Decoding never copies the payload: the tensor is ``torch.frombuffer`` over the blob.
 """
@@ -37,8 +43,8 @@ import threading
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgpack
-import xxhash
 
+from shared import chunk_mac
 from shared.chunk_format import (  # re-exported: the codec is where callers look
     _ALIGN,
     _FLAG_SEALED,
@@ -56,9 +62,10 @@ from shared.chunk_format import (  # re-exported: the codec is where callers loo
     ChunkFormatError,
     ChunkMeta,
     StorageError,
-    _checksum,
+    _chunk_tag,
     _dtype,
     _payload_offset,
+    _tenant_of,
     _torch,
     chunk_key,
 )
@@ -116,14 +123,14 @@ def _layout(tenant: str, model_fp: str, dtype: torch.dtype, shape: tuple[int, ..
 
 def _prefix(fixed: bytes, tail_len: int) -> tuple[bytes, bytes]:
     """What goes before and after a tail of ``tail_len`` bytes: the preamble (unsealed,
-    checksum 0) and ``fixed``; the zero padding that aligns the payload."""
+    zero tag) and ``fixed``; the zero padding that aligns the payload."""
     p = _PREFIXES.get((fixed, tail_len))
     if p is None:
         if len(_PREFIXES) >= _MAX_PREFIXES:
             _PREFIXES.clear()
         hlen = len(fixed) + tail_len
         p = _PREFIXES[(fixed, tail_len)] = (
-            _PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, hlen, 0) + fixed,
+            _PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, hlen, b"") + fixed,
             _ZEROS[: _payload_offset(hlen) - PREAMBLE_BYTES - hlen])
     return p
 
@@ -188,11 +195,12 @@ def encode_chunk(meta: ChunkMeta, tensor: torch.Tensor, *, seal: bool = True) ->
 
 
 def seal_chunk(blob: bytearray) -> None:
-    """Compute the checksum of an encoded blob in place (idempotent; any thread)."""
+    """Compute the MAC of an encoded blob in place (idempotent; any thread)."""
     _magic, _ver, flags, _hlen, _old = _parse_preamble(blob)
     if flags & _FLAG_SEALED:
         return
-    struct.pack_into("<Q", blob, _SUM_OFFSET, _checksum(blob))
+    tag = _chunk_tag(blob, _tenant_of(blob))
+    blob[_SUM_OFFSET : _SUM_OFFSET + chunk_mac.TAG_BYTES] = tag
     struct.pack_into("<H", blob, 6, flags | _FLAG_SEALED)
 
 
@@ -200,7 +208,8 @@ def is_sealed(blob: bytes | bytearray | memoryview) -> bool:
     return bool(_parse_preamble(blob)[2] & _FLAG_SEALED)
 
 
-def _parse_preamble(blob: bytes | bytearray | memoryview) -> tuple[bytes, int, int, int, int]:
+def _parse_preamble(blob: bytes | bytearray | memoryview
+                    ) -> tuple[bytes, int, int, int, bytes]:
     if len(blob) < PREAMBLE_BYTES:
         raise ChunkCorrupt(f"blob of {len(blob)} bytes is shorter than the chunk preamble")
     magic, ver, flags, hlen, checksum = _PREAMBLE.unpack_from(blob, 0)
@@ -208,31 +217,39 @@ def _parse_preamble(blob: bytes | bytearray | memoryview) -> tuple[bytes, int, i
         raise ChunkCorrupt(f"bad magic {magic!r}")
     if ver != FORMAT_VERSION:
         raise ChunkCorrupt(f"unknown chunk format version {ver}")
-    if flags & ~_FLAG_SEALED:  # (the checksum does not cover the flags: no stray bits)
+    if flags & ~_FLAG_SEALED:  # (the tag does not cover the flags: no stray bits)
         raise ChunkCorrupt(f"unknown chunk flags {flags:#06x}")
     if PREAMBLE_BYTES + hlen > len(blob):
         raise ChunkCorrupt("header length runs past the end of the blob")
     return magic, ver, flags, hlen, checksum
 
 
-def verify_chunk(blob: bytes | bytearray | memoryview) -> None:
-    """Raise ``ChunkCorrupt`` unless the blob is sealed and its checksum matches."""
+def verify_chunk(blob: bytes | bytearray | memoryview, key: str | None = None) -> None:
+    """Raise ``ChunkCorrupt`` unless the blob is sealed, its MAC matches under its
+    tenant's key, and (``key`` given: the key it was read under) it is chunk ``key``.
+
+    The one check of a stored chunk, wherever it was read from; ``verify_parts`` is the
+    same for a payload read into separate buffers."""
     _m, _v, flags, _hlen, stored = _parse_preamble(blob)
     if not flags & _FLAG_SEALED:
-        raise ChunkCorrupt("chunk is not sealed (no checksum)")
-    actual = _checksum(blob)
-    if actual != stored:
-        raise ChunkCorrupt(f"checksum mismatch: stored {stored:#018x}, computed {actual:#018x}")
+        raise ChunkCorrupt("chunk is not sealed (no MAC)")
+    meta = read_meta(blob)
+    if key is not None and meta.key != key:
+        raise ChunkCorrupt(f"the chunk stored under {key[:120]} is {meta.key[:120]}")
+    if not chunk_mac.same(stored, _chunk_tag(blob, meta.tenant)):
+        raise ChunkCorrupt("MAC mismatch: corrupt, or not sealed with this cluster's key")
 
 
-def decode_chunk(blob: bytes | bytearray | memoryview, *, verify: bool = True) -> Chunk:
+def decode_chunk(blob: bytes | bytearray | memoryview, *, verify: bool = True,
+                 key: str | None = None) -> Chunk:
     """Parse a blob into ``Chunk``; the tensor views the blob's payload (no copy).
 
-    ``verify=False`` skips the checksum (only for blobs this process encoded and kept in RAM).
+    ``verify=False`` skips the MAC (only for blobs this process encoded and kept in RAM);
+    ``key``: the key it was read under, which it must be (see ``verify_chunk``).
     Raises ``ChunkCorrupt`` for any malformed or mismatching blob.
     """
     if verify:
-        verify_chunk(blob)
+        verify_chunk(blob, key)
     head = parse_head(blob, len(blob))
     torch = _torch()
     dtype = _dtype(head.dtype)
@@ -252,9 +269,9 @@ class ChunkHead(NamedTuple):
     shape: tuple[int, ...]
     nbytes: int  # payload bytes
     payload_offset: int
-    checksum: int  # stored; meaningful only if sealed
+    checksum: bytes  # the stored MAC tag; meaningful only if sealed
     sealed: bool
-    hashed_prefix: bytes  # the header bytes the checksum covers before the payload
+    hashed_prefix: bytes  # the header bytes the MAC covers before the payload
 
 
 def head_length(prefix: bytes | bytearray | memoryview) -> int:
@@ -271,7 +288,7 @@ def head_length(prefix: bytes | bytearray | memoryview) -> int:
 
 def parse_head(prefix: bytes | bytearray | memoryview, total: int) -> ChunkHead:
     """Parse the head of a blob of ``total`` bytes from its first ``head_length`` bytes (or
-    more); checks the payload length against the header, not the checksum."""
+    more); checks the payload length against the header, not the MAC."""
     _m, _v, flags, hlen, checksum = _parse_preamble(prefix)
     start = _payload_offset(hlen)
     if len(prefix) < min(start, total):
@@ -316,7 +333,7 @@ class ExpectedHead:
         _head, pad = _prefix(fixed, len(tail))
         self.meta, self.dtype, self.shape = meta, dtype_name, shape
         hlen = len(fixed) + len(tail)  # magic, version, flags, header length of a sealed chunk:
-        self._lead = _PREAMBLE.pack(MAGIC, FORMAT_VERSION, _FLAG_SEALED, hlen, 0)[:_SUM_OFFSET]
+        self._lead = _PREAMBLE.pack(MAGIC, FORMAT_VERSION, _FLAG_SEALED, hlen, b"")[:_SUM_OFFSET]
         self._hashed = fixed + tail + pad
         self.payload_offset = PREAMBLE_BYTES + len(self._hashed)
 
@@ -328,27 +345,28 @@ class ExpectedHead:
                 or mv[:_SUM_OFFSET] != self._lead
                 or mv[PREAMBLE_BYTES : self.payload_offset] != self._hashed):
             return None
-        (checksum,) = struct.unpack_from("<Q", mv, _SUM_OFFSET)
+        tag = bytes(mv[_SUM_OFFSET:PREAMBLE_BYTES])
         return ChunkHead(self.meta, self.dtype, self.shape, self.nbytes, self.payload_offset,
-                         checksum, True, self._hashed)
+                         tag, True, self._hashed)
 
 
 def verify_parts(head: ChunkHead, payload: list[memoryview]) -> None:
     """``verify_chunk`` for a chunk whose payload was read into separate buffers (in
-    order): the checksum streams over them, so they need not be contiguous."""
+    order): the MAC streams over them, so they need not be contiguous. The head names
+    the chunk's identity: a caller that wants chunk K checks ``head.meta`` is K's (an
+    ``ExpectedHead`` match is)."""
     if not head.sealed:
-        raise ChunkCorrupt("chunk is not sealed (no checksum)")
-    h = xxhash.xxh3_64(head.hashed_prefix)
+        raise ChunkCorrupt("chunk is not sealed (no MAC)")
+    h = chunk_mac.hasher(head.meta.tenant, chunk_mac.CHUNK_DOMAIN)
+    h.update(head.hashed_prefix)
     for part in payload:
         h.update(part)
-    actual = h.intdigest()
-    if actual != head.checksum:
-        raise ChunkCorrupt(
-            f"checksum mismatch: stored {head.checksum:#018x}, computed {actual:#018x}")
+    if not chunk_mac.same(head.checksum, chunk_mac.tag(h)):
+        raise ChunkCorrupt("MAC mismatch: corrupt, or not sealed with this cluster's key")
 
 
 def read_meta(blob: bytes | bytearray | memoryview) -> ChunkMeta:
-    """The chunk's identity without touching the payload (no checksum)."""
+    """The chunk's identity without touching the payload (no MAC check)."""
     _m, _v, _f, hlen, _c = _parse_preamble(blob)
     try:
         return _meta_of(msgpack.unpackb(memoryview(blob)[PREAMBLE_BYTES : PREAMBLE_BYTES + hlen]))

@@ -11,15 +11,17 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import xxhash
+import msgpack
+
+from shared import chunk_mac
 
 if TYPE_CHECKING:
     import torch
 
 MAGIC = b"OVKC"
-FORMAT_VERSION = 2  # 1 was CRC-32 in a 16-byte preamble
-_PREAMBLE = struct.Struct("<4sHHIQ")  # magic, version, flags, header length, xxh3-64
-PREAMBLE_BYTES = _PREAMBLE.size  # 20
+FORMAT_VERSION = 3  # 1 was CRC-32, 2 an unkeyed xxh3-64; 3 a keyed MAC (chunk_mac)
+_PREAMBLE = struct.Struct(f"<4sHHI{chunk_mac.TAG_BYTES}s")  # magic, version, flags,
+PREAMBLE_BYTES = _PREAMBLE.size  # 28                     header length, MAC tag
 _FLAG_SEALED = 1
 _SUM_OFFSET = 12
 _ALIGN = 64
@@ -69,7 +71,8 @@ class StorageError(Exception):
 
 
 class ChunkCorrupt(StorageError):
-    """A blob is not a valid chunk: bad magic/version, truncated, or checksum mismatch.
+    """A blob is not a valid chunk: bad magic/version, truncated, a MAC that does not
+    match (corrupt, forged), or another chunk than the key it was stored under (swapped).
 
     Distinct from a miss (``None``): the data existed and was wrong. The store counts it,
     deletes the bad copy and reports a miss to its caller.
@@ -130,6 +133,21 @@ def chunk_key(tenant: str, model_fp: str, last_block_hash: bytes, layer: int) ->
     return f"{tenant}/{model_fp}/{bytes(last_block_hash).hex()}/{layer}"
 
 
-def _checksum(blob: bytes | bytearray | memoryview) -> int:
-    # Over msgpack header + payload; the preamble carries the result.
-    return xxhash.xxh3_64_intdigest(memoryview(blob)[PREAMBLE_BYTES:])
+def _tenant_of(blob: bytearray) -> str:
+    """The header's tenant, for the key of the MAC; "" when unreadable (sealing does not
+    judge the header: ``verify_chunk`` refuses a malformed one anyway)."""
+    hlen = _PREAMBLE.unpack_from(blob, 0)[3]
+    try:
+        h = msgpack.unpackb(memoryview(blob)[PREAMBLE_BYTES : PREAMBLE_BYTES + hlen])
+    except (ValueError, msgpack.UnpackException):
+        return ""
+    tenant = h.get("tenant") if isinstance(h, dict) else None
+    return tenant if isinstance(tenant, str) else ""
+
+
+def _chunk_tag(blob: bytes | bytearray | memoryview, tenant: str) -> bytes:
+    # Over msgpack header (the chunk's identity) + payload, with the tenant's key; the
+    # preamble carries the result.
+    h = chunk_mac.hasher(tenant, chunk_mac.CHUNK_DOMAIN)
+    h.update(memoryview(blob)[PREAMBLE_BYTES:])
+    return chunk_mac.tag(h)

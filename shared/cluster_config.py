@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
 from shared import internal_auth
-from shared.config import ConfigError, opt
+from shared.config import ConfigError, load, opt
+from shared.s3_credentials import S3Credentials, derive_s3_credentials
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,23 @@ def resolve_secret(cfg: ClusterConfig) -> str | None:
         raise ConfigError(f"cluster.secret must have at least "
                           f"{internal_auth.MIN_SECRET_CHARS} characters")
     return secret
+
+
+def cluster_s3_credentials(yaml_path: str | Path | None) -> S3Credentials:
+    """The S3 pair of the configured cluster secret (the cluster's own S3 server's).
+    Raises ``ConfigError`` when no secret is configured."""
+    secret = configured_secret(yaml_path)
+    if secret is None:
+        raise ConfigError("the S3 server's keys derive from the cluster secret: set "
+                          "OVERTURE_CLUSTER__SECRET or OVERTURE_CLUSTER__SECRET_FILE")
+    return derive_s3_credentials(internal_auth.InternalAuth(secret))
+
+
+def configured_secret(yaml_path: str | Path | None) -> str | None:
+    """The cluster secret the services started with this YAML file and this process's
+    environment get (None: none). Raises ``ConfigError``."""
+    return resolve_secret(load(ClusterConfig, "cluster", yaml_path=yaml_path,
+                               env=os.environ))
 
 
 def start_internal_auth(cfg: ClusterConfig, service: str, bind_host: str) -> None:

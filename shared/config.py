@@ -299,7 +299,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             dest=f"cfg::{key}",
             default=argparse.SUPPRESS,
             metavar=key.split(".")[-1].upper(),
-            help=f"{f.metadata.get('doc', '')}{extra} [default: {default!r}]",
+            # (argparse formats help with %: a doc's "50-100%" must reach it as "%%")
+            help=f"{f.metadata.get('doc', '')}{extra} [default: {default!r}]".replace("%", "%%"),
         )
     for old in _deprecated_keys(cls):  # still accepted, not advertised
         group.add_argument("--" + old.replace("_", "-"), dest=f"cfg::{old}",

@@ -33,9 +33,17 @@ class InternalAuth:
         if len(secret) < MIN_SECRET_CHARS:
             raise ValueError(f"the cluster secret must have at least {MIN_SECRET_CHARS} "
                              "characters (`overture secret` makes one)")
+        self._secret = secret.encode()
         # What travels is a digest: the configured secret itself never leaves the process.
         self.token = hashlib.sha256(b"overture-cluster:" + secret.encode()).hexdigest()
         self._token_bytes = self.token.encode()
+        # The root of the per-tenant MAC keys of stored KV (``shared/chunk_mac.py``).
+        self.kv_mac_root = self.derive("overture-kv-mac")
+
+    def derive(self, label: str) -> bytes:
+        """A 32-byte key for ``label`` from the secret (HMAC-SHA256): one per purpose, so
+        no purpose's key tells anything about another's or about the secret."""
+        return hmac.digest(self._secret, label.encode(), "sha256")
 
     def accepts(self, token: str | bytes | None) -> bool:
         if token is None:

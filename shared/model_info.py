@@ -15,6 +15,7 @@ class ModelInfo:
     dtype: str = ""
     num_layers: int = 0
     block_size: int = 0
+    max_num_seqs: int = 0  # seats: sequences run at once (0: not said)
 
     def to_proto(self) -> common_pb2.ModelInfo:
         return common_pb2.ModelInfo(
@@ -24,8 +25,10 @@ class ModelInfo:
             dtype=self.dtype,
             num_layers=self.num_layers,
             block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs,
         )
 
     @classmethod
     def from_proto(cls, m: common_pb2.ModelInfo) -> ModelInfo:
-        return cls(m.name, m.fingerprint, m.max_model_len, m.dtype, m.num_layers, m.block_size)
+        return cls(m.name, m.fingerprint, m.max_model_len, m.dtype, m.num_layers, m.block_size,
+                   m.max_num_seqs)

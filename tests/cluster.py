@@ -3,6 +3,15 @@ each service a process on free loopback ports, stopped at the end whatever happe
 
 from __future__ import annotations
 
-from bench.harness import NODEMGR_FLAGS, REPO, SCHEDULER_FLAGS, Cluster, Proc, start_cluster
+from bench.harness import (
+    NODEMGR_FLAGS,
+    REPO,
+    SCHEDULER_FLAGS,
+    Cluster,
+    Proc,
+    restart_scheduler,
+    start_cluster,
+)
 
-__all__ = ["NODEMGR_FLAGS", "REPO", "SCHEDULER_FLAGS", "Cluster", "Proc", "start_cluster"]
+__all__ = ["NODEMGR_FLAGS", "REPO", "SCHEDULER_FLAGS", "Cluster", "Proc", "restart_scheduler",
+           "start_cluster"]

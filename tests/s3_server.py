@@ -3,6 +3,6 @@ gateway ``overture up`` runs, alone, on free loopback ports."""
 
 from __future__ import annotations
 
-from bench.harness import free_port, start_s3_server
+from bench.harness import aws_keys, free_port, s3_keys, start_s3_server
 
-__all__ = ["free_port", "start_s3_server"]
+__all__ = ["aws_keys", "free_port", "s3_keys", "start_s3_server"]

@@ -60,7 +60,7 @@ PHASES = ("overload", "decode")
 CORES = ("divided", "shared")
 
 
-def _log(msg: str) -> None:
+def log_line(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
@@ -68,7 +68,8 @@ def _log(msg: str) -> None:
 # statistics
 
 
-def _pct(values: Sequence[float], q: float) -> float | None:
+def pct(values: Sequence[float], q: float) -> float | None:
+    """The ``q`` quantile (nearest rank) of ``values`` (None: no values)."""
     if not values:
         return None
     s = sorted(values)
@@ -96,8 +97,8 @@ class Level:
             "shares": {o: counts.get(o, 0) / n if n else 0.0 for o in OUTCOMES},
             "retry_after_429": sum(1 for r in self.results
                                    if r.outcome == "429" and r.retry_after is not None),
-            "ttft_p50_s": _pct(ttfts, 0.5), "ttft_p99_s": _pct(ttfts, 0.99),
-            "latency_p50_s": _pct([r.latency for r in ok], 0.5),
+            "ttft_p50_s": pct(ttfts, 0.5), "ttft_p99_s": pct(ttfts, 0.99),
+            "latency_p50_s": pct([r.latency for r in ok], 0.5),
             "failures": dict(details.most_common()),
         }
 
@@ -154,26 +155,26 @@ async def open_loop(client: Client, name: str, rate: float, duration: float,
 async def run_overload(url: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     async with Client(url, model, rng) as client:
-        _log(f"capacity: {args.capacity_clients} clients, {args.warmup:g} s warm-up + "
+        log_line(f"capacity: {args.capacity_clients} clients, {args.warmup:g} s warm-up + "
              f"{args.capacity_duration:g} s ...")
         cap = await measure_capacity(client, args.capacity_clients, args.warmup,
                                      args.capacity_duration, args.max_tokens,
                                      args.request_timeout)
-        _log(f"capacity {cap['capacity_rps']:.2f} req/s")
+        log_line(f"capacity {cap['capacity_rps']:.2f} req/s")
         levels: list[dict[str, Any]] = []
         if cap["capacity_rps"] <= 0:
-            _log("no request completed in the capacity run; skipping the load levels")
+            log_line("no request completed in the capacity run; skipping the load levels")
             return {"capacity": cap, "levels": levels}
         for mult in args.loads:
             await asyncio.sleep(args.pause)
             rate = mult * cap["capacity_rps"]
-            _log(f"load {mult:g}×: {rate:.2f} req/s for {args.duration:g} s ...")
+            log_line(f"load {mult:g}×: {rate:.2f} req/s for {args.duration:g} s ...")
             level = await open_loop(client, f"{mult:g}×", rate, args.duration,
                                     args.max_tokens, args.request_timeout, rng)
             s = level.summary(args.ttft_slo)
             s["multiple"] = mult
             levels.append(s)
-            _log(f"  sent {s['sent']}, goodput {s['goodput_rps']:.2f} req/s, "
+            log_line(f"  sent {s['sent']}, goodput {s['goodput_rps']:.2f} req/s, "
                  + ", ".join(f"{o} {c}" for o, c in s["counts"].items() if c))
     return {"capacity": cap, "levels": levels}
 
@@ -197,11 +198,11 @@ async def run_decode(url: str, model: str, args: argparse.Namespace) -> dict[str
                 ok = [r for r in results if r.outcome == "200"]
                 tokens = sum(r.tokens for r in ok)
                 runs.append({"wall_s": wall, "tokens": tokens, "tok_per_s": tokens / wall,
-                             "ok": len(ok), "ttft_p50_s": _pct([r.ttft for r in ok
+                             "ok": len(ok), "ttft_p50_s": pct([r.ttft for r in ok
                                                                if r.ttft is not None], 0.5),
                              "failures": dict(Counter(r.detail for r in results
                                                       if r.outcome != "200"))})
-                _log(f"  {streams} streams: {tokens} tokens in {wall:.1f} s = "
+                log_line(f"  {streams} streams: {tokens} tokens in {wall:.1f} s = "
                      f"{tokens / wall:.1f} tok/s ({len(ok)}/{streams} ok)")
             best = max(runs, key=lambda r: r["tok_per_s"])
             out[str(streams)] = {**best, "runs": runs}
@@ -295,7 +296,7 @@ def _workdir(args: argparse.Namespace) -> Iterator[Path]:
         yield path
     finally:
         if args.keep_dir:
-            _log(f"kept {path}")
+            log_line(f"kept {path}")
         else:
             shutil.rmtree(path, ignore_errors=True)
 
@@ -319,7 +320,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 with overture_up(wd, size=args.size, cores=cores, extra_args=decode_extra,
                                  ready_timeout=args.ready_timeout,
                                  label=f"decode-{cores}") as c:
-                    _log(f"decode, {cores} cores ...")
+                    log_line(f"decode, {cores} cores ...")
                     res["decode"][cores] = asyncio.run(run_decode(c.url, c.model, args))
     res["goals"] = goals(res, args)
     return res

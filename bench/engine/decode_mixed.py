@@ -79,7 +79,8 @@ async def _rates(args: argparse.Namespace, default_keys: int) -> dict[str, list[
     with tempfile.TemporaryDirectory(prefix="overture-bench-") as tmp:
         model = write_demo_model(Path(tmp) / args.size, size=args.size, seed=0)
         cfg = EngineConfig(model_path=str(model), dtype="float32", device_memory_bytes=2 << 30,
-                           max_num_seqs=max(8, args.batch), max_num_batched_tokens=2048)
+                           max_num_seqs=max(8, args.batch), max_num_batched_tokens=2048,
+                           max_queue_delay_s=0.0)  # a closed batch: no admission
         async with AsyncEngine(cfg) as eng:
             vocab = eng.loaded.config.vocab_size
             g = torch.Generator().manual_seed(0)

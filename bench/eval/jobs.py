@@ -36,4 +36,5 @@ def trace_of(profile: Profile, job: Job, seed: int) -> Trace:
     return build_trace(users=job.users, sessions_per_user=profile.sessions_per_user,
                        seed=seed, mean_gap_s=profile.mean_gap_s, cv=profile.gap_cv,
                        missed=job.missed, spurious=job.spurious,
-                       max_user=profile.max_user_tokens, max_answer=profile.max_answer_tokens)
+                       max_user=profile.max_user_tokens, max_answer=profile.max_answer_tokens,
+                       workload=profile.workload, sigma=profile.sigma)

@@ -1,7 +1,9 @@
 """One replay against a running cluster, measured: the requests (``bench.workloads.replay``),
 each node's load over time (running + waiting, from ``/readyz``, Symphony Figure 15) and
 what the scheduler counted meanwhile (turns by where their KV came from, bytes advisories
-prefetched into device memory, from ``/metrics``)."""
+prefetched into device memory, from ``/metrics``), and the bytes each node's kvstore moved
+per tier (its own ``/metrics``, found through ``GET /admin/nodes``, which ``overture up``
+fills by default)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from bench.workloads.trace import Trace
 
 LOAD_PERIOD_S = 0.25
 _SAMPLE = re.compile(r'^(overture_turns_total|overture_node_prefetch_bytes)\{([^}]*)\} (\S+)$')
+_TIER = re.compile(r'^kvstore_bytes_(in|out)_total\{tier="([^"]*)"\} (\S+)$')
 
 
 @dataclass
@@ -28,6 +31,7 @@ class Measured:
     turns_by_source: dict[str, float] = field(default_factory=dict)
     prefetch_bytes: dict[str, float] = field(default_factory=dict)  # loaded, wasted
     advisories: int = 0
+    tier_bytes: dict[str, float] = field(default_factory=dict)  # "out:dram" -> bytes, all nodes
 
 
 def tagged(trace: Trace, tag: str) -> Trace:
@@ -59,6 +63,34 @@ async def _metrics(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
     return out
 
 
+async def kvstore_urls(http: aiohttp.ClientSession, url: str) -> list[str]:
+    """Every node's kvstore /metrics URL, as the scheduler lists them."""
+    try:
+        async with http.get(url + "/admin/nodes") as r:
+            body = await r.json() if r.status == 200 else {}
+    except (aiohttp.ClientError, ValueError):
+        return []
+    return [m["kvstore"] for n in body.get("nodes", []) if (m := n.get("metrics"))
+            and "kvstore" in m]
+
+
+async def tier_bytes(http: aiohttp.ClientSession, urls: list[str]) -> dict[str, float]:
+    """Bytes written into ("in:<tier>") and read from ("out:<tier>") each tier, summed over
+    the kvstores (cumulative counters)."""
+    out: dict[str, float] = {}
+    for u in urls:
+        try:
+            async with http.get(u) as r:
+                text = await r.text() if r.status == 200 else ""
+        except aiohttp.ClientError:
+            continue
+        for line in text.splitlines():
+            if m := _TIER.match(line):
+                key = f"{m.group(1)}:{m.group(2)}"
+                out[key] = out.get(key, 0.0) + float(m.group(3))
+    return out
+
+
 async def _sample_load(http: aiohttp.ClientSession, url: str, t0: float,
                        out: list[tuple[float, dict[str, int]]]) -> None:
     while True:
@@ -77,6 +109,8 @@ async def measure(url: str, model: str, trace: Trace, time_scale: float,
     load: list[tuple[float, dict[str, int]]] = []
     async with aiohttp.ClientSession() as http:
         before = await _metrics(http, url)
+        kvstores = await kvstore_urls(http, url)
+        tiers_before = await tier_bytes(http, kvstores)
         sampler = asyncio.create_task(_sample_load(http, url, time.monotonic(), load))
         replayer = Replayer(url, model, time_scale=time_scale,
                             max_answer_tokens=max_answer_tokens)
@@ -87,12 +121,15 @@ async def measure(url: str, model: str, trace: Trace, time_scale: float,
             with contextlib.suppress(asyncio.CancelledError):
                 await sampler
         after = await _metrics(http, url)
+        tiers_after = await tier_bytes(http, kvstores)
     delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    moved = {k: v - tiers_before.get(k, 0.0) for k, v in tiers_after.items()}
     return Measured(
         results, load,
         {k.split(":", 1)[1]: v for k, v in delta.items() if k.startswith("turns:") and v},
         {k.split(":", 1)[1]: v for k, v in delta.items() if k.startswith("prefetch:")},
         replayer.advisories,
+        {k: v for k, v in moved.items() if v},
     )
 
 

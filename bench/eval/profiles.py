@@ -14,6 +14,11 @@ from dataclasses import dataclass, field
 import yaml
 
 MIB = 1 << 20
+# The ``small`` demo model's KV per token (fp32: 2 x 12 layers x 4 KV heads x 64 x 4 B),
+# and the tokens in one of the ``prefix`` router's 64-character blocks (its tokenizer
+# makes about 3 characters a token of the traces' text).
+SMALL_KV_BYTES_PER_TOKEN = 2 * 12 * 4 * 64 * 4
+PREFIX_BLOCK_TOKENS = 21
 
 
 @dataclass(frozen=True)
@@ -25,8 +30,13 @@ class Variant:
 
     def config(self, device_memory_bytes: int) -> str:
         """The ``overture up --config`` YAML of this variant."""
+        scheduler: dict[str, object] = {"policy": self.policy}
+        if self.policy == "prefix":
+            # The router's picture of a device: as many prompt blocks as its KV holds.
+            scheduler["prefix_index_blocks"] = max(
+                1, device_memory_bytes // (SMALL_KV_BYTES_PER_TOKEN * PREFIX_BLOCK_TOKENS))
         return yaml.safe_dump({
-            "scheduler": {"policy": self.policy},
+            "scheduler": scheduler,
             "engine": {"device_memory_bytes": device_memory_bytes,
                        "offload": {"policy": "cost", **self.offload}},
         }, sort_keys=True)
@@ -34,6 +44,7 @@ class Variant:
 
 RECOMPUTE = Variant("recompute", "recompute (vLLM-like)", policy="recompute")
 STICKY = Variant("sticky", "sticky (InferCept-like)", policy="sticky")
+PREFIX = Variant("prefix", "prefix-aware (llm-d-like)", policy="prefix")
 BALANCED = Variant("balanced", "Overture (balanced)")
 ABLATIONS = (
     Variant("no-cooperative", "Overture without cooperative memory",
@@ -43,7 +54,7 @@ ABLATIONS = (
     Variant("no-layerwise", "Overture without layer-wise loading",
             offload={"mode": "whole_prefix"}),
 )
-POLICIES = (RECOMPUTE, STICKY, BALANCED)
+POLICIES = (RECOMPUTE, STICKY, PREFIX, BALANCED)
 
 
 @dataclass(frozen=True)
@@ -62,6 +73,9 @@ class Profile:
     variants: tuple[Variant, ...] = (*POLICIES, *ABLATIONS)
     model_size: str = "small"  # the random-weight demo model ``overture up`` serves
     warmup_users: int = 2  # an unmeasured replay of this many users first warms a cluster
+    reps: int = 3  # repetitions of every replay (variants interleaved): the intervals' n
+    workload: str = "sharegpt"  # or "agent" (bench.workloads.sessions.SHAPES)
+    sigma: float = 1.0  # lognormal spread of turn lengths (session-length variance)
 
     @property
     def high_load(self) -> int:
@@ -88,6 +102,6 @@ LOAD = Profile(
 SMOKE = Profile(
     name="smoke", users=(2,), sessions_per_user=1, max_user_tokens=32, max_answer_tokens=4,
     mean_gap_s=0.5, gap_cv=1.0, time_scale=0.002, device_memory_bytes=48 * MIB, missed=(),
-    spurious=(), variants=(BALANCED,), model_size="tiny", warmup_users=0,
+    spurious=(), variants=(BALANCED,), model_size="tiny", warmup_users=0, reps=1,
 )
 PROFILES = {p.name: p for p in (QUICK, LOAD, FULL, SMOKE)}

@@ -1,8 +1,9 @@
-"""The evaluation report: tables of each variant and sweep, the goals of issue #21 as
-ratios measured in the same run, and plots shaped like Symphony's Figures 11 (policies
-vs load), 15 (per-node load), 17 (ablations), 19 (missed advisories) and 20 (spurious
-advisories). Reads only the records ``bench.eval.run`` wrote, so a report can be
-rewritten from ``results.json`` alone."""
+"""The evaluation report: tables of each variant and sweep (means with 95% intervals),
+the goals of issue #42 as paired ratios with 95% intervals (``compare.py``), and plots
+shaped like Symphony's Figures 11 (policies vs load), 15 (per-node load), 17
+(ablations), 19 (missed advisories) and 20 (spurious advisories). Reads only the
+records ``bench.eval.run`` wrote, so a report can be rewritten from ``results.json``
+alone."""
 
 from __future__ import annotations
 
@@ -10,88 +11,76 @@ import os
 import platform
 import time
 from pathlib import Path
-from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from bench.eval.compare import NORM, Record, goals, interval, reps, sweep_rows
 from bench.eval.profiles import ABLATIONS, BALANCED, POLICIES, Profile
 from bench.eval.sim_check import SimRow
-
-Record = dict[str, Any]
+from bench.eval.stats import Interval
 
 
 def _find(records: list[Record], variant: str, users: int, missed: float = 0.0,
           spurious: float = 0.0) -> Record | None:
-    for r in records:
-        if (r["variant"], r["users"], r["missed"], r["spurious"]) == (
-                variant, users, missed, spurious):
-            return r
-    return None
+    """The first repetition of one configuration (the per-node load plot shows one)."""
+    runs = reps(records, variant, users, missed, spurious)
+    return runs[min(runs)] if runs else None
 
 
-def _ms(x: float | None) -> str:
-    return "–" if x is None else f"{x * 1000:.0f}"
+def _mean(records: list[Record], variant: str, users: int, key: str) -> float | None:
+    iv = interval(reps(records, variant, users), key)
+    return None if iv is None else iv.mean
 
 
-def _row(r: Record, first: str) -> str:
-    s = r["summary"]
-    src = ", ".join(f"{k} {v:g}" for k, v in sorted(r["turns_by_source"].items()))
-    return (f"| {first} | {s.get('requests', 0):.0f} ({s.get('retried', 0):.0f}) | "
-            f"{s.get('errors', 0):.0f} | "
-            f"{_ms(s.get('ttft_mean_s'))} | {_ms(s.get('ttft_p95_s'))} | "
-            f"{_ms(s.get('tpot_mean_s'))} | {_ms(s.get('normalized_latency_s'))} | "
-            f"{s.get('requests_per_s', 0):.2f} | {r['imbalance']:.2f} | "
-            f"{s.get('cached_tokens_mean', 0):.0f} | {src} |")
+def _iv(runs: dict[int, Record], key: str, scale: float = 1000, digits: int = 0) -> str:
+    iv = interval(runs, key)
+    return "–" if iv is None else iv.fmt(scale, digits)
 
 
-HEADER = ("| {} | requests (retried after a 429) | errors | TTFT mean ms | TTFT p95 ms | "
-          "TPOT mean ms | normalized latency ms/token | requests/s | max/median load | "
-          "cached tokens mean | turns by KV source |\n|" + " --- |" * 11)
+def _row(runs: dict[int, Record], first: str) -> str:
+    """One configuration's repetitions: totals, and means with their 95% intervals."""
+    rs = list(runs.values())
+    src: dict[str, float] = {}
+    for r in rs:
+        for k, v in r["turns_by_source"].items():
+            src[k] = src.get(k, 0.0) + v
+    total = ", ".join(f"{k} {v:g}" for k, v in sorted(src.items()))
+    requests = sum(r["summary"].get("requests", 0) for r in rs)
+    retried = sum(r["summary"].get("retried", 0) for r in rs)
+    errors = sum(r["summary"].get("errors", 0) for r in rs)
+    return (f"| {first} | {len(rs)} | {requests:.0f} ({retried:.0f}) | {errors:.0f} | "
+            f"{_iv(runs, 'ttft_mean_s')} | {_iv(runs, 'ttft_p95_s')} | "
+            f"{_iv(runs, 'tpot_mean_s', digits=1)} | {_iv(runs, NORM, digits=1)} | "
+            f"{_iv(runs, 'requests_per_s', 1, 2)} | {_iv(runs, 'imbalance', 1, 2)} | "
+            f"{total} |")
 
 
-def _ratio(num: Record | None, den: Record | None, key: str) -> float | None:
-    if num is None or den is None:
-        return None
-    a, b = num["summary"].get(key), den["summary"].get(key)
-    return a / b if a and b else None
+HEADER = ("| {} | runs | requests (retried after a 429) | errors | TTFT mean ms | "
+          "TTFT p95 ms | TPOT mean ms | normalized latency ms/token | requests/s | "
+          "max/median load | turns by KV source (all runs) |\n|" + " --- |" * 11)
+INTERVALS = ("Each cell is the mean over the runs (repetitions on the same traces, variants "
+             "interleaved) with its 95% t-interval in brackets; a comparison is called a "
+             "difference only when the intervals separate.")
 
 
-def _goal(text: str, value: float | None, ok: bool | None, shown: str) -> str:
-    verdict = "not measured" if value is None else ("met" if ok else "**missed**")
-    return f"| {text} | {shown if value is not None else '–'} | {verdict} |"
-
-
-def goals(profile: Profile, records: list[Record]) -> list[str]:
-    hi = profile.high_load
-    bal, rec = _find(records, "balanced", hi), _find(records, "recompute", hi)
-    sticky = _find(records, "sticky", hi)
-    lines = ["| goal (issue #21, at the highest load) | measured | verdict |",
-             "| --- | --- | --- |"]
-    r = _ratio(rec, bal, "normalized_latency_s")
-    lines.append(_goal("Overture vs recompute: ≥ 2.4× lower mean normalized latency", r,
-                       r is not None and r >= 2.4, f"{r:.2f}×" if r else ""))
-    r = _ratio(sticky, bal, "normalized_latency_s")
-    lines.append(_goal("Overture vs sticky: ≥ 1.6× lower mean normalized latency", r,
-                       r is not None and r >= 1.6, f"{r:.2f}×" if r else ""))
-    if bal is not None and sticky is not None:
-        b, s = bal["imbalance"], sticky["imbalance"]
-        lines.append(_goal("max/median node load ≤ 1.2 for Overture, sticky ≥ 2.5", b,
-                           b <= 1.2 and s >= 2.5, f"Overture {b:.2f}, sticky {s:.2f}"))
-    m10 = _find(records, "balanced", hi, missed=0.1)
-    r = _ratio(m10, bal, "normalized_latency_s")
-    lines.append(_goal("10% missed advisories cost ≤ 6% latency", r,
-                       r is not None and r <= 1.06, f"{(r - 1) * 100:+.1f}%" if r else ""))
-    # Throughput per token served (1 / normalized latency): a replay's requests/s is set
-    # by its users' reading and typing, and abandoned drafts lengthen their sessions.
-    s60 = _find(records, "balanced", hi, spurious=0.6)
-    r = _ratio(s60, bal, "normalized_latency_s")
-    lines.append(_goal("60% spurious advisories cost ≤ 2.1% throughput (tokens per second "
-                       "of latency)", r, r is not None and r <= 1.021,
-                       f"{(1 - 1 / r) * 100:+.1f}%" if r else ""))
-    return lines
+def _tier_rows(records: list[Record], hi: int) -> list[str]:
+    """MiB each variant's kvstores moved per replay, by tier and direction (means over the
+    runs; scraped from every kvstore's /metrics)."""
+    keys = sorted({k for r in records for k in r.get("tier_bytes", {})})
+    if not keys:
+        return ["(no kvstore metrics were scraped)"]
+    out = ["| variant | " + " | ".join(f"{k.split(':')[1]} {k.split(':')[0]} MiB"
+                                      for k in keys) + " |", "|" + " --- |" * (len(keys) + 1)]
+    for v in (*POLICIES, *ABLATIONS):
+        runs = list(reps(records, v.name, hi).values())
+        if runs:
+            cells = [sum(r.get("tier_bytes", {}).get(k, 0.0) for r in runs) / len(runs)
+                     / (1 << 20) for k in keys]
+            out.append(f"| {v.label} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
+    return out
 
 
 def _plot_policies(profile: Profile, records: list[Record], out: Path) -> None:
@@ -101,8 +90,8 @@ def _plot_policies(profile: Profile, records: list[Record], out: Path) -> None:
     one_load = len(profile.users) == 1  # (bars: one point per line says little)
     for ax, (key, title) in zip(axes, keys, strict=True):
         for i, v in enumerate(POLICIES):
-            pts = [(u, r["summary"].get(key, 0) * 1000) for u in profile.users
-                   if (r := _find(records, v.name, u)) is not None]
+            pts = [(u, m * 1000) for u in profile.users
+                   if (m := _mean(records, v.name, u, key)) is not None]
             if pts and one_load:
                 ax.bar(i, pts[0][1], label=v.label, color=f"C{i}")
             elif pts:
@@ -152,21 +141,26 @@ def _plot_bars(rows: list[tuple[str, float]], ylabel: str, path: Path) -> None:
     plt.close(fig)
 
 
-def _sweep(records: list[Record], hi: int, field: str, values: tuple[float, ...]
-           ) -> list[tuple[float, Record]]:
+def _sweep(records: list[Record], hi: int, field: str, values: tuple[float, ...], key: str
+           ) -> list[tuple[float, Interval]]:
+    """(swept value, the interval of ``key`` over its runs) for each value measured."""
     out = []
     for x in (0.0, *values):
-        r = _find(records, "balanced", hi, **{field: x})
-        if r is not None:
-            out.append((x, r))
+        iv = interval(reps(records, "balanced", hi, **{field: x}), key)
+        if iv is not None:
+            out.append((x, iv))
     return out
 
 
-def _plot_sweep(points: list[tuple[float, Record]], key: str, ylabel: str, xlabel: str,
+def _plot_sweep(points: list[tuple[float, Interval]], ylabel: str, xlabel: str,
                 path: Path, scale: float = 1.0) -> None:
+    """The means with their 95% intervals as error bars (a single run: no bar)."""
     fig, ax = plt.subplots(figsize=(5.5, 3.4))
-    ax.plot([x * 100 for x, _ in points], [r["summary"].get(key, 0) * scale
-                                           for _, r in points], marker="o")
+    xs = [x * 100 for x, _ in points]
+    ys = [iv.mean * scale for _, iv in points]
+    err = [[(iv.mean - iv.low) * scale if iv.n > 1 else 0.0 for _, iv in points],
+           [(iv.high - iv.mean) * scale if iv.n > 1 else 0.0 for _, iv in points]]
+    ax.errorbar(xs, ys, yerr=err, marker="o", capsize=4)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
@@ -188,24 +182,24 @@ def write_report(run_dir: Path, profile: Profile, records: list[Record],
              f"{profile.max_user_tokens}, answers ≤ {profile.max_answer_tokens} tokens), "
              f"human reading and typing times × {profile.time_scale:g}. "
              "Reproduce: `python -m bench.eval.run --profile "
-             f"{profile.name}`.", "", "## Policies (Figure 11)", "",
+             f"{profile.name}`.", "", INTERVALS, "", "## Policies (Figure 11)", "",
              HEADER.format("policy, users")]
     for v in POLICIES:
         for u in profile.users:
-            if (r := _find(records, v.name, u)) is not None:
-                lines.append(_row(r, f"{v.label}, {u}"))
+            if runs := reps(records, v.name, u):
+                lines.append(_row(runs, f"{v.label}, {u}"))
+    lines += ["", "Bytes the kvstores moved per replay at the highest load (\"in\": written "
+              "into the tier, \"out\": read from it):", "", *_tier_rows(records, hi)]
     lines += ["", "![policies](fig11_policies.png)", "", "![per-node load](fig15_load.png)",
               "", "## Ablations at the highest load (Figure 17)", "", HEADER.format("variant")]
-    ablations = [r for v in (BALANCED, *ABLATIONS) if (r := _find(records, v.name, hi))]
-    lines += [_row(r, r["label"]) for r in ablations]
-    missed = _sweep(records, hi, "missed", profile.missed)
-    spurious = _sweep(records, hi, "spurious", profile.spurious)
+    ablations = [(v.label, runs) for v in (BALANCED, *ABLATIONS)
+                 if (runs := reps(records, v.name, hi))]
+    lines += [_row(runs, label) for label, runs in ablations]
     lines += ["", "![ablations](fig17_ablations.png)", "",
-              "## Missed advisories (Figure 19)", "", HEADER.format("missed")]
-    lines += [_row(r, f"{x:.0%}") for x, r in missed]
+              "## Missed advisories (Figure 19)", "",
+              *sweep_rows(records, hi, "missed", profile.missed)]
     lines += ["", "![missed](fig19_missed.png)", "", "## Spurious advisories (Figure 20)", "",
-              HEADER.format("spurious")]
-    lines += [_row(r, f"{x:.0%}") for x, r in spurious]
+              *sweep_rows(records, hi, "spurious", profile.spurious)]
     lines += ["", "![spurious](fig20_spurious.png)", "", "## Goals", "",
               *goals(profile, records)]
     if sim:
@@ -216,13 +210,15 @@ def write_report(run_dir: Path, profile: Profile, records: list[Record],
     run_dir.mkdir(parents=True, exist_ok=True)
     _plot_policies(profile, records, run_dir)
     _plot_load(profile, records, run_dir)
-    _plot_bars([(r["label"].replace("Overture ", ""), r["summary"].get(
-        "normalized_latency_s", 0) * 1000) for r in ablations],
-        "normalized latency (ms/token)", run_dir / "fig17_ablations.png")
-    _plot_sweep(missed, "normalized_latency_s", "normalized latency (ms/token)",
-                "missed advisories (%)", run_dir / "fig19_missed.png", 1000)
-    _plot_sweep(spurious, "requests_per_s", "requests/s", "spurious advisories (%)",
-                run_dir / "fig20_spurious.png")
+    _plot_bars([(label.replace("Overture ", ""), iv.mean * 1000) for label, runs in ablations
+                if (iv := interval(runs, NORM)) is not None],
+               "normalized latency (ms/token)", run_dir / "fig17_ablations.png")
+    _plot_sweep(_sweep(records, hi, "missed", profile.missed, NORM),
+                "normalized latency (ms/token)", "missed advisories (%)",
+                run_dir / "fig19_missed.png", 1000)
+    _plot_sweep(_sweep(records, hi, "spurious", profile.spurious, NORM),
+                "normalized latency (ms/token)", "spurious advisories (%)",
+                run_dir / "fig20_spurious.png", 1000)
     path = run_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path

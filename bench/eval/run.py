@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from bench.eval.jobs import Job, jobs_of, trace_of
 from bench.eval.measure import Measured, imbalance, measure, tagged
-from bench.eval.profiles import PROFILES, Profile
+from bench.eval.profiles import PROFILES, Profile, Variant
 from bench.eval.report import write_report
 from bench.eval.sim_check import simulate_jobs
 from bench.harness import overture_up, show_progress
@@ -38,27 +38,42 @@ from bench.workloads.replay import summary
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
-def record(job: Job, m: Measured, wall_s: float) -> dict[str, Any]:
+def record(job: Job, m: Measured, wall_s: float, rep: int = 0) -> dict[str, Any]:
     return {
+        "rep": rep,
         "variant": job.variant.name, "label": job.variant.label, "users": job.users,
         "missed": job.missed, "spurious": job.spurious, "wall_s": wall_s,
         "summary": summary(m.results), "imbalance": imbalance(m.load),
         "turns_by_source": m.turns_by_source, "prefetch_bytes": m.prefetch_bytes,
-        "advisories": m.advisories, "load": m.load,
+        "advisories": m.advisories, "load": m.load, "tier_bytes": m.tier_bytes,
         "requests": [dataclasses.asdict(r) for r in m.results],
     }
 
 
+def interleaved(variants: tuple[Variant, ...], reps: int) -> list[tuple[int, Variant]]:
+    """(repetition, variant) in the order they run: every variant once per repetition,
+    the order rotated each time, so that a drift of the machine's load during the run
+    falls on every variant alike and no variant always runs first or last."""
+    out = []
+    for rep in range(reps):
+        k = rep % len(variants) if variants else 0
+        out += [(rep, v) for v in (*variants[k:], *variants[:k])]
+    return out
+
+
 def run(profile: Profile, run_dir: Path, seed: int, ready_timeout: float) -> list[dict]:
+    """Each repetition replays the traces of its own seed (``seed + rep``) on every
+    variant, a fresh cluster each time: repetition r of two variants is a pair."""
     jobs = jobs_of(profile)
     records: list[dict] = []
-    bar = tqdm(total=len(jobs), desc="replays", unit="replay", file=sys.stderr)
+    bar = tqdm(total=len(jobs) * profile.reps, desc="replays", unit="replay",
+               file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="overture-eval-") as tmp:
-        for variant in profile.variants:
+        for rep, variant in interleaved(profile.variants, profile.reps):
             mine = [j for j in jobs if j.variant == variant]
             config = Path(tmp) / f"{variant.name}.yaml"
             config.write_text(variant.config(profile.device_memory_bytes))
-            workdir = Path(tmp) / variant.name
+            workdir = Path(tmp) / f"{variant.name}-{rep}"
             workdir.mkdir()
             bar.set_postfix_str(f"starting {variant.name}")
             with overture_up(workdir, size=profile.model_size,
@@ -67,16 +82,17 @@ def run(profile: Profile, run_dir: Path, seed: int, ready_timeout: float) -> lis
                 if profile.warmup_users:
                     # A first replay warms the engines (allocator pages, kernels): not measured.
                     warm = tagged(trace_of(profile, Job(variant, profile.warmup_users),
-                                           seed + 1), "warm")
+                                           seed + 1000 + rep), "warm")
                     asyncio.run(measure(cluster.url, cluster.model, warm, profile.time_scale,
                                         profile.max_answer_tokens))
                 for job in mine:
                     bar.set_postfix_str(job.tag)
-                    trace = tagged(trace_of(profile, job, seed), job.tag)
+                    trace = tagged(trace_of(profile, job, seed + rep), job.tag)
                     t0 = time.monotonic()
                     m = asyncio.run(measure(cluster.url, cluster.model, trace,
                                             profile.time_scale, profile.max_answer_tokens))
-                    records.append(record(job, m, time.monotonic() - t0))
+                    records.append(record(job, m, time.monotonic() - t0, rep))
+                    _save(run_dir, profile, seed, records)  # (a run cut short keeps these)
                     bar.update()
                     errors = sum(1 for r in m.results if r.error)
                     if errors:
@@ -84,9 +100,13 @@ def run(profile: Profile, run_dir: Path, seed: int, ready_timeout: float) -> lis
                                    f"(first: {next(r.error for r in m.results if r.error)})",
                                    file=sys.stderr)
     bar.close()
+    _save(run_dir, profile, seed, records)
+    return records
+
+
+def _save(run_dir: Path, profile: Profile, seed: int, records: list[dict]) -> None:
     (run_dir / "results.json").write_text(json.dumps(
         {"profile": dataclasses.asdict(profile), "seed": seed, "records": records}, indent=1))
-    return records
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -97,6 +117,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--results-dir", default=str(RESULTS),
                     help="where the results folders are [bench/results]")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--users", type=int, nargs="*", default=None,
+                    help="active users per load level [the profile's]")
+    ap.add_argument("--workload", choices=("sharegpt", "agent"), default=None)
+    ap.add_argument("--sigma", type=float, default=None, help="turn-length lognormal spread")
+    ap.add_argument("--cv", type=float, default=None, help="burstiness: arrival gaps' CV")
+    ap.add_argument("--device-mib", type=int, default=None,
+                    help="device KV per engine, MiB (memory pressure) [the profile's]")
+    ap.add_argument("--reps", type=int, default=0,
+                    help="repetitions of every replay, variants interleaved [the profile's]")
     ap.add_argument("--variants", nargs="*", default=None, help="only these variants")
     ap.add_argument("--sim", default="", help="a bench/sim calibration JSON: also simulate")
     ap.add_argument("--report-only", action="store_true",
@@ -105,6 +134,13 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     show_progress()
     profile = PROFILES["quick" if args.quick else args.profile]
+    if args.reps:
+        profile = dataclasses.replace(profile, reps=args.reps)
+    # A point of the simulator's map (bench.sim.map prints these flags for each point).
+    point = {"users": tuple(args.users) if args.users else None, "workload": args.workload,
+             "sigma": args.sigma, "gap_cv": args.cv,
+             "device_memory_bytes": args.device_mib << 20 if args.device_mib else None}
+    profile = dataclasses.replace(profile, **{k: v for k, v in point.items() if v is not None})
     if args.variants:
         profile = dataclasses.replace(profile, variants=tuple(
             v for v in profile.variants if v.name in args.variants))

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from bench.harness.cluster import Cluster
-from bench.harness.secret import use_cluster_secret
+from bench.harness.secret import cluster_s3_credentials, use_cluster_secret
 from services.local_cluster import free_port, service_command
 from services.s3_server import S3ServerError, s3_server_spec, wait_ready
 from shared import internal_auth
@@ -148,7 +148,7 @@ def _start_s3(cluster: Cluster, data_dir: Path) -> dict[str, object]:
     the machine may take one before ``weed`` binds it: a server that exits during
     start-up is started again on fresh ports, twice at most."""
     for attempt in range(3):
-        spec = s3_server_spec(data_dir)
+        spec = s3_server_spec(data_dir, cluster_s3_credentials())
         proc = cluster.spawn("s3", spec.argv()).popen
         try:
             wait_ready(spec, 60.0, alive=_running(proc))
@@ -171,6 +171,13 @@ def _start_scheduler(cluster: Cluster, flags: dict[str, object]) -> None:
     cluster.spawn("scheduler", service_command("scheduler", {
         "host": HOST, "port": http_port, "grpc_port": grpc_port, **SCHEDULER_FLAGS, **flags,
     }))
+
+
+def restart_scheduler(cluster: Cluster, flags: dict[str, object] | None = None) -> None:
+    """Start the cluster's scheduler again on its ports (after ``cluster.kill("scheduler")``)
+    with ``flags`` (those it started with, for the same state); the nodes register again
+    by themselves."""
+    _start_scheduler(cluster, flags or {})
 
 
 def _healthy(cluster: Cluster) -> bool:

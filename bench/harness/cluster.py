@@ -77,6 +77,20 @@ class Cluster:
             time.sleep(0.2)
         raise RuntimeError(f"cluster not ready within {timeout:g}s\n{self.logs()}")
 
+    def wait_idle(self, nodes: int, timeout: float = 30.0) -> None:
+        """Until ``nodes`` nodes are healthy and report nothing running, queued or routed
+        (a test's next turn then goes by locality, not by load)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            status, ready = self.get("/readyz")
+            reports = ready.get("nodes", {}).values()
+            if status == 200 and len(ready.get("healthy_nodes", [])) == nodes == len(
+                    reports) and all(n["running"] == n["waiting"] == n["routed"] == 0
+                                     for n in reports):
+                return
+            assert time.monotonic() < deadline, (ready, self.logs())
+            time.sleep(0.1)
+
     def wait_attached(self, timeout: float) -> None:
         """Wait until every engine has attached its KV pool to its node's kvstore (an
         engine serves before that, without KV reuse)."""

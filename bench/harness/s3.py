@@ -18,13 +18,15 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.harness.secret import cluster_s3_credentials
 from services.s3_server import s3_server_spec, wait_ready
 
 
 def start_s3_server(port: int = 0, timeout_s: float = 60.0) -> tuple[str, Callable[[], None]]:
-    """Start ``weed mini`` on 127.0.0.1; return (endpoint_url, stop)."""
+    """Start ``weed mini`` on 127.0.0.1 as ``overture up`` does (it admits the pair of the
+    harness's cluster secret only: ``s3_keys()``); return (endpoint_url, stop)."""
     data = Path(tempfile.mkdtemp(prefix="overture-s3-"))
-    spec = s3_server_spec(data, s3_port=port)
+    spec = s3_server_spec(data, cluster_s3_credentials(), s3_port=port)
     proc = subprocess.Popen(spec.argv(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_ready(spec, timeout_s, alive=lambda: proc.poll() is None)

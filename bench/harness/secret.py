@@ -17,6 +17,7 @@ import grpc
 
 from shared import internal_auth
 from shared.cluster_config import SECRET_ENV
+from shared.s3_credentials import S3Credentials, derive_s3_credentials
 
 # A fixed secret: the harness's clusters listen on loopback only, and the tests and the
 # benches that share one process must agree on it.
@@ -27,6 +28,23 @@ def use_cluster_secret() -> None:
     """This process, and every service started from it from now on, use ``CLUSTER_SECRET``."""
     os.environ[SECRET_ENV] = CLUSTER_SECRET
     internal_auth.configure(CLUSTER_SECRET)
+
+
+def cluster_s3_credentials() -> S3Credentials:
+    """The S3 pair of ``CLUSTER_SECRET``: what the harness's S3 servers admit."""
+    return derive_s3_credentials(internal_auth.InternalAuth(CLUSTER_SECRET))
+
+
+def s3_keys() -> dict[str, str]:
+    """``S3Config`` fields (``kvstore.s3.*``) signing with the harness's pair."""
+    c = cluster_s3_credentials()
+    return {"access_key_id": c.access_key_id, "secret_access_key": c.secret_access_key}
+
+
+def aws_keys() -> dict[str, str]:
+    """boto3 client arguments signing with the harness's pair."""
+    c = cluster_s3_credentials()
+    return {"aws_access_key_id": c.access_key_id, "aws_secret_access_key": c.secret_access_key}
 
 
 class _Details(collections.namedtuple(

@@ -35,7 +35,7 @@ from pathlib import Path
 import boto3
 import torch
 
-from bench.harness import start_s3_server
+from bench.harness import aws_keys, s3_keys, start_s3_server
 from services.kvstore.config import S3Config
 from services.kvstore.malloc_tuning import tune_malloc
 from services.kvstore.metrics import KVStoreMetrics
@@ -208,9 +208,9 @@ async def bench_s3(size: int, n: int, endpoint: str, passes: Passes) -> dict[str
     blobs = [bytes(encode_chunk(m, chunk_tensor(size, i % 16))) for i, m in enumerate(metas(n))]
     total = sum(len(b) for b in blobs)
     cfg = build(S3Config, {"endpoint_url": endpoint, "bucket": f"bench-{size}",
-                           "access_key_id": "test", "secret_access_key": "test"})
+                           **s3_keys()})
     raw = boto3.client("s3", endpoint_url=endpoint, region_name=cfg.region,
-                       aws_access_key_id="test", aws_secret_access_key="test")
+                       **aws_keys())
     raw_bucket = "raw-" + cfg.bucket
     raw.create_bucket(Bucket=raw_bucket)
 

@@ -16,7 +16,8 @@ Where KV lives: a node's device memory (its allocator's prefix cache), its kvsto
 (each finished turn is saved there; least recently saved sessions spill to S3), and S3.
 A request reuses what its node's device holds, then loads the rest from the node's DRAM,
 from the holder's node over the peer link (policies that move KV), or from S3, whichever
-holds it, when the load is cheaper than recomputing; ``recompute`` reuses nothing.
+holds it, when the load is cheaper than recomputing; ``recompute`` reuses nothing;
+``prefix`` reuses only what the device holds and saves nothing to a tier.
 """
 
 from __future__ import annotations
@@ -150,11 +151,28 @@ class Simulator:
     def _choose(self, session_id: str, priority: int, advised: str = "") -> RoutePlan:
         place = self.sessions.where(TENANT, session_id)
         route = RouteRequest(MODEL, session_id, TENANT, priority,
-                             holder=place.node_id if place else "", advised=advised)
+                             holder=place.node_id if place else "", advised=advised,
+                             prefix_hits=self._prefix_hits(session_id, place.turn_tokens
+                                                           if place else 0))
         healthy = [n for n in self.registry.healthy(MODEL) if not self.registry.behind(n)]
         plan = self.policy.route(healthy or self.registry.healthy(MODEL), route)
         assert plan is not None, "no healthy node"
         return plan
+
+    def _prefix_hits(self, session_id: str, tokens: int) -> tuple[tuple[str, int], ...]:
+        """(node, leading history blocks whole on its device) for the ``prefix`` policy:
+        the simulator knows each device exactly, as llm-d's router learns it from KV
+        events. Empty for the other policies (they do not read it)."""
+        if self.policy.name != "prefix" or tokens < self.cal.block_tokens:
+            return ()
+        n, groups = tokens // self.cal.block_tokens, self.cal.layer_groups
+        out = []
+        for nid, mem in self.memory.items():
+            held = mem.resident(session_id, n)
+            k = next((i for i, g in enumerate(held) if g < groups), len(held))
+            if k:
+                out.append((nid, k))
+        return tuple(out)
 
     def _advise(self, s: Session) -> None:
         placed = self.advisories.place(TENANT, s.session_id, MODEL, s.priority)
@@ -246,7 +264,7 @@ class Simulator:
         reuse = mem.resident(req.session_id, hist_blocks) if plan.reuse_kv else []
         full = next((i for i, k in enumerate(reuse) if k < groups), len(reuse))
         tier, load_blocks, load_bytes = None, 0, 0
-        if plan.reuse_kv and full < hist_blocks:
+        if plan.reuse_kv and not plan.device_only and full < hist_blocks:
             tier = self._source(node.node_id, req.session_id, hist_blocks * bt, plan.pull_from)
             if tier is not None:
                 load_blocks = hist_blocks - full
@@ -275,9 +293,11 @@ class Simulator:
 
     def _finished(self, node: SimNode, req: Req, now: float) -> None:
         mem, tokens = self.memory[node.node_id], req.prompt + req.out
-        if self._plans.pop(req.session_id).reuse_kv:
+        plan = self._plans.pop(req.session_id)
+        if plan.reuse_kv:
             mem.release(req.session_id, req.table, tokens // self.cal.block_tokens)
-            self._save(node.node_id, req.session_id, tokens)
+            if not plan.device_only:  # (``prefix``: KV only on the device)
+                self._save(node.node_id, req.session_id, tokens)
         else:
             mem.forget(req.session_id, req.table)
         self.registry.end(node.node_id)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from bench.workloads.arrivals import gamma_gaps
 from bench.workloads.human import Human
-from bench.workloads.sessions import session_shape
+from bench.workloads.sessions import SHAPES, SIGMA
 
 _VOCABULARY = """the a to of and in is it you that for on with as this be are what how can do
 not your my we but if from or at have will an all about more when there which would like
@@ -69,10 +69,14 @@ def _text(rng: random.Random, tokens: int) -> str:
 def build_trace(*, users: int, sessions_per_user: int, seed: int = 0,
                 mean_gap_s: float = 10.0, cv: float = 2.0, missed: float = 0.0,
                 spurious: float = 0.0, priority: float = 0.0, max_user: int = 1024,
-                max_answer: int = 1024, generation_s_per_token: float = 0.0) -> Trace:
+                max_answer: int = 1024, generation_s_per_token: float = 0.0,
+                workload: str = "sharegpt", sigma: float = SIGMA) -> Trace:
     """Every user's sessions, with their turns' advisory and request times. A turn's
     request time assumes the previous answer took ``generation_s_per_token`` a token to
-    arrive (0: instantly; the runner shifts later turns by what the answers really took)."""
+    arrive (0: instantly; the runner shifts later turns by what the answers really took).
+    ``workload``: ShareGPT-shaped chat sessions or agent sessions (``sessions.SHAPES``);
+    ``sigma``: the lognormal spread of their lengths."""
+    shape_of = SHAPES[workload]
     rng = random.Random(seed)
     trace = Trace()
     for user in range(users):
@@ -80,7 +84,7 @@ def build_trace(*, users: int, sessions_per_user: int, seed: int = 0,
         clock = 0.0
         for k, gap in enumerate(gamma_gaps(rng, sessions_per_user, mean_gap_s, cv)):
             clock += gap
-            shape = session_shape(rng, max_user, max_answer)
+            shape = shape_of(rng, max_user, max_answer, sigma)
             turns, spurious_at = [], []
             answer_ready = clock
             for i, t in enumerate(shape):

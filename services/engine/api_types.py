@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from shared.model_info import ModelInfo
 
+from .wait_forecast import QueueShape
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -17,10 +19,53 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Logits processors (logits_processors.py), each off at its default: OpenAI's
+    # penalties over the output so far, vLLM's repetition penalty (prompt and output) and
+    # min-p, and a bias added to given token ids ((id, bias) pairs, -100..100).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0  # vLLM's: no EOS or stop token id before this many output tokens
+    # Log-probabilities (logprobs.py): -1 = none; n >= 0 = the sampled token's and the n
+    # most likely alternatives'. ``prompt_logprobs`` does the same for the prompt's own
+    # tokens (OpenAI's ``echo``), computed in prefill.
+    logprobs: int = -1
+    prompt_logprobs: int = -1
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def processed(self) -> bool:
+        """Whether any logits processor changes this request's distribution."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.repetition_penalty != 1.0 or self.min_tokens)
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    """One of the most likely tokens at a position; ``text`` and ``raw`` (its bytes) as the
+    tokenizer spells the token alone."""
+
+    token_id: int
+    text: str
+    raw: bytes
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token of the output (or the prompt) with its log-probability (None: the prompt's
+    first token, which nothing predicts) and the most likely tokens at its position."""
+
+    token_id: int
+    text: str
+    raw: bytes
+    logprob: float | None
+    top: tuple[TopLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -81,6 +126,7 @@ class GenerateRequest:
     kv_source: str = ""  # the kvstore holding the session's KV when not this node's
     kv_source_tokens: int = 0  # the length of the turn saved there
     no_reuse: bool = False  # reuse no KV (device cache or kvstore) and save none (baseline)
+    device_only: bool = False  # reuse only the device cache; no kvstore load or save
     guidance: Guidance = field(default_factory=Guidance)
     node_admitted: bool = False  # the node's deadline queue started it: no delay refusal
 
@@ -99,6 +145,8 @@ class GenerateOutput:
     prompt_token_ids: tuple[int, ...] = ()
     kv_from: str = ""  # the first piece: "device", "local", "peer", "s3" or "recompute"
     tool_calls: tuple[ToolCall, ...] = ()  # calls completed in this piece
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token of ``token_ids`` (if asked)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # the first piece: one per prompt token
 
 
 @dataclass(frozen=True)
@@ -158,6 +206,7 @@ class EngineStatus:
     step_started: float = 0.0  # time.monotonic() the step under way began (0.0: idle)
     admitted: int = 0  # sequences that left the waiting queue for a seat, since start
     reuse: ReuseStats = field(default_factory=ReuseStats)
+    queue: QueueShape = field(default_factory=QueueShape)  # what admission forecasts from
 
 
 def merge_outputs(a: GenerateOutput, b: GenerateOutput) -> GenerateOutput:
@@ -167,4 +216,5 @@ def merge_outputs(a: GenerateOutput, b: GenerateOutput) -> GenerateOutput:
         prompt_tokens=b.prompt_tokens, completion_tokens=b.completion_tokens,
         cached_tokens=b.cached_tokens or a.cached_tokens, finish_reason=b.finish_reason,
         prompt_token_ids=a.prompt_token_ids or b.prompt_token_ids,
-        kv_from=a.kv_from or b.kv_from, tool_calls=a.tool_calls + b.tool_calls)
+        kv_from=a.kv_from or b.kv_from, tool_calls=a.tool_calls + b.tool_calls,
+        logprobs=a.logprobs + b.logprobs, prompt_logprobs=a.prompt_logprobs or b.prompt_logprobs)

@@ -43,6 +43,7 @@ from .api_types import (
 from .config import EngineConfig
 from .engine_core import EngineCore
 from .errors import UNAVAILABLE, EngineError
+from .input_size import check_input_size, estimate_tokens
 from .model import LoadedModel
 from .model_slot import ModelSlot, idle_status
 from .offload import RECOMPUTE, KVStoreClient, SavedSession
@@ -59,7 +60,7 @@ class AsyncEngine:
         skips loading ``config.model_path``."""
         self._admission = Admission(config.max_waiting, config.max_queue_delay_s)
         self._streams = RequestStreams()
-        self._worker = Worker(self._streams, self._admission)
+        self._worker = Worker(self._streams)
         self._slot = ModelSlot(config, loaded, self._worker, self._streams)
 
     @property
@@ -122,8 +123,10 @@ class AsyncEngine:
         outputs that piled up while the consumer was busy come as one (the gRPC server's
         stream: under load a message per step and request costs more than the step)."""
         core = self._require_core()
+        parts = check_input_size(req, core.max_model_len)  # (refused before any work)
         self._admit(bound_delay=not req.node_admitted)
-        entry = self._admission.enter()  # counted as queued until it reaches the inbox
+        # Counted as queued until it reaches the inbox, with its prompt's estimated tokens.
+        entry = self._admission.enter(estimate_tokens(parts))
         try:
             with self._streams.session(SessionKey(req.tenant, req.session_id)):
                 async with contextlib.aclosing(self._generate(core, req, entry, coalesce)
@@ -150,7 +153,8 @@ class AsyncEngine:
             planner = self._slot.planner
             with self._streams.planning(rid):
                 plan = (await planner.plan(prepared)
-                        if planner is not None and not prepared.no_reuse else None)
+                        if planner is not None and not prepared.no_reuse
+                        and not prepared.device_only else None)
             aborted = self._streams.take_abort(rid)
             # Stopped or restarted during planning, or aborted meanwhile.
             if self._slot.core is not core or self._worker.stopping or aborted:
@@ -188,6 +192,7 @@ class AsyncEngine:
             snap.oldest_waiting_since if snap is not None else 0.0,
             time.monotonic(),
             bound_delay,
+            snap.queue if snap is not None else None,
         )
 
     async def abort(self, request_id: str) -> bool:

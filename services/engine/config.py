@@ -130,6 +130,10 @@ class EngineConfig:
         choices=("", "hermes", "llama3_json", "mistral"),
     )
     debug_checks: bool = opt(False, "check KV allocator integrity after every step (slow)")
+    debug_die_on_sigusr1: bool = opt(
+        False, "fault injection for tests: after a SIGUSR1 the engine crashes during its next "
+        "generation request, once its stream has started and before any token (the request "
+        "fails UNKNOWN, the process exits 70); never set in production")
     offload: OffloadConfig = sub(
         OffloadConfig, "KV kept off the device: the node's kvstore and how it is reused"
     )

@@ -25,22 +25,25 @@ from shared.config import ConfigError
 from shared.device_ledger import DeviceLedger
 from shared.session_key import SessionKey
 
-from .api_types import EngineStatus, GenerateOutput, ModelInfo
+from .api_types import EngineStatus, GenerateOutput, ModelInfo, TokenLogprob
 from .config import EngineConfig
 from .errors import RESOURCE_EXHAUSTED, EngineError
 from .kvcache.block_allocator import BlockAllocator
 from .kvcache.block_tables import BlockTables
 from .kvcache.device_memory import DeviceMemory
 from .live_request import LiveRequest
+from .logits_processors import History
 from .model import IncrementalDetokenizer, LoadedModel
-from .model_runner import ModelRunner
+from .model_runner import LogitRows, ModelRunner, logit_rows
 from .offload import NullOffload, Offload, OffloadFactory, PrefetchOrder
 from .output_state import ABORT, OutputState
 from .reuse_plan import ReusePlan
-from .sampling import make_generator
+from .sampling import log_probs, make_generator, row_logprobs
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .token_text import TokenText
 from .validation import PreparedRequest
+from .wait_forecast import StepCost
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +118,7 @@ class EngineCore:
                 f"{mc.num_layers} layers) cannot hold one sequence; raise it"
             )
         self.debug_checks = config.debug_checks
+        self.spelling = TokenText(loaded.tokenizer)  # tokens as log-probabilities show them
         self._live: dict[str, LiveRequest] = {}
         # Nothing can run until the kvstore gives pinned/parked blocks back: idle until then
         # (an unpin, a new request or an abort clears it) instead of spinning.
@@ -123,6 +127,10 @@ class EngineCore:
         # monotonic time, after the broker had a chance to reclaim pages (0.0: not waiting).
         self.budget_retry_at = 0.0
         self.steps = 0  # calls of step(), scheduled or not
+        # Measured step costs and output lengths: admission's forecast of a queue's wait.
+        # (No prior: a guess would refuse a burst on an engine that never ran; the first
+        # steps measure the costs, and the queue's age bounds the wait until then.)
+        self.step_cost = StepCost()
         self._arrivals = itertools.count()
         self._seeds = random.Random(config.seed)
         self.model_info = ModelInfo(
@@ -132,6 +140,7 @@ class EngineCore:
             dtype=str(loaded.dtype).removeprefix("torch."),
             num_layers=mc.num_layers,
             block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
         )
 
     # ---- requests -----------------------------------------------------------------------
@@ -153,6 +162,7 @@ class EngineCore:
             tenant=req.tenant,
             session_id=req.session_id,
             no_reuse=req.no_reuse,
+            device_only=req.device_only,
         )
         seq.offload.plan = self.offload.accept(plan)
         detok = IncrementalDetokenizer(self.loaded.tokenizer, req.prompt_token_ids)
@@ -217,15 +227,22 @@ class EngineCore:
         if out.empty:
             return self._fail_unservable()
         self.budget_retry_at = 0.0  # the queue moves: no wait for the node's budget
-        rows = {s.request_id: i for i, s in enumerate(out.sequences)}  # logits rows
+        lr = logit_rows(out)
+        rows = {s.request_id: lr.last[i] for i, s in enumerate(out.sequences)}  # logits rows
+        decodes = sum(1 for n in out.num_scheduled_tokens.values() if n == 1)
+        prefills = out.total_tokens - decodes
         started = time.perf_counter()
         with self.offload.forward(out) as wait_for_layer:
             logits = self.runner.execute(out, wait_for_layer)  # (num_seqs, vocab)
         for rid in self.offload.after_forward(out, time.perf_counter() - started):
             self.scheduler.requeue(self._live[rid].seq, out)  # its load failed: recompute
         due = self.scheduler.advance(out)
+        if lr.prompt:
+            self._prompt_logprobs(logits, lr)
         events = self._sample(logits, [rows[s.request_id] for s in due], due)
         self.offload.after_sample([s for s in due if s.request_id in self._live])
+        if not out.loads:  # (a step that waited for loaded layers says nothing of compute)
+            self.step_cost.observe(decodes, prefills, time.perf_counter() - started)
         if self.debug_checks:
             self.check_integrity()
         return events
@@ -237,17 +254,44 @@ class EngineCore:
         lives = [self._live[s.request_id] for s in due]
         width = logits.shape[-1]
         masks = [lv.constraint.allowed(width) if lv.constraint else None for lv in lives]
-        tokens = self.runner.sample(logits, rows, due, [lv.generator for lv in lives], masks)
-        return [self._append(lv, t) for lv, t in zip(lives, tokens, strict=True)]
+        histories = [History(s.token_ids, s.num_prompt_tokens, self._banned(s)) for s in due]
+        got = self.runner.sample(logits, rows, due, [lv.generator for lv in lives], masks,
+                                 histories)
+        return [self._append(lv, t, self.spelling.token(lp) if lp is not None else None)
+                for lv, t, lp in zip(lives, got.tokens, got.logprobs, strict=True)]
 
-    def _append(self, live: LiveRequest, token: int) -> GenerateOutput:
+    def _banned(self, s: Sequence) -> tuple[int, ...]:
+        """What ``min_tokens`` holds back from ``s`` now."""
+        p = s.sampling
+        if s.num_output_tokens >= p.min_tokens:
+            return ()
+        eos = () if p.ignore_eos else tuple(self.loaded.config.eos_token_ids)
+        return eos + p.stop_token_ids
+
+    def _prompt_logprobs(self, logits: torch.Tensor, lr: LogitRows) -> None:
+        """The prompt positions this step computed, for the requests that asked (echo): the
+        raw model's distribution (no processor has a history to act on in a prompt)."""
+        for rid, (first, row, n) in lr.prompt.items():
+            live = self._live.get(rid)
+            if live is None:
+                continue
+            k = live.seq.sampling.prompt_logprobs
+            lp = log_probs(logits[row:row + n].float().cpu(), torch.zeros(n))  # (n, V)
+            ids = live.seq.prompt_token_ids
+            live.add_prompt_logprobs(first + 1, [
+                self.spelling.token(row_logprobs(lp[j], ids[first + 1 + j], k))
+                for j in range(n)], self.spelling.spell(ids[0]))
+
+    def _append(self, live: LiveRequest, token: int, lp: TokenLogprob | None
+                ) -> GenerateOutput:
         live.add_token(token)
         if live.finished:
             seq = live.seq
+            self.step_cost.finished(seq.num_output_tokens)
             self.offload.finished(seq)
             self.scheduler.finish(seq)
             del self._live[seq.request_id]
-        return live.output([token])
+        return live.output([token], (lp,) if lp is not None else ())
 
     def _fail_unservable(self) -> list[Event]:
         """Nothing could be scheduled: if nothing runs either, the head of the queue can
@@ -308,6 +352,7 @@ class EngineCore:
             oldest_waiting_since=self.scheduler.oldest_waiting_since(),
             admitted=self.scheduler.num_admitted,
             reuse=self.offload.stats(),
+            queue=self.scheduler.queue_shape(self.step_cost),
         )
 
     def drop_cached(self) -> int:

@@ -11,11 +11,11 @@ Worker thread only, like the core.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from .api_types import GenerateOutput, ToolCall
+from .api_types import GenerateOutput, TokenLogprob, ToolCall
 from .output_state import STOP, OutputState
 from .sequence import Sequence
 from .structured import Constraint
@@ -32,6 +32,9 @@ class LiveRequest:
     sent_prompt: bool = False
     constraint: Constraint | None = None  # the grammar its tokens must follow
     tool_stream: ToolCallStream | None = None  # splits tool calls from content
+    # The prompt's tokens with their log-probabilities (echo), gathered over its prefill
+    # chunks and sent with the first output; entry i is prompt token i.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -51,7 +54,19 @@ class LiveRequest:
             elif c.done:  # the grammar is complete: nothing may follow
                 state.finish(STOP)
 
-    def output(self, tokens: list[int]) -> GenerateOutput:
+    def add_prompt_logprobs(self, index: int, entries: list[TokenLogprob],
+                            first: tuple[str, bytes]) -> None:
+        """Entries for prompt tokens ``index...``; a recomputed prefill (preemption) may
+        bring some again, kept once. ``first``: how the prompt's first token is spelled
+        (nothing predicts it: no log-probability)."""
+        if not self.prompt_logprobs:
+            tid = self.seq.prompt_token_ids[0]
+            self.prompt_logprobs.append(TokenLogprob(tid, first[0], first[1], None))
+        have = len(self.prompt_logprobs)
+        self.prompt_logprobs.extend(entries[max(0, have - index):])
+
+    def output(self, tokens: list[int], logprobs: tuple[TokenLogprob, ...] = ()
+               ) -> GenerateOutput:
         """This step's output (the first one also carries the prompt's token ids and where
         its KV came from)."""
         seq, state = self.seq, self.output_state
@@ -79,6 +94,8 @@ class LiveRequest:
             finish_reason=finish,
             prompt_token_ids=tuple(seq.prompt_token_ids) if first else (),
             kv_from=kv_from(seq) if first else "",
+            logprobs=logprobs,
+            prompt_logprobs=tuple(self.prompt_logprobs) if first else (),
         )
 
 

@@ -10,19 +10,55 @@ built for all layers at once from one (layers, seqs, max_blocks) table tensor.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from .forward_batch import ForwardBatch
-from .sampling import Sampler
+from .logits_processors import History
+from .sampling import Sampled, Sampler
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
 
 # Steps with at most this many (layer, token) slots compute them as Python ints (decodes),
 # larger ones with tensor ops: each torch op costs ~5-10 us on CPU, a Python slot ~0.1 us.
 PYTHON_SLOTS = 512
+
+
+@dataclass
+class LogitRows:
+    """Which rows of a step's logits are what. Each sequence's last scheduled token gives
+    the row it samples from (``last[i]``); a sequence computing prompt positions whose
+    log-probabilities it wants (``echo``) has a row for each of them:
+
+        prompt[request_id] = (first position, first row, count)
+        row first_row + j: the logits at position first + j, which predict token first+j+1
+    """
+
+    indices: list[int] = field(default_factory=list)  # rows of the packed tokens wanted
+    last: list[int] = field(default_factory=list)
+    prompt: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+
+
+def logit_rows(out: SchedulerOutput) -> LogitRows:
+    rows = LogitRows()
+    t = 0
+    for s in out.sequences:
+        n = out.num_scheduled_tokens[s.request_id]
+        start = s.num_computed_tokens
+        wanted = min(start + n, s.num_prompt_tokens - 1) - start  # positions before the last
+        if s.sampling.prompt_logprobs >= 0 and wanted > 0:
+            rows.prompt[s.request_id] = (start, len(rows.indices), wanted)
+            rows.indices.extend(range(t, t + wanted))
+            if wanted == n:  # the chunk's last token is a prompt position's too
+                rows.last.append(len(rows.indices) - 1)
+                t += n
+                continue
+        rows.last.append(len(rows.indices))
+        rows.indices.append(t + n - 1)
+        t += n
+    return rows
 
 
 class ModelRunner:
@@ -75,7 +111,7 @@ class ModelRunner:
             offsets = pos % bs
             slots = blocks * bs + offsets
             kv_rows = blocks * (2 * bs) + offsets
-        ends = list(itertools.accumulate(q_lens))
+        rows = logit_rows(out)
         if dev.type != "cpu":
             tables, slots, pos = tables.to(dev), slots.to(dev), pos.to(dev)
             kv_rows = kv_rows.to(dev)
@@ -86,15 +122,17 @@ class ModelRunner:
             kv_lens=[st + n for st, n in zip(starts, q_lens, strict=True)],
             block_tables=list(tables.unbind(0)),
             slot_mapping=list(slots.unbind(0)),
-            logits_indices=torch.tensor([e - 1 for e in ends], dtype=torch.int64, device=dev),
+            logits_indices=torch.tensor(rows.indices, dtype=torch.int64, device=dev),
             kv_rows=kv_rows,
         )
 
     def execute(
         self, out: SchedulerOutput, wait_for_layer: Callable[[int], None] | None = None
     ) -> torch.Tensor:
-        """Logits (num_seqs, vocab) float32 of the last scheduled token of each sequence.
-        ``wait_for_layer(l)`` runs before layer ``l`` reads the cache (layer-wise loads)."""
+        """Logits (rows, vocab) float32 of the last scheduled token of each sequence, and of
+        every prompt position of those that want the prompt's log-probabilities
+        (``logit_rows`` says which row is which). ``wait_for_layer(l)`` runs before layer
+        ``l`` reads the cache (layer-wise loads)."""
         batch = self.build_batch(out)
         batch.wait_for_layer = wait_for_layer
         with torch.inference_mode():
@@ -107,8 +145,11 @@ class ModelRunner:
         seqs: list[Sequence],
         generators: list[torch.Generator],
         masks: list[torch.Tensor | None] | None = None,
-    ) -> list[int]:
+        histories: list[History] | None = None,
+    ) -> Sampled:
         """Sample one token for each of ``seqs`` from ``logits[rows]``; ``masks[i]``, when
-        given, is the bool mask of the tokens sequence ``i`` may take (a grammar's)."""
+        given, is the bool mask of the tokens sequence ``i`` may take (a grammar's);
+        ``histories[i]`` its tokens so far (penalties)."""
         sub = logits[torch.tensor(rows)] if len(rows) != logits.shape[0] else logits
-        return self.sampler.sample(sub.cpu(), [s.sampling for s in seqs], generators, masks)
+        return self.sampler.run(sub.cpu(), [s.sampling for s in seqs], generators, masks,
+                                histories)

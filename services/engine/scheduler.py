@@ -27,6 +27,7 @@ from shared.session_key import SessionKey
 from .kvcache.block_tables import BlockTables
 from .reuse_plan import ReusePlan
 from .sequence import Sequence, Status
+from .wait_forecast import QueueShape, StepCost
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,23 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def queue_shape(self, cost: StepCost) -> QueueShape:
+        """The queue as admission's forecast sees it (``wait_forecast.py``): prompt tokens
+        still to compute (less what a planned load brings), the running sequences'
+        expected output left, and the measured step costs."""
+        bs = self.kv.block_size
+        prefill = 0
+        for q in self.waiting:
+            plan = q.offload.plan
+            loaded = plan.end_block * bs if plan is not None else 0
+            prefill += max(1, q.num_tokens - q.num_computed_tokens - loaded)
+        prefill += sum(r for q in self.running if (r := q.num_tokens - q.num_computed_tokens) > 1)
+        left = sorted(cost.expected_left(q.num_output_tokens, q.max_total_tokens - q.num_tokens)
+                      for q in self.running)
+        return QueueShape(len(self.waiting), prefill, len(self.running), self.max_num_seqs,
+                          self.max_num_batched_tokens, tuple(left), cost.decode_step_s,
+                          cost.prefill_s_per_token)
 
     def sessions(self) -> set[SessionKey]:
         """The sessions with a request here (running or waiting)."""

@@ -45,6 +45,7 @@ class Sequence:
     num_preemptions: int = 0
     status: Status = Status.WAITING
     no_reuse: bool = False  # reuses no stored or cached KV and saves none (a baseline)
+    device_only: bool = False  # reuses only the device cache; saves nothing (a baseline)
     overtaken: int = 0  # times a higher-priority arrival was queued ahead of it
     waiting_since: float = 0.0  # time.monotonic() it last entered the waiting queue
     priority: int = 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 
@@ -22,17 +23,36 @@ STATUS_WAIT_S = 0.05
 DEFAULT_PREFETCH_TTL_S = 30.0  # an advisory's prefetch without a TTL of its own
 
 
+def _exit_now() -> None:
+    logging.shutdown()
+    os._exit(70)
+
+
 class EngineServicer(engine_pb2_grpc.EngineServicer):
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
         self.keepalive_s = engine.config.stream_keepalive_s
         self.max_step_s = engine.config.max_step_s
+        self.die_armed = False  # (debug_die_on_sigusr1: the next Generate ends the process)
+
+    def arm_death(self) -> None:
+        """Fault injection: exit as the next generation request arrives."""
+        self.die_armed = True
+        log.warning("SIGUSR1: this engine exits at its next generation request (fault "
+                    "injection, engine.debug_die_on_sigusr1)")
 
     async def Generate(
         self, request: common_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[common_pb2.GenerateChunk]:
         """Stream chunks. A cancelled call cancels this handler; the generator's clean-up
         then aborts the request and frees its blocks."""
+        if self.die_armed:  # (a crash mid-request, as a test needs it, deterministically)
+            # The stream has started (the nodemgr relays it) when the engine fails the
+            # request as a crashing one does (UNKNOWN) and the process goes.
+            yield common_pb2.GenerateChunk(request_id=request.request_id, keepalive=True)
+            log.error("crashing before the first token of a request (fault injection)")
+            asyncio.get_running_loop().call_later(0.2, _exit_now)
+            raise RuntimeError("engine crashed (fault injection)")
         try:
             req = wire.request_from_proto(request)
         except EngineError as e:

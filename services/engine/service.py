@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 from contextlib import AsyncExitStack
 
 from shared.aio import freeze_startup_heap
@@ -44,6 +45,8 @@ async def run(config: EngineConfig) -> None:
             mport = await stack.enter_async_context(
                 serve_metrics(render, config.host, config.metrics_port))
             log.info("metrics on http://%s:%d/metrics", config.host, mport)
+        if config.debug_die_on_sigusr1:
+            asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, servicer.arm_death)
         freeze_startup_heap()
         log.info("engine ready on %s:%d", config.host, server.port)
         await asyncio.Event().wait()  # until cancelled (SIGTERM/SIGINT)

@@ -7,10 +7,12 @@ import uuid
 from dataclasses import dataclass
 
 from shared.hashing import hash_seed
+from shared.libc import trim_heap
 
 from .api_types import GenerateRequest, SamplingParams
 from .errors import INVALID_ARGUMENT, NOT_FOUND, EngineError
 from .guidance import ModelGuidance
+from .input_size import check_input_size
 from .structured import Constraint
 from .tools import ToolCallStream
 
@@ -28,8 +30,15 @@ class PreparedRequest:
     kv_source: str = ""  # see GenerateRequest
     kv_source_tokens: int = 0
     no_reuse: bool = False
+    device_only: bool = False
     constraint: Constraint | None = None  # the grammar the output must follow
     tool_stream: ToolCallStream | None = None  # lifts tool calls out of the output
+
+
+# An input this large leaves megabytes of the tokenizer's and the template's scratch freed in
+# glibc's arenas: handed back to the kernel after it, so one request does not grow the
+# engine's RSS for good.
+LARGE_INPUT_CHARS = 1 << 20
 
 
 def _bad(message: str) -> EngineError:
@@ -76,6 +85,28 @@ def check_sampling(p: SamplingParams, vocab_size: int) -> None:
     bad = [t for t in p.stop_token_ids if not 0 <= t < vocab_size]
     if bad:
         raise _bad(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+    check_processors(p, vocab_size)
+
+
+def check_processors(p: SamplingParams, vocab_size: int) -> None:
+    """The processors' and log-probabilities' ranges (OpenAI's and vLLM's)."""
+    for name, v, lo, hi in (("presence_penalty", p.presence_penalty, -2.0, 2.0),
+                            ("frequency_penalty", p.frequency_penalty, -2.0, 2.0),
+                            ("min_p", p.min_p, 0.0, 1.0)):
+        if not (math.isfinite(v) and lo <= v <= hi):
+            raise _bad(f"{name} must be in [{lo}, {hi}], got {v}")
+    if not (math.isfinite(p.repetition_penalty) and p.repetition_penalty > 0):
+        raise _bad(f"repetition_penalty must be > 0 (1 = off), got {p.repetition_penalty}")
+    bad = [t for t, b in p.logit_bias if not 0 <= t < vocab_size]
+    if bad:
+        raise _bad(f"logit_bias token ids {bad[:5]} are outside the vocabulary "
+                   f"[0, {vocab_size})")
+    if any(not (math.isfinite(b) and -100 <= b <= 100) for _, b in p.logit_bias):
+        raise _bad("logit_bias values must be in [-100, 100]")
+    if p.min_tokens < 0 or (p.max_tokens and p.min_tokens > p.max_tokens):
+        raise _bad(f"min_tokens must be in [0, max_tokens], got {p.min_tokens}")
+    if not (-1 <= p.logprobs <= 20 and -1 <= p.prompt_logprobs <= 20):
+        raise _bad("logprobs and prompt_logprobs must be in [0, 20] (-1: none)")
 
 
 def prepare(
@@ -94,9 +125,14 @@ def prepare(
             NOT_FOUND, f"model {req.model!r} is not served here; this engine serves {model_name!r}"
         )
     check_sampling(req.sampling, vocab_size)
+    _, chars = check_input_size(req, max_model_len)  # before tokenizing or a grammar
     if guidance is None and not req.guidance.empty:
         raise _bad("tools and response_format need a model with a tokenizer for them")
-    ids = tokenize(req, tokenizer, guidance)
+    try:
+        ids = tokenize(req, tokenizer, guidance)
+    finally:
+        if chars >= LARGE_INPUT_CHARS:
+            trim_heap()
     if not ids:
         raise _bad("the prompt is empty")
     bad = [t for t in ids if not 0 <= t < vocab_size]
@@ -126,7 +162,11 @@ def prepare(
         session_id=req.session_id,
         kv_source=req.kv_source,
         kv_source_tokens=req.kv_source_tokens,
-        no_reuse=req.no_reuse,
+        # The prompt's log-probabilities need every prompt position's logits, so its whole
+        # forward runs anyway: reused KV would save nothing, and the request is simplest
+        # computed from scratch (docs/api.md, "echo").
+        no_reuse=req.no_reuse or req.sampling.prompt_logprobs >= 0,
+        device_only=req.device_only,
         constraint=guidance.constraint(req.guidance) if guidance else None,
         tool_stream=guidance.output_stream(req.guidance) if guidance else None,
     )

@@ -18,6 +18,7 @@ from .api_types import (
     Guidance,
     PrefetchStats,
     SamplingParams,
+    TokenLogprob,
     ToolCall,
 )
 from .errors import (
@@ -49,7 +50,22 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
         stop=tuple(p.stop),
         stop_token_ids=tuple(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty or 1.0,  # proto3 default 0 = off
+        min_p=p.min_p,
+        logit_bias=tuple(sorted(p.logit_bias.items())),
+        min_tokens=p.min_tokens,
+        logprobs=p.logprobs if p.HasField("logprobs") else -1,
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else -1,
     )
+
+
+def _logprob_to_proto(t: TokenLogprob) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(
+        token_id=t.token_id, token=t.text, bytes=t.raw, logprob=t.logprob,
+        top=[common_pb2.TopLogprob(token_id=x.token_id, token=x.text, bytes=x.raw,
+                                   logprob=x.logprob) for x in t.top])
 
 
 def request_from_proto(r: common_pb2.GenerateRequest) -> GenerateRequest:
@@ -65,6 +81,7 @@ def request_from_proto(r: common_pb2.GenerateRequest) -> GenerateRequest:
         "kv_source": r.kv_source,
         "kv_source_tokens": r.kv_source_tokens,
         "no_reuse": r.no_reuse,
+        "device_only": r.device_only,
         "node_admitted": r.node_admitted,
         "guidance": guidance_from_proto(r.guidance),
     }
@@ -109,6 +126,8 @@ def chunk_to_proto(o: GenerateOutput) -> common_pb2.GenerateChunk:
         kv_from=o.kv_from,
         tool_calls=[common_pb2.ToolCallDelta(index=c.index, id=c.id, name=c.name,
                                              arguments=c.arguments) for c in o.tool_calls],
+        logprobs=[_logprob_to_proto(t) for t in o.logprobs],
+        prompt_logprobs=[_logprob_to_proto(t) for t in o.prompt_logprobs],
     )
 
 

@@ -5,23 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.config import opt, sub
-
-
-@dataclass(frozen=True)
-class S3Config:
-    endpoint_url: str = opt(
-        "", "S3 endpoint (empty = AWS default; else SeaweedFS, MinIO or any S3 URL)"
-    )
-    bucket: str = opt("", "bucket for the durable tier; empty disables S3")
-    prefix: str = opt("overture/", "key prefix inside the bucket")
-    region: str = opt("us-east-1", "S3 region")
-    access_key_id: str = opt("", "access key (empty = boto3's default credential chain)")
-    secret_access_key: str = opt("", "secret key")
-    max_attempts: int = opt(4, "attempts per S3 call before it counts as failed", min=1, max=20)
-    backoff_s: float = opt(0.05, "first retry pause; doubles per attempt", min=0.0, max=10.0)
-    backoff_max_s: float = opt(2.0, "longest pause between retries", min=0.0, max=60.0)
-    timeout_s: float = opt(5.0, "connect and read timeout of one S3 request", min=0.05, max=300.0)
-    threads: int = opt(8, "threads running blocking boto3 calls", min=1, max=64)
+from shared.s3_config import S3Config
 
 
 @dataclass(frozen=True)

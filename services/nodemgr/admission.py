@@ -8,8 +8,12 @@ request arrives or one starts producing, the queue is ordered again: requests th
 still meet their deadline first (Moore-Hodgson keeps the most of them), then the others,
 which are served all the same, after them: when none of the first kind waits, one at a
 time into an engine with nothing else starting (the engines share the node's compute). Past
-``max_waiting`` queued requests the node refuses new ones (429 upstream): an overload it
-cannot drain is the cluster's to spread.
+``max_waiting`` queued requests the node refuses new ones (429 upstream), and so it does a
+request whose wait here would be over ``max_delay_s``: the prefill of the requests queued
+for its engine ahead of it, ``depth`` at a time at its model's measured speed, or the age of
+the oldest of them (the engine's own delay bound is off for the requests this queue
+dispatches, so the bound is kept here, where they wait). An overload it cannot drain is the
+cluster's to spread.
 
 A request's prefill time is its prompt length (estimated from its text before the engine
 tokenizes it) over its model's chunked-prefill speed, measured here from the requests it
@@ -46,10 +50,11 @@ class _Ticket:
 class DeadlineAdmission:
     def __init__(self, depth: int = 4, default_speed: float = 2000.0,
                  slo: Callable[[str], float] = lambda model: 2.0,
-                 clock: Callable[[], float] = time.monotonic, max_waiting: int = 1024
-                 ) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_waiting: int = 1024,
+                 max_delay_s: float = 0.0) -> None:
         self.depth = depth
         self.max_waiting = max_waiting
+        self.max_delay_s = max_delay_s  # 0: only max_waiting refuses
         self.default_speed = default_speed
         self._slo = slo
         self._clock = clock
@@ -67,8 +72,9 @@ class DeadlineAdmission:
         if len(self._queue) >= self.max_waiting:
             raise NodeQueueFull(f"the node's queue is full ({self.max_waiting} waiting); "
                                 "retry later")
-        ticket = _Ticket(engine, model)
         arrival = self._clock()
+        self._check_delay(engine, arrival)
+        ticket = _Ticket(engine, model)
         w = Waiting(ticket, arrival, self._slo(model), max(1, prompt_tokens),
                     self.speed.get(model, self.default_speed))
         self._queue.append(w)
@@ -104,6 +110,24 @@ class DeadlineAdmission:
                 if w in self._queue:  # (a pump may have dropped it, cancelled, already)
                     self._queue.remove(w)
                 ticket.go.cancel()
+
+    def predicted_wait(self, engine: str, now: float) -> float:
+        """Seconds a request for ``engine`` arriving now would wait here: the prefill of
+        those queued for it, ``depth`` at a time (or the age of the oldest, if longer)."""
+        ahead = [w for w in self._queue if w.item.engine == engine and not w.item.go.done()]
+        if not ahead:
+            return 0.0
+        prefill = sum(w.prefill_s for w in ahead) / max(1, self.depth)
+        return max(prefill, now - min(w.arrival for w in ahead))
+
+    def _check_delay(self, engine: str, now: float) -> None:
+        if not self.max_delay_s:
+            return
+        wait = self.predicted_wait(engine, now)
+        if wait > self.max_delay_s:
+            raise NodeQueueFull(f"the node is behind (a new request would wait about "
+                                f"{wait:.2f}s in its queue, over {self.max_delay_s:g}s); "
+                                "retry later")
 
     @property
     def waiting(self) -> int:

@@ -12,6 +12,7 @@ from services.nodemgr.advisory_prefetcher import AdvisoryPrefetcher
 from services.nodemgr.config import NodeManagerConfig
 from services.nodemgr.engine_set import EngineSet, UnknownModel
 from services.nodemgr.grpc_service import NodeManagerServicer
+from services.nodemgr.held_sessions import HeldSessions
 from services.nodemgr.kvstore_probe import KVStoreProbe
 from services.nodemgr.memory_broker import EngineMemory, MemoryBroker
 from services.nodemgr.metrics import NodeMgrMetrics
@@ -60,7 +61,7 @@ async def start(config: NodeManagerConfig, stack: AsyncExitStack) -> asyncio.Tas
         config.admission_depth, config.prefill_tokens_per_s,
         slo=lambda model: activator.catalog[model].ttft_slo_s
         if model in activator.catalog else DEFAULT_TTFT_SLO_S,
-        max_waiting=config.admission_max_waiting)
+        max_waiting=config.admission_max_waiting, max_delay_s=config.admission_max_delay_s)
     servicer = NodeManagerServicer(config.node_id, engine, config.kvstore_address, engine_failed,
                                    prefetcher, activator, admission)
     server = await stack.enter_async_context(
@@ -86,6 +87,8 @@ async def start(config: NodeManagerConfig, stack: AsyncExitStack) -> asyncio.Tas
         in_flight=lambda: servicer.in_flight,
         kvstore=kvstore,
         engine_stall_s=config.engine_stall_s,
+        held=HeldSessions(config.held_sessions_max),
+        metrics=metrics_targets(config),
     )
     beats = asyncio.create_task(registrar.run(), name="registrar")
     if config.device_ledger:
@@ -206,3 +209,18 @@ def _state(registrar: Registrar, servicer: NodeManagerServicer) -> dict[str, flo
     return {"generations_in_flight": float(servicer.in_flight),
             "problem": 1.0 if registrar.problem else 0.0,
             "degraded": 1.0 if registrar.degraded else 0.0}
+
+
+def metrics_targets(config: NodeManagerConfig) -> dict[str, str]:
+    """The node's /metrics endpoints by service: ``metrics_targets`` and the nodemgr's own
+    (when its port is fixed; a port picked at start-up is not known before the server)."""
+    out: dict[str, str] = {}
+    for item in config.metrics_targets:
+        name, sep, addr = item.partition("=")
+        if not sep or not name or ":" not in addr:
+            raise ValueError(f"nodemgr.metrics_targets: {item!r} is not service=host:port "
+                             "(e.g. kvstore=127.0.0.1:9101)")
+        out[name] = addr
+    if config.metrics_port:
+        out["nodemgr"] = f"{config.host}:{config.metrics_port}"
+    return out

@@ -12,6 +12,10 @@ class NodeManagerConfig:
     host: str = opt("127.0.0.1", "address the NodeManager gRPC server binds to")
     port: int = opt(50052, "NodeManager gRPC port (0 = pick a free port)", min=0, max=65535)
     metrics_port: int = opt(0, "Prometheus /metrics HTTP port (0 = off)", min=0, max=65535)
+    metrics_targets: list[str] = opt(
+        [], "the node's other services' /metrics as service=host:port (e.g. "
+        "kvstore=127.0.0.1:9101), reported to the scheduler with the nodemgr's own so "
+        "GET /admin/nodes lists them; overture up sets it")
     advertise_address: str = opt("", "host:port the scheduler should dial; default host:port")
     node_id: str = opt("node-0", "unique id of this node in the cluster")
     scheduler_address: str = opt("127.0.0.1:50051", "Scheduler gRPC address")
@@ -39,6 +43,10 @@ class NodeManagerConfig:
     admission_max_waiting: int = opt(
         1024, "requests the node's deadline queue holds at most; more are refused (429)",
         min=1)
+    admission_max_delay_s: float = opt(
+        0.5, "with several engines: a new request whose predicted wait in the node's queue "
+        "(the prefill queued ahead for its engine, or the oldest's age) is over this is "
+        "refused (429 upstream), as an engine's max_queue_delay_s does; 0 = off", min=0.0)
     prefill_tokens_per_s: float = opt(
         2000.0, "a model's chunked-prefill speed until measured (for the deadline order)",
         min=1)
@@ -61,5 +69,9 @@ class NodeManagerConfig:
         min=0.05,
     )
     register_backoff_max_s: float = opt(
-        2.0, "longest pause between registration attempts", min=0.05
+        2.0, "longest pause between registration attempts (each pause jittered to 50-100% "
+        "of its value)", min=0.05
     )
+    held_sessions_max: int = opt(
+        100_000, "sessions saved here that the node remembers and reports when it "
+        "registers (a restarted scheduler rebuilds its session directory from them)", min=1)

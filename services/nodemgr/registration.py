@@ -4,6 +4,14 @@ Loop: register (retrying with backoff until the scheduler answers), open the Hea
 stream, send a beat every interval with the engine's load and any problem, and start over
 when the scheduler forgets the node, the stream breaks, or the engine's models change.
 
+A scheduler that dies (kill -9, a restart, a Kubernetes failover) is routine: whatever
+the broken stream raises (an RPC error, or ``InvalidStateError`` from a write to a call
+that already finished), the node manager keeps serving the requests it has and retries
+with a jittered, capped exponential backoff (every node must not knock at the same
+instant), and registers again once a scheduler answers. The registration carries the
+sessions whose KV this node saved (``held_sessions.py``), from which a restarted scheduler
+rebuilds its session directory.
+
 A *problem* takes the node out of rotation: the engine does not answer Status (down, or
 stopped), or its forward step has run longer than ``engine_stall_s``. The engine answers
 Status off its worker thread, so a busy engine is not mistaken for a dead one. A node
@@ -14,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections.abc import Callable
 
 import grpc
@@ -21,10 +30,13 @@ import grpc
 from services.nodemgr import wire
 from services.nodemgr.channels import fast_channel
 from services.nodemgr.engine_set import EngineSet, EngineUnavailable
+from services.nodemgr.held_sessions import HeldSessions
 from services.nodemgr.kvstore_probe import KVStoreProbe
 from shared.proto import scheduler_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+FIRST_BACKOFF_S = 0.05  # the first pause after a failure; doubles up to backoff_max_s
 
 
 class Registrar:
@@ -42,6 +54,9 @@ class Registrar:
         in_flight: Callable[[], int],
         kvstore: KVStoreProbe | None = None,
         engine_stall_s: float = 120.0,
+        held: HeldSessions | None = None,
+        rng: random.Random | None = None,
+        metrics: dict[str, str] | None = None,
     ) -> None:
         self.node_id = node_id
         self.address = address
@@ -54,6 +69,11 @@ class Registrar:
         self.in_flight = in_flight
         self.kvstore = kvstore
         self.engine_stall_s = engine_stall_s
+        self.held = held if held is not None else HeldSessions(100_000)
+        self._rng = rng if rng is not None else random.Random()
+        self.registrations = 0  # successful ones (the first, then one per reconnect)
+        # service -> host:port of its /metrics, told to the scheduler (GET /admin/nodes)
+        self.metrics = dict(metrics or {})
         self.problem = ""
         self.degraded = ""
         self._poke = asyncio.Event()
@@ -70,30 +90,39 @@ class Registrar:
     async def run(self) -> None:
         channel = fast_channel(self.scheduler_address)
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
-        backoff = 0.05
+        backoff = FIRST_BACKOFF_S
         try:
             while True:
                 try:
                     interval = await self._register(stub)
-                    backoff = 0.05
+                    backoff = FIRST_BACKOFF_S
                     await self._beat(stub, interval)
-                except (grpc.aio.AioRpcError, StreamEnded) as e:
+                except (grpc.aio.AioRpcError, StreamEnded, asyncio.InvalidStateError,
+                        grpc.aio.UsageError) as e:
                     # Say it once per outage; the retries themselves are routine.
-                    level = logging.WARNING if backoff == 0.05 else logging.DEBUG
+                    level = logging.WARNING if backoff == FIRST_BACKOFF_S else logging.DEBUG
                     log.log(level, "scheduler at %s: %s; retrying", self.scheduler_address, _why(e))
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, self.backoff_max_s)
+                except Exception:  # (a node must outlive any scheduler fault: never exit)
+                    log.exception("registration with %s failed; retrying", self.scheduler_address)
+                # Full jitter in [backoff/2, backoff]: after a scheduler restart the nodes
+                # come back spread out instead of all at once.
+                await asyncio.sleep(backoff * self._rng.uniform(0.5, 1.0))
+                backoff = min(backoff * 2, self.backoff_max_s)
         finally:
             await channel.close()
 
     async def _register(self, stub: scheduler_pb2_grpc.SchedulerStub) -> float:
-        req = wire.register_request(self.node_id, self.address, self.models, self.kvstore_address)
+        held = self.held.held()
+        req = wire.register_request(self.node_id, self.address, self.models,
+                                    self.kvstore_address, held, self.metrics)
         reply = await stub.RegisterNode(req, timeout=max(2.0, self.interval_s * 2))
+        self.registrations += 1
         log.info(
-            "registered with the scheduler at %s as %s (%s)",
+            "registered with the scheduler at %s as %s (%s; %d sessions held)",
             self.scheduler_address,
             self.node_id,
             ", ".join(m.name for m in self.models),
+            len(held),
         )
         return wire.heartbeat_interval(reply) or self.interval_s
 
@@ -146,6 +175,7 @@ class Registrar:
                     log.info("the scheduler does not know this node; registering again")
                     return
                 if snap is not None:  # (a beat lost with a broken stream is sent again)
+                    self.held.record(snap.saved)
                     self.engine.acked(snap)
                 try:
                     await asyncio.wait_for(self._poke.wait(), interval)

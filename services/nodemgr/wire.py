@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from services.nodemgr.held_sessions import HeldSession
 from shared.model_info import ModelInfo
 from shared.proto import common_pb2, engine_pb2, nodemgr_pb2, scheduler_pb2
 
@@ -46,13 +48,18 @@ def snapshot(msg: engine_pb2.EngineStatus) -> EngineSnapshot:
 
 
 def register_request(
-    node_id: str, address: str, models: tuple[ModelInfo, ...], kvstore_address: str
+    node_id: str, address: str, models: tuple[ModelInfo, ...], kvstore_address: str,
+    held: Sequence[HeldSession] = (),
+    metrics: dict[str, str] | None = None,
 ) -> scheduler_pb2.RegisterNodeRequest:
     return scheduler_pb2.RegisterNodeRequest(
         node_id=node_id,
         address=address,
         models=[m.to_proto() for m in models],
         kvstore_address=kvstore_address,
+        sessions=[scheduler_pb2.HeldSession(tenant=h.tenant, session_id=h.session_id,
+                                            tokens=h.tokens, age_s=h.age_s) for h in held],
+        metrics=metrics or {},
     )
 
 

@@ -4,22 +4,34 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
+from pathlib import Path
 
+import aiohttp
 from aiohttp import web
 
-from services.scheduler.advisory import Advisor, AdvisoryBook, AdvisoryThrottle
+from services.scheduler.advisory import Advisor, AdvisoryBook, AdvisoryThrottle, ToolLatencies
 from services.scheduler.api import Limits
-from services.scheduler.cluster import NodeChannels, NodeRegistry, SessionDirectory
+from services.scheduler.cluster import (
+    InFlight,
+    NodeChannels,
+    NodeRegistry,
+    PrefixMap,
+    SessionDirectory,
+)
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.grpc_service import SchedulerServicer
-from services.scheduler.http import ApiState, HardenedRunner, build_app
+from services.scheduler.http import ApiState, BodyBudget, HardenedRunner, build_app
+from services.scheduler.lease import LeaseElector, LeaseSettings, ssl_context
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.placement import PlacementLoop
-from services.scheduler.responses import ResponseStore
-from services.scheduler.routing import Dispatcher, DispatchSettings, make_policy
-from services.scheduler.tenants import TenantLimits, key_book
+from services.scheduler.responses import ResponseStore, response_archive
+from services.scheduler.routing import Dispatcher, DispatchSettings, PrefixIndex, make_policy
+from services.scheduler.tenants import TenantLimits, Turns, key_book
+from shared.config import ConfigError
 from shared.grpc_server import serve_grpc
 from shared.model_catalog import load_catalog
 from shared.proto import scheduler_pb2_grpc
@@ -32,19 +44,23 @@ def build_state(
     registry: NodeRegistry,
     channels: NodeChannels,
     sessions: SessionDirectory | None = None,
+    prefixes: PrefixMap | None = None,
 ) -> ApiState:
     metrics = SchedulerMetrics()
     if sessions is None:
         sessions = SessionDirectory(config.sessions_max, config.sessions_ttl_s)
     policy = make_policy(config.policy)
     catalog = load_catalog(config.models_config)
+    inflight = InFlight(config.tpot_default_s)
+    latencies = (ToolLatencies(config.tool_latency_default_s, config.tool_latency_quantile)
+                 if config.infer_advisories else None)
     advisor = Advisor(
         AdvisoryBook(config.advisory_ttl_s, config.advisories_max,
                      per_tenant=config.advisories_per_tenant),
         AdvisoryThrottle(config.advisory_min_useful, config.advisory_throttle_rate, 5.0,
                          config.advisory_throttle_after),
         registry, policy, channels, sessions, metrics,
-        catalog=frozenset(m.name for m in catalog),
+        catalog=frozenset(m.name for m in catalog), inflight=inflight, latencies=latencies,
     )
     dispatcher = Dispatcher(
         registry,
@@ -63,20 +79,30 @@ def build_state(
         metrics,
         advisor,
         catalog=catalog,
+        inflight=inflight,
+        prefixes=prefixes,
+        prefix_index=(PrefixIndex(config.prefix_index_blocks)
+                      if config.policy == "prefix" else None),
     )
     return ApiState(
         registry=registry,
         dispatcher=dispatcher,
         metrics=metrics,
         limits=Limits(config.max_n, config.max_prompts, config.default_max_tokens,
-                      config.max_messages, config.max_tokens_limit),
+                      config.max_messages, config.max_tokens_limit,
+                      strict_fields=config.strict_fields),
         tenants=TenantLimits(config.tenant_requests_per_s, config.tenant_advisories_per_s,
-                             config.tenant_max_in_flight),
+                             config.tenant_max_in_flight, seats=registry.seats,
+                             in_flight_per_seat=config.tenant_in_flight_per_seat),
+        turns=Turns(config.retry_after_s),
+        bodies=BodyBudget(config.tenant_body_bytes, config.max_body_bytes),
         body_timeout_s=config.body_timeout_s,
         keys=key_book(config),
         max_body_bytes=config.max_body_bytes,
         advisor=advisor,
-        responses=ResponseStore(config.responses_ttl_s, config.responses_max),
+        responses=ResponseStore(config.responses_ttl_s, config.responses_max,
+                                archive=response_archive(config)),
+        session_headers=tuple(config.session_headers),
     )
 
 
@@ -99,6 +125,53 @@ async def _watch_nodes(registry: NodeRegistry, period_s: float) -> None:
         await asyncio.sleep(period_s)
 
 
+async def _sweep_responses(store: ResponseStore, ttl_s: float) -> None:
+    """Delete archived responses past their TTL: at start, then every tenth of the TTL."""
+    while True:
+        gone = await asyncio.to_thread(store.archive.sweep, store.expired)
+        if gone:
+            log.info("deleted %d expired stored responses", gone)
+        await asyncio.sleep(max(1.0, min(ttl_s / 10, 600.0)))
+
+
+async def _elect(config: SchedulerConfig, stack: AsyncExitStack,
+                 on_change: Callable[[bool], None]) -> LeaseElector:
+    """Run the Lease election until ``stack`` closes (releasing the Lease if held)."""
+    if config.lease_renew_s * 3 > config.lease_duration_s:
+        raise ConfigError(f"scheduler.lease_renew_s={config.lease_renew_s:g} must be at most "
+                          f"a third of scheduler.lease_duration_s={config.lease_duration_s:g}; "
+                          "lower the one or raise the other")
+    namespace = config.lease_namespace or _pod_namespace(config.lease_token_file)
+    identity = config.lease_identity or socket.gethostname()
+    settings = LeaseSettings(config.lease_name, namespace, identity, config.lease_api_url,
+                             config.lease_token_file, config.lease_ca_file,
+                             config.lease_duration_s, config.lease_renew_s)
+    connector = aiohttp.TCPConnector(ssl=ssl_context(config.lease_ca_file)
+                                     if config.lease_api_url.startswith("https") else False)
+    http = await stack.enter_async_context(aiohttp.ClientSession(connector=connector))
+    elector = LeaseElector(settings, http, on_change=on_change)
+    electing = asyncio.create_task(elector.run(), name="lease-election")
+
+    async def stop_electing() -> None:
+        electing.cancel()
+        await asyncio.gather(electing, return_exceptions=True)
+
+    stack.push_async_callback(stop_electing)
+    log.info("electing the active scheduler through Lease %s/%s as %s", namespace,
+             config.lease_name, identity)
+    return elector
+
+
+def _pod_namespace(token_file: str) -> str:
+    """The pod's namespace, beside its service account token."""
+    path = Path(token_file).with_name("namespace")
+    try:
+        return path.read_text().strip()
+    except OSError as e:
+        raise ConfigError(f"scheduler.lease_namespace is empty and {path} is unreadable "
+                          f"({e.strerror}); set scheduler.lease_namespace") from None
+
+
 @dataclass
 class Running:
     """A started scheduler: where it listens and its live state (for tests and logs)."""
@@ -114,7 +187,12 @@ async def start(config: SchedulerConfig, stack: AsyncExitStack) -> Running:
     channels = NodeChannels()
     stack.push_async_callback(channels.close)
     sessions = SessionDirectory(config.sessions_max, config.sessions_ttl_s)
-    servicer = SchedulerServicer(registry, config.heartbeat_interval_s, sessions)
+    prefixes = PrefixMap(config.sessions_max, config.sessions_max)
+    leadership: list[LeaseElector] = []  # (filled below when the replicas elect a leader)
+    servicer = SchedulerServicer(registry, config.heartbeat_interval_s, sessions,
+                                 leader=lambda: not config.lease_name
+                                 or any(e.is_leader for e in leadership),
+                                 prefixes=prefixes)
     grpc_server = await stack.enter_async_context(
         serve_grpc(
             config.grpc_host,
@@ -124,7 +202,10 @@ async def start(config: SchedulerConfig, stack: AsyncExitStack) -> Running:
         )
     )
     stack.push_async_callback(servicer.close)  # runs before the server stops
-    state = build_state(config, registry, channels, sessions)
+    state = build_state(config, registry, channels, sessions, prefixes)
+    state.leader = servicer.leader
+    if config.lease_name:
+        leadership.append(await _elect(config, stack, servicer.leadership_changed))
     # Cancel a handler when its client disconnects, so the generation is cancelled too.
     runner = HardenedRunner(build_app(state), config.header_timeout_s,
                             config.keepalive_timeout_s, handler_cancellation=True,
@@ -151,6 +232,14 @@ async def start(config: SchedulerConfig, stack: AsyncExitStack) -> Running:
         await state.advisor.close()
 
     stack.push_async_callback(stop_advisor)
+    sweeping = asyncio.create_task(_sweep_responses(state.responses, config.responses_ttl_s),
+                                   name="responses-sweeper")
+
+    async def stop_sweeping() -> None:
+        sweeping.cancel()
+        await asyncio.gather(sweeping, return_exceptions=True)
+
+    stack.push_async_callback(stop_sweeping)
     catalog = tuple(state.dispatcher.catalog.values())
     if catalog and config.placement_interval_s > 0:
         placement = PlacementLoop(registry, channels, catalog, state.dispatcher.rates,

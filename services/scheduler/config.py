@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.config import opt
+from shared.config import opt, sub
+from shared.s3_config import S3Config
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,10 @@ class SchedulerConfig:
         2.0, "how long a request waits for a healthy node before 503", min=0
     )
     max_body_bytes: int = opt(4 << 20, "largest accepted request body", min=1024)
+    tenant_body_bytes: int = opt(
+        64 << 20, "bytes of request bodies one tenant may have being read at once (a body "
+        "counts its Content-Length, or max_body_bytes without one); beyond: 429, and 413 "
+        "for a body larger than this; 0 = no limit", min=0)
     body_timeout_s: float = opt(
         30.0, "a request body not fully received this long after its headers is refused "
         "(408)", min=0.1)
@@ -37,7 +42,11 @@ class SchedulerConfig:
         100.0, "advisories per second one tenant may send (burst: 2 s worth; 0 = no limit)",
         min=0.0)
     tenant_max_in_flight: int = opt(
-        512, "generations one tenant may have running at once (0 = no limit)", min=0)
+        0, "generations one tenant may have running at once; 0 = sized from the cluster's "
+        "capacity (tenant_in_flight_per_seat)", min=0)
+    tenant_in_flight_per_seat: float = opt(
+        2.0, "with tenant_max_in_flight 0: generations one tenant may have in flight per "
+        "seat (engine.max_num_seqs) of the nodes in rotation; 0 = no limit", min=0.0)
     request_timeout_s: float = opt(600.0, "upper bound on one request's duration", min=1)
     api_keys: dict[str, str] = opt(
         {}, "bearer key (or sha256:<hex> of it) -> tenant; environment: key=tenant,... "
@@ -61,9 +70,14 @@ class SchedulerConfig:
         "balanced", "placement policy: balanced (load first; KV follows the session; "
         "advisories prefetch), priority (balanced; high-priority sessions spread evenly and "
         "prefetched straight into device memory), sticky (a session stays on its first "
-        "node; baseline), recompute (no KV reuse at all; baseline)",
-        choices=("balanced", "priority", "sticky", "recompute"),
+        "node; baseline), recompute (no KV reuse at all; baseline), prefix (the node whose "
+        "device holds the longest prompt prefix; KV only in device memory; baseline)",
+        choices=("balanced", "priority", "sticky", "recompute", "prefix"),
     )
+    prefix_index_blocks: int = opt(
+        8192, "policy prefix: prompt blocks (64 characters, about 16 tokens) each node's "
+        "device is assumed to hold; the least recently served go first (set it to the "
+        "engines' device KV capacity)", min=1)
     advisory_ttl_s: float = opt(
         30.0, "an advisory not followed by its request this long after its expected arrival "
         "is dropped as spurious", min=0.1, max=3600.0,
@@ -96,6 +110,9 @@ class SchedulerConfig:
         min=1)
     responses_max: int = opt(10_000, "stored responses per tenant (least recently used "
                              "dropped)", min=1)
+    strict_fields: bool = opt(
+        False, "a request field no one documents (not OpenAI's, not a known extension) is "
+        "a 400 naming it; off: ignored, named in X-Overture-Ignored-Fields and counted")
     max_n: int = opt(8, "largest `n`; each choice is a separate generation", min=1, max=64)
     max_prompts: int = opt(8, "most prompts in one /v1/completions request", min=1, max=64)
     default_max_tokens: int = opt(
@@ -117,4 +134,52 @@ class SchedulerConfig:
     )
     unavailable_retries: int = opt(
         2, "re-routes of a request whose node is unreachable before any output", min=0, max=16
+    )
+    # ---- surviving a restart (stored responses; see docs/operations.md)
+    state_dir: str = opt(
+        "", "folder the scheduler keeps its state in (stored responses, owner-only) when "
+        "s3.bucket is empty; empty: stored responses live in memory only")
+    s3: S3Config = sub(S3Config, "the cluster's shared S3 bucket (the same keys as "
+                       "kvstore.s3): stored responses go there, under the tenant")
+    lease_name: str = opt(
+        "", "Kubernetes Lease (coordination.k8s.io/v1) the replicas elect their one active "
+        "scheduler through; empty: no election, this scheduler always serves")
+    lease_namespace: str = opt(
+        "", "the Lease's namespace (empty: the pod's, from its service account)")
+    lease_identity: str = opt(
+        "", "this replica's name in the Lease (empty: the host name, i.e. the pod's)")
+    lease_api_url: str = opt("https://kubernetes.default.svc", "the Kubernetes API server")
+    lease_token_file: str = opt(
+        "/var/run/secrets/kubernetes.io/serviceaccount/token",
+        "the service account token the election authenticates with (re-read every call)")
+    lease_ca_file: str = opt(
+        "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt",
+        "CA bundle of the API server (empty: the system's)")
+    lease_duration_s: float = opt(
+        6.0, "a Lease not renewed this long is taken over by the standby; the leader stops "
+        "serving once its renewals have failed for this long minus lease_renew_s",
+        min=1.0, max=300.0)
+    lease_renew_s: float = opt(
+        1.0, "how often the leader renews and the standby looks (at most a third of "
+        "lease_duration_s)", min=0.1, max=60.0)
+    # -- agents (docs/agents.md) --
+    infer_advisories: bool = opt(
+        True, "a turn ending in tool calls makes the scheduler advise the session's next "
+        "turn itself (expected after the tools' learnt latency); false: only clients advise",
+    )
+    tool_latency_default_s: float = opt(
+        2.0, "a tool's expected latency until a few of its calls were seen", min=0.0,
+        max=3600.0,
+    )
+    tool_latency_quantile: float = opt(
+        0.95, "quantile of a tool's latency past which its session's inferred advisory "
+        "expires (its device blocks give way)", min=0.5, max=1.0,
+    )
+    session_headers: list[str] = opt(
+        ["x-claude-code-session-id"], "request headers read as the session id when "
+        "X-Session-Id is absent (those agent CLIs send), in order",
+    )
+    tpot_default_s: float = opt(
+        0.05, "a node's time per output token until measured (when running requests are "
+        "expected to end, for placing advisories)", min=0.0001, max=10.0,
     )

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
 from services.scheduler import wire
-from services.scheduler.cluster import NodeRegistry, SessionDirectory
+from services.scheduler.cluster import NodeRegistry, PrefixMap, SessionDirectory
 from shared.proto import scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -21,30 +21,52 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         registry: NodeRegistry,
         heartbeat_interval_s: float,
         sessions: SessionDirectory | None = None,
+        leader: Callable[[], bool] = lambda: True,
+        prefixes: PrefixMap | None = None,
     ) -> None:
         self.registry = registry
         self.interval = heartbeat_interval_s
         self.sessions = sessions
+        self.leader = leader
+        self.prefixes = prefixes  # fed by the save reports too
         self._closing = asyncio.Event()
 
     async def close(self) -> None:
         """End the open heartbeat streams, so that the server stops without waiting on them."""
         self._closing.set()
 
+    def leadership_changed(self, leader: bool) -> None:
+        """A replica that lost the Lease ends its nodes' streams (they register again, with
+        the new leader); one that won it takes streams again."""
+        if leader:
+            self._closing = asyncio.Event()
+        else:
+            self._closing.set()
+
     async def RegisterNode(
         self, request: scheduler_pb2.RegisterNodeRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.RegisterNodeReply:
         info = wire.node_info(request)
+        if not self.leader():
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "this scheduler replica is a standby; register with the leader")
         if not info.node_id or not info.address:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "node_id and address are required"
             )
         self.registry.register(info)
+        restored = 0
+        if self.sessions is not None:
+            for h in request.sessions:
+                restored += self.sessions.restore(h.tenant, h.session_id, info.node_id,
+                                                  h.tokens, h.age_s)
         log.info(
-            "node %s registered at %s serving %s",
+            "node %s registered at %s serving %s (KV of %d sessions here, %d news to us)",
             info.node_id,
             info.address,
             ", ".join(m.name for m in info.models) or "no models",
+            len(request.sessions),
+            restored,
         )
         return wire.register_reply(self.interval)
 
@@ -79,6 +101,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 if known and self.sessions is not None:
                     for s in wire.saved_sessions(beat):
                         self.sessions.saved(s.tenant, s.session_id, node_id, s.tokens)
+                        if self.prefixes is not None:
+                            self.prefixes.saved(s.tenant, s.session_id, node_id)
                 node = self.registry.get(node_id)
                 if node is not None and generation is None:
                     generation = node.generation

@@ -39,6 +39,12 @@ class SchedulerMetrics:
         self.tokens = Counter(
             "overture_generated_tokens", "tokens generated, by model", ["model"], registry=r
         )
+        # By route only: the names come from clients, a label per name would be theirs to
+        # multiply (the response header names them).
+        self.ignored_fields = Counter(
+            "overture_ignored_fields", "request fields ignored (nobody documents them)",
+            ["route"], registry=r,
+        )
         self.in_flight = Gauge(
             "overture_requests_in_flight", "generation requests being served", registry=r
         )
@@ -86,11 +92,17 @@ class SchedulerMetrics:
             "generations cut because their node sent nothing within the inactivity bound",
             ["node"], registry=r,
         )
+        self.retried = Counter(
+            "overture_requests_retried_after_node_failure",
+            "requests whose node's engine failed before their first token, sent to another "
+            "node", registry=r,
+        )
         self.advisories = Counter(
             "overture_advisories",
             "advisories by event: received, followed (its request came), expired (spurious), "
-            "invalidated, replaced (a newer one for the session), throttled (refused: 429)",
-            ["event"], registry=r,
+            "invalidated, replaced (a newer one for the session), throttled (refused: 429); "
+            "source: client (POST /v1/advisory) or inferred (from a turn calling tools)",
+            ["event", "source"], registry=r,
         )
         self.advisory_lead_time = Histogram(
             "overture_advisory_lead_time_seconds",

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.scheduler.api import ApiRequest, Choice, Chunk, Guidance, Message, ToolCallOut
+from services.scheduler.api import (
+    ApiRequest,
+    Choice,
+    Chunk,
+    Guidance,
+    Message,
+    TokenLogprob,
+    ToolCallOut,
+)
 from services.scheduler.cluster import Load, ModelSpec, NodeInfo
 from shared.proto import common_pb2, scheduler_pb2
 
@@ -17,9 +25,11 @@ def node_info(msg: scheduler_pb2.RegisterNodeRequest) -> NodeInfo:
         node_id=msg.node_id,
         address=msg.address,
         models=tuple(
-            ModelSpec(m.name, m.fingerprint, m.max_model_len, m.dtype) for m in msg.models
+            ModelSpec(m.name, m.fingerprint, m.max_model_len, m.dtype, m.max_num_seqs)
+            for m in msg.models
         ),
         kvstore_address=msg.kvstore_address,
+        metrics=tuple(sorted(msg.metrics.items())),
     )
 
 
@@ -54,7 +64,14 @@ def chunk(msg: common_pb2.GenerateChunk, node: str = "") -> Chunk:
         cached_tokens=msg.cached_tokens,
         tool_calls=tuple(ToolCallOut(c.index, c.id, c.name, c.arguments)
                          for c in msg.tool_calls),
+        logprobs=tuple(_logprob(t) for t in msg.logprobs),
+        prompt_logprobs=tuple(_logprob(t) for t in msg.prompt_logprobs),
     )
+
+
+def _logprob(t: common_pb2.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(t.token, t.bytes, t.logprob if t.HasField("logprob") else None,
+                        tuple((x.token, x.bytes, x.logprob) for x in t.top))
 
 
 _KINDS = {
@@ -76,9 +93,19 @@ def generate_request(
         stop=list(s.stop),
         stop_token_ids=list(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty,
+        min_p=s.min_p,
+        logit_bias=dict(s.logit_bias),
+        min_tokens=s.min_tokens,
     )
     if choice.seed is not None:
         sampling.seed = choice.seed
+    if s.logprobs >= 0:
+        sampling.logprobs = s.logprobs
+    if s.echo:  # the prompt's tokens spell its text too (a token-id prompt has no other)
+        sampling.prompt_logprobs = max(s.logprobs, 0)
     p = choice.prompt
     return common_pb2.GenerateRequest(
         request_id=request_id,
@@ -138,6 +165,14 @@ def without_reuse(request: common_pb2.GenerateRequest) -> common_pb2.GenerateReq
     out = common_pb2.GenerateRequest()
     out.CopyFrom(request)
     out.no_reuse = True
+    return out
+
+
+def device_only(request: common_pb2.GenerateRequest) -> common_pb2.GenerateRequest:
+    """``request`` marked to reuse only the device prefix cache (the ``prefix`` policy)."""
+    out = common_pb2.GenerateRequest()
+    out.CopyFrom(request)
+    out.device_only = True
     return out
 
 

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from bench.cluster import advisory_ttft, hostile_clients, idle_cost, overload, resume
+from bench.cluster import admission, advisory_ttft, hostile_clients, idle_cost, overload, resume
 
 
 @pytest.mark.slow
@@ -50,6 +50,20 @@ def test_overload_goodput(capsys: pytest.CaptureFixture[str], sigterm_handler: N
     assert "| load | offered req/s | sent | goodput req/s | vs 1× |" in out
     assert re.search(r"^\| 1× \| [\d.]+ \| \d+ \| [\d.]+ \| [\d.]+× \|", out, re.M), out
     assert re.search(r"^  no 503 and no timeout at any load: (met|NOT met)$", out, re.M), out
+
+
+@pytest.mark.slow
+def test_admission_queue_wait(capsys: pytest.CaptureFixture[str], sigterm_handler: None) -> None:
+    admission.main(["--size", "tiny", "--warmup", "0.5", "--capacity-clients", "2",
+                    "--capacity-duration", "1", "--loads", "1,10", "--reps", "1",
+                    "--duration", "1", "--pause", "0", "--max-tokens", "4"])
+    out = capsys.readouterr().out
+    assert "two nodes, tiny model (fp32), divided cores" in out
+    assert "engine.max_queue_delay_s 0.5 s" in out
+    assert "| load | admitted p50 wait | admitted p99 wait | p99 / limit |" in out
+    assert re.search(r"^\| 1× \| \d+ ms \[\d+–\d+\] \| \d+ ms .* \| 1\.00× \[", out, re.M), out
+    assert re.search(r"^\| 10× \| ", out, re.M), out
+    assert re.search(r"^  admitted p99 wait at 10× ≤ 2 × 0.5 s: (met|NOT met)$", out, re.M), out
 
 
 def test_hostile_clients_with_and_without_deadlines(capsys: pytest.CaptureFixture[str]

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from bench.harness import REPO
-from bench.kvstore import resume_ttft
+from bench.kvstore import chunk_mac, resume_ttft
 
 
 @pytest.mark.slow
@@ -39,3 +39,10 @@ def test_resume_ttft_by_tier(capsys: pytest.CaptureFixture[str]) -> None:
     for mode in ("recompute", "device", "dram", "dram_whole", "ssd", "ssd_whole"):
         assert f"  {mode:<11} " in out and "x vs recompute" in out
     assert "ssd: load alone" in out and "<= 1.2 x max" in out
+
+
+def test_chunk_mac_cost(capsys: pytest.CaptureFixture[str]) -> None:
+    chunk_mac.main(["--quick", "--reps", "1"])
+    out = capsys.readouterr().out
+    for name in ("xxh3-64", "hmac-sha256", "blake2b-128 keyed", "verify_chunk"):
+        assert f"   64 KiB  {name:<18}" in out and f" 1024 KiB  {name:<18}" in out, out

@@ -1,5 +1,6 @@
 """Smoke runs of the simulator's scripts (``bench.sim``): its calibration on the bare
-engine and through a cluster, and the scaling experiments."""
+engine and through a cluster, the scaling experiments, and the map of where each policy
+wins."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from bench.harness import REPO
 from bench.sim import calibrate, calibrate_cluster, scale
+from bench.sim import map as sim_map
 from bench.sim.costs import Calibration
 
 
@@ -44,3 +46,16 @@ def test_scale_simulations(capsys: pytest.CaptureFixture[str], tmp_path: Path) -
     assert (tmp_path / "scale.md").read_text() in out + "\n"
     assert (tmp_path / "fig11-tpot.png").stat().st_size > 0
     assert (tmp_path / "fig15-load.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_the_map_picks_its_axes_and_points(capsys: pytest.CaptureFixture[str],
+                                           tmp_path: Path) -> None:
+    sim_map.main(["--quick", "--seeds", "2", "--workloads", "sharegpt", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "## sharegpt: each axis alone" in out
+    assert "## sharegpt: the two most telling axes" in out
+    assert "| sharegpt, largest balanced vs sticky |" in out
+    assert "python -m bench.eval.run --profile load --variants recompute sticky prefix" in out
+    assert (tmp_path / "map.md").read_text() in out + "\n"
+    assert (tmp_path / "map-sharegpt.png").stat().st_size > 0

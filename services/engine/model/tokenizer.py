@@ -129,6 +129,15 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary's own spelling of a token (e.g. byte-level symbols), if any."""
+        return self._tok.id_to_token(token_id)
+
+    def is_special(self, token_id: int) -> bool:
+        """An added special token (spelled as itself, never as bytes)."""
+        added = self._tok.get_added_tokens_decoder().get(token_id)
+        return added is not None and added.special
+
 
 class IncrementalDetokenizer:
     """Turns a stream of token ids into text deltas, never splitting a UTF-8 character.

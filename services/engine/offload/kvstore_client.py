@@ -11,7 +11,9 @@
 The kvstore being down never fails a request: while not attached, lookups answer "nothing
 stored", loads fail at once (the request recomputes) and saves are skipped. Any RPC error
 drops the attachment and re-attaches in the background (a restarted kvstore has forgotten
-the pool).
+the pool). A save refused because the kvstore forgot the pool, or lost with a kvstore
+going down, is tried once more after the re-attachment (its blocks stay pinned until
+then): the first turn after a kvstore restart keeps its KV.
 
 A load or save whose call ends in an error here (our deadline, a dropped connection) may
 still be copying on the kvstore's side: a copy under way runs to its end on a thread. Its
@@ -72,6 +74,9 @@ class KVStoreClient:
         self.num_layers = geometry.num_layers
         self.pool_id = ""
         self.blocks_per_chunk = 0
+        # The pool was attached and a call just found it forgotten (a kvstore restart):
+        # the next save waits for the re-attachment instead of being skipped (once).
+        self._pool_lost = False
         self.stats = ClientStats()
         self.saved = SaveLog()  # session saves that landed, for the scheduler
         self._channel: grpc.aio.Channel | None = None
@@ -154,6 +159,7 @@ class KVStoreClient:
             self._warn("AttachPool", e)
             return False
         self.pool_id, self.blocks_per_chunk = wire.attach_reply(reply)
+        self._pool_lost = False
         self._warned.clear()
         if self._on_attached is not None:
             self._on_attached(self.blocks_per_chunk)
@@ -165,6 +171,7 @@ class KVStoreClient:
         """An RPC failed: if the kvstore is down or restarted (and forgot the pool), attach
         again in the background; other errors (a bad tenant name, a deadline) keep it."""
         if err.code() == grpc.StatusCode.UNAVAILABLE or "AttachPool" in (err.details() or ""):
+            self._pool_lost = self._pool_lost or bool(self.pool_id)
             self.pool_id = ""
             self._ensure_attaching()
 
@@ -296,26 +303,58 @@ class KVStoreClient:
     async def _save(self, job: SaveJob, done: Callable[[SaveJob, bool], None]) -> None:
         ok = False
         try:
-            if not self.attached or self._stub is None:
-                self.stats.save_errors += 1
-                return
-            op_id = self._new_op_id()
-            req = wire.save_to_proto(job, self.pool_id, self.model_fp, self.num_layers, op_id)
+            ok = await self._save_once(job, retry=True)
+        finally:
+            done(job, ok)
+
+    async def _save_once(self, job: SaveJob, retry: bool) -> bool:
+        """One SaveFromPool; if the kvstore forgot the pool (restarted) or went away and
+        ``retry``, once more after re-attaching. A save that finds the pool being attached
+        again (another call saw the kvstore restart) waits for that first; with no
+        kvstore at all it is skipped at once."""
+        if not self.attached and not (self._pool_lost and await self._reattached()):
+            self.stats.save_errors += 1
+            return False
+        if self._stub is None:
+            self.stats.save_errors += 1
+            return False
+        op_id = self._new_op_id()
+        req = wire.save_to_proto(job, self.pool_id, self.model_fp, self.num_layers, op_id)
+        try:
             reply = await self._stub.SaveFromPool(
                 req, timeout=self.config.offload.save_timeout_s
             )
-            self.stats.saves += 1
-            self.stats.chunks_saved += wire.chunks_written(reply)
-            ok = True
-            if job.session.session_id:
-                self.saved.record(job.session, job.token_count)
         except grpc.aio.AioRpcError as e:
-            self.stats.save_errors += 1
             self._warn("SaveFromPool", e)
             self._lost(e)
             await self._fence(op_id)  # the kvstore may still be reading the blocks
-        finally:
-            done(job, ok)
+            if retry and _pool_lost(e) and await self._reattached():
+                log.info("save %s retried on the re-attached kvstore (%s)", job.job_id,
+                         _describe(e))
+                return await self._save_once(job, retry=False)
+            self.stats.save_errors += 1
+            return False
+        self.stats.saves += 1
+        self.stats.chunks_saved += wire.chunks_written(reply)
+        if job.session.session_id:
+            self.saved.record(job.session, job.token_count)
+        return True
+
+    async def _reattached(self) -> bool:
+        """Wait (up to the save's deadline) for the background re-attachment under way
+        (``_lost`` started it); whether the pool is attached now."""
+        task = self._attach_task
+        if task is not None and not task.done():
+            await asyncio.wait([task], timeout=self.config.offload.save_timeout_s)
+        self._pool_lost = False  # (still down: the saves after this one skip at once)
+        return self.attached
+
+
+def _pool_lost(err: grpc.aio.AioRpcError) -> bool:
+    """The kvstore is gone (restarting) or restarted and forgot the pool: a call worth
+    repeating once the pool is attached again (nothing of it was stored)."""
+    return err.code() == grpc.StatusCode.UNAVAILABLE or "unknown pool_id" in (err.details()
+                                                                             or "")
 
 
 def _describe(err: BaseException) -> str:

@@ -35,7 +35,7 @@ class Saves:
     def save(self, seq: Sequence) -> None:
         """(request end) Hand ``seq``'s full computed blocks not saved yet to the kvstore;
         they stay pinned (one more reference) until ``unpin`` with the job's id."""
-        if seq.no_reuse:
+        if seq.no_reuse or seq.device_only:
             return
         full = seq.num_computed_tokens // self.kv.block_size
         # From the first block not known saved: a mid-generation save still unanswered may
@@ -51,7 +51,7 @@ class Saves:
         if bpc <= 0:
             return
         for seq in seqs:
-            if seq.no_reuse or seq.num_computed_tokens <= seq.num_prompt_tokens:
+            if seq.no_reuse or seq.device_only or seq.num_computed_tokens <= seq.num_prompt_tokens:
                 continue  # still prefilling: its chunks go out from its first decode on
             end = seq.num_computed_tokens // self.kv.block_size // bpc * bpc
             if end - seq.offload.saved_blocks >= bpc:

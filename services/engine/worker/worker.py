@@ -32,7 +32,6 @@ from typing import Any, Protocol
 
 import torch
 
-from services.engine.admission import Admission
 from services.engine.api_types import EngineStatus
 from services.engine.engine_core import EngineCore, Event, Failure
 from services.engine.errors import INTERNAL, UNAVAILABLE, EngineError
@@ -48,10 +47,9 @@ class OutputSink(Protocol):
 
 
 class Worker:
-    def __init__(self, outputs: OutputSink, admission: Admission) -> None:
+    def __init__(self, outputs: OutputSink) -> None:
         """Cheap: the thread starts with ``start``, stepping with ``serve``."""
         self._outputs = outputs
-        self._admission = admission  # observes the queue after each step
         self._executor: ThreadPoolExecutor | None = None
         self._core: EngineCore | None = None
         self._task: asyncio.Task | None = None
@@ -153,9 +151,15 @@ class Worker:
         await self.flush()
 
     async def flush(self) -> None:
-        """Apply the queued commands now, as a side job."""
-        events, adds = await self.run(self._drain)
-        self._dispatch(events, adds)
+        """Apply the queued commands now, as a side job (with a fresh snapshot: an
+        abort on an idle engine frees a seat that admission must see)."""
+        events, adds, status = await self.run(self._drain_and_status)
+        self._publish(events, adds, status)
+
+    def _drain_and_status(self) -> tuple[list[Event], int, EngineStatus]:
+        """(worker thread) ``_drain``, then the core's status."""
+        events, adds = self._drain()
+        return events, adds, self._worker_core().status()
 
     @property
     def queued(self) -> int:
@@ -265,8 +269,7 @@ class Worker:
     # ---- publishing (event loop) --------------------------------------------------------
     def _publish(self, events: list[Event], adds_applied: int, status: EngineStatus) -> None:
         self._waiting = status.waiting
-        self.snapshot = status
-        self._admission.observe(time.monotonic(), status.admitted, status.waiting)
+        self.snapshot = status  # (admission forecasts a newcomer's wait from its queue)
         self._dispatch(events, adds_applied)
 
     def _dispatch(self, events: list[Event], adds_applied: int) -> None:

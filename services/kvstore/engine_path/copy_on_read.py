@@ -27,6 +27,7 @@ from services.kvstore.engine_path.leases import Lease
 from services.kvstore.engine_path.load_checks import LoadFailed, check_chunk
 from services.kvstore.engine_path.types import LoadRequest
 from services.kvstore.store import chunk_tier_key
+from services.kvstore.store.keys import chunk_of
 from services.kvstore.tiers.base import Stored
 from shared.chunk_codec import (
     Chunk,
@@ -90,7 +91,8 @@ class CopyOnRead:
         dest = self.pool.host_bytes
         if hit.kept is None and dest is not None:
             return self._read_into_blocks(hit, dest)
-        chunk = decode_chunk(hit.blob())  # ChunkCorrupt propagates to the store
+        # ChunkCorrupt (forged, swapped) propagates to the store: counted and deleted
+        chunk = decode_chunk(hit.blob(), key=chunk_of(hit.key))
         target = self._target(chunk.meta, tuple(chunk.tensor.shape),
                               str(chunk.tensor.dtype).removeprefix("torch."))
         if target is not None:
@@ -128,6 +130,8 @@ class CopyOnRead:
         if len(prefix) < min(need, hit.nbytes):
             prefix = hit.read(0, need)
         head = parse_head(prefix, hit.nbytes)
+        if head.meta.key != chunk_of(hit.key):  # moved here from another key: corrupt
+            raise ChunkCorrupt(f"the chunk under {hit.key[:120]} is {head.meta.key[:120]}")
         target = self._target(head.meta, head.shape, head.dtype)
         if target is None:
             return Chunk(head.meta, no_payload())
@@ -181,7 +185,7 @@ class CopyOnRead:
             # What failed is the copy in the pool's blocks, which something else may have
             # written while they were read. Only the file's own bytes may condemn it (the
             # store deletes a copy that raises here): check them apart.
-            verify_chunk(hit.blob())
+            verify_chunk(hit.blob(), chunk_of(hit.key))
             self.refused[span.chunk_hash] = (
                 f"layer {self.layer}: the target blocks changed while the chunk was read")
             return empty

@@ -8,6 +8,10 @@ A manifest names chunks implicitly: the session's block hashes split into chunks
     keys:    tenant/model_fp/hex(b15)/layer, .../hex(b31)/layer, .../hex(b33)/layer
 
 It is written only after every one of those chunks is durable in the lowest tier.
+
+Stored as ``b"OVKM" | 16-byte MAC tag | msgpack map``: the tag (``shared/chunk_mac``, the
+tenant's key) covers the manifest's key and its bytes, so a forged manifest, or one moved
+under another session's or tenant's key, is refused on read like a corrupt one.
 """
 
 from __future__ import annotations
@@ -17,11 +21,14 @@ from dataclasses import dataclass, field
 
 import msgpack
 
+from shared import chunk_mac
 from shared.chunk_codec import MAX_HASH_BYTES, MAX_NAME_CHARS, ChunkFormatError, chunk_key
 
 # 128 layers x 2048 chunks: a 512k-token context at 16 blocks of 16 tokens per chunk.
 MAX_MANIFEST_CHUNKS = 1 << 18
 MAX_MODEL_LAYERS = 1024  # far above any model's; bounds what a request can name
+MANIFEST_MAGIC = b"OVKM"
+MANIFEST_HEAD = len(MANIFEST_MAGIC) + chunk_mac.TAG_BYTES
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,10 @@ class Manifest:
         return [k for layer in range(self.num_layers) for k in self.layer_keys(layer)]
 
     def encode(self) -> bytes:
+        """The stored form: magic, MAC tag, msgpack body."""
+        return sealed_manifest(self.key, self._body())
+
+    def _body(self) -> bytes:
         return msgpack.packb(
             {
                 "tenant": self.tenant,
@@ -89,9 +100,23 @@ class Manifest:
         )
 
     @classmethod
-    def decode(cls, data: bytes | bytearray) -> Manifest:
-        """Raises ``ChunkFormatError`` for anything but a well-formed manifest (it is read
-        from disks, S3 and peers)."""
+    def decode(cls, data: bytes | bytearray, key: str) -> Manifest:
+        """The manifest stored under ``key`` (``manifest_key``). Raises ``ChunkFormatError``
+        for anything but a well-formed manifest whose MAC is this cluster's for ``key`` (it
+        is read from disks, S3 and peers)."""
+        view = memoryview(data)
+        if (len(view) < MANIFEST_HEAD or view[:len(MANIFEST_MAGIC)] != MANIFEST_MAGIC
+                or not chunk_mac.same(view[len(MANIFEST_MAGIC):MANIFEST_HEAD],
+                                      _manifest_tag(key, view[MANIFEST_HEAD:]))):
+            raise ChunkFormatError(f"manifest {key[:200]}: MAC mismatch (corrupt, forged, "
+                                   "or another session's)")
+        m = cls._decode_body(view[MANIFEST_HEAD:])
+        if m.key != key:  # (the tag covers the key: only a forger's own key could do this)
+            raise ChunkFormatError(f"the manifest under {key[:200]} is {m.key[:200]}")
+        return m
+
+    @classmethod
+    def _decode_body(cls, data: memoryview) -> Manifest:
         try:
             h = msgpack.unpackb(data)
             if not isinstance(h, dict):
@@ -111,6 +136,18 @@ class Manifest:
         except (ValueError, KeyError, TypeError, OverflowError) as e:
             raise ChunkFormatError(f"malformed manifest: {type(e).__name__}: {e}"[:300]
                                    ) from None
+
+
+def sealed_manifest(key: str, body: bytes) -> bytes:
+    """``body`` (a msgpack map) as stored under ``key``: magic and MAC tag before it."""
+    return MANIFEST_MAGIC + _manifest_tag(key, body) + body
+
+
+def _manifest_tag(key: str, body: bytes | memoryview) -> bytes:
+    h = chunk_mac.hasher(key.partition("/")[0], chunk_mac.MANIFEST_DOMAIN)
+    h.update(key.encode() + b"\0")
+    h.update(body)
+    return chunk_mac.tag(h)
 
 
 def scoped_session(session_id: str, model_fp: str) -> str:

@@ -176,9 +176,10 @@ class ManifestStore:
                 continue
             if blob is not None:
                 try:
-                    return Manifest.decode(blob)
+                    return Manifest.decode(blob, manifest_key(tenant, session_id))
                 except ChunkFormatError as e:
                     log.warning("unreadable manifest %s in %s: %s", tkey, tier.name, e)
+                    self.store.metrics.checksum_failures.labels(tier.name).inc()
                     try:
                         await tier.delete(tkey)
                     except TierUnavailable as err:  # it stays unreadable: still a miss

@@ -9,6 +9,7 @@ or delete of its key raced the read (``ReadGuard``).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -17,6 +18,7 @@ from services.kvstore.metrics import KVStoreMetrics
 from services.kvstore.store.checksum_work import checksum_work
 from services.kvstore.store.durability import DurabilityLedger
 from services.kvstore.store.keys import CHUNK_PREFIX as _C
+from services.kvstore.store.keys import chunk_of
 from services.kvstore.store.read_guard import ReadGuard
 from services.kvstore.store.tier_io import TierIO
 from services.kvstore.store.write_behind import WriteBehind
@@ -33,8 +35,9 @@ def decode_trusted(blob: Blob) -> Chunk:
 
 
 def decode_stored(hit: Stored) -> Chunk:
-    """The default check of a lower tier's hit: the whole blob, verified and decoded."""
-    return decode_chunk(hit.blob())
+    """The default check of a lower tier's hit: the whole blob, verified (its MAC, and
+    that it is the chunk of the key it was stored under) and decoded."""
+    return decode_chunk(hit.blob(), key=chunk_of(hit.key))
 
 
 def layer_priority(layer: int) -> int:
@@ -151,7 +154,7 @@ class ChunkReader:
             try:
                 blob = await self.io.get(tier, tkey)
                 if blob is not None:
-                    await checksum_work(verify_chunk, blob)
+                    await checksum_work(functools.partial(verify_chunk, key=key), blob)
             except TierUnavailable:
                 blob = None
             except ChunkCorrupt as e:

@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
+HEALTH_TICK_S = 1.0  # how often the tiers are asked (each decides whether to ask its medium)
 
 __all__ = [
     "PutReceipt", "TieredStore", "chunk_tier_key", "decode_stored", "layer_priority",
@@ -95,6 +96,7 @@ class TieredStore:
         self.writer = self.writes.behind
         self.sweeper = Sweeper(tiers, self.ledger, metrics, local_ttl_s, ttl_s)
         self._sweep_task: asyncio.Task[None] | None = None
+        self._health_task: asyncio.Task[None] | None = None
         self._opened: list[Tier] = []
         self.reader = ChunkReader(tiers, self.io, self.guard, self.ledger, self.writer, metrics)
 
@@ -113,13 +115,15 @@ class TieredStore:
             sweep_loop(self.sweep, self.sweep_interval_s, self._check_when_idle),
             name="kv-sweeper",
         )
+        self._health_task = asyncio.create_task(self._health_loop(), name="kv-tier-health")
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self._sweep_task is not None:
-            self._sweep_task.cancel()
-            await asyncio.gather(self._sweep_task, return_exceptions=True)
-            self._sweep_task = None
+        tasks = [t for t in (self._sweep_task, self._health_task) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._sweep_task = self._health_task = None
         await self.writer.close(self.drain_s)
         await self._close_tiers()
 
@@ -310,6 +314,14 @@ class TieredStore:
 
     def stats(self) -> list[TierStats]:
         return [t.stats() for t in self.tiers]
+
+    async def _health_loop(self) -> None:
+        """Every tier asked, each tick, whether it answers (``Tier.check_health``: a remote
+        tier asks its endpoint only when it has not heard from it lately), so an outage
+        shows in ``health()`` and the node's ``degraded`` while no request touches it."""
+        while True:
+            await asyncio.sleep(HEALTH_TICK_S)
+            await asyncio.gather(*(t.check_health() for t in self.tiers))
 
     def health(self) -> tuple[bool, str]:
         """(healthy, detail): unhealthy tiers named, e.g. ``s3 degraded: ...``."""

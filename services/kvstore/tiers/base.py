@@ -186,5 +186,10 @@ class Tier(ABC):
     def unpin(self, key: str) -> None:
         """Undo one ``pin``."""
 
+    async def check_health(self) -> None:
+        """Ask the medium whether it answers, if nothing has said so lately, so that
+        ``stats().healthy`` turns false in an outage before a read or write fails (a
+        remote tier). Never raises. Default: nothing to ask (local media)."""
+
     def check_integrity(self) -> None:
         """Raise AssertionError if internal bookkeeping is inconsistent. Default: nothing."""

@@ -41,6 +41,7 @@ from services.kvstore.tiers.base import (
     apply_check,
     whole_blob,
 )
+from shared.s3_credentials import boto_keys
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ class S3Tier(Tier):
         self._next_probe = 0.0  # while degraded: no call reaches the endpoint before this
         self._probe_pause = 0.0
         self._bucket_ready = False
+        self._last_answer = 0.0  # monotonic time of the endpoint's last answer
         self.bytes_used = 0  # bytes this process wrote (a bucket has no cheap size query)
         self._closing = threading.Event()  # set by close(): retry loops stop between tries
 
@@ -91,9 +93,7 @@ class S3Tier(Tier):
         }
         if self.cfg.endpoint_url:
             kwargs["endpoint_url"] = self.cfg.endpoint_url
-        if self.cfg.access_key_id:
-            kwargs["aws_access_key_id"] = self.cfg.access_key_id
-            kwargs["aws_secret_access_key"] = self.cfg.secret_access_key
+        kwargs.update(boto_keys(self.cfg))
         # Creating a client loads botocore's service models: slow, so off the loop too.
         self._client = await self._run(lambda: boto3.session.Session().client("s3", **kwargs))
         try:
@@ -159,7 +159,21 @@ class S3Tier(Tier):
         if self._degraded:
             log.info("s3 reachable again")
         self._degraded = ""
+        self._last_answer = time.monotonic()
         return out
+
+    async def check_health(self) -> None:
+        """A HEAD of the bucket when no call has had an answer for ``health_check_s``
+        (while degraded: the circuit breaker's probe, when one is due)."""
+        if time.monotonic() - self._last_answer < self.cfg.health_check_s or not self._executor:
+            return
+        try:
+            await self._call(self._head_bucket_blocking)
+        except TierUnavailable:
+            pass  # (degraded now, with the reason: stats() says so)
+
+    def _head_bucket_blocking(self) -> None:
+        self._client.head_bucket(Bucket=self.cfg.bucket)
 
     def _obj(self, key: str) -> str:
         return self.cfg.prefix + key

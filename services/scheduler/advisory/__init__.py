@@ -5,8 +5,10 @@ them to the nodes' prefetches and the metrics (``advisor.py``)."""
 
 from services.scheduler.advisory.advisor import AdviceAsked, Advisor
 from services.scheduler.advisory.book import (
+    CLIENT,
     EXPIRED,
     FOLLOWED,
+    INFERRED,
     INVALIDATED,
     LATE,
     REPLACED,
@@ -14,11 +16,12 @@ from services.scheduler.advisory.book import (
     AdvisoryBook,
     TooManyAdvisories,
 )
+from services.scheduler.advisory.inferred import Expected, ToolLatencies
 from services.scheduler.advisory.placement import AdvisoryPlacement, Placed
 from services.scheduler.advisory.throttle import AdvisoryThrottle
 
 __all__ = [
-    "EXPIRED", "FOLLOWED", "INVALIDATED", "LATE", "REPLACED", "AdviceAsked", "Advisor",
-    "Advisory", "AdvisoryBook", "AdvisoryPlacement", "AdvisoryThrottle", "Placed",
-    "TooManyAdvisories",
+    "CLIENT", "EXPIRED", "FOLLOWED", "INFERRED", "INVALIDATED", "LATE", "REPLACED",
+    "AdviceAsked", "Advisor", "Advisory", "AdvisoryBook", "AdvisoryPlacement",
+    "AdvisoryThrottle", "Expected", "Placed", "TooManyAdvisories", "ToolLatencies",
 ]

@@ -18,17 +18,26 @@ from dataclasses import dataclass
 import grpc
 
 from services.scheduler.advisory.book import (
+    CLIENT,
     EXPIRED,
     FOLLOWED,
+    INFERRED,
     INVALIDATED,
     Advisory,
     AdvisoryBook,
     TooManyAdvisories,
 )
+from services.scheduler.advisory.inferred import ToolLatencies
 from services.scheduler.advisory.placement import AdvisoryPlacement
 from services.scheduler.advisory.throttle import AdvisoryThrottle
 from services.scheduler.api import ApiError
-from services.scheduler.cluster import Node, NodeChannels, NodeRegistry, SessionDirectory
+from services.scheduler.cluster import (
+    InFlight,
+    Node,
+    NodeChannels,
+    NodeRegistry,
+    SessionDirectory,
+)
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.routing import Policy
 from shared.proto import nodemgr_pb2
@@ -44,12 +53,17 @@ class AdviceAsked:
     model: str
     expected_arrival_s: float = 0.0
     priority: int = 0
+    source: str = CLIENT
+    tools: tuple[str, ...] = ()  # an inferred advisory's: the tools its session called
+    life_s: float = 0.0  # > 0: expires this long from now (else arrival + the book's TTL)
 
 
 class Advisor:
     def __init__(self, book: AdvisoryBook, throttle: AdvisoryThrottle, registry: NodeRegistry,
                  policy: Policy, channels: NodeChannels, sessions: SessionDirectory,
-                 metrics: SchedulerMetrics, catalog: frozenset[str] = frozenset()) -> None:
+                 metrics: SchedulerMetrics, catalog: frozenset[str] = frozenset(),
+                 inflight: InFlight | None = None,
+                 latencies: ToolLatencies | None = None) -> None:
         self.book = book
         self.throttle = throttle
         self.registry = registry
@@ -57,7 +71,8 @@ class Advisor:
         self.channels = channels
         self.sessions = sessions
         self.metrics = metrics
-        self.placement = AdvisoryPlacement(book, registry, policy, sessions, catalog)
+        self.placement = AdvisoryPlacement(book, registry, policy, sessions, catalog, inflight)
+        self.latencies = latencies  # None: no inferred advisories
         self._calls: set[asyncio.Task[None]] = set()
 
     def check_throttle(self, tenant: str, count: int = 1) -> None:
@@ -65,13 +80,13 @@ class Advisor:
         allowance (one token per advisory, successors included) is used up, or when it
         has its share of pending advisories."""
         if self.book.pending(tenant) + count > self.book.per_tenant:
-            self.metrics.advisories.labels("throttled").inc()
+            self.metrics.advisories.labels("throttled", CLIENT).inc()
             raise ApiError(429, f"this tenant has {self.book.per_tenant} pending advisories "
                            "already; let some be followed, expire or be invalidated",
                            code="too_many_advisories", headers={"Retry-After": "1"})
         wait = self.throttle.retry_after(tenant, count)
         if wait is not None:
-            self.metrics.advisories.labels("throttled").inc()
+            self.metrics.advisories.labels("throttled", CLIENT).inc()
             raise ApiError(
                 429, "most of this tenant's advisories were not followed by a request; "
                 f"advisories are limited for now: retry after {wait}s",
@@ -81,7 +96,8 @@ class Advisor:
         """Choose the node, record the advisory and start the node's prefetch."""
         try:
             placed = self.placement.place(tenant, asked.session_id, asked.model,
-                                          asked.priority, asked.expected_arrival_s)
+                                          asked.priority, asked.expected_arrival_s,
+                                          asked.source, asked.tools, asked.life_s)
         except TooManyAdvisories:
             raise ApiError(429, "this tenant has too many pending advisories",
                            code="too_many_advisories", headers={"Retry-After": "1"}) from None
@@ -89,7 +105,7 @@ class Advisor:
             raise ApiError(503, f"no healthy node serves model '{asked.model}' now",
                            code="no_healthy_node")
         adv, node = placed.advisory, placed.node
-        self.metrics.advisories.labels("received").inc()
+        self.metrics.advisories.labels("received", asked.source).inc()
         for old, how in placed.ended:
             # (replaced on the same node: the new advisory's prefetch renews the session's)
             self._ended(old, how, tell_node=old.node_id != node.node_id)
@@ -130,21 +146,42 @@ class Advisor:
         adv, how = self.placement.follow(tenant, session_id)
         if adv is None:
             return ""
+        gap = max(0.0, self.book.clock() - adv.created)
+        if adv.source == INFERRED and self.latencies is not None:
+            self.latencies.observe(tenant, adv.tools, gap)  # (a late one teaches too)
+        self.metrics.advisories.labels(how, adv.source).inc()
         if how != FOLLOWED:
-            self.metrics.advisories.labels(how).inc()
             return ""
-        self.metrics.advisories.labels(FOLLOWED).inc()
-        self.metrics.advisory_lead_time.observe(max(0.0, self.book.clock() - adv.created))
-        self.throttle.outcome(tenant, True)
+        self.metrics.advisory_lead_time.observe(gap)
+        if adv.source == CLIENT:
+            self.throttle.outcome(tenant, True)
         return adv.node_id
+
+    def infer(self, tenant: str, session_id: str, model: str, tools: tuple[str, ...],
+              priority: int) -> None:
+        """The session's turn ended calling ``tools``: advise its next turn, expected after
+        the tools' learnt latency (``inferred.py``). A client's own pending advisory for
+        the session takes precedence; a full book or no node skips it (a hint only)."""
+        if self.latencies is None or not session_id:
+            return
+        pending = self.book.pending_for(tenant, session_id)
+        if pending is not None and pending.source == CLIENT:
+            return
+        expected = self.latencies.expected(tenant, tools)
+        try:
+            self.advise(tenant, AdviceAsked(session_id, model, expected.arrival_s, priority,
+                                            INFERRED, tools, expected.expiry_s))
+        except ApiError as e:
+            log.info("no inferred advisory for session %s of %s: %s", session_id, tenant,
+                     e.message)
 
     def sweep(self) -> None:
         for adv in self.placement.sweep():
             self._ended(adv, EXPIRED)
 
     def _ended(self, adv: Advisory, how: str, tell_node: bool = True) -> None:
-        self.metrics.advisories.labels(how).inc()
-        if how == EXPIRED:
+        self.metrics.advisories.labels(how, adv.source).inc()
+        if how == EXPIRED and adv.source == CLIENT:  # (an abandoned tool loop is no fault)
             self.throttle.outcome(adv.tenant, False)
         node = self.registry.get(adv.node_id)
         if node is not None and adv.prefetch and tell_node:

@@ -24,6 +24,7 @@ from shared.session_key import SessionKey
 Clock = Callable[[], float]
 FOLLOWED, EXPIRED, INVALIDATED, REPLACED = "followed", "expired", "invalidated", "replaced"
 LATE = "late"  # its request came after it lapsed: not followed, but not spurious either
+CLIENT, INFERRED = "client", "inferred"  # who made an advisory (``inferred.py``)
 
 
 class TooManyAdvisories(Exception):
@@ -42,6 +43,8 @@ class Advisory:
     expires_at: float  # clock time: created + expected arrival + ttl
     wall_expires_at: float  # the same, as Unix time (what the client is told)
     prefetch: bool = True  # its node prefetches for it (its plan's): told when it ends
+    source: str = CLIENT  # CLIENT or INFERRED (the scheduler's own, from a tool-call turn)
+    tools: tuple[str, ...] = ()  # an inferred one's: the functions its session's turn called
 
 
 def new_advisory_id() -> str:
@@ -64,19 +67,21 @@ class AdvisoryBook:
         return len(self._by_id)
 
     def add(self, tenant: str, session_id: str, model: str, node_id: str, priority: int,
-            expected_arrival_s: float, prefetch: bool = True
+            expected_arrival_s: float, prefetch: bool = True, source: str = CLIENT,
+            tools: tuple[str, ...] = (), life_s: float = 0.0
             ) -> tuple[Advisory, list[tuple[Advisory, str]]]:
         """Record a new advisory; also returns the ones it ended (replaced, or the tenant's
         own oldest past ``capacity``: counted as expired), with how they ended. Raises
-        ``TooManyAdvisories`` when the tenant already has ``per_tenant`` pending."""
+        ``TooManyAdvisories`` when the tenant already has ``per_tenant`` pending.
+        ``life_s`` > 0 sets its expiry from now (else expected arrival + ``ttl_s``)."""
         now = self.clock()
         replacing = self._by_session.get(SessionKey(tenant, session_id)) is not None
         if self._pending.get(tenant, 0) >= self.per_tenant and not replacing:
             raise TooManyAdvisories(tenant)
-        life = expected_arrival_s + self.ttl_s
+        life = life_s if life_s > 0 else expected_arrival_s + self.ttl_s
         adv = Advisory(new_advisory_id(), tenant, session_id, model, node_id, priority,
                        created=now, expires_at=now + life, wall_expires_at=time.time() + life,
-                       prefetch=prefetch)
+                       prefetch=prefetch, source=source, tools=tools)
         ended: list[tuple[Advisory, str]] = []
         old_id = self._by_session.get(SessionKey(tenant, session_id))
         if old_id is not None:

@@ -1,6 +1,8 @@
 """Where advisories go and what they count for, without I/O (Symphony §3.3, §3.6).
 
-An advisory is a request on its way: the policy plans it (``Policy.advise``) as it would
+An advisory is a request on its way, placed by the load expected at its arrival (the
+generations that will have ended by then do not count: ``cluster/inflight.py``): the
+policy plans it (``Policy.advise``) as it would
 route the request, and until the advisory is followed, invalidated, replaced or expires,
 one whose node prefetches counts on that node (``Node.advised``), so advisories made while
 the cluster is idle spread instead of all choosing the node that looks least loaded now.
@@ -12,9 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.scheduler.advisory.book import Advisory, AdvisoryBook
+from services.scheduler.advisory.book import CLIENT, Advisory, AdvisoryBook
 from services.scheduler.cluster import (
     HOLDER_SLACK,
+    InFlight,
     Node,
     NodeRegistry,
     SessionDirectory,
@@ -47,25 +50,33 @@ class AdvisoryPlacement:
     """Event-loop only (or one simulated clock)."""
 
     def __init__(self, book: AdvisoryBook, registry: NodeRegistry, policy: Policy,
-                 sessions: SessionDirectory, catalog: frozenset[str] = frozenset()) -> None:
+                 sessions: SessionDirectory, catalog: frozenset[str] = frozenset(),
+                 inflight: InFlight | None = None) -> None:
         self.book = book
+        # The generations running now and when each should end (None: the load of now).
+        self.inflight = inflight
         self.registry = registry
         self.policy = policy
         self.sessions = sessions
         self.catalog = catalog  # models the cluster may serve though no node runs them now
 
     def place(self, tenant: str, session_id: str, model: str, priority: int = 0,
-              expected_arrival_s: float = 0.0) -> Placed | None:
+              expected_arrival_s: float = 0.0, origin: str = CLIENT,
+              tools: tuple[str, ...] = (), life_s: float = 0.0) -> Placed | None:
         """Plan the advisory and record it; None when no node serves ``model``.
         Raises ``TooManyAdvisories`` when the tenant has its share pending."""
         place = self.sessions.where(tenant, session_id)
+        nodes = self._candidates(model)
         route = RouteRequest(model, session_id, tenant, priority,
-                             holder=place.node_id if place else "")
-        plan = self.policy.advise(self._candidates(model), route)
+                             holder=place.node_id if place else "",
+                             gone=self.inflight.gone(nodes, expected_arrival_s)
+                             if self.inflight is not None else {})
+        plan = self.policy.advise(nodes, route)
         if plan is None:
             return None
         adv, ended = self.book.add(tenant, session_id, model, plan.node.node_id, priority,
-                                   expected_arrival_s, prefetch=plan.prefetch)
+                                   expected_arrival_s, prefetch=plan.prefetch,
+                                   source=origin, tools=tools, life_s=life_s)
         for old, _ in ended:
             self._count(old, -1)
         self._count(adv, +1)

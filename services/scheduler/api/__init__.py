@@ -7,15 +7,18 @@ and OpenAI-shaped errors.
 """
 
 from services.scheduler.api.bodies import ADVISORY, body_schema
-from services.scheduler.api.chunk import Chunk, ToolCallOut
+from services.scheduler.api.chunk import Chunk, TokenLogprob, ToolCallOut
 from services.scheduler.api.errors import ApiError, from_grpc, invalid, without_addresses
+from services.scheduler.api.input_budget import check_input_budget
 from services.scheduler.api.json_body import check_body_size, parse_json
 from services.scheduler.api.limits import Limits
+from services.scheduler.api.logprobs_format import chat_logprobs, legacy_logprobs
 from services.scheduler.api.openai_format import (
     SSE_DONE,
     ChoiceState,
     Envelope,
     full_response,
+    kv_source,
     new_id,
     sse,
     stream_chunk,
@@ -34,13 +37,44 @@ from services.scheduler.api.request import (
     ToolCall,
 )
 from services.scheduler.api.responses_body import responses_body
-from services.scheduler.api.validation import check_prompt_length, guidance, validate
+from services.scheduler.api.validation import guidance, validate
 
 __all__ = [
-    "ADVISORY", "SSE_DONE", "ApiError", "ApiRequest", "Choice", "ChoiceState", "Chunk",
-    "Endpoint", "Envelope", "Guidance", "Limits", "Message", "Prompt", "Sampling", "ToolCall",
-    "ToolCallOut", "body_schema", "check_body_size", "check_prompt_length", "from_grpc",
-    "full_response", "guidance", "invalid", "new_id", "openapi_document", "parse_json",
-    "responses_body", "sse", "stream_chunk", "tool_call_deltas", "usage_chunk", "validate",
+    "ADVISORY",
+    "SSE_DONE",
+    "ApiError",
+    "ApiRequest",
+    "Choice",
+    "ChoiceState",
+    "Chunk",
+    "Endpoint",
+    "Envelope",
+    "Guidance",
+    "Limits",
+    "Message",
+    "Prompt",
+    "Sampling",
+    "TokenLogprob",
+    "ToolCall",
+    "ToolCallOut",
+    "body_schema",
+    "chat_logprobs",
+    "check_body_size",
+    "check_input_budget",
+    "from_grpc",
+    "full_response",
+    "guidance",
+    "invalid",
+    "kv_source",
+    "legacy_logprobs",
+    "new_id",
+    "openapi_document",
+    "parse_json",
+    "responses_body",
+    "sse",
+    "stream_chunk",
+    "tool_call_deltas",
+    "usage_chunk",
+    "validate",
     "without_addresses",
 ]

@@ -11,7 +11,18 @@ import functools
 from services.scheduler.api.errors import invalid
 from services.scheduler.api.limits import Limits
 from services.scheduler.api.request import Endpoint
-from services.scheduler.api.schema import AnyOf, Bool, Int, JsonObject, ListOf, Node, Num, Obj, Str
+from services.scheduler.api.schema import (
+    AnyOf,
+    Bool,
+    Int,
+    JsonObject,
+    ListOf,
+    MapOf,
+    Node,
+    Num,
+    Obj,
+    Str,
+)
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 INT32_MAX = 2**31 - 1
@@ -99,6 +110,16 @@ STOP = AnyOf([Str(min_len=1), ListOf(Str(min_len=1), min_items=1, max_items=MAX_
              "text that ends a choice (not included in it)")
 
 
+# OpenAI's prompt caching fields (issue 41): a session key when no session is named, and
+# how long the session's KV is kept (``scheduler.retention_max_s`` bounds it).
+CACHE_FIELDS: dict[str, Node] = {
+    "prompt_cache_key": session_field("the session when neither X-Session-Id nor "
+                                      "session_id names one"),
+    "prompt_cache_retention": Str("how long the session's KV is kept", enum=("in_memory",
+                                                                              "24h")),
+}
+
+
 def _sampling(limits: Limits, chat: bool) -> dict[str, Node]:
     fields = {
         "model": MODEL,
@@ -120,6 +141,7 @@ def _sampling(limits: Limits, chat: bool) -> dict[str, Node]:
         "session_id": session_field("the conversation; its KV is reused across turns (the "
                                     "X-Session-Id header wins)"),
         "priority": Int(-MAX_PRIORITY, MAX_PRIORITY, "higher first under load", default=0),
+        **CACHE_FIELDS,
     }
     if chat:
         fields["max_completion_tokens"] = Int(1, limits.max_tokens, "as max_tokens (wins)")
@@ -128,13 +150,60 @@ def _sampling(limits: Limits, chat: bool) -> dict[str, Node]:
         fields["tool_choice"] = TOOL_CHOICE
         fields["parallel_tool_calls"] = Bool(default=True)
     fields["response_format"] = RESPONSE_FORMAT
+    fields.update(_controls(limits, chat))
     return fields
 
 
-UNSUPPORTED = ("logprobs, top_logprobs, functions (the old form of tools), non-zero "
-               "presence_penalty or frequency_penalty, best_of > 1 (and echo, suffix and "
-               "tools for completions) are refused with 400 unsupported_parameter; other "
-               "unknown fields are ignored")
+# ---- sampling controls, log-probabilities and the fields OpenAI documents (issue 45) -----
+MAX_LOGIT_BIAS = 1024
+
+
+def _controls(limits: Limits, chat: bool) -> dict[str, Node]:
+    fields: dict[str, Node] = {
+        "presence_penalty": Num(-2.0, 2.0, "OpenAI's: minus this for every token already in "
+                                "the output", default=0.0),
+        "frequency_penalty": Num(-2.0, 2.0, "OpenAI's: minus this times each token's count "
+                                 "in the output", default=0.0),
+        "repetition_penalty": Num(0.0, 10.0, "vLLM's: logits of tokens in the prompt or the "
+                                  "output divided (positive) or multiplied by it; 1 = off",
+                                  default=1.0, lo_open=True),
+        "min_p": Num(0.0, 1.0, "vLLM's: drop tokens less likely than min_p times the most "
+                     "likely; 0 = off", default=0.0),
+        "logit_bias": MapOf(Num(-100.0, 100.0), INT32_MAX, MAX_LOGIT_BIAS,
+                            "token id -> bias added to its logit"),
+        "min_tokens": Int(0, limits.max_tokens, "vLLM's: no EOS or stop token id before "
+                          "this many output tokens (at most max_tokens)", default=0),
+        "user": Str("accepted, no effect on the output"),
+    }
+    if chat:
+        fields["logprobs"] = Bool("the log-probability of each output token", default=False)
+        fields["top_logprobs"] = Int(0, 20, "with logprobs: the most likely tokens at each "
+                                     "position")
+        for name in ("metadata",):
+            fields[name] = JsonObject("accepted, no effect on the output")
+        fields["store"] = Bool("accepted, no effect on the output (nothing is stored)")
+        fields["service_tier"] = Str("accepted, no effect on the output")
+        fields["safety_identifier"] = Str("accepted, no effect on the output")
+    else:
+        fields["logprobs"] = Int(0, 5, "the log-probability of each output token and this "
+                                 "many most likely alternatives")
+        fields["echo"] = Bool("the prompt first in the text (and its tokens' "
+                              "log-probabilities, with logprobs)", default=False)
+        fields["best_of"] = Int(1, 1, "only 1 (more is refused)", default=1)
+        fields["suffix"] = Str("only empty (more is refused)", max_len=0)
+    return fields
+
+
+# OpenAI documents these but they would change the output in ways this server cannot do:
+# refused with 400 unsupported_parameter when set (validation.py).
+REFUSED = {"chat": ("functions", "function_call", "audio", "modalities", "prediction",
+                    "web_search_options", "reasoning_effort", "verbosity"),
+           "completion": ("tools", "functions")}
+UNSUPPORTED = ("functions and function_call (the old form of tools), audio, non-text "
+               "modalities, prediction, web_search_options, reasoning_effort, verbosity, "
+               "best_of > 1, a non-empty suffix (and tools for completions) are refused with "
+               "400 unsupported_parameter; fields nobody documents are ignored and named in "
+               "the X-Overture-Ignored-Fields header (400 under scheduler.strict_fields)")
 
 
 def chat_body(limits: Limits) -> Obj:

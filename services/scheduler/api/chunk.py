@@ -20,6 +20,8 @@ class Chunk:
     kv_from: str = ""  # the first chunk: where the prompt's KV came from
     node: str = ""  # the node that produced it (set by the dispatcher)
     tool_calls: tuple[ToolCallOut, ...] = ()  # calls completed in this piece
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token of ``token_ids``, if asked
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # the first chunk, if asked (echo)
 
 
 @dataclass(frozen=True)
@@ -30,3 +32,14 @@ class ToolCallOut:
     id: str
     name: str
     arguments: str
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token with its log-probability (None: a prompt's first token) and the most likely
+    tokens at its position, each ``(token, bytes, logprob)``."""
+
+    token: str
+    raw: bytes
+    logprob: float | None
+    top: tuple[tuple[str, bytes, float], ...] = ()

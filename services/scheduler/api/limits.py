@@ -14,3 +14,4 @@ class Limits:
     default_max_tokens: int = 0  # max_tokens when a request gives none (0: up to the context)
     max_messages: int = 2048  # messages in one chat request (and Responses input items)
     max_tokens: int = 2**31 - 1  # the ceiling of max_tokens (the engine's field is an int32)
+    strict_fields: bool = False  # a field nobody documents is a 400 (else ignored, named)

@@ -8,7 +8,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.scheduler.api.chunk import Chunk, ToolCallOut
+from services.scheduler.api.chunk import Chunk, TokenLogprob, ToolCallOut
+from services.scheduler.api.logprobs_format import chat_logprobs, legacy_logprobs
 from services.scheduler.api.request import Endpoint
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -38,10 +39,20 @@ class ChoiceState:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    kv_from: str = ""  # where the reused KV came from (the engine's label; issue 41)
     finish_reason: str | None = None
     tool_calls: list[ToolCallOut] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    echo: str | None = None  # the prompt's text to put first (None: no echo)
+    text_offset: int = 0  # streamed legacy log-probabilities: the next token's offset
 
     def add(self, chunk: Chunk) -> None:
+        self.logprobs.extend(chunk.logprobs)
+        if chunk.prompt_logprobs:
+            self.prompt_logprobs = chunk.prompt_logprobs
+            if self.echo == "":  # a token-id prompt: its tokens spell it
+                self.echo = "".join(t.token for t in chunk.prompt_logprobs)
         if chunk.text:
             self.text.append(chunk.text)
         self.tool_calls.extend(chunk.tool_calls)
@@ -55,6 +66,7 @@ class ChoiceState:
             self.completion_tokens, chunk.completion_tokens, len(self.token_ids)
         )
         self.cached_tokens = max(self.cached_tokens, chunk.cached_tokens)
+        self.kv_from = self.kv_from or chunk.kv_from
         if chunk.finish_reason:
             self.finish_reason = chunk.finish_reason
 
@@ -76,8 +88,19 @@ def usage(states: list[ChoiceState]) -> dict[str, Any]:
         "prompt_tokens": p,
         "completion_tokens": c,
         "total_tokens": p + c,
-        "prompt_tokens_details": {"cached_tokens": sum(cached.values())},
+        "prompt_tokens_details": {"cached_tokens": sum(cached.values()),
+                                  **kv_source(states)},
     }
+
+
+def kv_source(states: list[ChoiceState]) -> dict[str, str]:
+    """Where the first choice's reused KV came from, when it reused any: device,
+    device_prefetched (an advisory's), device_partial, local (the node's DRAM or SSD),
+    peer or s3."""
+    s = states[0] if states else None
+    if s is None or not s.cached_tokens or s.kv_from in ("", "recompute"):
+        return {}
+    return {"kv_from": s.kv_from}
 
 
 @dataclass(frozen=True)
@@ -111,9 +134,10 @@ def stream_chunk(
     prompt_token_ids: tuple[int, ...] | None = None,
     include_usage: bool = False,
     tool_calls: list[dict[str, Any]] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One streamed chunk for choice ``index`` (a role header, a text delta, tool call
-    deltas or the finish)."""
+    deltas or the finish), with its tokens' ``logprobs`` (logprobs_format.py)."""
     if env.endpoint == "chat":
         delta: dict[str, Any] = {}
         if role:
@@ -126,7 +150,7 @@ def stream_chunk(
         choice: dict[str, Any] = {"index": index, "delta": delta}
     else:
         choice = {"index": index, "text": text}
-    choice["logprobs"] = None
+    choice["logprobs"] = logprobs
     choice["finish_reason"] = finish_reason
     if token_ids is not None:
         choice["token_ids"] = list(token_ids)
@@ -156,11 +180,13 @@ def usage_chunk(env: Envelope, states: list[ChoiceState]) -> dict[str, Any]:
 
 
 def full_response(
-    env: Envelope, states: list[ChoiceState], return_token_ids: bool
+    env: Envelope, states: list[ChoiceState], return_token_ids: bool, logprobs: bool = False
 ) -> dict[str, Any]:
+    """``logprobs``: each choice carries its tokens' log-probabilities (and the echoed
+    prompt's, first)."""
     choices = []
     for s in sorted(states, key=lambda s: s.index):
-        text = "".join(s.text)
+        text = (s.echo or "") + "".join(s.text)
         if env.endpoint == "chat":
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if s.tool_calls:
@@ -170,6 +196,11 @@ def full_response(
         else:
             choice = {"index": s.index, "text": text}
         choice["logprobs"] = None
+        if logprobs and env.endpoint == "chat":
+            choice["logprobs"] = chat_logprobs(s.logprobs)
+        elif logprobs:
+            entries = [*s.prompt_logprobs, *s.logprobs] if s.echo is not None else s.logprobs
+            choice["logprobs"] = legacy_logprobs(entries, 0)[0]
         choice["finish_reason"] = s.finish_reason or "stop"
         if return_token_ids:
             choice["token_ids"] = list(s.token_ids)

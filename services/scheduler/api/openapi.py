@@ -38,13 +38,36 @@ TOOL_CALLS = {"type": "array", "items": {
             "properties": {"name": _STR, "arguments": _STR}}}}}
 
 
+_NUM = {"type": "number"}
+_BYTES = {"type": "array", "items": _INT}
+_TOP_FIELDS: dict[str, Any] = {"token": _STR, "logprob": _NUM, "bytes": _BYTES}
+_TOP = {"type": "object", "required": ["token", "logprob", "bytes"], "properties": _TOP_FIELDS}
+# choices[].logprobs: null unless asked for; chat's shape or the legacy one (api.md).
+CHAT_LOGPROBS = {"anyOf": [{"type": "null"}, {
+    "type": "object", "required": ["content"], "properties": {"content": {
+        "type": "array", "items": {**_TOP, "properties": {
+            **_TOP_FIELDS, "top_logprobs": {"type": "array", "items": _TOP}}}}}}]}
+LEGACY_LOGPROBS = {"anyOf": [{"type": "null"}, {
+    "type": "object", "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
+    "properties": {"tokens": {"type": "array", "items": _STR},
+                   "token_logprobs": {"type": "array", "items": {"type": ["number", "null"]}},
+                   "top_logprobs": {"type": "array", "items": {
+                       "anyOf": [{"type": "null"},
+                                 {"type": "object", "additionalProperties": _NUM}]}},
+                   "text_offset": {"type": "array", "items": _INT}}}]}
+IGNORED_HEADER = {"X-Overture-Ignored-Fields": {
+    "description": "request fields nobody documents, ignored (comma-separated)",
+    "schema": _STR}}
+
+
 def _completion(chat: bool) -> dict[str, Any]:
     out = ({"message": {"type": "object", "required": ["role", "content"], "properties": {
         "role": {"const": "assistant"}, "content": {"type": ["string", "null"]},
         "tool_calls": TOOL_CALLS}}} if chat else {"text": _STR})
     choice = {"type": "object", "required": ["index", "finish_reason", *out],
-              "properties": {"index": _INT, "finish_reason": _FINISH, "logprobs": {
-                  "type": "null"}, "token_ids": _TOKEN_IDS, "prompt_token_ids": _TOKEN_IDS,
+              "properties": {"index": _INT, "finish_reason": _FINISH,
+                             "logprobs": CHAT_LOGPROBS if chat else LEGACY_LOGPROBS,
+                             "token_ids": _TOKEN_IDS, "prompt_token_ids": _TOKEN_IDS,
                   **out}}
     return {"type": "object", "required": ["id", "object", "created", "model", "choices",
                                            "usage"],
@@ -109,6 +132,7 @@ def _generation(chat: bool, limits: Limits) -> dict[str, Any]:
     endpoint = "chat" if chat else "completion"
     ok = _streamed(_completion(chat), "the completion (with stream: server-sent events of "
                    "chunks, then data: [DONE])")
+    ok["headers"] = IGNORED_HEADER
     return {"post": {
         "summary": "OpenAI chat completion" if chat else "OpenAI completion",
         "parameters": [{"name": "X-Session-Id", "in": "header", "required": False,
@@ -162,6 +186,7 @@ def openapi_document(limits: Limits) -> dict[str, Any]:
                     "200": _json({"type": "object"}, "deleted"), **_ERRORS}}},
             "/healthz": health,
             "/readyz": health,
+            "/leaderz": health,  # (503: a standby replica)
             "/openapi.json": {"get": {"security": [], "responses": {
                 "200": _json({"type": "object"}, "this document")}}},
             "/": _page("text/html", "the demo chat page"),

@@ -64,6 +64,14 @@ class Sampling:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's; 1 = off
+    min_p: float = 0.0  # vLLM's; 0 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    min_tokens: int = 0  # vLLM's: no EOS or stop token id before this many tokens
+    logprobs: int = -1  # -1: none; n: the token's and the n most likely (chat: top_logprobs)
+    echo: bool = False  # completions: the prompt's text (and log-probabilities) first
 
 
 @dataclass(frozen=True)
@@ -91,6 +99,7 @@ class ApiRequest:
     priority: int = 0
     add_generation_prompt: bool = True
     guidance: Guidance = Guidance()
+    ignored_fields: tuple[str, ...] = ()  # body fields nobody documents (a header names them)
 
     def choices(self) -> list[Choice]:
         """Prompt-major fan-out: choice ``p * n + j`` is sample ``j`` of prompt ``p``.

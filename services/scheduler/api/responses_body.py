@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import functools
 
-from services.scheduler.api.bodies import FUNCTION_NAME, MAX_TOOLS, MODEL, session_field
+from services.scheduler.api.bodies import (
+    CACHE_FIELDS,
+    FUNCTION_NAME,
+    MAX_TOOLS,
+    MODEL,
+    session_field,
+)
 from services.scheduler.api.limits import Limits
 from services.scheduler.api.schema import AnyOf, Bool, Int, JsonObject, ListOf, Num, Obj, Str
 
@@ -60,6 +66,7 @@ def responses_body(limits: Limits) -> Obj:
         "store": Bool("keep the response for previous_response_id and GET", default=True),
         "metadata": JsonObject(),
         "session_id": session_field("the session (default: the chain's first response id)"),
+        **CACHE_FIELDS,
         "priority": Int(-1000, 1000, default=0),
     }, required=("input",), doc="An OpenAI Responses API request: text and function "
        "tools; other tool types, files and images are refused.")

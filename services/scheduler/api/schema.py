@@ -255,3 +255,34 @@ def _nullable(s: dict[str, Any], required: bool) -> dict[str, Any]:
         return s
     return {"anyOf": [s, {"type": "null"}]} if "anyOf" not in s else {
         **s, "anyOf": [*s["anyOf"], {"type": "null"}]}
+
+
+@dataclass
+class MapOf(Node):
+    """A JSON object whose keys are whole numbers in [0, ``key_max``] (token ids, which
+    JSON spells as strings) and whose values ``value`` checks; as ``(key, value)`` pairs."""
+
+    value: Node
+    key_max: int
+    max_items: int
+    doc: str = ""
+
+    def check(self, v: Any, param: str) -> tuple[tuple[int, Any], ...]:
+        if not isinstance(v, dict):
+            raise invalid(f"'{param}' must be an object", param, "invalid_type")
+        if len(v) > self.max_items:
+            raise invalid(f"'{param}' may hold at most {self.max_items} entries", param,
+                          "out_of_range")
+        out = []
+        for key, x in v.items():
+            name = f"{param}.{key}"
+            if not (key.isascii() and key.isdigit() and int(key) <= self.key_max):
+                raise invalid(f"'{param}' keys must be token ids (0 to {self.key_max}), got "
+                              f"{_got(key)}", param, "invalid_value")
+            out.append((int(key), self.value.check(x, name)))
+        return tuple(sorted(out))
+
+    def schema(self) -> dict[str, Any]:
+        return self._described({"type": "object", "maxProperties": self.max_items,
+                                "propertyNames": {"pattern": "^[0-9]{1,10}$"},
+                                "additionalProperties": self.value.schema()})

@@ -3,9 +3,10 @@
 The body was decoded by ``json_body.py``; types and ranges are checked by the bodies'
 schemas (``bodies.py``, which ``/openapi.json`` publishes); what a schema cannot say is
 checked here. Every check names the offending ``param`` as OpenAI does, so clients can
-point at the field. Unknown fields
-are ignored (as vLLM does); fields that would silently change the meaning of the request
-if ignored (logprobs, tools, penalties, echo...) are rejected as unsupported.
+point at the field. No field is dropped silently: a documented field this server cannot
+honour is refused (``_unsupported``); one nobody documents is ignored, as vLLM does, but
+named (``ignored_fields``: a response header and a metric; a 400 under
+``scheduler.strict_fields``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from services.scheduler.api.bodies import body_schema, session_field
+from services.scheduler.api.bodies import REFUSED, body_schema, session_field
 from services.scheduler.api.errors import invalid
 from services.scheduler.api.limits import Limits
 from services.scheduler.api.request import (
@@ -25,25 +26,31 @@ from services.scheduler.api.request import (
     Sampling,
     ToolCall,
 )
-from services.scheduler.api.schema import is_int, is_number
+from services.scheduler.api.schema import is_int
 
 
 def _unsupported(body: dict[str, Any], endpoint: Endpoint) -> None:
-    checks = [
-        ("logprobs", bool(body.get("logprobs"))),
-        ("top_logprobs", bool(body.get("top_logprobs"))),
-        ("tools", endpoint == "completion" and bool(body.get("tools"))),
-        ("functions", bool(body.get("functions"))),
-        ("echo", endpoint == "completion" and bool(body.get("echo"))),
-        ("suffix", endpoint == "completion" and bool(body.get("suffix"))),
-        ("best_of", is_int(body.get("best_of")) and body["best_of"] > 1),
-    ]
-    for key in ("presence_penalty", "frequency_penalty"):
-        v = body.get(key)
-        checks.append((key, v is not None and (not is_number(v) or v != 0)))
+    """OpenAI fields this server cannot honour, when set: a 400 naming them (bodies.py)."""
+    # (text alone is what every model here answers in)
+    checks = [(key, body.get(key) not in (None, ["text"] if key == "modalities" else None))
+              for key in REFUSED[endpoint]]
+    if endpoint == "completion":
+        checks.append(("best_of", is_int(body.get("best_of")) and body["best_of"] > 1))
+        checks.append(("suffix", bool(body.get("suffix"))))
     for key, bad in checks:
         if bad:
             raise invalid(f"'{key}' is not supported by this server", key, "unsupported_parameter")
+
+
+def ignored_fields(body: dict[str, Any], endpoint: Endpoint, limits: Limits) -> tuple[str, ...]:
+    """Fields nobody documents for ``endpoint``: ignored (as vLLM does) but named, or a 400
+    under ``scheduler.strict_fields``."""
+    known = body_schema(endpoint, limits).fields.keys() | set(REFUSED[endpoint])
+    unknown = tuple(sorted(k for k in body if k not in known))
+    if unknown and limits.strict_fields:
+        raise invalid(f"unknown field '{unknown[0]}' (scheduler.strict_fields is on)",
+                      unknown[0], "unknown_field")
+    return unknown
 
 
 def _messages(msgs: list[dict[str, Any]]) -> tuple[Message, ...]:
@@ -118,6 +125,8 @@ def _prompts(p: str | list[Any]) -> tuple[Prompt, ...]:
 
 def _sampling(v: dict[str, Any], limits: Limits) -> Sampling:
     max_tokens = v.get("max_completion_tokens", v.get("max_tokens"))
+    if max_tokens is not None and v.get("min_tokens", 0) > max_tokens:
+        raise invalid("'min_tokens' must not exceed 'max_tokens'", "min_tokens", "out_of_range")
     stop = v.get("stop", ())
     return Sampling(
         temperature=v.get("temperature", 1.0),
@@ -128,7 +137,25 @@ def _sampling(v: dict[str, Any], limits: Limits) -> Sampling:
         stop=(stop,) if isinstance(stop, str) else tuple(stop),
         stop_token_ids=tuple(v.get("stop_token_ids", ())),
         ignore_eos=v.get("ignore_eos", False),
+        presence_penalty=v.get("presence_penalty", 0.0),
+        frequency_penalty=v.get("frequency_penalty", 0.0),
+        repetition_penalty=v.get("repetition_penalty", 1.0),
+        min_p=v.get("min_p", 0.0),
+        min_tokens=v.get("min_tokens", 0),
+        logit_bias=v.get("logit_bias", ()),
+        logprobs=_logprobs(v),
+        echo=v.get("echo", False),
     )
+
+
+def _logprobs(v: dict[str, Any]) -> int:
+    """-1: none; else how many alternatives (chat: logprobs true + top_logprobs)."""
+    lp = v.get("logprobs")
+    if "top_logprobs" in v and lp is not True:  # (only chat has it)
+        raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
+    if isinstance(lp, bool):  # chat
+        return v.get("top_logprobs", 0) if lp else -1
+    return -1 if lp is None else lp
 
 
 def validate(
@@ -143,6 +170,7 @@ def validate(
     problem."""
     _unsupported(body, endpoint)
     v = body_schema(endpoint, limits).check(body)
+    ignored = ignored_fields(body, endpoint, limits)
     prompts = (
         (Prompt("chat", messages=_messages(v["messages"])),)
         if endpoint == "chat"
@@ -156,7 +184,7 @@ def validate(
             "stream_options",
             "invalid_value",
         )
-    session = v.get("session_id", "")
+    session = v.get("session_id") or v.get("prompt_cache_key", "")
     if session_header:
         session = session_field("", required=True).check(session_header, "X-Session-Id")
     return ApiRequest(
@@ -173,26 +201,5 @@ def validate(
         priority=v.get("priority", 0),
         add_generation_prompt=v.get("add_generation_prompt", True),
         guidance=guidance(v),
+        ignored_fields=ignored,
     )
-
-
-# No tokenizer packs more characters than this into one token on average: a prompt with
-# more characters than this many times the context cannot fit, and is refused before a
-# node spends seconds tokenizing megabytes of it.
-CHARS_PER_TOKEN_BOUND = 32
-
-
-def check_prompt_length(req: ApiRequest, max_model_len: int) -> None:
-    """400 for a prompt that cannot fit ``max_model_len`` tokens (0: not known yet)."""
-    if max_model_len <= 0:
-        return
-    for p in req.prompts:
-        if p.kind == "tokens":
-            size, unit, bound = len(p.token_ids), "tokens", max_model_len
-        else:
-            size = len(p.text) + sum(len(m.content) for m in p.messages)
-            unit, bound = "characters", max_model_len * CHARS_PER_TOKEN_BOUND
-        if size > bound:
-            param = "messages" if p.kind == "chat" else "prompt"
-            raise invalid(f"the prompt has {size} {unit}, far more than the model's context "
-                          f"of {max_model_len} tokens holds", param, "context_length_exceeded")

@@ -1,13 +1,31 @@
 """The scheduler's view of the cluster: the registered nodes and their load
-(``registry.py`` over ``node.py``), where each session's KV is (``sessions.py``), and the
-gRPC channels to the nodes (``channels.py``). Facts only: the policies decide elsewhere."""
+(``registry.py`` over ``node.py``), the generations running on them and when each should
+end (``inflight.py``), where each session's KV is (``sessions.py``), which nodes hold a
+chat's leading context (``prefixes.py``), the session of each tool call
+(``tool_calls.py``), and the gRPC channels to the nodes
+(``channels.py``). Facts only: the policies decide elsewhere."""
 
 from services.scheduler.cluster.channels import NodeChannels
+from services.scheduler.cluster.inflight import InFlight
 from services.scheduler.cluster.node import Load, ModelSpec, Node, NodeInfo, least_kv_pressure
+from services.scheduler.cluster.prefixes import PrefixMap, prompt_prefix
 from services.scheduler.cluster.registry import HOLDER_SLACK, NodeRegistry
 from services.scheduler.cluster.sessions import SessionDirectory, SessionPlace
+from services.scheduler.cluster.tool_calls import ToolCallSessions
 
 __all__ = [
-    "HOLDER_SLACK", "Load", "ModelSpec", "Node", "NodeChannels", "NodeInfo", "NodeRegistry",
-    "SessionDirectory", "SessionPlace", "least_kv_pressure",
+    "HOLDER_SLACK",
+    "InFlight",
+    "Load",
+    "ModelSpec",
+    "Node",
+    "NodeChannels",
+    "NodeInfo",
+    "NodeRegistry",
+    "PrefixMap",
+    "SessionDirectory",
+    "SessionPlace",
+    "ToolCallSessions",
+    "least_kv_pressure",
+    "prompt_prefix",
 ]

@@ -13,6 +13,7 @@ class ModelSpec:
     fingerprint: str = ""
     max_model_len: int = 0
     dtype: str = ""
+    seats: int = 0  # sequences its engine runs at once (0: not said)
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,8 @@ class NodeInfo:
     address: str
     models: tuple[ModelSpec, ...]
     kvstore_address: str = ""
+    # service -> host:port of its /metrics ("nodemgr", "kvstore", "engine"...)
+    metrics: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,11 @@ class Node:
         here and not yet followed (each is a request on its way, Symphony §3.3). Placing
         by ``score`` alone sends every advisory made while a node is idle to that node."""
         return self.score() + self.advised
+
+    def expected_at(self, gone: int) -> int:
+        """``expected`` at an advised request's arrival, when ``gone`` of the load counted
+        now will have left (``AdvisoryPlacement.gone``)."""
+        return max(0, self.expected() - gone)
 
 
 def least_kv_pressure(nodes: list[Node]) -> Node | None:

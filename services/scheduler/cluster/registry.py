@@ -20,6 +20,7 @@ Clock = Callable[[], float]
 # of its KV: a wrong guess costs one bounded peer lookup, a skipped live holder a
 # recomputed history.
 HOLDER_SLACK = 3.0
+DEFAULT_SEATS = 64  # the engine's default max_num_seqs: a model that does not say its seats
 
 
 class NodeRegistry:
@@ -157,6 +158,11 @@ class NodeRegistry:
             for m in n.info.models:
                 seen.setdefault(m.name, m)
         return list(seen.values())
+
+    def seats(self) -> int:
+        """Sequences the nodes in rotation run at once (a model that does not say how
+        many counts as ``DEFAULT_SEATS``, the engine's default)."""
+        return sum(m.seats or DEFAULT_SEATS for n in self.healthy() for m in n.info.models)
 
     def max_model_len(self, model: str) -> int:
         """The context of ``model`` as a node reported it (0: no node serves it)."""

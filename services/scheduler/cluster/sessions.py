@@ -6,9 +6,10 @@ from there. Per (tenant, session) this keeps the node of the last turn (recorded
 turn's stream ends, with its length: the next node's peer waits for that much to be
 saved) and the tokens that node reported saved (its heartbeats carry the engine's session
 saves). Bounded: least recently used entries go first past ``capacity``, and entries
-older than ``ttl_s`` are forgotten. After a scheduler restart it starts empty and fills
-again from the next turns and saves; a session it does not know is looked up in the
-serving node's own tiers and the shared S3 tier, then recomputed.
+older than ``ttl_s`` are forgotten. After a scheduler restart it is rebuilt from the
+nodes' registrations: each node reports the sessions whose KV it saved, with how long ago
+(``restore``), and the freshest report of a session wins. A session nobody reports is
+looked up in the serving node's own tiers and the shared S3 tier, then recomputed.
 """
 
 from __future__ import annotations
@@ -68,6 +69,23 @@ class SessionDirectory:
             place.saved_tokens = max(place.saved_tokens, tokens)
             place.updated = self.clock()
             self._places.move_to_end(key)
+
+    def restore(self, tenant: str, session_id: str, node_id: str, tokens: int,
+                age_s: float) -> bool:
+        """``node_id`` registered saying it saved ``tokens`` of the session ``age_s`` ago.
+        Taken unless the directory knows something newer (a later turn, or a fresher save
+        reported by another node); whether it was taken."""
+        if not session_id or age_s > self.ttl_s:
+            return False
+        key = SessionKey(tenant, session_id)
+        at = self.clock() - max(0.0, age_s)
+        place = self._places.get(key)
+        if place is not None and place.updated >= at:
+            return False
+        self._places[key] = SessionPlace(node_id, 0, tokens, at)
+        self._places.move_to_end(key)
+        self._trim()
+        return True
 
     def where(self, tenant: str, session_id: str) -> SessionPlace | None:
         """The session's place, or None (unknown or expired)."""

@@ -49,11 +49,13 @@ def _describe(registry: NodeRegistry, n: Node) -> dict[str, Any]:
         "in_rotation": registry.in_rotation(n),
         "alive": registry.alive(n),
         "drained": n.drained,
+        "degraded": n.load.degraded,  # a part down but serving (e.g. "... s3 degraded: ...")
         "running": n.load.running,
         "waiting": n.load.waiting,
         "routed": n.routed,
         "kvstore_address": n.info.kvstore_address,
         "models": [m.name for m in n.info.models],
+        "metrics": {name: f"http://{addr}/metrics" for name, addr in n.info.metrics},
     }
 
 

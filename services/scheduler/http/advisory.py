@@ -42,7 +42,7 @@ async def create(request: web.Request) -> web.Response:
     state = request.app[STATE]
     tenant = tenant_of(state, request)
     state.tenants.advisory(tenant)
-    v = ADVISORY.check(parse_json(await read_body(state, request)))
+    v = ADVISORY.check(parse_json(await read_body(state, request, tenant)))
     asked = _asked(v, state, "")
     nexts = [_asked(s, state, f"successors[{i}].") for i, s in enumerate(v.get("successors", []))]
     sessions = [asked.session_id, *(s.session_id for s in nexts)]

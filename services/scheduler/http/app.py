@@ -24,7 +24,10 @@ log = logging.getLogger(__name__)
 
 
 def error_response(e: ApiError) -> web.Response:
-    return web.json_response(e.body(), status=e.status, headers=e.headers or None)
+    resp = web.json_response(e.body(), status=e.status, headers=e.headers or None)
+    if e.headers.get("Connection") == "close":
+        resp.force_close()  # (a stalled body: its connection goes, with what it buffered)
+    return resp
 
 
 @web.middleware
@@ -54,9 +57,24 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     return resp
 
 
+# What a standby replica still answers: whether it lives, and whether it leads.
+STANDBY_ROUTES = frozenset({"/healthz", "/leaderz", "/metrics"})
+
+
+@web.middleware
+async def _standby(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A standby replica (scheduler/lease.py) serves nothing else: it has no nodes."""
+    if request.path not in STANDBY_ROUTES and not request.app[STATE].leader():
+        raise ApiError(503, "this scheduler replica is a standby; retry (the Service "
+                       "sends requests to the leader)", code="standby",
+                       headers={"Retry-After": "1"})
+    return await handler(request)
+
+
 def build_app(state: ApiState) -> web.Application:
     # aiohttp enforces the body limit itself for bodies without a Content-Length.
-    app = web.Application(middlewares=[_errors], client_max_size=state.max_body_bytes)
+    app = web.Application(middlewares=[_errors, _standby],
+                          client_max_size=state.max_body_bytes)
     app[STATE] = state
     add_completion_routes(app)
     add_model_routes(app)

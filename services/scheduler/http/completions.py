@@ -8,10 +8,12 @@ no node, an unknown model) keep their HTTP status; a failure after it is an erro
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from typing import Any
+from urllib.parse import quote
 
 from aiohttp import web
 
@@ -23,8 +25,12 @@ from services.scheduler.api import (
     Chunk,
     Endpoint,
     Envelope,
-    check_prompt_length,
+    Prompt,
+    TokenLogprob,
+    chat_logprobs,
+    check_input_budget,
     full_response,
+    legacy_logprobs,
     new_id,
     parse_json,
     sse,
@@ -35,10 +41,14 @@ from services.scheduler.api import (
 )
 from services.scheduler.http.state import (
     CLIENT_GONE,
+    IGNORED_HEADER,
     NODE_HEADER,
     STATE,
     ApiState,
+    call_session,
     read_body,
+    retry_key,
+    session_header,
     tenant_of,
 )
 from services.scheduler.http.timing import Timing
@@ -51,24 +61,33 @@ async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
     state = request.app[STATE]
     tenant = tenant_of(state, request)
     state.tenants.request(tenant)
-    body = parse_json(await read_body(state, request))
+    body = parse_json(await read_body(state, request, tenant))
     req = validate(
         body,
         endpoint,
         state.limits,
-        session_header=request.headers.get("X-Session-Id", ""),
+        session_header=session_header(state, request),
         tenant=tenant,
     )
+    if not req.session_id and len(req.prompts) == 1 and req.prompts[0].kind == "chat":
+        session = call_session(state, tenant, req.prompts[0].messages,
+                               bool(req.guidance.tools_json), new_id("chat"))
+        req = dataclasses.replace(req, session_id=session)
     model = await state.dispatcher.resolve_model(req.model)
-    check_prompt_length(req, state.registry.max_model_len(model))
-    with state.tenants.in_flight(tenant):
+    check_input_budget(req, state.registry.max_model_len(model))
+    if req.ignored_fields:
+        state.metrics.ignored_fields.labels(endpoint).inc(len(req.ignored_fields))
+    # Refused requests go first as seats free (a retrying client is never starved).
+    with state.turns.attempt(tenant, retry_key(request, req.session_id)), \
+            state.tenants.in_flight(tenant):
         return await _generate_in_flight(request, state, req, endpoint, model)
 
 
 async def _generate_in_flight(request: web.Request, state: ApiState, req: ApiRequest,
                               endpoint: Endpoint, model: str) -> web.StreamResponse:
     env = Envelope(endpoint, new_id(endpoint), model)
-    states = {c.index: ChoiceState(c.index, c.prompt_index) for c in req.choices()}
+    states = {c.index: ChoiceState(c.index, c.prompt_index, echo=_echo(req, c.prompt))
+              for c in req.choices()}
     timing = Timing(state.metrics, model, state.dispatcher.catalog.get(model))
     state.metrics.in_flight.inc()
     try:
@@ -76,27 +95,60 @@ async def _generate_in_flight(request: web.Request, state: ApiState, req: ApiReq
             if req.stream:
                 return await _stream(request, req, env, states, timing, events)
             nodes: list[str] = []
+            headers = _ignored_header(req)
             async for index, chunk in events:
                 states[index].add(chunk)
                 timing.tokens(index, len(chunk.token_ids))
                 if chunk.node and chunk.node not in nodes:
                     nodes.append(chunk.node)
+            if nodes:
+                headers[NODE_HEADER] = ",".join(nodes)
             return web.json_response(
-                full_response(env, list(states.values()), req.return_token_ids),
-                headers={NODE_HEADER: ",".join(nodes)} if nodes else None,
+                full_response(env, list(states.values()), req.return_token_ids,
+                              req.sampling.logprobs >= 0),
+                headers=headers or None,
             )
     finally:
         timing.done()
         state.metrics.in_flight.dec()
 
 
+def _echo(req: ApiRequest, prompt: Prompt) -> str | None:
+    """The text an ``echo`` puts first ("": a token-id prompt's, spelled by its tokens)."""
+    return (prompt.text if prompt.kind == "text" else "") if req.sampling.echo else None
+
+
+def _ignored_header(req: ApiRequest) -> dict[str, str]:
+    # Percent-encoded: a field's name may hold a comma, a control character or non-ASCII,
+    # none of which a header value may carry as is (aiohttp drops the connection).
+    names = ",".join(quote(n, safe="") for n in req.ignored_fields)
+    return {IGNORED_HEADER: names} if names else {}
+
+
+def _logprobs(req: ApiRequest, env: Envelope, st: ChoiceState,
+              entries: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+    """A streamed chunk's log-probabilities (legacy offsets carry on over the stream)."""
+    if req.sampling.logprobs < 0:
+        return None
+    if env.endpoint == "chat":
+        return chat_logprobs(entries)
+    obj, st.text_offset = legacy_logprobs(entries, st.text_offset)
+    return obj
+
+
 def _chunk_events(
     req: ApiRequest, env: Envelope, st: ChoiceState, chunk: Chunk, first: bool
 ) -> list[dict[str, Any]]:
-    """The OpenAI chunks one engine chunk becomes (a role header first, for chat)."""
+    """The OpenAI chunks one engine chunk becomes (a role header first, for chat; the
+    echoed prompt first, for completions)."""
     out = []
     ids = req.return_token_ids
     prompt_ids = st.prompt_token_ids if (ids and first) else None
+    if first and st.echo is not None:
+        out.append(stream_chunk(env, st.index, text=st.echo, prompt_token_ids=prompt_ids,
+                                include_usage=req.include_usage,
+                                logprobs=_logprobs(req, env, st, st.prompt_logprobs)))
+        prompt_ids = None
     if first and env.endpoint == "chat":
         out.append(
             stream_chunk(
@@ -120,6 +172,7 @@ def _chunk_events(
                 token_ids=chunk.token_ids if ids else None,
                 prompt_token_ids=prompt_ids,
                 include_usage=req.include_usage,
+                logprobs=_logprobs(req, env, st, chunk.logprobs),
             )
         )
     # Tool calls after the text of the same piece, then the finish on its own (as OpenAI).
@@ -143,7 +196,8 @@ async def _stream(
     # Wait for the first chunk before sending headers, so that failures before any output
     # (bad prompt, no node, unknown model) still get their proper HTTP status.
     first = await anext(events, None)
-    headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+               **_ignored_header(req)}
     if first is not None and first[1].node:
         headers[NODE_HEADER] = first[1].node  # (other choices may run on other nodes)
     resp = web.StreamResponse(headers=headers)

@@ -1,5 +1,6 @@
 """How the service and its nodes are doing: ``/healthz`` (the process answers),
-``/readyz`` (a node is in rotation; every node's state and load) and ``/metrics``
+``/readyz`` (a node is in rotation; every node's state and load), ``/leaderz`` (this
+replica is the one that serves: the Kubernetes readiness probe) and ``/metrics``
 (Prometheus text, for admin keys)."""
 
 from __future__ import annotations
@@ -13,6 +14,11 @@ from services.scheduler.metrics import CONTENT_TYPE
 
 async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
+
+
+async def leaderz(request: web.Request) -> web.Response:
+    leader = request.app[STATE].leader()
+    return web.json_response({"leader": leader}, status=200 if leader else 503)
 
 
 async def readyz(request: web.Request) -> web.Response:
@@ -62,4 +68,5 @@ async def metrics(request: web.Request) -> web.Response:
 def add_health_routes(app: web.Application) -> None:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
+    app.router.add_get("/leaderz", leaderz)
     app.router.add_get("/metrics", metrics)

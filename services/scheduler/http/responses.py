@@ -33,7 +33,7 @@ from services.scheduler.api import (
     Message,
     Prompt,
     Sampling,
-    check_prompt_length,
+    check_input_budget,
     guidance,
     parse_json,
     responses_body,
@@ -43,7 +43,10 @@ from services.scheduler.http.state import (
     NODE_HEADER,
     STATE,
     ApiState,
+    call_session,
     read_body,
+    retry_key,
+    session_header,
     tenant_of,
 )
 from services.scheduler.http.timing import Timing
@@ -62,17 +65,18 @@ async def create(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     tenant = tenant_of(state, request)
     state.tenants.request(tenant)
-    v = responses_body(state.limits).check(parse_json(await read_body(state, request)))
+    v = responses_body(state.limits).check(parse_json(await read_body(state, request, tenant)))
     rid = items.new_item_id("resp")
     history: tuple[Message, ...] = ()
-    session = v.get("session_id", "")
+    session = v.get("session_id") or v.get("prompt_cache_key", "")
     if "previous_response_id" in v:
-        prev = state.responses.get(tenant, v["previous_response_id"])
+        prev = await state.responses.get(tenant, v["previous_response_id"])
         if prev is None:
             raise _not_found(v["previous_response_id"], "previous_response_id")
         history, session = prev.messages, session or prev.session_id
-    session = request.headers.get("X-Session-Id") or session or rid
     conversation = (*history, *items.to_messages(v["input"]))
+    session = (session_header(state, request) or session
+               or call_session(state, tenant, conversation, True, rid))
     system = (Message("system", v["instructions"]),) if v.get("instructions") else ()
     req = ApiRequest(
         endpoint="chat", model=v.get("model"),
@@ -84,8 +88,9 @@ async def create(request: web.Request) -> web.StreamResponse:
         stream=v.get("stream", False), session_id=session, tenant=tenant,
         priority=v.get("priority", 0), guidance=guidance(items.chat_guidance_fields(v)))
     model = await state.dispatcher.resolve_model(req.model)
-    check_prompt_length(req, state.registry.max_model_len(model))
-    with state.tenants.in_flight(tenant):
+    check_input_budget(req, state.registry.max_model_len(model))
+    with state.turns.attempt(tenant, retry_key(request, session)), \
+            state.tenants.in_flight(tenant):
         return await _run(request, state, req, v, rid, model, conversation)
 
 
@@ -104,14 +109,14 @@ async def _run(request: web.Request, state: ApiState, req: ApiRequest, v: dict[s
                 st.add(chunk)
                 timing.tokens(0, len(chunk.token_ids))
                 node = node or chunk.node
-            body = _finished(state, req, v, rid, model, st, conversation)
+            body = await _finished(state, req, v, rid, model, st, conversation)
             return web.json_response(body, headers={NODE_HEADER: node} if node else None)
     finally:
         timing.done()
         state.metrics.in_flight.dec()
 
 
-def _finished(state: ApiState, req: ApiRequest, v: dict[str, Any], rid: str, model: str,
+async def _finished(state: ApiState, req: ApiRequest, v: dict[str, Any], rid: str, model: str,
               st: ChoiceState, conversation: tuple[Message, ...],
               output: list[dict[str, Any]] | None = None,
               created: int | None = None) -> dict[str, Any]:
@@ -119,7 +124,7 @@ def _finished(state: ApiState, req: ApiRequest, v: dict[str, Any], rid: str, mod
     body = items.response_object(rid, model, v, req.session_id, status="completed",
                                  output=output, st=st, created=created)
     if v.get("store", True):
-        state.responses.put(req.tenant, body,
+        await state.responses.put(req.tenant, body,
                             (*conversation, items.assistant_message(st)), req.session_id)
     return body
 
@@ -188,8 +193,8 @@ async def _stream(request: web.Request, state: ApiState, req: ApiRequest, v: dic
             if not text_open:
                 await _open_text(out, msg_id, len(output))
             output.append(await _close_text(out, msg_id, len(output), st))
-        body = _finished(state, req, v, rid, model, st, conversation, output,
-                         shell["created_at"])
+        body = await _finished(state, req, v, rid, model, st, conversation, output,
+                               shell["created_at"])
         kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
         await out.send(kind, response=body)
         await resp.write_eof()
@@ -235,7 +240,7 @@ async def retrieve(request: web.Request) -> web.Response:
     state = request.app[STATE]
     tenant = tenant_of(state, request)
     rid = request.match_info["response_id"]
-    stored = state.responses.get(tenant, rid)
+    stored = await state.responses.get(tenant, rid)
     if stored is None:
         raise _not_found(rid)
     return web.json_response(stored.body)
@@ -245,7 +250,7 @@ async def delete(request: web.Request) -> web.Response:
     state = request.app[STATE]
     tenant = tenant_of(state, request)
     rid = request.match_info["response_id"]
-    if not state.responses.delete(tenant, rid):
+    if not await state.responses.delete(tenant, rid):
         raise _not_found(rid)
     return web.json_response({"id": rid, "object": "response", "deleted": True})
 

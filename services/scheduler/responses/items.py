@@ -14,7 +14,7 @@ import time
 import uuid
 from typing import Any
 
-from services.scheduler.api import ChoiceState, Message, ToolCall, invalid
+from services.scheduler.api import ChoiceState, Message, ToolCall, invalid, kv_source
 
 
 def new_item_id(prefix: str) -> str:
@@ -121,7 +121,7 @@ def assistant_message(st: ChoiceState) -> Message:
 
 def usage(st: ChoiceState) -> dict[str, Any]:
     return {"input_tokens": st.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": st.cached_tokens},
+            "input_tokens_details": {"cached_tokens": st.cached_tokens, **kv_source([st])},
             "output_tokens": st.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": st.prompt_tokens + st.completion_tokens}

@@ -14,6 +14,11 @@ with ``Retry-After`` at once (back-pressure, not collapse). A node that sends no
 even the engine's keepalives, for ``stream_idle_timeout_s`` is stopped (SIGSTOP, a hung
 host): its streams are cut with a clean error (retried elsewhere if nothing was sent yet)
 and it leaves rotation until it beats again.
+
+A node whose engine fails a request before its first token (the engine crashed: the
+status is ``UNKNOWN``, ``INTERNAL`` or another of ``NODE_FAILURES`` rather than an answer
+about the request) gets it retried once on another node; the client, having seen nothing
+yet, sees one answer. After the first token a failure ends the stream with an error.
 """
 
 from __future__ import annotations
@@ -30,9 +35,12 @@ import grpc
 from services.scheduler import wire
 from services.scheduler.api import ApiError, Chunk, from_grpc
 from services.scheduler.cluster import (
+    InFlight,
     NodeChannels,
     NodeRegistry,
+    PrefixMap,
     SessionDirectory,
+    ToolCallSessions,
     least_kv_pressure,
 )
 from services.scheduler.metrics import SchedulerMetrics
@@ -40,10 +48,17 @@ from services.scheduler.placement import ModelRates
 from services.scheduler.routing.kv_source import node_request
 from services.scheduler.routing.plan import RoutePlan, RouteRequest
 from services.scheduler.routing.policy import Policy
+from services.scheduler.routing.prefix_index import PrefixIndex, request_hashes
 from shared.model_catalog import ModelEntry
 from shared.proto import common_pb2
 
 log = logging.getLogger(__name__)
+
+# Statuses that say the node or its engine broke under the request, not that the request is
+# wrong or the cluster full: before any output, the request is retried once elsewhere.
+NODE_FAILURES = frozenset({grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+                           grpc.StatusCode.ABORTED, grpc.StatusCode.DATA_LOSS,
+                           grpc.StatusCode.CANCELLED})
 
 
 @dataclass(frozen=True)
@@ -68,6 +83,12 @@ class Advisories(Protocol):
         """End the session's advisory as followed; the node it chose ("": none, or lapsed)."""
         ...
 
+    def infer(self, tenant: str, session_id: str, model: str, tools: tuple[str, ...],
+              priority: int) -> None:
+        """The session's turn ended calling ``tools``: its next turn (their results) is
+        coming, so the scheduler advises it itself (``advisory/inferred.py``)."""
+        ...
+
 
 class NodeStalled(Exception):
     """The node sent nothing within the inactivity bound."""
@@ -84,8 +105,15 @@ class Dispatcher:
         metrics: SchedulerMetrics | None = None,
         advisor: Advisories | None = None,
         catalog: tuple[ModelEntry, ...] = (),
+        inflight: InFlight | None = None,
+        prefixes: PrefixMap | None = None,
+        prefix_index: PrefixIndex | None = None,
     ) -> None:
         self.registry = registry
+        # The generations running, to place advisories by the load at their arrival.
+        self.inflight = inflight if inflight is not None else InFlight()
+        self.prefixes = prefixes if prefixes is not None else PrefixMap()
+        self.tool_sessions = ToolCallSessions()  # call id -> the session that made it
         # Models the cluster may serve though no node runs them now (shared/model_catalog).
         self.catalog = {m.name: m for m in catalog}
         self.rates = ModelRates()  # requests per model (the placement's r_j)
@@ -95,6 +123,8 @@ class Dispatcher:
         self.sessions = sessions if sessions is not None else SessionDirectory(100_000, 86400.0)
         self.metrics = metrics
         self.advisor = advisor
+        # Which node's device holds which prompt prefixes (the ``prefix`` policy only).
+        self.prefix_index = prefix_index
 
     def _loop_time(self) -> float:
         return asyncio.get_running_loop().time()
@@ -113,10 +143,10 @@ class Dispatcher:
                 raise self._unavailable(None)
             await self.registry.wait_changed(remaining)
 
-    async def pick(self, route: RouteRequest,
-                   behind: frozenset[str] = frozenset()) -> RoutePlan:
-        """The policy's plan on a healthy node for ``route.model``; waits up to
-        ``no_node_wait_s`` for one.
+    async def pick(self, route: RouteRequest, behind: frozenset[str] = frozenset(),
+                   failed: frozenset[str] = frozenset()) -> RoutePlan:
+        """The policy's plan on a healthy node for ``route.model`` other than those that
+        ``failed`` this request; waits up to ``no_node_wait_s`` for one.
 
         Raises 404 at once when healthy nodes exist and none of the registered nodes serve
         the model; 429 when every healthy one is in ``behind`` (refused this request as
@@ -124,7 +154,8 @@ class Dispatcher:
         """
         deadline = self._loop_time() + self.settings.no_node_wait_s
         while True:
-            healthy = self.registry.healthy(route.model)
+            healthy = [n for n in self.registry.healthy(route.model)
+                       if n.node_id not in failed]
             evicted = not healthy and route.model in self.catalog
             if evicted:  # a catalogue model active nowhere: any node activates it
                 healthy = self.registry.healthy()
@@ -135,7 +166,9 @@ class Dispatcher:
             if evicted:  # (Prism §6.2: the node of least KV pressure activates it)
                 lightest = least_kv_pressure(free)
                 free = [lightest] if lightest is not None else []
-            plan = self.policy.route(free, route)
+            # (generations that ended since a node's last beat are not its load)
+            plan = self.policy.route(free, dataclasses.replace(
+                route, gone=self.inflight.gone(free)))
             if plan is not None:
                 return plan
             known = any(n.serves(route.model) for n in self.registry.all())
@@ -195,23 +228,35 @@ class Dispatcher:
         place = self.sessions.where(route.tenant, route.session_id) if route.session_id else None
         if place is not None:
             route = dataclasses.replace(route, holder=place.node_id)
+        hashes: tuple[bytes, ...] = ()
+        if self.prefix_index is not None:
+            hashes = request_hashes(request)
+            route = dataclasses.replace(route, prefix_hits=tuple(self.prefix_index.matches(
+                (n.node_id for n in self.registry.all()), hashes).items()))
+        if place is None and route.prefix:  # a new session: the nodes holding its context
+            route = dataclasses.replace(route, prefix_nodes=self.prefixes.holders(route.prefix))
         behind: set[str] = set()  # nodes that refused this request as overloaded
+        failed: set[str] = set()  # nodes whose engine failed it before its first token
         while True:
-            plan = await self.pick(route, frozenset(behind))
+            plan = await self.pick(route, frozenset(behind), frozenset(failed))
             node = plan.node
             if self.advisor is not None and route.session_id:
                 # (once per request: the other choices of an n > 1 request find it ended)
                 self.advisor.follow(route.tenant, route.session_id)
             self.registry.begin(node.node_id)
+            ticket = self.inflight.begin(node.node_id, request.sampling.max_tokens)
             call = self.channels.stub(node.info.address).Generate(
                 node_request(request, plan, place, self.registry),
                 timeout=self.settings.request_timeout_s,
             )
             produced = False
             last: Chunk | None = None
+            calls: list[tuple[str, str]] = []  # (id, function) of the turn's tool calls
             try:
                 while (msg := await self._next(call)) is not None:
                     last = wire.chunk(msg, node.node_id)
+                    self.inflight.progress(ticket, len(last.token_ids))
+                    calls.extend((c.id, c.name) for c in last.tool_calls if c.name)
                     if not produced and self.metrics is not None:
                         self.metrics.turns.labels(last.kv_from or "unknown").inc()
                     produced = True
@@ -221,6 +266,10 @@ class Dispatcher:
                         self.sessions.turn_served(route.tenant, route.session_id,
                                                   node.node_id,
                                                   last.prompt_tokens + last.completion_tokens)
+                        self._turn_ended(route, ticket, node.node_id, last.finish_reason, calls)
+                        ticket = 0
+                    if last.finish_reason and self.prefix_index is not None:
+                        self.prefix_index.served(node.node_id, hashes)
                     yield last
                 return
             except grpc.aio.AioRpcError as e:
@@ -238,6 +287,15 @@ class Dispatcher:
                     if not produced and retries > 0:
                         retries -= 1
                         continue
+                elif (e.code() in NODE_FAILURES and not produced and not failed
+                      and self._elsewhere(route.model, node.node_id)):
+                    log.warning("node %s failed a request before its first token (%s %s); "
+                                "retrying it once on another node", node.node_id,
+                                e.code().name, e.details())
+                    failed.add(node.node_id)
+                    if self.metrics is not None:
+                        self.metrics.retried.inc()
+                    continue
                 raise from_grpc(e.code(), e.details(), node.node_id) from None
             except NodeStalled:
                 idle = self.settings.stream_idle_timeout_s
@@ -255,7 +313,25 @@ class Dispatcher:
                 ) from None
             finally:
                 call.cancel()
-                self.registry.end(node.node_id)
+                if ticket:
+                    self.inflight.end(ticket)
+                    self.registry.end(node.node_id)
+
+    def _turn_ended(self, route: RouteRequest, ticket: int, node_id: str, finish: str,
+                    calls: list[tuple[str, str]]) -> None:
+        """The turn no longer loads its node; the node holds its leading context now; a
+        turn that ends calling tools announces the session's next one (Symphony §3.5)."""
+        self.inflight.end(ticket)
+        self.registry.end(node_id)
+        self.prefixes.turn_ended(route.tenant, route.session_id, route.prefix, node_id)
+        self.tool_sessions.record(route.tenant, (i for i, _ in calls), route.session_id)
+        if finish == "tool_calls" and self.advisor is not None:
+            self.advisor.infer(route.tenant, route.session_id, route.model,
+                               tuple(dict.fromkeys(n for _, n in calls)), route.priority)
+
+    def _elsewhere(self, model: str, node_id: str) -> bool:
+        """Whether a healthy node other than ``node_id`` serves ``model``."""
+        return any(n.node_id != node_id for n in self.registry.healthy(model))
 
     async def _next(self, call: grpc.aio.UnaryStreamCall) -> common_pb2.GenerateChunk | None:
         """The call's next chunk that is not a keepalive (None at its end). Raises

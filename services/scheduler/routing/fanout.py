@@ -13,6 +13,7 @@ from contextlib import aclosing
 
 from services.scheduler import wire
 from services.scheduler.api import ApiError, ApiRequest, Choice, Chunk
+from services.scheduler.cluster import prompt_prefix
 from services.scheduler.routing.dispatch import Dispatcher
 from services.scheduler.routing.plan import RouteRequest
 
@@ -25,11 +26,21 @@ def _request_id(base_id: str, choice: Choice, total: int) -> str:
     return base_id if total == 1 else f"{base_id}-{choice.index}"
 
 
+def _leading_context(req: ApiRequest, model: str) -> tuple[str, ...]:
+    """The chat's leading context as ``PrefixMap`` keys (none for other prompts)."""
+    if len(req.prompts) != 1 or req.prompts[0].kind != "chat":
+        return ()
+    msgs = [(m.role, m.content + "".join(f"\0{c.name}\0{c.arguments}" for c in m.tool_calls))
+            for m in req.prompts[0].messages]
+    return prompt_prefix(req.tenant, model, req.guidance.tools_json, msgs)
+
+
 async def run_choices(
     dispatcher: Dispatcher, req: ApiRequest, model: str, base_id: str
 ) -> AsyncGenerator[tuple[int, Chunk], None]:
     route = RouteRequest(model, req.session_id, req.tenant, req.priority,
-                         advised=dispatcher.advised_node(req.tenant, req.session_id))
+                         advised=dispatcher.advised_node(req.tenant, req.session_id),
+                         prefix=_leading_context(req, model))
     choices = req.choices()
     protos = [
         wire.generate_request(req, c, model, _request_id(base_id, c, len(choices))) for c in choices

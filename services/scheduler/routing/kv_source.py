@@ -1,7 +1,8 @@
 """A generation's request as its node gets it, carrying out the route plan's KV half:
-marked to reuse no KV at all, or naming the kvstore that holds the session's KV when that
-is another node's and that node is alive (a drained one counts: it still serves pulls).
-Otherwise the node looks in its own tiers and the shared S3 tier, then recomputes."""
+marked to reuse no KV at all, or only its node's device cache, or naming the kvstore
+that holds the session's KV when that is another node's and that node is alive (a
+drained one counts: it still serves pulls). Otherwise the node looks in its own tiers and
+the shared S3 tier, then recomputes."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ def node_request(request: common_pb2.GenerateRequest, plan: RoutePlan,
     turn's length is what the node's peer waits to have saved)."""
     if not plan.reuse_kv:
         return wire.without_reuse(request)
+    if plan.device_only:
+        return wire.device_only(request)
     if not plan.pull_from or place is None:
         return request
     holder = registry.get(plan.pull_from)

@@ -12,10 +12,13 @@ carry out; the registry keeps the facts. Policies are looked up by name in ``POL
                over the nodes first                                      > 0 straight to device
     sticky     the holder while in rotation      reused where it is      only recorded
     recompute  least loaded                      not reused at all       only recorded
+    prefix     longest device prefix; none:      device cache only; no   only recorded
+               least loaded                      DRAM/SSD/S3 tiers
 
 ``priority`` follows Symphony §3.6 and §4.5; ``sticky`` is an InferCept-like baseline (a
 session stays on its first node; KV never moves between nodes); ``recompute`` a
-vLLM-without-offload baseline (not even the device prefix cache is reused).
+vLLM-without-offload baseline (not even the device prefix cache is reused); ``prefix``
+precise prefix-aware routing as llm-d does it (KV only in device memory).
 """
 
 from __future__ import annotations
@@ -50,6 +53,15 @@ def _holder_elsewhere(node: Node, request: RouteRequest) -> str:
     return request.holder if request.holder != node.node_id else ""
 
 
+def _prefix_rank(node: Node, request: RouteRequest) -> int:
+    """0 for the node most recently holding the request's leading context, 1 the next...;
+    past all of them for the others (a new session's locality: ``cluster/prefixes.py``)."""
+    try:
+        return request.prefix_nodes.index(node.node_id)
+    except ValueError:
+        return len(request.prefix_nodes)
+
+
 def _least_loaded(nodes: Sequence[Node]) -> Node:
     return min(nodes, key=lambda n: (n.score(), n.routed, n.last_routed, n.node_id))
 
@@ -58,8 +70,11 @@ class BalancedPolicy:
     """A request that follows an advisory goes to the node the advisory chose (its KV is
     being prefetched there) while that node can take it. Otherwise (and for advisories):
     least loaded by the load expected at arrival (running + waiting + routed + advisories
-    pending there, ``Node.expected``); ties: the node holding the session's KV,
-    then fewest routed, then least recently used (Symphony §3.3: load before locality).
+    pending there, ``Node.expected``, less what will be gone by then, ``Node.expected_at``:
+    generations that ended since the node's last beat and, for an advisory, those
+    expected to end before it arrives); ties: the node holding the session's KV,
+    then the node holding its leading context (a shared system prompt), then fewest
+    routed, then least recently used (Symphony §3.3: load before locality).
     The KV follows the session: the chosen node pulls it from the holder's kvstore, and an
     advisory's node prefetches it."""
 
@@ -84,8 +99,10 @@ class BalancedPolicy:
             for n in nodes:
                 if n.node_id == request.advised:
                     return n
-        return min(nodes, key=lambda n: (n.expected(), n.node_id != request.holder,
-                                         n.routed, n.last_routed, n.node_id))
+        return min(nodes, key=lambda n: (n.expected_at(request.gone.get(n.node_id, 0)),
+                                         n.node_id != request.holder,
+                                         _prefix_rank(n, request), n.routed,
+                                         n.last_routed, n.node_id))
 
 
 class PriorityPolicy(BalancedPolicy):
@@ -107,8 +124,10 @@ class PriorityPolicy(BalancedPolicy):
     def _choose(self, nodes: Sequence[Node], request: RouteRequest) -> Node | None:
         if not nodes or request.priority <= 0 or request.advised:
             return super()._choose(nodes, request)
-        return min(nodes, key=lambda n: (n.advised_priority, n.expected(),
-                                         n.node_id != request.holder, n.routed,
+        return min(nodes, key=lambda n: (n.advised_priority,
+                                         n.expected_at(request.gone.get(n.node_id, 0)),
+                                         n.node_id != request.holder,
+                                         _prefix_rank(n, request), n.routed,
                                          n.last_routed, n.node_id))
 
 
@@ -149,9 +168,37 @@ class RecomputePolicy:
         return AdvisoryPlan(_least_loaded(nodes), prefetch=False) if nodes else None
 
 
+class PrefixPolicy:
+    """Precise prefix-aware routing, a baseline users pick today (llm-d's KV-cache-aware
+    scorer): the node whose device holds the longest leading run of the prompt's block
+    hashes (``request.prefix_hits``), ties to the least loaded of them; when no node holds
+    any, the least loaded. KV lives only in device memory: the engine reuses its device
+    prefix cache and nothing else (no DRAM, SSD or S3 tier, no pull from a peer, nothing
+    saved); advisories are only recorded."""
+
+    name = "prefix"
+
+    def route(self, nodes: Sequence[Node], request: RouteRequest) -> RoutePlan | None:
+        node = self._choose(nodes, request)
+        return RoutePlan(node, reuse_kv=True, device_only=True) if node is not None else None
+
+    def advise(self, nodes: Sequence[Node], request: RouteRequest) -> AdvisoryPlan | None:
+        node = self._choose(nodes, request)
+        return AdvisoryPlan(node, prefetch=False) if node is not None else None
+
+    def _choose(self, nodes: Sequence[Node], request: RouteRequest) -> Node | None:
+        if not nodes:
+            return None
+        hits = dict(request.prefix_hits)
+        best = max(hits.get(n.node_id, 0) for n in nodes)
+        if best == 0:
+            return _least_loaded(nodes)
+        return _least_loaded([n for n in nodes if hits.get(n.node_id, 0) == best])
+
+
 POLICIES: dict[str, type[Policy]] = {
     "balanced": BalancedPolicy, "priority": PriorityPolicy, "sticky": StickyPolicy,
-    "recompute": RecomputePolicy,
+    "recompute": RecomputePolicy, "prefix": PrefixPolicy,
 }
 
 

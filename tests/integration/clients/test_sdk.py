@@ -22,7 +22,7 @@ ASK = [{"role": "system", "content": "You are terse. " * 20},
 
 def _followed(cluster: Cluster) -> float:
     for line in cluster.text("/metrics").splitlines():
-        if line.startswith('overture_advisories_total{event="followed"}'):
+        if line.startswith('overture_advisories_total{event="followed",source="client"}'):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
 

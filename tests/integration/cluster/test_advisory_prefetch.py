@@ -27,6 +27,7 @@ from tests.integration.cluster.test_kv_follows_session import (
     _turn,
 )
 from tests.integration.reuse.harness import USER_TURNS, reference_transcript
+from tests.s3_server import aws_keys
 
 Transcript = list[tuple[list[ChatMessage], list[int], str]]
 
@@ -132,7 +133,7 @@ def test_with_the_peers_kvstore_dead_it_prefetches_from_s3(cluster: Cluster, ref
     # Wait until node0's save of the turn is durable (its manifest is in S3), then kill
     # node0's kvstore: only S3 still has the session.
     client = boto3.client("s3", endpoint_url=cluster.s3_endpoint, region_name="us-east-1",
-                          aws_access_key_id="overture", aws_secret_access_key="overture")
+                          **aws_keys())
     deadline = time.monotonic() + 30
     while not any("default/adv-s3@" in o["Key"] for o in  # (a manifest per model)
                   client.list_objects_v2(Bucket="overture-kv").get("Contents", [])):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,8 @@ def _reader(stream, lines: queue.Queue) -> None:
 
 @pytest.mark.slow
 def test_up_serves_and_stops_cleanly(tiny_model: Path, tmp_path: Path) -> None:
+    """Up, ready, serving a chat turn and every service's /metrics (listed in the
+    discovery file and by GET /admin/nodes); Ctrl-C stops every child."""
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.Popen(
@@ -70,6 +74,7 @@ def test_up_serves_and_stops_cleanly(tiny_model: Path, tmp_path: Path) -> None:
             },
         )
         assert status == 200, answer
+        _every_service_serves_its_metrics(api, tmp_path / ".overture")
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
         try:
@@ -84,6 +89,30 @@ def test_up_serves_and_stops_cleanly(tiny_model: Path, tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _every_service_serves_its_metrics(api: Cluster, state: Path) -> None:
+    groups = json.loads((state / "prometheus-targets.json").read_text())
+    seen = {(g["labels"].get("node", ""), g["labels"]["service"]): g["targets"][0]
+            for g in groups}
+    listed = api.get("/admin/nodes")[1]["nodes"]
+    nodes = sorted(n["node"] for n in listed)
+    assert nodes and set(seen) == {("", "scheduler"), *(
+        (node, s) for node in nodes for s in ("kvstore", "engine", "nodemgr"))}
+    for (node, service), target in seen.items():
+        with urllib.request.urlopen(f"http://{target}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        assert r.status == 200 and "# TYPE " in text, (node, service)
+    # (the kvstore's bytes per tier are what the evaluation's runner scrapes)
+    names = {"kvstore": "kvstore_bytes_out", "engine": "overture_engine_",
+             "nodemgr": "overture_nodemgr_"}
+    for (node, service), target in seen.items():
+        if service in names:
+            with urllib.request.urlopen(f"http://{target}/metrics", timeout=10) as r:
+                assert names[service] in r.read().decode(), (node, service)
+    assert {n["node"]: n["metrics"] for n in listed} == {
+        node: {s: f"http://{seen[(node, s)]}/metrics" for s in ("kvstore", "engine", "nodemgr")}
+        for node in nodes}
 
 
 def test_help_everywhere(capsys: pytest.CaptureFixture[str]) -> None:
@@ -139,3 +168,26 @@ def test_cluster_specs_wire_every_node_to_its_own_services() -> None:
         assert flag(engine, "--dtype") == "float32"
     ports = [flag(s.argv, "--port") for s in specs]
     assert len(set(ports)) == len(ports)
+    # every service's /metrics on a port of its own, the nodemgr told where the others are
+    metrics = [s.metrics for s in specs]
+    assert all(metrics) and len(set(metrics)) == len(metrics)
+    assert metrics[0] == "127.0.0.1:18000"  # the scheduler's on its HTTP port
+    for base in (1, 4):
+        kv, engine, nodemgr = specs[base : base + 3]
+        assert kv.metrics.endswith(":" + flag(kv.argv, "--metrics-port"))
+        assert flag(nodemgr.argv, "--metrics-targets") == (
+            f"kvstore={kv.metrics},engine={engine.metrics}")
+
+
+def test_the_discovery_file_lists_every_service(tmp_path: Path) -> None:
+    from services.local_cluster import cluster_specs, write_file_sd
+
+    specs, _ = cluster_specs(nodes=1, http_port=18000, model_path="m", dtype=None,
+                             config=None)
+    groups = json.loads(write_file_sd(specs, tmp_path / "t.json").read_text())
+    assert [(g["labels"].get("node"), g["labels"]["service"]) for g in groups] == [
+        (None, "scheduler"), ("node0", "kvstore"), ("node0", "engine"), ("node0", "nodemgr")]
+    assert [g["targets"] for g in groups] == [[s.metrics] for s in specs]
+    off, _ = cluster_specs(nodes=1, http_port=18000, model_path="m", dtype=None, config=None,
+                           metrics=False)
+    assert json.loads(write_file_sd(off, tmp_path / "t.json").read_text()) == []

@@ -20,6 +20,8 @@ import pytest
 
 from services.local_cluster import free_port
 from services.s3_server import S3ServerSpec, bucket_ready
+from shared.internal_auth import InternalAuth
+from shared.s3_credentials import derive_s3_credentials
 from tests.cluster import REPO, Cluster
 from tests.deploy_files import compose, environment, overture_services
 
@@ -88,7 +90,10 @@ def local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, L
                        cwd=REPO, timeout=120, capture_output=True)
         argv, env = lc.command("s3")
         cluster.spawn("s3", argv, env)
-        spec = S3ServerSpec(root, "127.0.0.1", {"s3": lc.port("s3", 8333)})
+        # (the S3 server admits the pair derived from the secret the init job wrote)
+        secret_file = Path(lc.command("scheduler")[1]["OVERTURE_CLUSTER__SECRET_FILE"])
+        keys = derive_s3_credentials(InternalAuth(secret_file.read_text().splitlines()[0].strip()))
+        spec = S3ServerSpec(root, "127.0.0.1", {"s3": lc.port("s3", 8333)}, keys)
         deadline = time.monotonic() + 60
         while not bucket_ready(spec):
             assert time.monotonic() < deadline, cluster.logs()

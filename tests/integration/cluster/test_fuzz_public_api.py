@@ -31,7 +31,10 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     flags = {"anonymous": "false", "api_keys": "key-of-fuzzer=fuzz",
              "admin_keys": "key-of-operator", "max_tokens_limit": 8, "max_n": 2,
-             "max_prompts": 2, "max_messages": 8}
+             "max_prompts": 2, "max_messages": 8,
+             # A body without max_tokens (the fuzzer drops optional fields) is bounded too,
+             # not run to the whole context on a loaded machine.
+             "default_max_tokens": 8}
     with start_cluster(tmp_path_factory.mktemp("fuzz"), tiny_model,
                        scheduler_flags=flags) as c:
         yield c

@@ -2,7 +2,8 @@
 loopback, with its SeaweedFS S3 server): kill -9 of a node's engine, kvstore or nodemgr
 while streams run leaves the cluster serving, the dead part is restarted, and the
 session continues on the other node with exactly the recomputed tokens: from S3 when the
-node's kvstore died, by recompute when there is no S3."""
+node's kvstore died, by recompute when there is no S3. The first turn after a kvstore
+restart keeps its KV (the engine re-attaches its pool and saves again)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from services.engine.model import LoadedModel, load_model
 from services.local_cluster import free_port
 from tests.cluster import REPO, Cluster
 from tests.integration.reuse.harness import USER_TURNS, reference_transcript
+from tests.s3_server import aws_keys
 
 CONFIG = """
 scheduler:
@@ -45,6 +47,7 @@ nodemgr:
 engine:
   offload:
     policy: always
+    save_timeout_s: 150  # (a restarted kvstore maps the pool at its first AttachPool: slow)
 kvstore:
   chunk_tokens: 64
   tiers: [dram, s3]
@@ -148,7 +151,7 @@ def reference(tiny_model: Path) -> dict[str, Transcript]:
     async def all_cases() -> dict[str, Transcript]:
         return {case: await reference_transcript(
                     loaded, [f"({case}) {USER_TURNS[0]}", USER_TURNS[1]])
-                for case in ("engine", "kvstore", "nodemgr", "no-s3")}
+                for case in ("engine", "kvstore", "nodemgr", "no-s3", "first-save")}
 
     return asyncio.run(all_cases())
 
@@ -179,8 +182,7 @@ def _kv_from_counts(up: Up) -> dict[str, float]:
 
 
 def _s3_keys(endpoint: str) -> int:
-    client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="overture",
-                          aws_secret_access_key="overture", region_name="us-east-1")
+    client = boto3.client("s3", endpoint_url=endpoint, **aws_keys(), region_name="us-east-1")
     return client.list_objects_v2(Bucket="overture-kv").get("KeyCount", 0)
 
 
@@ -303,3 +305,54 @@ def test_without_s3_a_dead_kvstore_means_recompute_still_correct(
 ) -> None:
     with overture_up(tiny_model, tmp_path, "--no-s3") as u:
         assert _kill_and_continue(u, "kvstore", reference["no-s3"], s3=False) == "recompute"
+
+
+def _wait_restarted(up: Up, name: str, old_pid: int) -> None:
+    up.wait_for(rf"{re.escape(name)} \(pid {old_pid}\) was killed by SIGKILL")
+    deadline = time.monotonic() + 60
+    while up.pids[name] == old_pid:
+        assert time.monotonic() < deadline, up.tail()
+        time.sleep(0.1)
+        up.read()
+    while up.api.get("/readyz")[1]["nodes"]["node0"]["state"] != "serving":
+        assert time.monotonic() < deadline, up.tail()
+        time.sleep(0.1)
+
+
+def _manifests(endpoint: str, session: str) -> list[str]:
+    client = boto3.client("s3", endpoint_url=endpoint, **aws_keys(), region_name="us-east-1")
+    listed = client.list_objects_v2(Bucket="overture-kv", Prefix="overture/m/default/")
+    return [o["Key"] for o in listed.get("Contents", []) if f"/{session}@" in o["Key"]]
+
+
+@pytest.mark.slow
+def test_the_first_save_after_a_kvstore_restart_is_kept(
+    up: Up, reference: dict[str, Transcript]
+) -> None:
+    """The engine still holds the pool id the dead kvstore gave it; the restarted one has
+    never heard of it. The turn's save is refused once, the engine re-attaches and saves
+    again: its manifest reaches S3 and the next turn, on the other node, reuses it."""
+    (m1, want1, _), (m2, want2, _) = reference["first-save"]
+    session = "first-save-after-kvstore-restart"
+    _serve_only(up, "node0")
+    name = "node0.kvstore"
+    old_pid = up.pids[name]
+    os.kill(old_pid, signal.SIGKILL)
+    _wait_restarted(up, name, old_pid)
+    status, answer, headers = up.api.post_with_headers(
+        "/v1/chat/completions", _body(m1), headers={"X-Session-Id": session})
+    assert status == 200 and headers["X-Overture-Node"] == "node0", answer
+    assert answer["choices"][0]["token_ids"] == want1
+    deadline = time.monotonic() + 180  # (a bound, not a timing claim: the save waits
+    while not _manifests(up.s3_endpoint(), session):  # for the re-attachment) its KV, durable
+        assert time.monotonic() < deadline, "the first save was lost\n" + up.tail()
+        time.sleep(0.1)
+    _serve_only(up, "node1")
+    before = _kv_from_counts(up)
+    status, answer, headers = up.api.post_with_headers(
+        "/v1/chat/completions", _body(m2), headers={"X-Session-Id": session})
+    assert status == 200 and headers["X-Overture-Node"] == "node1", answer
+    assert answer["choices"][0]["token_ids"] == want2
+    after = _kv_from_counts(up)
+    assert any(after.get(k, 0.0) > before.get(k, 0.0) for k in ("s3", "peer")), (before, after)
+    assert up.api.post("/admin/nodes/node0/undrain", {})[0] == 200

@@ -9,6 +9,7 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -186,3 +187,48 @@ def test_health_endpoints_and_metrics(cluster: Cluster) -> None:
     text = cluster.text("/metrics")
     assert "overture_time_to_first_token_seconds_count" in text
     assert "overture_healthy_nodes 1.0" in text
+
+
+def test_logprobs_and_sampling_controls_with_the_openai_client(client: openai.OpenAI,
+                                                               model: str) -> None:
+    """Issue 45: every new field through the official client; streamed equals whole."""
+    kw: dict[str, Any] = {
+        "model": model, "messages": MESSAGES, "max_tokens": 6, "temperature": 0,
+        "logprobs": True, "top_logprobs": 3, "presence_penalty": 0.4,
+        "frequency_penalty": 0.3, "logit_bias": {"40": 2.0}, "seed": 1,
+        "extra_body": {"repetition_penalty": 1.1, "min_p": 0.05, "top_k": 5}}
+    r = client.chat.completions.create(**kw)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
+        assert entry.token in [t.token for t in entry.top_logprobs]  # greedy: the top one
+        assert entry.bytes is not None
+    streamed = []
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                streamed.extend(c.logprobs.content)
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    done = client.completions.create(model=model, prompt="The overture of an opera",
+                                     max_tokens=1, temperature=0, logprobs=2, echo=True,
+                                     presence_penalty=0.1, frequency_penalty=0.1,
+                                     logit_bias={"7": -1.0}, user="u1")
+    lp = done.choices[0].logprobs
+    assert done.choices[0].text.startswith("The overture of an opera")
+    assert lp.token_logprobs[0] is None and all(x <= 0 for x in lp.token_logprobs[1:])
+    assert len(lp.tokens) == done.usage.prompt_tokens + done.usage.completion_tokens
+    assert lp.text_offset == sorted(lp.text_offset)
+
+
+def test_unknown_and_refused_fields_with_the_openai_client(client: openai.OpenAI,
+                                                           model: str) -> None:
+    raw = client.chat.completions.with_raw_response.create(
+        model=model, messages=MESSAGES, max_tokens=2, user="u", metadata={"k": "v"},
+        extra_body={"frobnicate": True})
+    assert raw.headers["X-Overture-Ignored-Fields"] == "frobnicate"
+    assert raw.parse().choices[0].message.content is not None
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2,
+                                       reasoning_effort="high")
+    assert e.value.body["param"] == "reasoning_effort"

@@ -23,7 +23,9 @@ from tests.cluster import Cluster, start_cluster
 IDLE_S = 3.0  # the scheduler's inactivity bound in this cluster
 # Few seats and a short queue bound: the tiny model is behind after a handful of requests.
 ENGINE = {"max_num_seqs": 4, "max_queue_delay_s": 0.2, "stream_keepalive_s": 0.5}
-SCHEDULER = {"stream_idle_timeout_s": IDLE_S}
+# No per-tenant bound on generations in flight (by default twice the cluster's seats): the
+# burst below is for the engines' back-pressure to refuse.
+SCHEDULER = {"stream_idle_timeout_s": IDLE_S, "tenant_in_flight_per_seat": 0}
 
 
 @pytest.fixture(scope="module")

@@ -28,10 +28,8 @@ def s3_args(endpoint: str, bucket: str) -> list[str]:
         endpoint,
         "--s3.bucket",
         bucket,
-        "--s3.access-key-id",
-        "test",
-        "--s3.secret-access-key",
-        "test",
+        "--s3.credentials",  # (the harness's S3 server admits the pair of its cluster
+        "cluster",  # secret, which the process has from the environment)
     ]
 
 

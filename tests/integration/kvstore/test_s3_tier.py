@@ -18,7 +18,7 @@ from services.kvstore.metrics import KVStoreMetrics
 from services.kvstore.server import build_store
 from services.kvstore.tiers import S3Tier
 from shared.config import build
-from tests.s3_server import free_port, start_s3_server
+from tests.s3_server import aws_keys, free_port, s3_keys, start_s3_server
 from tests.unit.kvstore.chunks import kv_tensor, meta, session_chunks, session_manifest
 
 
@@ -28,8 +28,7 @@ def s3cfg(endpoint: str, bucket: str | None = None, **kw: object) -> S3Config:
         {
             "endpoint_url": endpoint,
             "bucket": bucket or f"kv-{uuid.uuid4().hex[:12]}",
-            "access_key_id": "test",
-            "secret_access_key": "test",
+            **s3_keys(),
             "backoff_s": 0.01,
             "backoff_max_s": 0.05,
             "max_attempts": 2,
@@ -108,8 +107,7 @@ async def test_corrupt_s3_object_is_a_counted_miss(s3_endpoint: str, tmp_path: P
             "s3",
             endpoint_url=s3_endpoint,
             region_name="us-east-1",
-            aws_access_key_id="test",
-            aws_secret_access_key="test",
+            **aws_keys(),
         )
         obj_key = cfg.s3.prefix + "c/" + r.key
         data = bytearray(raw.get_object(Bucket=cfg.s3.bucket, Key=obj_key)["Body"].read())

@@ -20,7 +20,7 @@ from tests.integration.reuse.harness import (
     saves_settled,
     turn_request,
 )
-from tests.s3_server import free_port
+from tests.s3_server import free_port, s3_keys
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +92,7 @@ async def test_history_from_s3(
     """Every turn gets a fresh kvstore (empty DRAM, a new RocksDB) on the same bucket: the
     history comes back from S3 through the session manifest."""
     s3 = {"endpoint_url": s3_endpoint, "bucket": f"kv-{uuid.uuid4().hex[:12]}",
-          "access_key_id": "test", "secret_access_key": "test", "backoff_s": 0.01,
+          **s3_keys(), "backoff_s": 0.01,
           "backoff_max_s": 0.05, "max_attempts": 2, "timeout_s": 2.0}
     port = free_port()
     async with engine(loaded, f"127.0.0.1:{port}", attach=False) as eng:

@@ -43,7 +43,9 @@ def _pods() -> dict[str, dict[str, Any]]:
 def test_every_manifest_is_valid_kubernetes() -> None:
     version = kubernetes_validate.latest_version()
     docs = _docs()
-    assert {d["kind"] for d in docs} == {"Deployment", "StatefulSet", "Service"}
+    assert {d["kind"] for d in docs} == {"Deployment", "StatefulSet", "Service",
+                                         "ServiceAccount", "Role", "RoleBinding",
+                                         "NetworkPolicy"}
     for doc in docs:
         kubernetes_validate.validate(doc, version, strict=True)
     broken = copy.deepcopy(next(d for d in docs if d["kind"] == "StatefulSet"))
@@ -57,7 +59,8 @@ def test_kustomize_renders_it() -> None:
     out = subprocess.run(["kubectl", "kustomize", str(K8S)], capture_output=True, text=True,
                          timeout=60, check=True).stdout
     kinds = [d["kind"] for d in yaml.safe_load_all(out) if d]
-    assert sorted(kinds) == ["Deployment", "Service", "Service", "Service", "StatefulSet",
+    assert sorted(kinds) == ["Deployment", "NetworkPolicy", "Role", "RoleBinding", "Service",
+                             "Service", "Service", "ServiceAccount", "StatefulSet",
                              "StatefulSet"]
 
 
@@ -106,6 +109,10 @@ def test_probes_annotations_and_volumes() -> None:
                 p["name"] for p in c["ports"]}
             for probe in ("readinessProbe", "livenessProbe"):
                 spec = c[probe]
+                if "exec" in spec:  # (the S3 server's signed probe names its URL)
+                    url = spec["exec"]["command"][-1]
+                    assert any(f":{p}" in url for p in declared), (name, probe, url)
+                    continue
                 port = next(v["port"] for v in spec.values() if isinstance(v, dict)
                             and "port" in v)
                 assert port in declared, (name, c["name"], probe)
@@ -122,3 +129,28 @@ def test_probes_annotations_and_volumes() -> None:
                                                if k.startswith("OVERTURE_ENGINE")})
     limit = shm["emptyDir"]["sizeLimit"]
     assert int(limit.removesuffix("Mi")) << 20 > budget.device_memory_bytes
+
+
+def test_two_schedulers_one_serving_through_a_lease_they_may_write() -> None:
+    docs = _docs()
+    deployment = next(d for d in docs if d["kind"] == "Deployment"
+                      and d["metadata"]["name"] == "overture-scheduler")
+    assert deployment["spec"]["replicas"] == 2
+    pod = deployment["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    cfg = load(SchedulerConfig, "scheduler", env={k: v for k, v in _env(container).items()
+                                                  if k.startswith("OVERTURE_SCHEDULER")})
+    assert cfg.lease_name and cfg.s3.bucket  # elected; responses in the shared bucket
+    assert container["readinessProbe"]["httpGet"]["path"] == "/leaderz"
+    account = pod["serviceAccountName"]
+    assert any(d["kind"] == "ServiceAccount" and d["metadata"]["name"] == account
+               for d in docs)
+    binding = next(d for d in docs if d["kind"] == "RoleBinding"
+                   and {"kind": "ServiceAccount", "name": account} in d["subjects"])
+    role = next(d for d in docs if d["kind"] == "Role"
+                and d["metadata"]["name"] == binding["roleRef"]["name"])
+    allowed = {verb for rule in role["rules"] if rule["apiGroups"] == ["coordination.k8s.io"]
+               and rule["resources"] == ["leases"]
+               and cfg.lease_name in rule.get("resourceNames", [cfg.lease_name])
+               for verb in rule["verbs"]}
+    assert {"get", "create", "update"} <= allowed

@@ -325,3 +325,27 @@ async def test_a_no_reuse_request_recomputes_everything(loaded: LoadedModel) -> 
         assert baseline[-1].cached_tokens == 0  # ... but not a no_reuse (baseline) request
         assert tokens(baseline) == tokens(first) == tokens(again)
         await idle(eng)
+
+
+class NoLookups:
+    """A reuse planner that must not be asked (a device_only request has no tiers)."""
+
+    async def plan(self, req: object) -> None:
+        raise AssertionError("a device_only request asked the kvstore")
+
+    def release(self, plan: object) -> None:
+        raise AssertionError("no plan was made")
+
+
+async def test_a_device_only_request_reuses_the_device_cache_and_no_tier(
+        loaded: LoadedModel) -> None:
+    """The ``prefix`` baseline: KV only in device memory. The repeat is served from the
+    device prefix cache, with the same tokens, and the kvstore is never asked."""
+    async with engine(loaded) as eng:
+        first = await collect(eng, greedy(PROMPTS[2], 6))
+        eng._slot.planner = NoLookups()
+        again = await collect(eng, greedy(PROMPTS[2], 6, device_only=True))
+        assert again[-1].cached_tokens > 0
+        assert tokens(again) == tokens(first)
+        eng._slot.planner = None
+        await idle(eng)

@@ -14,6 +14,7 @@ from services.engine.admission import Admission
 from services.engine.errors import EngineError
 from services.engine.model import LoadedModel
 from services.engine.server import EngineServicer
+from services.engine.wait_forecast import QueueShape, StepCost, predicted_wait
 from shared.proto import common_pb2
 from tests.unit.engine.engine_helpers import (
     PROMPTS,
@@ -38,29 +39,63 @@ def test_admission_refuses_a_full_or_late_queue() -> None:
         a.check(3, 98.0, 100.0, bound_delay=False)
 
 
-def test_admission_predicts_the_wait_from_the_drain_rate() -> None:
+def test_admission_refuses_a_request_whose_predicted_wait_is_over_the_limit() -> None:
     a = Admission(max_waiting=100, max_queue_delay_s=1.0)
-    a.observe(0.0, 0, 0)
-    a.observe(10.0, 20, 0)  # light load: nobody waited, so 2/s is demand, not capacity
-    assert a.drain_rate() == 0.0
-    a.check(5, 9.9, 10.0)  # unknown rate: only the oldest's wait is checked
-    a.observe(11.0, 21, 6)
-    a.observe(13.0, 31, 4)  # 10 taken in the 2 s that requests waited: 5/s
-    assert a.drain_rate() == 5.0
-    a.check(3, 12.9, 13.0)  # the 4th in line waits about 0.8 s
-    with pytest.raises(EngineError, match="5 queued, taken at 5.0/s"):
-        a.check(5, 12.9, 13.0)  # the 6th would wait 1.2 s
-    for t in range(14, 24):  # the rate covers only the last few backlogged seconds
-        a.observe(float(t), 31 + 20 * (t - 13), 3)
-    assert a.drain_rate() == 20.0
-    a.observe(23.5, 241, 0)  # the queue empties; the engine idles
-    assert a.drain_rate(now=34.0) == 0.0  # idle for a while since: forgotten
-    a.check(3, 0.0, 34.0)  # so a burst (an n=4 request) on an idle engine is taken
-    a.observe(40.0, 241, 2)
-    a.observe(41.0, 246, 2)
-    assert a.drain_rate(now=41.0) == 5.0
-    a.observe(42.0, 0, 0)  # a restarted core counts from zero: the rate is unknown again
-    assert a.drain_rate() == 0.0
+    # 2 queued, 1000 prompt tokens ahead at 1 ms each: 1 s of prefill plus 4 steps of
+    # 10 ms (256 of the 512-token budget go to prefill beside 256 decodes).
+    shape = QueueShape(waiting=2, prefill_tokens=1000, running=256, seats=512,
+                       token_budget=512, decode_left=(5,) * 256, decode_step_s=0.01,
+                       prefill_s_per_token=0.001)
+    assert predicted_wait(shape) == pytest.approx(1.04)
+    with pytest.raises(EngineError, match="wait about 1.04s") as e:
+        a.check(2, 99.9, 100.0, shape=shape)
+    assert e.value.code == "resource_exhausted"
+    a.check(2, 99.9, 100.0, shape=dataclasses.replace(shape, prefill_tokens=500))
+    # Seats: 2 free, 3 queued ahead: the 2nd running one to finish (9 steps) frees its.
+    seats = QueueShape(waiting=3, running=4, seats=6, token_budget=512,
+                       decode_left=(3, 9, 40, 200), decode_step_s=0.1)
+    assert predicted_wait(seats) == pytest.approx(0.9)
+    a.check(3, 99.9, 100.0, shape=seats)
+    with pytest.raises(EngineError, match="behind"):
+        a.check(4, 99.9, 100.0, shape=dataclasses.replace(seats, waiting=4))  # 40 steps
+    # Unmeasured costs predict nothing: only the age of the queue's head bounds it.
+    a.check(50, 99.5, 100.0, shape=QueueShape(waiting=50, prefill_tokens=10**6))
+
+
+def test_requests_on_their_way_to_the_queue_count_in_the_forecast() -> None:
+    now = [100.0]
+    a = Admission(max_waiting=100, max_queue_delay_s=1.0, clock=lambda: now[0])
+    shape = QueueShape(seats=64, token_budget=512, prefill_s_per_token=0.001)
+    entries = [a.enter(400) for _ in range(2)]  # 800 tokens being tokenized
+    a.check(2, 0.0, 100.0, shape=shape)  # 0.8 s
+    third = a.enter(400)
+    with pytest.raises(EngineError, match="behind"):
+        a.check(3, 0.0, 100.0, shape=shape)  # 1.2 s
+    third.leave()
+    third.leave()  # (idempotent)
+    assert (a.entering, a.entering_tokens) == (2, 800)
+    now[0] = 102.0  # the oldest entering one has waited 2 s: newcomers wait
+    with pytest.raises(EngineError, match="has waited 2.0s"):
+        a.check(2, 0.0, 102.0, shape=QueueShape(seats=64, token_budget=512))
+    for e in entries:
+        e.leave()
+    a.check(0, 0.0, 102.0, shape=shape)
+
+
+def test_step_cost_learns_decode_and_prefill_costs_and_output_lengths() -> None:
+    cost = StepCost(prefill_prior_s_per_token=0.5)
+    cost.observe(decode_tokens=8, prefill_tokens=0, seconds=0.02)
+    assert cost.decode_step_s == 0.02
+    cost.observe(decode_tokens=8, prefill_tokens=10, seconds=1.0)  # too few: no sample
+    assert cost.prefill_s_per_token == 0.5
+    cost.observe(decode_tokens=8, prefill_tokens=100, seconds=0.12)  # 0.1 s for 100
+    assert cost.prefill_s_per_token == pytest.approx(0.001)
+    assert cost.expected_left(generated=3, most_left=500) == 500  # lengths not known yet
+    for _ in range(8):
+        cost.finished(20)
+    assert cost.expected_left(generated=3, most_left=500) == 17
+    assert cost.expected_left(generated=3, most_left=5) == 5
+    assert cost.expected_left(generated=30, most_left=500) == 1
 
 
 class BlockedWorker:
@@ -121,6 +156,41 @@ async def test_a_queue_that_falls_behind_refuses_newcomers(loaded: LoadedModel) 
         assert [o async for o in admitted][-1].finish_reason == "length"
         # Caught up: new requests are taken again.
         outs = [o async for o in eng.generate(greedy(PROMPTS[3], 2))]
+        assert outs[-1].finish_reason == "length"
+        await idle(eng)
+
+
+class FixedStepCost(StepCost):
+    """Step costs stubbed as measured: every decode step takes ``decode_step_s``."""
+
+    def __init__(self, decode_step_s: float) -> None:
+        super().__init__()
+        self.decode_step_s = decode_step_s
+
+    def observe(self, decode_tokens: int, prefill_tokens: int, seconds: float) -> None:
+        pass
+
+
+async def test_a_request_the_engine_cannot_start_in_time_is_refused(loaded: LoadedModel
+                                                                    ) -> None:
+    async with engine(loaded, max_num_seqs=1, max_queue_delay_s=0.5) as eng:
+        core = eng._slot.core
+        assert core is not None
+        core.step_cost = FixedStepCost(0.01)  # 10 ms a step, as if measured
+        first = eng.generate(greedy(PROMPTS[0], 3000))
+        await first.__anext__()  # the one seat is taken for about 3000 more steps (30 s)
+        while (snap := eng._worker.snapshot) is None or snap.queue.running < 1:
+            await asyncio.sleep(0.005)
+        # Nothing waits, yet a newcomer would wait for the seat far past the limit.
+        with pytest.raises(EngineError, match="would wait about") as e:
+            await eng.generate(greedy(PROMPTS[1], 4)).__anext__()
+        assert e.value.code == "resource_exhausted"
+        await first.aclose()
+        while (await eng.status()).running:
+            await asyncio.sleep(0.005)
+        core.step_cost = FixedStepCost(0.0)
+        await eng.status()
+        outs = [o async for o in eng.generate(greedy(PROMPTS[1], 2))]  # a free seat: taken
         assert outs[-1].finish_reason == "length"
         await idle(eng)
 

@@ -10,7 +10,6 @@ from typing import cast
 
 import pytest
 
-from services.engine.admission import Admission
 from services.engine.api_types import EngineStatus, GenerateOutput, SamplingParams
 from services.engine.engine_core import EngineCore, Event
 from services.engine.errors import UNAVAILABLE, EngineError
@@ -127,7 +126,7 @@ def test_commands_are_plain_frozen_data() -> None:
 
 
 async def served(core: RecordingCore, sink: Sink) -> Worker:
-    worker = Worker(sink, Admission(16, 0.0))
+    worker = Worker(sink)
     await worker.start(threads=0)
     await worker.serve(cast(EngineCore, core))
     return worker

@@ -9,7 +9,14 @@ import msgpack
 import torch
 
 from services.kvstore.manifests.manifest import Manifest
-from shared.chunk_codec import _PREAMBLE, PREAMBLE_BYTES, ChunkMeta, encode_chunk, seal_chunk
+from shared.chunk_codec import (
+    _PREAMBLE,
+    FORMAT_VERSION,
+    PREAMBLE_BYTES,
+    ChunkMeta,
+    encode_chunk,
+    seal_chunk,
+)
 
 TENANT = "t1"
 MODEL = "fp0"
@@ -55,7 +62,7 @@ def forged_chunk(seal: bool = True, **fields) -> bytearray:
     h = msgpack.unpackb(bytes(blob[PREAMBLE_BYTES : PREAMBLE_BYTES + hlen]))
     h.update(fields)
     header = msgpack.packb(h)
-    forged = bytearray(_PREAMBLE.pack(b"OVKC", 2, 0, len(header), 0)) + header
+    forged = bytearray(_PREAMBLE.pack(b"OVKC", FORMAT_VERSION, 0, len(header), b"")) + header
     forged += bytes(-len(forged) % 64) + t.numpy().tobytes()
     if seal:
         seal_chunk(forged)

@@ -9,7 +9,12 @@ import pytest
 
 from services.kvstore import service as service_mod
 from services.kvstore.manifests import ManifestStore
-from services.kvstore.manifests.manifest import MAX_MANIFEST_CHUNKS, Manifest
+from services.kvstore.manifests.manifest import (
+    MANIFEST_HEAD,
+    MAX_MANIFEST_CHUNKS,
+    Manifest,
+    sealed_manifest,
+)
 from services.kvstore.service import KVStoreService
 from shared.chunk_codec import ChunkFormatError
 from shared.proto import kvstore_pb2 as pb
@@ -30,10 +35,11 @@ def test_a_manifest_naming_too_many_chunks_is_refused() -> None:
 @pytest.mark.parametrize("hashes", [[12345], [b""], [b"x" * 65]])
 def test_a_stored_manifest_with_malformed_hashes_is_unreadable(hashes: list) -> None:
     """``bytes(12345)`` would have been 12345 zero bytes; it is a format error instead."""
-    data = msgpack.unpackb(session_manifest("s", 2, 1, 1).encode())
+    m = session_manifest("s", 2, 1, 1)
+    data = msgpack.unpackb(m.encode()[MANIFEST_HEAD:])
     data["hashes"] = hashes
-    with pytest.raises(ChunkFormatError):
-        Manifest.decode(msgpack.packb(data))
+    with pytest.raises(ChunkFormatError):  # (sealed: only the hashes are wrong)
+        Manifest.decode(sealed_manifest(m.key, msgpack.packb(data)), m.key)
 
 
 async def test_get_chunks_caps_the_clients_read_ahead(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from services.nodemgr.admission import DeadlineAdmission, estimate_tokens
 
 SLO = {"fast": 1.0, "slow": 10.0}
@@ -200,3 +202,39 @@ async def test_a_late_request_is_served_after_the_others() -> None:
         g.set()
     await asyncio.gather(a, w, late1, late2)
     assert adm.waiting == 0 and not any(adm._starting.values())
+
+
+async def test_a_request_the_node_cannot_start_in_time_is_refused() -> None:
+    """Issue 43: the node's queue keeps the queue limit for the requests it dispatches
+    (their engine does not bound their delay): a newcomer whose predicted wait here, the
+    prefill queued ahead for its engine at the measured speed, is over it is refused."""
+    from services.nodemgr.admission import NodeQueueFull
+
+    now = [0.0]
+    adm = DeadlineAdmission(depth=1, default_speed=1000.0, clock=lambda: now[0],
+                            max_delay_s=0.5)
+    hold = asyncio.Event()
+
+    async def holder(engine: str, tokens: int) -> None:
+        async with adm.slot("m", engine, tokens):
+            await hold.wait()
+
+    tasks = [asyncio.create_task(holder("e", 100))]  # dispatched: the engine is busy
+    await asyncio.sleep(0)
+    tasks += [asyncio.create_task(holder("e", 200)) for _ in range(2)]  # 0.4 s queued
+    await asyncio.sleep(0)
+    assert adm.waiting == 2 and adm.predicted_wait("e", now[0]) == pytest.approx(0.4)
+    tasks.append(asyncio.create_task(holder("e", 200)))  # 0.4 s ahead of it: fits
+    await asyncio.sleep(0)
+    assert adm.waiting == 3
+    with pytest.raises(NodeQueueFull, match="would wait about 0.60s"):
+        async with adm.slot("m", "e", 10):
+            raise AssertionError("a request the node cannot start in time was queued")
+    assert adm.waiting == 3
+    tasks.append(asyncio.create_task(holder("other", 10)))  # another engine's queue
+    await asyncio.sleep(0)
+    now[0] = 1.0  # (and the oldest queued for "e" has waited 1 s: newcomers wait)
+    assert adm.predicted_wait("e", now[0]) == 1.0
+    hold.set()
+    await asyncio.gather(*tasks)
+    assert adm.waiting == 0 and adm.predicted_wait("e", now[0]) == 0.0

@@ -13,6 +13,23 @@ import grpc
 from shared.proto import common_pb2, engine_pb2, engine_pb2_grpc
 
 
+def _logprob(token: str, lp: float | None, top: int) -> common_pb2.TokenLogprob:
+    """A made-up entry: the token first among ``top`` alternatives ``alt<j>``."""
+    alts = [common_pb2.TopLogprob(token=token, bytes=token.encode(), logprob=lp or 0.0)]
+    alts += [common_pb2.TopLogprob(token=f"alt{j}", bytes=f"alt{j}".encode(),
+                                   logprob=(lp or 0.0) - j) for j in range(1, top)]
+    return common_pb2.TokenLogprob(token=token, bytes=token.encode(), logprob=lp,
+                                   top=alts[:top] if lp is not None else [])
+
+
+def _prompt_logprobs(request: common_pb2.GenerateRequest, prompt: list[int]
+                     ) -> list[common_pb2.TokenLogprob]:
+    if not request.sampling.HasField("prompt_logprobs"):
+        return []
+    k = request.sampling.prompt_logprobs
+    return [_logprob(f"p{t} ", None if i == 0 else -1.0 * i, k) for i, t in enumerate(prompt)]
+
+
 class FakeEngine(engine_pb2_grpc.EngineServicer):
     def __init__(
         self, model: str = "demo", max_model_len: int = 64, token_delay_s: float = 0.0
@@ -87,6 +104,7 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
                 prompt_token_ids=prompt,
                 prompt_tokens=len(prompt),
                 kv_from=self.kv_from,
+                prompt_logprobs=_prompt_logprobs(request, prompt),
             )
             for i in range(n):
                 sent += 1
@@ -102,6 +120,8 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
                     prompt_tokens=len(prompt),
                     completion_tokens=i + 1,
                     finish_reason="length" if last else "",
+                    logprobs=[_logprob(f"t{i} ", -0.5 * (i + 1), request.sampling.logprobs)]
+                    if request.sampling.HasField("logprobs") else [],
                 )
         except asyncio.CancelledError:
             self.cancelled += 1

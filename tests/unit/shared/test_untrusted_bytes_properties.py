@@ -7,10 +7,11 @@ from __future__ import annotations
 import json
 
 import msgpack
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.kvstore.manifests.manifest import Manifest
+from services.kvstore.manifests.manifest import Manifest, sealed_manifest
 from services.scheduler.api import ApiError, Limits, parse_json, validate
 from shared.chunk_codec import (
     ChunkCorrupt,
@@ -63,17 +64,21 @@ MSGPACK = st.recursive(_msgpack_leaf, lambda inner: st.lists(inner, max_size=4)
 @FAST
 @given(st.binary(max_size=512) | MSGPACK.map(lambda v: msgpack.packb(v)))
 def test_garbage_is_never_a_manifest(data: bytes) -> None:
+    """Garbage fails the MAC; garbage with a valid MAC (a cluster member's bug) must still
+    parse into a whole, valid manifest or be refused."""
+    with pytest.raises(ChunkFormatError):
+        Manifest.decode(data, "t/s")
     try:
-        m = Manifest.decode(data)
+        m = Manifest.decode(sealed_manifest("t/s", data), "t/s")
     except ChunkFormatError:
         return
     # (a random structure that happens to be well-formed must be a whole, valid manifest)
-    assert Manifest.decode(m.encode()) == m
+    assert Manifest.decode(m.encode(), "t/s") == m
 
 
 def test_a_manifest_round_trips() -> None:
     m = Manifest("t", "s", "fp", (b"\1" * 16, b"\2" * 16), 40, 2, 1, 12.5)
-    assert Manifest.decode(m.encode()) == m
+    assert Manifest.decode(m.encode(), "t/s") == m
 
 
 _FIELDS = ("model", "messages", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n",

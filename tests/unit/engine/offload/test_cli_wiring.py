@@ -28,14 +28,16 @@ def test_no_state_dir_leaves_the_ssd_path_to_the_config() -> None:
 
 
 def test_the_s3_server_starts_first_stops_last_and_every_kvstore_uses_it(tmp_path: Path) -> None:
+    from bench.harness import cluster_s3_credentials
     from services.s3_server import s3_server_spec
 
-    s3 = s3_server_spec(tmp_path / "s3")
+    s3 = s3_server_spec(tmp_path / "s3", cluster_s3_credentials())
     specs, _ = cluster_specs(nodes=2, http_port=18000, model_path="m", dtype=None, config=None,
                              s3=s3, served_name="smollm2-135m-instruct")
     first = specs[0]
     assert first.name == "s3" and first.stop_last and first.ready is not None
-    assert first.argv[1] == "mini" and f"-s3.port={s3.ports['s3']}" in first.argv
+    command = " ".join(first.argv)  # (weed runs under a shell that sets its umask)
+    assert " mini " in command and f"-s3.port={s3.ports['s3']}" in command
     assert len(set(s3.ports.values())) == 5
     for node in ("node0", "node1"):
         kv = next(s.argv for s in specs if s.name == f"{node}.kvstore")

@@ -101,14 +101,14 @@ def _repacked(blob: bytes, **fields) -> bytes:
     write it) and ``fields`` replaced; sealed, payload unchanged."""
     import msgpack
 
-    from shared.chunk_codec import _PREAMBLE, PREAMBLE_BYTES, parse_head, seal_chunk
+    from shared.chunk_codec import _PREAMBLE, FORMAT_VERSION, PREAMBLE_BYTES, parse_head, seal_chunk
 
     head = parse_head(blob, len(blob))
     hlen = _PREAMBLE.unpack_from(blob)[3]
     h = msgpack.unpackb(blob[PREAMBLE_BYTES : PREAMBLE_BYTES + hlen])
     h.update(fields)
     header = msgpack.packb(dict(sorted(h.items())))
-    out = bytearray(_PREAMBLE.pack(b"OVKC", 2, 0, len(header), 0)) + header
+    out = bytearray(_PREAMBLE.pack(b"OVKC", FORMAT_VERSION, 0, len(header), b"")) + header
     out += bytes(-len(out) % 64) + blob[head.payload_offset :]
     seal_chunk(out)
     return bytes(out)

@@ -155,8 +155,8 @@ async def test_ssd_chunks_with_an_unexpected_head_are_parsed_and_checked(
 ) -> None:
     """The load recognises the chunks its lease named by their head's bytes. A sound chunk
     whose head is laid out differently loads all the same (parsed, then read again), with
-    exactly its bytes; one of the same size whose head names another layer fails its
-    layer, is not counted corrupt and is kept."""
+    exactly its bytes; one of the same size whose head names another layer (a chunk moved
+    under another key) fails its layer, is counted corrupt and deleted."""
     pid, _ = await path.attach(geometry(pool))
     hs = hashes(40)
     saved = await _ssd_only(path, pid, pool, hs, seed=15)
@@ -168,11 +168,11 @@ async def test_ssd_chunks_with_an_unexpected_head_are_parsed_and_checked(
     r = await lookup(path, hs)
     msgs = await load(path, pid, r, ids(0, 40, DST, STRIDE))
     assert [(m.layer, m.ok) for m in msgs] == [(0, True), (1, False)]
-    assert "another tenant/model/layer" in msgs[1].error
+    assert "missing or corrupt" in msgs[1].error
     got = pool.kv_cache[[DST + i for i in range(40)]]
     assert torch.equal(got, saved[[SRC + i for i in range(40)]])  # layer 0, repacked included
-    assert path.store.metrics.value("kvstore_checksum_failures_total", tier="ssd") == 0
-    assert await ssd.contains(k0) and await ssd.contains(k1)
+    assert path.store.metrics.value("kvstore_checksum_failures_total", tier="ssd") == 1
+    assert await ssd.contains(k0) and not await ssd.contains(k1)
 
 
 @pytest.mark.parametrize("nowait", [True, False])

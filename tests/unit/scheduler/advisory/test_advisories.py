@@ -148,7 +148,7 @@ async def test_an_advised_turn_goes_where_its_kv_was_prefetched(two) -> None:
     c.scheduler.state.registry.end(other)
     assert status == 200 and headers["X-Overture-Node"] == other
     metrics = await (await c.http.get(c.url + "/metrics")).text()
-    assert 'overture_advisories_total{event="followed"} 1.0' in metrics
+    assert 'overture_advisories_total{event="followed",source="client"} 1.0' in metrics
     assert "overture_advisory_lead_time_seconds_count 1.0" in metrics
     # Followed: it is gone.
     status, body, _ = await call(c, "DELETE", f"/v1/advisory/{adv['advisory_id']}")
@@ -175,8 +175,8 @@ async def test_successors_and_invalidation(two) -> None:
     await until(lambda: any(e.session_id == "coder" for e in engine.ended))
     assert [e.expired for e in engine.ended if e.session_id == "coder"] == [False]
     metrics = await (await c.http.get(c.url + "/metrics")).text()
-    assert 'overture_advisories_total{event="received"} 3.0' in metrics
-    assert 'overture_advisories_total{event="invalidated"} 1.0' in metrics
+    assert 'overture_advisories_total{event="received",source="client"} 3.0' in metrics
+    assert 'overture_advisories_total{event="invalidated",source="client"} 1.0' in metrics
 
 
 @pytest.mark.parametrize("body, param, status", [
@@ -241,8 +241,8 @@ async def test_a_tenant_whose_advisories_go_unused_is_throttled(two) -> None:
         await asyncio.sleep(0.3)
     assert body["error"]["code"] == "advisories_throttled" and int(headers["Retry-After"]) >= 1
     metrics = await (await c.http.get(c.url + "/metrics")).text()
-    assert 'overture_advisories_total{event="expired"}' in metrics
-    assert 'overture_advisories_total{event="throttled"} 1.0' in metrics
+    assert 'overture_advisories_total{event="expired",source="client"}' in metrics
+    assert 'overture_advisories_total{event="throttled",source="client"} 1.0' in metrics
     # An expired advisory's device blocks become the first to purge on its node.
     await until(lambda: any(e.session_id == "ghost0" and e.expired
                             for eng in c.engines for e in eng.ended))
@@ -305,4 +305,4 @@ async def test_a_request_no_node_takes_leaves_its_advisory_for_the_retry(two) ->
     assert status == 200 and headers["X-Overture-Node"] == adv["node"] != other
     assert book.pending_for("default", "r1") is None
     metrics = await (await c.http.get(c.url + "/metrics")).text()
-    assert 'overture_advisories_total{event="followed"} 1.0' in metrics
+    assert 'overture_advisories_total{event="followed",source="client"} 1.0' in metrics

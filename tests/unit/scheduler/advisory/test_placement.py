@@ -7,7 +7,14 @@ from __future__ import annotations
 import pytest
 
 from services.scheduler.advisory import AdvisoryBook, AdvisoryPlacement
-from services.scheduler.cluster import Load, ModelSpec, NodeInfo, NodeRegistry, SessionDirectory
+from services.scheduler.cluster import (
+    InFlight,
+    Load,
+    ModelSpec,
+    NodeInfo,
+    NodeRegistry,
+    SessionDirectory,
+)
 from services.scheduler.routing import make_policy
 from tests.unit.scheduler.conftest import Clock
 
@@ -70,3 +77,55 @@ def test_a_catalogue_model_running_nowhere_is_advised_to_the_least_pressed_node(
     placed = p.place("t", "s", "other")
     assert placed is not None and placed.node.node_id == "node1" and placed.plan.prefetch
     assert p.place("t", "s", "unknown") is None
+
+
+def test_a_successor_goes_to_the_holder_when_its_predecessor_ends_first() -> None:
+    """Issue 41: the predecessor running on the holder will have ended when the advised
+    successor arrives, so it does not count: the successor goes to the holder (its KV is
+    there). A predecessor expected to outlast the arrival still counts."""
+    clock = Clock()
+    reg = NodeRegistry(3.0, clock=clock)
+    for n in ("node0", "node1"):
+        reg.register(NodeInfo(n, n, (ModelSpec("m"),), kvstore_address=f"{n}:7000"))
+    sessions = SessionDirectory(100, 3600.0, clock)
+    inflight = InFlight(default_tpot_s=0.05, clock=clock)
+    p = AdvisoryPlacement(AdvisoryBook(30.0, 100, clock=clock), reg, make_policy("balanced"),
+                          sessions, inflight=inflight)
+    sessions.turn_served("t", "succ", "node0", 400)
+    # the predecessor: 40 tokens left at 50 ms each on node0 = 2 s
+    ticket = inflight.begin("node0", max_tokens=50)
+    inflight.progress(ticket, 10)
+    reg.begin("node0")
+    reg.heartbeat("node0", Load(running=1))
+    placed = p.place("t", "succ", "m", expected_arrival_s=5.0)
+    assert placed is not None and placed.node.node_id == "node0"
+    assert placed.plan.pull_from == ""  # the KV is there already
+    # arriving before the predecessor ends: node0 is busier then, node1 takes it
+    placed = p.place("t", "succ", "m", expected_arrival_s=1.0)
+    assert placed is not None and placed.node.node_id == "node1"
+    assert placed.plan.pull_from == "node0"
+    # the predecessor ended, but node0's last beat still counts it as running
+    clock.now += 0.5
+    p.follow("t", "succ")
+    inflight.end(ticket)
+    reg.end("node0")
+    placed = p.place("t", "succ", "m")
+    assert placed is not None and placed.node.node_id == "node0"
+
+
+def test_tpot_is_measured_from_the_gaps_between_chunks() -> None:
+    clock = Clock()
+    inflight = InFlight(default_tpot_s=1.0, weight=1.0, clock=clock)
+    t = inflight.begin("n", max_tokens=100)
+    inflight.progress(t, 1)  # the first token: prefill, no sample
+    assert inflight.tpot("n") == 1.0
+    clock.now += 0.2
+    inflight.progress(t, 4)  # 4 tokens in 0.2 s
+    assert inflight.tpot("n") == pytest.approx(0.05)
+    assert inflight.remaining_s(t) == pytest.approx(95 * 0.05)
+    assert inflight.finishing(5.0) == {"n": 1} and inflight.finishing(4.0) == {}
+    unbounded = inflight.begin("n", max_tokens=0)  # up to the context: never soon
+    assert inflight.finishing(3600.0) == {"n": 1}
+    inflight.end(t)
+    inflight.end(unbounded)
+    assert len(inflight) == 0 and inflight.ended_since("n", clock.now - 1) == 2

@@ -59,3 +59,27 @@ async def test_the_document_covers_every_route_and_real_answers_match_it() -> No
             status, err, _ = await call(c, method, route, sent, KEY)
             doc_path = path if "advisory" in route else route
             jsonschema.validate(err, _response_schema(doc, doc_path, method.lower(), status))
+
+
+NEW_FIELDS = {"chat": ("logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
+                       "repetition_penalty", "min_p", "logit_bias", "user", "metadata", "store"),
+              "completion": ("logprobs", "echo", "best_of", "suffix", "presence_penalty",
+                             "frequency_penalty", "logit_bias", "min_p", "user")}
+
+
+async def test_logprobs_and_sampling_controls_are_described_and_answered_so(
+        cluster) -> None:
+    status, doc, _ = await call(cluster, "GET", "/openapi.json")
+    for path, endpoint in (("/v1/chat/completions", "chat"), ("/v1/completions", "completion")):
+        op = doc["paths"][path]["post"]
+        props = op["requestBody"]["content"]["application/json"]["schema"]["properties"]
+        assert set(NEW_FIELDS[endpoint]) <= set(props)
+        assert "X-Overture-Ignored-Fields" in op["responses"]["200"]["headers"]
+    chat = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "logprobs": True, "top_logprobs": 2, "logit_bias": {"3": 1}}
+    for path, sent in (("/v1/chat/completions", chat),
+                       ("/v1/completions", {"model": "demo", "prompt": "a b", "max_tokens": 2,
+                                            "logprobs": 2, "echo": True})):
+        status, answer, _ = await call(cluster, "POST", path, sent)
+        assert status == 200 and answer["choices"][0]["logprobs"] is not None, answer
+        jsonschema.validate(answer, _response_schema(doc, path, "post", 200))

@@ -84,7 +84,11 @@ def test_body_must_be_an_object(raw: bytes) -> None:
         (chat(session_id=12), "session_id"),
         (chat(priority="high"), "priority"),
         (chat(return_token_ids="yes"), "return_token_ids"),
-        (chat(logprobs=True), "logprobs"),
+        (chat(logprobs="yes"), "logprobs"),
+        (chat(top_logprobs=3), "top_logprobs"),
+        (chat(logit_bias={"-1": 2}), "logit_bias"),
+        (chat(min_p=1.5), "min_p"),
+        (chat(reasoning_effort="high"), "reasoning_effort"),
         (chat(tools=[{"type": "function"}]), "tools[0].function"),
         (chat(tools=[{"type": "function", "function": {"name": "a b"}}]), "tools[0].function.name"),
         (chat(tool_choice="required"), "tool_choice"),
@@ -94,7 +98,8 @@ def test_body_must_be_an_object(raw: bytes) -> None:
         (chat(messages=[{"role": "user", "content": "x", "tool_calls": [
             {"type": "function", "function": {"name": "f", "arguments": "{}"}}]}]),
          "messages[0].tool_calls"),
-        (chat(presence_penalty=0.5), "presence_penalty"),
+        (chat(presence_penalty=-2.5), "presence_penalty"),
+        (chat(frequency_penalty="x"), "frequency_penalty"),
         (chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
          "response_format.json_schema.schema"),
         (chat(response_format={"type": "yaml"}), "response_format.type"),
@@ -119,10 +124,11 @@ def test_chat_errors(body: dict, param: str) -> None:
         ({"prompt": ["a", "b", "c", "d"]}, "prompt"),
         ({"prompt": [1, -2]}, "prompt"),
         ({"prompt": [[1], []]}, "prompt"),
-        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "echo": 1}, "echo"),
         ({"prompt": "x", "suffix": "y"}, "suffix"),
         ({"prompt": "x", "best_of": 2}, "best_of"),
-        ({"prompt": "x", "logprobs": 2}, "logprobs"),
+        ({"prompt": "x", "logprobs": 6}, "logprobs"),
+        ({"prompt": "x", "logprobs": True}, "logprobs"),
     ],
 )
 def test_completion_errors(body: dict, param: str) -> None:
@@ -197,6 +203,25 @@ def test_session_from_body_and_defaults() -> None:
     assert validate({"messages": CHAT["messages"]}, "chat", LIMITS).model is None
 
 
+def test_prompt_cache_key_names_the_session_when_nothing_else_does() -> None:
+    """Issue 41: OpenAI's prompt_cache_key is the session key; session_id and the header
+    win over it; prompt_cache_retention takes OpenAI's two values."""
+    assert validate(chat(prompt_cache_key="k1"), "chat", LIMITS).session_id == "k1"
+    assert validate(chat(prompt_cache_key="k1", session_id="s1"), "chat",
+                    LIMITS).session_id == "s1"
+    assert validate(chat(prompt_cache_key="k1"), "chat", LIMITS,
+                    session_header="h1").session_id == "h1"
+    assert validate({"prompt": "x", "prompt_cache_key": "k2"}, "completion",
+                    LIMITS).session_id == "k2"
+    for retention in ("in_memory", "24h"):
+        validate(chat(prompt_cache_retention=retention), "chat", LIMITS)
+    with pytest.raises(ApiError) as e:
+        validate(chat(prompt_cache_retention="forever"), "chat", LIMITS)
+    assert e.value.status == 400 and e.value.param == "prompt_cache_retention"
+    with pytest.raises(ApiError):
+        validate(chat(prompt_cache_key="a/b"), "chat", LIMITS)  # as session_id: no '/'
+
+
 def test_completion_prompt_forms_fan_out_prompt_major() -> None:
     req = validate({"prompt": ["a", [5, 6]], "n": 2}, "completion", LIMITS)
     assert [p.kind for p in req.prompts] == ["text", "tokens"]
@@ -233,3 +258,27 @@ def test_assistant_tool_calls_and_tool_results_are_kept() -> None:
     assert asst.content == "" and asst.tool_calls[0].name == "f"
     assert asst.tool_calls[0].arguments == '{"a": 1}' and asst.tool_calls[0].id == "call_1"
     assert tool.tool_call_id == "call_1" and tool.content == "3"
+
+
+def test_logprobs_penalties_and_ignored_fields_parsed() -> None:
+    req = validate(chat(logprobs=True, top_logprobs=4, presence_penalty=1, frequency_penalty=-1,
+                        repetition_penalty=1.5, min_p=0.2, logit_bias={"12": -100, "3": 5.5},
+                        vendor_x=1, another=None),
+                   "chat", LIMITS)
+    s = req.sampling
+    assert (s.logprobs, s.presence_penalty, s.frequency_penalty) == (4, 1.0, -1.0)
+    assert (s.repetition_penalty, s.min_p, s.logit_bias) == (1.5, 0.2, ((3, 5.5), (12, -100.0)))
+    assert req.ignored_fields == ("another", "vendor_x")
+    assert validate(chat(logprobs=False), "chat", LIMITS).sampling.logprobs == -1
+    done = validate({**COMPLETION, "logprobs": 0, "echo": True}, "completion", LIMITS)
+    assert (done.sampling.logprobs, done.sampling.echo, done.ignored_fields) == (0, True, ())
+    strict = Limits(max_n=4, max_prompts=3, strict_fields=True)
+    with pytest.raises(ApiError) as e:
+        validate(chat(vendor_x=1), "chat", strict)
+    assert (e.value.status, e.value.param, e.value.code) == (400, "vendor_x", "unknown_field")
+
+
+def test_min_tokens_bounded_by_max_tokens() -> None:
+    assert validate(chat(min_tokens=3, max_tokens=3), "chat", LIMITS).sampling.min_tokens == 3
+    assert fail(chat(min_tokens=4, max_tokens=3)).param == "min_tokens"
+    assert fail(chat(min_tokens=2**31)).param == "min_tokens"

@@ -63,3 +63,19 @@ def test_no_session_records_nothing_and_a_node_can_be_forgotten() -> None:
     d.turn_served("t", "b", "n1", 1)
     assert d.forget_node("n0") == 1
     assert d.where("t", "a") is None and d.where("t", "b") is not None
+
+
+def test_a_restarted_directory_takes_the_freshest_report_of_each_session() -> None:
+    clock = Clock()
+    clock.now = 1000.0
+    d = SessionDirectory(10, 60.0, clock)
+    assert d.restore("t", "s", "node0", 40, age_s=5.0)
+    assert d.restore("t", "s", "node1", 64, age_s=1.0)  # moved there since
+    assert not d.restore("t", "s", "node0", 40, age_s=5.0)  # (node0 registering again)
+    place = d.where("t", "s")
+    assert place is not None and (place.node_id, place.saved_tokens) == ("node1", 64)
+    d.turn_served("t", "s", "node0", 80)  # a turn after the restart is newer than any save
+    assert not d.restore("t", "s", "node1", 64, age_s=0.0)
+    assert d.where("t", "s").node_id == "node0"
+    assert not d.restore("t", "old", "node0", 10, age_s=61.0)  # past the TTL
+    assert d.where("t", "old") is None and d.where("u", "s") is None

@@ -82,16 +82,16 @@ def test_output_items_from_a_generation() -> None:
     assert [o["type"] for o in output_items(empty, "msg_2")] == ["message"]
 
 
-def test_store_is_per_tenant_expires_and_keeps_the_most_recently_used() -> None:
+async def test_store_is_per_tenant_expires_and_keeps_the_most_recently_used() -> None:
     now = [0.0]
     store = ResponseStore(ttl_s=10.0, max_items=2, clock=lambda: now[0])
-    store.put("a", {"id": "r1"}, (), "s1")
-    store.put("a", {"id": "r2"}, (), "s1")
-    assert store.get("b", "r1") is None  # another tenant's
-    assert store.get("a", "r1") is not None  # (r1 now the most recently used)
-    store.put("a", {"id": "r3"}, (), "s1")
-    assert store.get("a", "r2") is None and store.get("a", "r1") is not None
+    await store.put("a", {"id": "r1"}, (), "s1")
+    await store.put("a", {"id": "r2"}, (), "s1")
+    assert await store.get("b", "r1") is None  # another tenant's
+    assert await store.get("a", "r1") is not None  # (r1 now the most recently used)
+    await store.put("a", {"id": "r3"}, (), "s1")
+    assert await store.get("a", "r2") is None and await store.get("a", "r1") is not None
     now[0] = 11.0
-    assert store.get("a", "r1") is None and store.get("a", "r3") is None
-    store.put("a", {"id": "r4"}, (), "s2")
-    assert store.delete("a", "r4") and not store.delete("a", "r4")
+    assert await store.get("a", "r1") is None and await store.get("a", "r3") is None
+    await store.put("a", {"id": "r4"}, (), "s2")
+    assert await store.delete("a", "r4") and not await store.delete("a", "r4")

@@ -145,3 +145,40 @@ async def test_a_node_without_its_kvstore_is_degraded_but_serves(two: MiniCluste
         text_metrics = await (await two.http.get(two.url + "/metrics")).text()
         assert 'overture_node_degraded{node="node0"} 1.0' in text_metrics
         assert 'overture_node_degraded{node="node1"} 0.0' in text_metrics
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_an_engine_crash_before_any_output_is_retried_once_elsewhere(
+        two: MiniCluster, stream: bool) -> None:
+    # The first engine asked starts its stream, then fails as a crashing engine does.
+    budget = [1]
+    for e in two.engines:
+        e.keepalives, e.fail_with, e.fail_budget = 2, grpc.StatusCode.UNKNOWN, budget
+    status, text, _ = await post(two, dict(CHAT, stream=stream))
+    assert status == 200, text
+    if stream:
+        events = [json.loads(line[6:]) for line in text.splitlines()
+                  if line.startswith("data: {")]
+        assert not [e for e in events if "error" in e], events
+        content = "".join(e["choices"][0]["delta"].get("content") or "" for e in events
+                          if e.get("choices"))
+    else:
+        content = json.loads(text)["choices"][0]["message"]["content"]
+    assert content == "t0 t1 t2 "
+    # One engine crashed on it, the other answered it.
+    assert budget == [0] and [len(e.requests) for e in two.engines] == [1, 1]
+    metrics = await (await two.http.get(two.url + "/metrics")).text()
+    assert "overture_requests_retried_after_node_failure_total 1.0" in metrics
+
+
+async def test_a_crash_is_retried_once_only_and_a_bad_request_never(
+        two: MiniCluster) -> None:
+    for e in two.engines:  # every engine crashes: one retry, then the error
+        e.fail_with, e.fail_budget = grpc.StatusCode.INTERNAL, None
+    status, text, _ = await post(two, CHAT)
+    assert status >= 500 and sum(len(e.requests) for e in two.engines) == 2, text
+    for e in two.engines:
+        e.requests.clear()
+        e.fail_with = grpc.StatusCode.INVALID_ARGUMENT  # the request's fault: no retry
+    status, text, _ = await post(two, CHAT)
+    assert status == 400 and sum(len(e.requests) for e in two.engines) == 1, text

@@ -86,7 +86,7 @@ def test_sticky_keeps_a_session_on_its_node_and_recompute_ignores_kv() -> None:
     assert pick(recompute, reg, held) == "b"
     reg.drain("a")  # the holder left rotation: sticky moves on
     assert pick(sticky, reg, held) == "b"
-    assert sorted(POLICIES) == ["balanced", "priority", "recompute", "sticky"]
+    assert sorted(POLICIES) == ["balanced", "prefix", "priority", "recompute", "sticky"]
 
 
 def test_priority_spreads_high_priority_sessions_and_sends_them_straight_to_device() -> None:
