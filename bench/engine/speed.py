@@ -13,7 +13,9 @@ For batch sizes 1, 8 and 32: B distinct random prompts of P tokens, G greedy tok
   greedy on a left-padded batch; a streamer notes when the first new token arrives
   (prefill done) and when the last does (decode done).
 
-Each side runs in its own process so the peak RSS (getrusage high-water) is its own.
+Each side runs in its own process so the peak RSS (getrusage high-water) is its own; ours
+is also set against its weights' bytes plus the KV pool's committed bytes (issue 44's goal:
+peak RSS <= 1.3x that).
 Goals (issue 3): batch-1 decode >= 1.0x transformers; ours at 32 concurrent >= 4x ours at 1.
 With a quantized dtype (q8_0, q4) transformers cannot run the folder and is skipped.
 
@@ -124,7 +126,7 @@ async def _processed(eng, prompt_len: int, gen: int, vocab: int) -> list[float]:
     return costs
 
 
-async def _ours(model: str, prompt_len: int, gen: int, dtype: str) -> dict:
+async def _ours(model: str, prompt_len: int, gen: int, dtype: str, extras: bool) -> dict:
     from services.engine.async_engine import AsyncEngine
     from services.engine.config import EngineConfig
 
@@ -136,16 +138,25 @@ async def _ours(model: str, prompt_len: int, gen: int, dtype: str) -> dict:
         max_num_batched_tokens=max(BATCHES) * prompt_len,
         max_queue_delay_s=0.0,  # a closed batch: measure the steps, not the admission
     )
-    out = {}
+    from services.engine.model_slot import weight_bytes
+
+    out: dict = {}
     async with AsyncEngine(cfg) as eng:
+        assert eng.loaded is not None
         vocab = eng.loaded.config.vocab_size
+        out["weights"] = weight_bytes(eng.loaded.model)
+        kv = 0  # the KV pool's committed bytes, its high-water over the runs
         await _ours_batch(eng, prompts(1, prompt_len, vocab, seed=99), 4)  # warm-up
         for b in BATCHES:
             # Fresh prompts per batch size, and the prefix cache cannot help: ids differ.
             t_pre, t_dec = await _ours_batch(eng, prompts(b, prompt_len, vocab), gen)
             out[b] = (b * prompt_len / t_pre, b * (gen - 1) / t_dec)
-        out["constrained"] = await _constrained(eng, prompt_len, gen, vocab)
-        out["processed"] = await _processed(eng, prompt_len, gen, vocab)
+            st = await eng.status()
+            kv = max(kv, st.blocks_committed * st.block_bytes)
+        out["kv"] = kv
+        if extras:
+            out["constrained"] = await _constrained(eng, prompt_len, gen, vocab)
+            out["processed"] = await _processed(eng, prompt_len, gen, vocab)
     return out
 
 
@@ -200,20 +211,22 @@ def _hf(model: str, prompt_len: int, gen: int, dtype: str) -> dict:
 
 
 # ---- process plumbing and report ----------------------------------------------------------
-def _child(kind: str, model: str, prompt_len: int, gen: int, dtype: str, q: mp.Queue) -> None:
+def _child(kind: str, model: str, prompt_len: int, gen: int, dtype: str, extras: bool,
+           q: mp.Queue) -> None:
     torch.manual_seed(0)
     res = (
-        asyncio.run(_ours(model, prompt_len, gen, dtype))
+        asyncio.run(_ours(model, prompt_len, gen, dtype, extras))
         if kind == "ours"
         else _hf(model, prompt_len, gen, dtype)
     )
     q.put((res, peak_rss_mib()))
 
 
-def measure(kind: str, model: str, prompt_len: int, gen: int, dtype: str) -> tuple[dict, float]:
+def measure(kind: str, model: str, prompt_len: int, gen: int, dtype: str,
+            extras: bool = True) -> tuple[dict, float]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_child, args=(kind, model, prompt_len, gen, dtype, q))
+    p = ctx.Process(target=_child, args=(kind, model, prompt_len, gen, dtype, extras, q))
     p.start()
     res = q.get()
     p.join()
@@ -259,6 +272,11 @@ def report(
             f"{od:>17.1f} {hd:>9.1f} {od / hd:>5.2f}x"
         )
     lines.append(f"peak RSS: ours {rss[0]:.0f} MiB, transformers {rss[1]:.0f} MiB")
+    held = (ours["weights"] + ours["kv"]) / 2**20
+    ratio = rss[0] / held
+    lines.append(f"memory: weights {ours['weights'] / 2**20:.0f} MiB + KV pool "
+                 f"{ours['kv'] / 2**20:.0f} MiB = {held:.0f} MiB; peak RSS / that {ratio:.2f}x "
+                 f"(goal <= 1.3x: {'MET' if ratio <= 1.3 else 'NOT MET'})")
     scale = ours[32][1] / ours[1][1]
     if hf:
         r1 = ours[1][1] / hf[1][1]
@@ -270,6 +288,9 @@ def report(
         f"goal decode at 32 concurrent >= 4x ours at 1: {scale:.2f}x "
         f"{'MET' if scale >= 4.0 else 'NOT MET'}"
     )
+    if "constrained" not in ours:
+        lines.append("constrained decoding and log-probabilities: not run (--no-extras)")
+        return "\n".join(lines)
     free, guided = ours["constrained"]
     cost = 1 - guided / free
     lines.append(
@@ -306,6 +327,8 @@ def main(argv: list[str] | None = None) -> None:
                     "[default: $OVERTURE_LLAMA_CPP_BIN]")
     ap.add_argument("--peer-gguf", default="",
                     help="the GGUF llama.cpp runs [default: the --model file or package]")
+    ap.add_argument("--no-extras", action="store_true",
+                    help="skip the constrained-decoding and log-probability runs")
     ap.add_argument("--prompt-len", type=int, default=0)
     ap.add_argument("--gen", type=int, default=0)
     args = ap.parse_args(argv)
@@ -321,7 +344,8 @@ def main(argv: list[str] | None = None) -> None:
             from services.engine.model import write_demo_model
 
             model = str(write_demo_model(Path(tmp) / f"demo-{args.size}", size=args.size))
-        ours, rss_ours = measure("ours", model, prompt_len, gen, args.dtype)
+        ours, rss_ours = measure("ours", model, prompt_len, gen, args.dtype,
+                                 not args.no_extras)
         hf, rss_hf = (None, float("nan")) if args.dtype in ("q8_0", "q4") else measure(
             "hf", model, prompt_len, gen, args.dtype)
     lines = [report(ours, hf, (rss_ours, rss_hf), prompt_len, gen, args.dtype)]

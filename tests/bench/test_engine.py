@@ -15,7 +15,7 @@ def test_speed_against_transformers(capsys: pytest.CaptureFixture[str]) -> None:
     assert "prefill tok/s ours" in out and "decode tok/s ours" in out
     for batch in speed.BATCHES:
         assert f"\n{batch:>5} | " in out
-    assert "peak RSS: ours" in out
+    assert "peak RSS: ours" in out and "memory: weights " in out and "peak RSS / that" in out
     assert "goal batch-1 decode >= 1.0x transformers" in out
     assert "goal decode at 32 concurrent >= 4x ours at 1" in out
     assert "with a json_schema; goal constrained costs <= 10%" in out

@@ -218,6 +218,24 @@ class LlamaModel(nn.Module):
         return [*head, *(lin for layer in self.decoder_layers for lin in layer.linears())]
 
     @property
+    def weight_bytes(self) -> int:
+        """Bytes of every weight held: the parameters, plus what the linears hold outside
+        them (oneDNN-packed float32 weights, float32 upcast copies, quantized codes and
+        scales) and a quantized embedding's table."""
+        params = {id(t): t for t in (*self.parameters(), *self.buffers())}
+        total = sum(t.numel() * t.element_size() for t in params.values())
+        lins = [self.head, *(lin for layer in self.decoder_layers
+                             for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))]
+        for lin in lins:
+            if isinstance(lin, Linear):
+                total += lin.unshared_bytes
+            else:
+                total += lin.weight_bytes
+        if self.quant_embed is not None:
+            total += self.quant_embed.weight_bytes
+        return total
+
+    @property
     def float32_copy_bytes(self) -> int:
         """Host bytes of float32 weight copies made so far for upcast linears."""
         return sum(lin.float32_bytes for lin in self.linears())
