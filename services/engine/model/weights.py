@@ -99,8 +99,9 @@ class TensorSource:
         """Weight ``name`` as quantized codes: as stored, or quantized now from float."""
         for suffixes in (Q4_SUFFIXES, Q8_SUFFIXES):
             if name + suffixes[0] in self.where:
-                return from_tensors({s: self.where[name + s].tensor(name + s).to(self.device)
-                                     for s in suffixes})
+                # Copies: nothing kept may view the file's mapping (see loader.own_memory).
+                return from_tensors({s: self.where[name + s].tensor(name + s).to(
+                    self.device, copy=True) for s in suffixes})
         w = self.where[name].tensor(name).to(self.device)
         if self.quant == "q8_0" or w.shape[1] % 32:
             return quantize_int8(w)

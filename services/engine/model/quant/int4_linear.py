@@ -20,6 +20,7 @@ from .ggml_blocks import Int4Groups
 # The kernel's ``innerKTiles`` (2, 4 or 8): 8 packs 8 x 16 columns per tile; columns must
 # be a multiple of 16 * inner_k_tiles.
 _TILES = (8, 4, 2)
+_PACK_ROWS = 2048  # rows packed per call at load (see Int4Linear.__init__)
 
 
 def int4_supported(cols: int, group: int) -> bool:
@@ -42,8 +43,13 @@ class Int4Linear:
         if not int4_supported(self.cols, self.group):
             raise ValueError(f"int4 kernel: {self.cols} columns in groups of {self.group}")
         tiles = next(t for t in _TILES if self.cols % (16 * t) == 0)
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            q.codes.to(torch.int32).contiguous(), tiles)
+        # Packed a slice of rows at a time (the layout is per row: the same bytes as one
+        # call), so the kernel's int32 input, 8x the packed size, never exists whole: for a
+        # tied 49152-row head that would be a 113 MB peak at load for a 14 MB weight.
+        self.packed = torch.cat([
+            torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                rows.to(torch.int32).contiguous(), tiles)
+            for rows in q.codes.split(_PACK_ROWS)])
         zero = q.min + 8.0 * q.scale
         # (groups, out, 2): the kernel's layout, scale then zero
         self.scales_zeros = torch.stack((q.scale, zero), dim=-1).transpose(0, 1).contiguous() \
