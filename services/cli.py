@@ -84,9 +84,10 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     try:
         port = args.port or _yaml_section_value(args.config, "scheduler", "port") or 8000
-        # float32 is the fast CPU dtype; a dtype in the YAML file wins over this default.
+        # A GGUF (the packaged default too) is served as shipped, its 4-bit weights kept
+        # (q4); a float folder in float32, the fast CPU dtype. The YAML file's dtype wins.
         dtype = args.dtype or (
-            None if _yaml_section_value(args.config, "engine", "dtype") else "float32"
+            None if _yaml_section_value(args.config, "engine", "dtype") else _default_dtype(args)
         )
     except ConfigError as e:
         print(f"overture up: {e}", file=sys.stderr)
@@ -172,6 +173,13 @@ def _node_cores(args: argparse.Namespace) -> list[tuple[int, ...]] | None:
     print("cores per node: " + "; ".join(
         f"node{i} {format_cpus(c)}" for i, c in enumerate(shares)), flush=True)
     return shares
+
+
+def _default_dtype(args: argparse.Namespace) -> str:
+    """q4 when every model served is a GGUF file or a packaged one, else float32."""
+    specs = args.model or ([] if args.size is not None else [DEFAULT_MODEL])
+    gguf = specs and all(s in PACKAGED or s.lower().endswith(".gguf") for s in specs)
+    return "q4" if gguf else "float32"
 
 
 def _model(args: argparse.Namespace, dtype: str, spec: str | None) -> tuple[str, str]:
@@ -302,8 +310,10 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--dtype",
         default=None,
-        choices=("float32", "bfloat16", "float16"),
-        help="engine dtype [default: engine.dtype from --config, else float32]",
+        choices=("float32", "bfloat16", "float16", "q8_0", "q4"),
+        help="engine dtype; q4 / q8_0 keep weights in int4 / int8 (a GGUF's as shipped) "
+        "[default: engine.dtype from --config, else q4 for GGUF and packaged models, float32 "
+        "for folders]",
     )
     up.add_argument(
         "--cores",

@@ -1,6 +1,8 @@
 """Engine speed vs Hugging Face transformers on the same weights, in the same run.
 
-    python -m bench.engine.speed [--size small|tiny] [--model DIR] [--quick] [--dtype float32]
+    python -m bench.engine.speed [--size small|tiny] [--model DIR|FILE.gguf|NAME] [--quick]
+                                 [--dtype float32|bfloat16|q8_0|q4]
+                                 [--peer llama.cpp [--llama-cpp-bin DIR] [--peer-gguf FILE]]
 
 For batch sizes 1, 8 and 32: B distinct random prompts of P tokens, G greedy tokens each.
 
@@ -11,8 +13,16 @@ For batch sizes 1, 8 and 32: B distinct random prompts of P tokens, G greedy tok
   greedy on a left-padded batch; a streamer notes when the first new token arrives
   (prefill done) and when the last does (decode done).
 
-Each side runs in its own process so the peak RSS (getrusage high-water) is its own.
+Each side runs in its own process so the peak RSS (getrusage high-water) is its own; ours
+is also set against its weights' bytes plus the KV pool's committed bytes (issue 44's goal:
+peak RSS <= 1.3x that).
 Goals (issue 3): batch-1 decode >= 1.0x transformers; ours at 32 concurrent >= 4x ours at 1.
+With a quantized dtype (q8_0, q4) transformers cannot run the folder and is skipped.
+
+``--peer llama.cpp`` (issue 44, bench/engine/peer.py) also runs ``llama-bench`` and
+``llama-batched-bench`` on the GGUF file (the --model file, or --peer-gguf) with the same
+threads: prefill of P tokens and batch-1 decode, and the aggregate decode of 32 parallel
+sequences, as ratios ours / llama.cpp. Without the binaries it says so and runs the rest.
 
 Constrained decoding (issue 25): decode tokens/s of a batch of 8 whose output must follow
 a JSON schema (a long array of short strings, so no sequence can end early) against the
@@ -118,7 +128,7 @@ async def _processed(eng, prompt_len: int, gen: int, vocab: int) -> list[float]:
     return costs
 
 
-async def _ours(model: str, prompt_len: int, gen: int, dtype: str) -> dict:
+async def _ours(model: str, prompt_len: int, gen: int, dtype: str, extras: bool) -> dict:
     from services.engine.async_engine import AsyncEngine
     from services.engine.config import EngineConfig
 
@@ -130,16 +140,25 @@ async def _ours(model: str, prompt_len: int, gen: int, dtype: str) -> dict:
         max_num_batched_tokens=max(BATCHES) * prompt_len,
         max_queue_delay_s=0.0,  # a closed batch: measure the steps, not the admission
     )
-    out = {}
+    from services.engine.model_slot import weight_bytes
+
+    out: dict = {}
     async with AsyncEngine(cfg) as eng:
+        assert eng.loaded is not None
         vocab = eng.loaded.config.vocab_size
+        out["weights"] = weight_bytes(eng.loaded.model)
+        kv = 0  # the KV pool's committed bytes, its high-water over the runs
         await _ours_batch(eng, prompts(1, prompt_len, vocab, seed=99), 4)  # warm-up
         for b in BATCHES:
             # Fresh prompts per batch size, and the prefix cache cannot help: ids differ.
             t_pre, t_dec = await _ours_batch(eng, prompts(b, prompt_len, vocab), gen)
             out[b] = (b * prompt_len / t_pre, b * (gen - 1) / t_dec)
-        out["constrained"] = await _constrained(eng, prompt_len, gen, vocab)
-        out["processed"] = await _processed(eng, prompt_len, gen, vocab)
+            st = await eng.status()
+            kv = max(kv, st.blocks_committed * st.block_bytes)
+        out["kv"] = kv
+        if extras:
+            out["constrained"] = await _constrained(eng, prompt_len, gen, vocab)
+            out["processed"] = await _processed(eng, prompt_len, gen, vocab)
     return out
 
 
@@ -194,28 +213,48 @@ def _hf(model: str, prompt_len: int, gen: int, dtype: str) -> dict:
 
 
 # ---- process plumbing and report ----------------------------------------------------------
-def _child(kind: str, model: str, prompt_len: int, gen: int, dtype: str, q: mp.Queue) -> None:
+def _child(kind: str, model: str, prompt_len: int, gen: int, dtype: str, extras: bool,
+           q: mp.Queue) -> None:
     torch.manual_seed(0)
     res = (
-        asyncio.run(_ours(model, prompt_len, gen, dtype))
+        asyncio.run(_ours(model, prompt_len, gen, dtype, extras))
         if kind == "ours"
         else _hf(model, prompt_len, gen, dtype)
     )
     q.put((res, peak_rss_mib()))
 
 
-def measure(kind: str, model: str, prompt_len: int, gen: int, dtype: str) -> tuple[dict, float]:
+def measure(kind: str, model: str, prompt_len: int, gen: int, dtype: str,
+            extras: bool = True) -> tuple[dict, float]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_child, args=(kind, model, prompt_len, gen, dtype, q))
+    p = ctx.Process(target=_child, args=(kind, model, prompt_len, gen, dtype, extras, q))
     p.start()
     res = q.get()
     p.join()
     return res
 
 
+def peer_lines(ours: dict, peer: object, prompt_len: int) -> list[str]:
+    """Ratios ours / llama.cpp (``peer`` a bench.engine.peer.PeerResult)."""
+    from bench.engine.peer import PeerResult
+
+    assert isinstance(peer, PeerResult)
+    pp = peer.prefill.get(prompt_len, 0.0)
+    b32 = peer.batched.get(32, 0.0)
+    ratios = [("prefill", ours[1][0], pp, 1.0), ("batch-1 decode", ours[1][1], peer.decode1, 1.0),
+              ("32-stream decode", ours[32][1], b32, 1.5)]
+    out = []
+    for what, o, p, goal in ratios:
+        r = o / p if p else float("nan")
+        out.append(f"llama.cpp {what}: ours {o:.1f} tok/s, llama.cpp {p:.1f} tok/s, {r:.2f}x "
+                   f"(goal >= {goal}x: {'MET' if r >= goal else 'NOT MET'})")
+    return out
+
+
 def report(
-    ours: dict, hf: dict, rss: tuple[float, float], prompt_len: int, gen: int, dtype: str
+    ours: dict, hf: dict | None, rss: tuple[float, float], prompt_len: int, gen: int,
+    dtype: str,
 ) -> str:
     lines = [
         (
@@ -227,22 +266,33 @@ def report(
             f"{'decode tok/s ours':>17} {'hf':>9} {'ratio':>6}"
         ),
     ]
+    nan = (float("nan"), float("nan"))
     for b in BATCHES:
-        (op, od), (hp, hd) = ours[b], hf[b]
+        (op, od), (hp, hd) = ours[b], (hf[b] if hf else nan)
         lines.append(
             f"{b:>5} | {op:>18.1f} {hp:>9.1f} {op / hp:>5.2f}x | "
             f"{od:>17.1f} {hd:>9.1f} {od / hd:>5.2f}x"
         )
     lines.append(f"peak RSS: ours {rss[0]:.0f} MiB, transformers {rss[1]:.0f} MiB")
-    r1 = ours[1][1] / hf[1][1]
+    held = (ours["weights"] + ours["kv"]) / 2**20
+    ratio = rss[0] / held
+    lines.append(f"memory: weights {ours['weights'] / 2**20:.0f} MiB + KV pool "
+                 f"{ours['kv'] / 2**20:.0f} MiB = {held:.0f} MiB; peak RSS / that {ratio:.2f}x "
+                 f"(goal <= 1.3x: {'MET' if ratio <= 1.3 else 'NOT MET'})")
     scale = ours[32][1] / ours[1][1]
-    lines.append(
-        f"goal batch-1 decode >= 1.0x transformers: {r1:.2f}x {'MET' if r1 >= 1.0 else 'NOT MET'}"
-    )
+    if hf:
+        r1 = ours[1][1] / hf[1][1]
+        lines.append(f"goal batch-1 decode >= 1.0x transformers: {r1:.2f}x "
+                     f"{'MET' if r1 >= 1.0 else 'NOT MET'}")
+    else:
+        lines.append(f"transformers: not run ({dtype} weights are int4/int8)")
     lines.append(
         f"goal decode at 32 concurrent >= 4x ours at 1: {scale:.2f}x "
         f"{'MET' if scale >= 4.0 else 'NOT MET'}"
     )
+    if "constrained" not in ours:
+        lines.append("constrained decoding and log-probabilities: not run (--no-extras)")
+        return "\n".join(lines)
     free, guided = ours["constrained"]
     cost = 1 - guided / free
     lines.append(
@@ -268,9 +318,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--dtype",
         default="bfloat16",
-        choices=("bfloat16", "float32"),
-        help="weights, activations and KV dtype for both sides",
+        choices=("bfloat16", "float32", "q8_0", "q4"),
+        help="weights, activations and KV dtype for both sides (q8_0/q4: int8/int4 weights)",
     )
+    ap.add_argument("--peer", default="", choices=("", "llama.cpp"),
+                    help="also run llama.cpp's benches on the same GGUF and threads")
+    ap.add_argument("--llama-cpp-bin", default="",
+                    help="folder with llama-bench and llama-batched-bench "
+                    "[default: $OVERTURE_LLAMA_CPP_BIN]")
+    ap.add_argument("--peer-gguf", default="",
+                    help="the GGUF llama.cpp runs [default: the --model file or package]")
+    ap.add_argument("--no-extras", action="store_true",
+                    help="skip the constrained-decoding and log-probability runs")
     ap.add_argument("--prompt-len", type=int, default=0)
     ap.add_argument("--gen", type=int, default=0)
     args = ap.parse_args(argv)
@@ -286,9 +345,32 @@ def main(argv: list[str] | None = None) -> None:
             from services.engine.model import write_demo_model
 
             model = str(write_demo_model(Path(tmp) / f"demo-{args.size}", size=args.size))
-        ours, rss_ours = measure("ours", model, prompt_len, gen, args.dtype)
-        hf, rss_hf = measure("hf", model, prompt_len, gen, args.dtype)
-    print(report(ours, hf, (rss_ours, rss_hf), prompt_len, gen, args.dtype))
+        ours, rss_ours = measure("ours", model, prompt_len, gen, args.dtype,
+                                 not args.no_extras)
+        hf, rss_hf = (None, float("nan")) if args.dtype in ("q8_0", "q4") else measure(
+            "hf", model, prompt_len, gen, args.dtype)
+    lines = [report(ours, hf, (rss_ours, rss_hf), prompt_len, gen, args.dtype)]
+    if args.peer:
+        lines += _peer(args, prompt_len, gen, ours)
+    print("\n".join(lines))
+
+
+def _peer(args: argparse.Namespace, prompt_len: int, gen: int, ours: dict) -> list[str]:
+    from bench.engine.peer import find_bin, run_peer
+
+    folder, why = find_bin(args.llama_cpp_bin)
+    gguf = args.peer_gguf or (args.model if args.model.lower().endswith(".gguf") else "")
+    if not gguf and args.model:
+        from services.models.catalog import PACKAGED, locate
+
+        gguf = str(locate(args.model)) if args.model in PACKAGED else ""
+    if folder is None:
+        return [f"llama.cpp: not run: {why}"]
+    if not gguf:
+        return ["llama.cpp: not run: no GGUF file (pass --peer-gguf or a .gguf --model)"]
+    peer = run_peer(folder, Path(gguf), torch.get_num_threads(), [prompt_len], gen, [1, 32])
+    return [f"llama.cpp on {Path(gguf).name}, {torch.get_num_threads()} threads",
+            *peer_lines(ours, peer, prompt_len)]
 
 
 if __name__ == "__main__":

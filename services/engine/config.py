@@ -76,7 +76,9 @@ class EngineConfig:
         "", "local Hugging Face model folder (config.json, *.safetensors, tokenizer.json)"
     )
     served_model_name: str = opt("", "name clients use for the model; default: the folder name")
-    dtype: str = opt("bfloat16", "weights and KV dtype", choices=("bfloat16", "float16", "float32"))
+    dtype: str = opt("bfloat16", "weights and KV dtype; q8_0 / q4: int8 / int4 weights (a "
+                     "GGUF's quantized ones as they are), float32 activations and KV",
+                     choices=("bfloat16", "float16", "float32", "q8_0", "q4"))
     device: str = opt("cpu", "torch device; 'cuda' uses the CUDA seam", choices=("cpu", "cuda"))
     block_size: int = opt(16, "tokens per KV block (one layer per block)", min=1, max=1024)
     device_memory_bytes: int = opt(

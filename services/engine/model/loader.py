@@ -17,7 +17,7 @@ from .errors import LoaderError
 from .fingerprint import model_fingerprint
 from .hf_config import ModelConfig, eos_ids_from_generation_config
 from .llama import LlamaModel
-from .safetensors_files import read_header, weight_files
+from .safetensors_files import SafetensorsFile, read_header, weight_files
 from .tokenizer import Tokenizer
 from .weights import TensorSource, build_weights
 
@@ -62,12 +62,32 @@ def read_config(folder: Path) -> tuple[ModelConfig, dict[str, Any]]:
     return cfg, raw
 
 
+def own_memory(model: torch.nn.Module, files: list[SafetensorsFile]) -> None:
+    """Where most of a file was packed or quantized into copies at load (float32, int4,
+    int8 weights), copy the few weights still viewing its mapping (norms, a float table)
+    into anonymous memory and drop the mapping: every page read through it at load stays
+    resident while it lives, on top of the copies (a float32 SmolLM2 held its 540 MB
+    twice). A file whose weights are served in place (bf16 on a bf16 model) stays mapped:
+    there the mapping is the weights, not a second copy of them."""
+    tensors = [*model.parameters(), *model.buffers()]
+    for f in files:
+        views = [t for t in tensors if f.maps(t)]
+        if sum(t.numel() * t.element_size() for t in views) * 2 > f.size:
+            continue
+        for t in views:
+            t.data = t.data.clone()
+        f.unmap()
+
+
 def load_model(
     path: str | Path,
     dtype: torch.dtype = torch.bfloat16,
     device: str | torch.device = "cpu",
     served_name: str = "",
+    quant: str = "",
 ) -> LoadedModel:
+    """``dtype`` is the activations' and KV's; ``quant`` ("q4", "q8_0") quantizes float
+    weights at load (weights stored quantized stay so whatever it says)."""
     folder = Path(path)
     if not folder.is_dir():
         raise LoaderError(f"{folder}: model folder does not exist")
@@ -78,11 +98,13 @@ def load_model(
     tokenizer = Tokenizer.from_folder(folder, cfg.eos_token_ids)
     files = [read_header(p) for p in weight_files(folder)]
     dev = torch.device(device)
-    glob, layers = build_weights(cfg, TensorSource(files, dtype, dev))
+    glob, layers = build_weights(cfg, TensorSource(files, dtype, dev, quant))
     model = LlamaModel(cfg, glob, layers).eval()
     del glob, layers  # the plain weights that packing replaced (see linear.py) go now
+    own_memory(model, files)
     trim_heap()  # and glibc hands their memory back instead of keeping it for reuse
-    fp = model_fingerprint(raw, folder / "tokenizer.json", files, dtype)
+    # (a load-time quantization changes the weights: it is part of the model's identity)
+    fp = model_fingerprint(raw, folder / "tokenizer.json", files, dtype, quant)
     name = served_name or folder.resolve().name
     log.info(
         "loaded %s (%s, %d layers, %s) in %.2fs, fingerprint %s",

@@ -77,6 +77,18 @@ class SafetensorsFile:
         return out
 
 
+    def maps(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` views this file's mapping."""
+        if self._storage is None or t.is_mkldnn:
+            return False
+        base = self._storage.data_ptr()
+        return base <= t.untyped_storage().data_ptr() < base + self.size
+
+    def unmap(self) -> None:
+        """Drop this object's reference to the mapping (unmapped once no tensor views it)."""
+        self._storage = None
+
+
 def read_header(path: Path) -> SafetensorsFile:
     """Parse one file's header; LoaderError names the file and the defect."""
     try:
