@@ -113,7 +113,7 @@ async def _constrained(eng, prompt_len: int, gen: int, vocab: int) -> tuple[floa
 
 PROCESSED = {"logprobs": 5, "presence_penalty": 0.5, "frequency_penalty": 0.5,
              "repetition_penalty": 1.1, "logit_bias": ((20, 1.0), (21, -1.0))}
-REPEATS = 10  # interleaved pairs: single pairs on a 2-core host vary by ±20%
+REPEATS = 20  # interleaved pairs: single pairs on a 2-core host vary by ±20%
 
 
 async def _processed(eng, prompt_len: int, gen: int, vocab: int) -> list[float]:
