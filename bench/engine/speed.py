@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
+import queue
 import resource
 import tempfile
 import time
@@ -230,7 +231,14 @@ def measure(kind: str, model: str, prompt_len: int, gen: int, dtype: str,
     q = ctx.Queue()
     p = ctx.Process(target=_child, args=(kind, model, prompt_len, gen, dtype, extras, q))
     p.start()
-    res = q.get()
+    while True:  # a child that dies puts nothing: say so instead of waiting forever
+        try:
+            res = q.get(timeout=5.0)
+            break
+        except queue.Empty:
+            if not p.is_alive():
+                raise RuntimeError(f"the {kind} side exited with code {p.exitcode} "
+                                   "before its result (its traceback is above)") from None
     p.join()
     return res
 
