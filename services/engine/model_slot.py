@@ -114,6 +114,11 @@ class ModelSlot:
                                   "active here; evict it before activating another model")
             config = dataclasses.replace(self.config, model_path=model_path,
                                          served_model_name=served_name)
+            if stored is not None and config.dtype in ("q4", "q8_0"):
+                # The Reuse Store holds float tensors; a quantized engine keeps its own codes.
+                raise EngineError(INVALID_ARGUMENT, f"engine dtype {config.dtype} cannot serve "
+                                  "weights from the node's Reuse Store (it holds float "
+                                  "tensors): set nodemgr.reuse_store_bytes to 0 for this node")
             try:
                 if stored is None:
                     loaded = await self._worker.run(load_for, config)

@@ -149,7 +149,8 @@ class Registrar:
             self.held.seed(s.tenant, s.session_id, s.tokens, s.age_s)
 
     async def _register(self, stub: scheduler_pb2_grpc.SchedulerStub) -> float:
-        await self._seed_held()
+        if self._replaced is None:  # (over a live stream the record is current: no scan)
+            await self._seed_held()
         held = self.held.held()
         req = wire.register_request(self.node_id, self.address, self.models,
                                     self.kvstore_address, held, self.metrics)
