@@ -17,22 +17,12 @@ restored KV straight into the pool).
 
 from __future__ import annotations
 
-import fcntl
-import logging
-import mmap
-import os
-import tempfile
-import time
-import uuid
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
-log = logging.getLogger(__name__)
-
-OS_PAGE = mmap.PAGESIZE
-SHM_DIR = Path("/dev/shm")
+from shared.shm_file import ShmFile
 
 
 class PoolMemory(Protocol):
@@ -58,110 +48,38 @@ class PoolMemory(Protocol):
     def close(self) -> None: ...
 
 
-CREATING_S = 60.0  # a pool file still being created is left alone this long
-
-
-def _unlocked(path: Path) -> bool:
-    """Whether nobody holds ``path``'s lock: its owner is gone. flock works across PID
-    namespaces (containers sharing /dev/shm), where a pid in a file name means nothing."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return False  # (gone meanwhile, or not ours to read)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)  # (drops the lock if it was taken)
-    return True
-
-
-def remove_stale_files(base: Path, prefix: str) -> list[Path]:
-    """Unlink ``<prefix>-*`` pool files whose owner no longer holds their lock (an engine
-    killed with SIGKILL cannot remove its own), and half-created ones left by a crash;
-    returns what was removed."""
-    removed = []
-    now = time.time()
-    candidates = [*base.glob(f"{prefix}-*")]
-    for path in base.glob(f".{prefix}-creating-*"):
-        try:
-            if now - path.stat().st_mtime > CREATING_S:
-                candidates.append(path)
-        except OSError:
-            continue
-    for path in candidates:
-        if _unlocked(path):
-            path.unlink(missing_ok=True)
-            removed.append(path)
-    if removed:
-        log.info("removed %d stale KV pool file(s) of dead processes from %s", len(removed), base)
-    return removed
-
-
 class SharedMemoryFile:
-    """CPU pool memory: a sparse file under /dev/shm, mapped shared by torch."""
+    """CPU pool memory: a sparse file under /dev/shm (``shared/shm_file.py``), mapped shared
+    by torch as the pool's tensor."""
 
-    def __init__(self, nbytes: int, prefix: str = "overture-kv") -> None:
-        base = SHM_DIR if SHM_DIR.is_dir() else Path(tempfile.gettempdir())
-        remove_stale_files(base, prefix)
-        tag = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        self.path = base / f"{prefix}-{tag}"
+    def __init__(self, nbytes: int, prefix: str = "overture-kv",
+                 directory: str | Path = "") -> None:
+        self._file = ShmFile(nbytes, prefix, directory)
+        self.path = self._file.path
         self.name = str(self.path)
         self.nbytes = nbytes
-        # Created under a name the cleanup leaves alone, locked for this process's lifetime
-        # (the lock is what tells a live pool from a stale one), then given its name.
-        creating = base / f".{prefix}-creating-{tag}"
-        self._fd = os.open(creating, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.rename(creating, self.path)
-        except BaseException:
-            os.close(self._fd)
-            creating.unlink(missing_ok=True)
-            raise
-        try:
-            os.ftruncate(self._fd, nbytes)  # sparse: reserves address space, no memory yet
-            # A second, private-to-us mapping of the same file, used only for madvise.
-            self._mm = mmap.mmap(self._fd, nbytes, flags=mmap.MAP_SHARED)
             storage = torch.UntypedStorage.from_file(self.name, shared=True, nbytes=nbytes)
             # (torch's stubs type from_file's result as the base storage class)
             self.tensor = torch.empty(0, dtype=torch.uint8).set_(storage)  # type: ignore[arg-type]
         except BaseException:
-            os.close(self._fd)
-            self.path.unlink(missing_ok=True)
+            self._file.close()
             raise
-        self._closed = False
 
     def commit(self, offset: int, nbytes: int) -> bool:
-        try:
-            os.posix_fallocate(self._fd, offset, nbytes)
-        except OSError as e:
-            log.warning("cannot commit %d KV bytes in %s: %s", nbytes, self.name, e.strerror)
-            return False
-        return True
+        return self._file.allocate(offset, nbytes)
 
     def release(self, offset: int, nbytes: int) -> None:
-        # Only whole OS pages can be punched out; a range that is not page-aligned keeps
-        # its partial edge pages (the pool sizes pages to avoid that).
-        start = -(-offset // OS_PAGE) * OS_PAGE
-        end = (offset + nbytes) // OS_PAGE * OS_PAGE
-        if end > start:
-            self._mm.madvise(mmap.MADV_REMOVE, start, end - start)
+        # (the pool sizes its pages to whole OS pages, so nothing is kept at the edges)
+        self._file.punch(offset, nbytes)
 
     def resident_bytes(self) -> int:
-        return os.fstat(self._fd).st_blocks * 512
+        return self._file.resident_bytes()
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        # Punch out everything first: torch's own mapping may outlive us until the tensor
-        # is garbage-collected, but the memory is returned now.
-        self.release(0, self.nbytes)
-        self._mm.close()
-        os.close(self._fd)
-        self.path.unlink(missing_ok=True)
+        # torch's own mapping may outlive us until the tensor is garbage-collected, but the
+        # memory is returned now.
+        self._file.close()
 
 
 class CudaMemory:

@@ -14,18 +14,9 @@ the engines by exported handles (see ``cuda_arena.py``, UNTESTED).
 
 from __future__ import annotations
 
-import logging
-import mmap
-import os
-import tempfile
-import uuid
-from pathlib import Path
 from typing import Protocol
 
-log = logging.getLogger(__name__)
-
-SHM_DIR = Path("/dev/shm")
-OS_PAGE = mmap.PAGESIZE
+from shared.shm_file import ShmFile
 
 
 class Arena(Protocol):
@@ -42,34 +33,25 @@ class Arena(Protocol):
 
 
 class ShmArena:
+    """The CPU arena: a sparse shared-memory file (``shared/shm_file.py``); a nodemgr killed
+    with SIGKILL leaves it behind, and the next one on the host removes it."""
+
     def __init__(self, nbytes: int, directory: str = "", tag: str = "") -> None:
-        base = Path(directory) if directory else (
-            SHM_DIR if SHM_DIR.is_dir() else Path(tempfile.gettempdir()))
-        name = f"overture-weights-{tag or os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.path = str(base / name)
+        self._file = ShmFile(nbytes, "overture-weights", directory, label=tag)
+        self.path = str(self._file.path)
         self.nbytes = nbytes
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            os.ftruncate(self._fd, nbytes)  # sparse: address space only
-            self._mm = mmap.mmap(self._fd, nbytes, flags=mmap.MAP_SHARED)
-        except BaseException:
-            os.close(self._fd)
-            os.unlink(self.path)
-            raise
-        self._closed = False
 
     def commit(self, offset: int, size: int) -> None:
         """Nothing to do: a tmpfs page is committed when an engine first writes it."""
 
     def view(self, offset: int, size: int) -> memoryview:
         """The arena's bytes [offset, offset + size) (tests and the bench read them)."""
-        return memoryview(self._mm)[offset:offset + size]
+        return memoryview(self._file.mm)[offset:offset + size]
 
     def move(self, src: int, dst: int, size: int) -> None:
         """Compaction: copy a tensor's bytes to its new region (``mmap.move`` is memmove:
-        overlapping ranges are safe); the pages left behind are released by the caller's
-        bookkeeping (``release`` of the range the tensor no longer covers)."""
-        self._mm.move(dst, src, size)
+        overlapping ranges are safe) and return the pages it left behind."""
+        self._file.mm.move(dst, src, size)
         if dst + size <= src:
             self.release(src, size)
         elif dst < src:
@@ -77,23 +59,11 @@ class ShmArena:
 
     def release(self, offset: int, size: int) -> None:
         """Return the whole OS pages of [offset, offset + size) to the kernel."""
-        start = -(-offset // OS_PAGE) * OS_PAGE
-        end = (offset + size) // OS_PAGE * OS_PAGE
-        if end > start:
-            self._mm.madvise(mmap.MADV_REMOVE, start, end - start)
+        self._file.punch(offset, size)
 
     def resident_bytes(self) -> int:
         """Bytes of memory the arena's file holds now (its committed pages)."""
-        return os.fstat(self._fd).st_blocks * 512
+        return self._file.resident_bytes()
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self.release(0, self.nbytes)
-        self._mm.close()
-        os.close(self._fd)
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        self._file.close()

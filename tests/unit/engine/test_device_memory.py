@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -81,57 +80,16 @@ def test_block_pool_grows_on_demand_and_shrink_releases_memory(kv_pool: DeviceMe
     pool.check_integrity()
 
 
-def test_stale_pool_files_are_told_by_their_lock_not_their_pid(tmp_path: Path) -> None:
-    """/dev/shm shared across containers: a pid in a file name may belong to another PID
-    namespace. A pool file is live while its owner holds its lock, whatever the pid says."""
-    import fcntl
-    import time
-
-    from services.engine.device import CREATING_S, remove_stale_files
-
-    def held(path: Path) -> int:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        return fd
-
-    # Another namespace's live engine: a pid that means nothing here, its lock held.
-    foreign = tmp_path / "overture-kv-999999999-abc"
-    foreign_fd = held(foreign)
-    # A dead engine of this namespace whose pid a live process now has: no lock held.
-    stale = tmp_path / f"overture-kv-{os.getpid()}-def"
-    stale.write_bytes(b"x")
-    # Being created right now (not yet renamed), and one a crash left half-made long ago.
-    creating = tmp_path / ".overture-kv-creating-1-ghi"
-    creating.write_bytes(b"x")
-    old = tmp_path / ".overture-kv-creating-2-jkl"
-    old.write_bytes(b"x")
-    os.utime(old, (time.time() - 2 * CREATING_S,) * 2)
-    other = tmp_path / "unrelated-1-x"
-    other.write_bytes(b"x")
-    try:
-        assert sorted(remove_stale_files(tmp_path, "overture-kv")) == sorted([stale, old])
-        assert foreign.exists() and creating.exists() and other.exists()
-    finally:
-        os.close(foreign_fd)
-    assert remove_stale_files(tmp_path, "overture-kv") == [foreign]  # its owner is gone
-
-
 def test_a_live_pool_file_survives_another_engine_starting(tmp_path: Path) -> None:
-    from services.engine import device
     from services.engine.device import SharedMemoryFile
 
-    saved = device.SHM_DIR
-    device.SHM_DIR = tmp_path
-    try:
-        first = SharedMemoryFile(1 << 20)
-        second = SharedMemoryFile(1 << 20)  # (its start-up cleanup ran)
-        assert first.path.exists() and second.path.exists()
-        assert not list(tmp_path.glob(".overture-kv-creating-*"))
-        second.close()
-        first.close()
-        assert not list(tmp_path.iterdir())
-    finally:
-        device.SHM_DIR = saved
+    first = SharedMemoryFile(1 << 20, directory=tmp_path)
+    second = SharedMemoryFile(1 << 20, directory=tmp_path)  # (its start-up cleanup ran)
+    assert first.path.exists() and second.path.exists()
+    assert not list(tmp_path.glob(".overture-kv-creating-*"))
+    second.close()
+    first.close()
+    assert not list(tmp_path.iterdir())
 
 
 def test_a_pools_reserve_keeps_another_engines_pool_out_of_it(tmp_path: Path) -> None:

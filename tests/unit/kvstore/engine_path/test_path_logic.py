@@ -100,7 +100,7 @@ def test_mapping_a_pool_populates_committed_pages_and_leaves_holes_alone() -> No
     import tempfile
     import uuid
 
-    from services.engine.device import SHM_DIR
+    from shared.shm_file import SHM_DIR
     from services.kvstore.engine_path.attach import _populate_committed
 
     # Where the engine puts CPU pools: /dev/shm, else the temp dir (device.py).
