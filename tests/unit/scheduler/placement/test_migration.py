@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
 
 import grpc
 
@@ -98,80 +99,75 @@ class Sleeps:
         self.waits.append(seconds)
 
 
-def test_a_busy_source_is_asked_again_with_backoff_until_it_evicts() -> None:
-    async def run() -> None:
+@dataclass
+class Moved:
+    """One migration of model "m" from "src" to "dst", run to its end."""
+
+    migration: Migration
+    reg: NodeRegistry
+    src: ScriptedNode
+    dst: ScriptedNode
+    metrics: SchedulerMetrics
+    sleeps: Sleeps
+
+
+def migrate(settings: MigrationSettings | None = None, busy_for: int = 0,
+            activates: bool = True, src_address: str = "") -> Moved:
+    """The source holds "m" and refuses ``busy_for`` evictions; the target activates when
+    ``activates``; ``src_address`` re-registers the source where nothing answers."""
+    async def run() -> Moved:
         reg = NodeRegistry(heartbeat_timeout_s=60)
-        src = ScriptedNode("src", reg, ("m",), busy_for=2)
-        dst = ScriptedNode("dst", reg, ())
+        src = ScriptedNode("src", reg, ("m",), busy_for=busy_for)
+        dst = ScriptedNode("dst", reg, (), activates=activates)
         metrics, sleeps = SchedulerMetrics(), Sleeps()
         async with nodes(src, dst) as channels:
-            mig = Migrator(reg, channels, MigrationSettings(attempts=5, backoff_s=0.5,
-                                                            backoff_max_s=8.0),
-                           metrics, sleep=sleeps)
-            m = await asyncio.wait_for(mig.run(Migration("m", "src", "dst")), 10)
-        assert (m.outcome, m.refusals) == ("done", 2)
-        assert sleeps.waits == [0.5, 1.0]
-        # Active on the target before the source was asked; requests went there meanwhile.
-        assert dst.calls == [("activate", "m")] and src.calls == [("evict", "m")] * 3
-        assert src.routable_while_busy == [["dst"], ["dst"]]
-        assert [n.node_id for n in reg.healthy("m")] == ["dst"]
-        assert not reg.get("src").leaving  # type: ignore[union-attr]
-        assert metrics.migrations.labels("done")._value.get() == 1
-        assert metrics.migration_retries._value.get() == 2
-    asyncio.run(run())
+            if src_address:
+                src.address = src_address
+                src.register()
+            mig = Migrator(reg, channels, settings or MigrationSettings(), metrics,
+                           sleep=sleeps)
+            m = await asyncio.wait_for(mig.run(Migration("m", "src", "dst")), 30)
+        return Moved(m, reg, src, dst, metrics, sleeps)
+    return asyncio.run(run())
+
+
+def test_a_busy_source_is_asked_again_with_backoff_until_it_evicts() -> None:
+    r = migrate(MigrationSettings(attempts=5, backoff_s=0.5, backoff_max_s=8.0), busy_for=2)
+    assert (r.migration.outcome, r.migration.refusals) == ("done", 2)
+    assert r.sleeps.waits == [0.5, 1.0]
+    # Active on the target before the source was asked; requests went there meanwhile.
+    assert r.dst.calls == [("activate", "m")] and r.src.calls == [("evict", "m")] * 3
+    assert r.src.routable_while_busy == [["dst"], ["dst"]]
+    assert [n.node_id for n in r.reg.healthy("m")] == ["dst"]
+    assert not r.reg.get("src").leaving  # type: ignore[union-attr]
+    assert r.metrics.migrations.labels("done")._value.get() == 1
+    assert r.metrics.migration_retries._value.get() == 2
 
 
 def test_a_source_busy_through_every_attempt_abandons_the_move_explicitly() -> None:
-    async def run() -> None:
-        reg = NodeRegistry(heartbeat_timeout_s=60)
-        src = ScriptedNode("src", reg, ("m",), busy_for=100)
-        dst = ScriptedNode("dst", reg, ())
-        metrics, sleeps = SchedulerMetrics(), Sleeps()
-        async with nodes(src, dst) as channels:
-            mig = Migrator(reg, channels, MigrationSettings(attempts=4, backoff_s=1.0,
-                                                            backoff_max_s=2.0),
-                           metrics, sleep=sleeps)
-            m = await asyncio.wait_for(mig.run(Migration("m", "src", "dst")), 10)
-        assert (m.outcome, m.refusals) == ("abandoned", 4)
-        assert sleeps.waits == [1.0, 2.0, 2.0]  # (capped)
-        # The target's copy is evicted again: the model runs on its source alone, and
-        # the next round of Algorithm 1 sees it (it skips models on several nodes).
-        assert dst.calls == [("activate", "m"), ("evict", "m")]
-        assert [n.node_id for n in reg.healthy("m")] == ["src"]
-        assert not reg.get("src").leaving  # type: ignore[union-attr]
-        assert metrics.migrations.labels("abandoned")._value.get() == 1
-    asyncio.run(run())
+    r = migrate(MigrationSettings(attempts=4, backoff_s=1.0, backoff_max_s=2.0), busy_for=100)
+    assert (r.migration.outcome, r.migration.refusals) == ("abandoned", 4)
+    assert r.sleeps.waits == [1.0, 2.0, 2.0]  # (capped)
+    # The target's copy is evicted again: the model runs on its source alone, and the
+    # next round of Algorithm 1 sees it (it skips models on several nodes).
+    assert r.dst.calls == [("activate", "m"), ("evict", "m")]
+    assert [n.node_id for n in r.reg.healthy("m")] == ["src"]
+    assert not r.reg.get("src").leaving  # type: ignore[union-attr]
+    assert r.metrics.migrations.labels("abandoned")._value.get() == 1
 
 
 def test_a_target_that_cannot_activate_leaves_the_source_untouched() -> None:
-    async def run() -> None:
-        reg = NodeRegistry(heartbeat_timeout_s=60)
-        src = ScriptedNode("src", reg, ("m",))
-        dst = ScriptedNode("dst", reg, (), activates=False)
-        metrics = SchedulerMetrics()
-        async with nodes(src, dst) as channels:
-            mig = Migrator(reg, channels, MigrationSettings(), metrics, sleep=Sleeps())
-            m = await asyncio.wait_for(mig.run(Migration("m", "src", "dst")), 10)
-        assert m.outcome == "target_refused" and src.calls == []
-        assert metrics.migrations.labels("target_refused")._value.get() == 1
-    asyncio.run(run())
+    r = migrate(activates=False)
+    assert r.migration.outcome == "target_refused" and r.src.calls == []
+    assert r.metrics.migrations.labels("target_refused")._value.get() == 1
 
 
 def test_a_node_that_does_not_answer_fails_the_move_and_it_is_undone() -> None:
-    async def run() -> None:
-        reg = NodeRegistry(heartbeat_timeout_s=60)
-        src = ScriptedNode("src", reg, ("m",))
-        dst = ScriptedNode("dst", reg, ())
-        metrics = SchedulerMetrics()
-        async with nodes(src, dst) as channels:
-            src.address = "127.0.0.1:1"  # (nothing listens there)
-            src.register()
-            mig = Migrator(reg, channels, MigrationSettings(), metrics, sleep=Sleeps())
-            m = await asyncio.wait_for(mig.run(Migration("m", "src", "dst")), 30)
-        assert m.outcome == "failed" and dst.calls == [("activate", "m"), ("evict", "m")]
-        assert not reg.get("src").leaving  # type: ignore[union-attr]
-        assert metrics.migrations.labels("failed")._value.get() == 1
-    asyncio.run(run())
+    r = migrate(src_address="127.0.0.1:1")  # (nothing listens there)
+    assert r.migration.outcome == "failed"
+    assert r.dst.calls == [("activate", "m"), ("evict", "m")]
+    assert not r.reg.get("src").leaving  # type: ignore[union-attr]
+    assert r.metrics.migrations.labels("failed")._value.get() == 1
 
 
 def test_the_placement_round_records_every_move_and_its_outcome() -> None:
