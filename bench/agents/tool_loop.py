@@ -125,6 +125,7 @@ async def run_job(url: str, model: str, job: Job, turns: list[float]) -> float:
                   model=OpenAIResponsesModel(model=model, openai_client=client),
                   tools=[lookup], reset_tool_choice=False, tool_use_behavior=enough,
                   model_settings=ModelSettings(tool_choice="required", max_tokens=120,
+                                               parallel_tool_calls=False,
                                                temperature=0))
     t0 = time.monotonic()
     try:
@@ -149,6 +150,8 @@ def run_variant(name: str, model_path: Path, work: Path, jobs: list[int], reps: 
     out: dict[tuple[int, int], Sample] = {}
     with start_cluster(work / name, model_path, nodes=2, scheduler_flags=VARIANTS[name],
                        engine_flags={"device_memory_bytes": device_mb << 20,
+                                     # every job runs: compare the routing, not the queue limit
+                                     "max_queue_delay_s": 0.0,
                                      "offload.policy": "always"}) as cluster:
         model = cluster.model
         for n in jobs:

@@ -113,6 +113,8 @@ def run_variant(name: str, model_path: Path, work: Path, a: argparse.Namespace
     out: list[list[Run]] = []
     with start_cluster(work / name, model_path, nodes=2, scheduler_flags=VARIANTS[name],
                        engine_flags={"device_memory_bytes": a.device_mb << 20,
+                                     # every job runs: compare the routing, not the queue limit
+                                     "max_queue_delay_s": 0.0,
                                      "offload.policy": "always"}) as cluster:
 
         async def go() -> None:
