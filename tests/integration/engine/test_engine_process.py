@@ -15,8 +15,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shared.shm_file import SHM_DIR
 from shared.proto import common_pb2, engine_pb2, engine_pb2_grpc
+from shared.shm_file import SHM_DIR
 from tests.internal import sync_channel
 
 REPO = Path(__file__).resolve().parents[3]

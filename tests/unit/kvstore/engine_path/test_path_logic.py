@@ -100,8 +100,8 @@ def test_mapping_a_pool_populates_committed_pages_and_leaves_holes_alone() -> No
     import tempfile
     import uuid
 
-    from shared.shm_file import SHM_DIR
     from services.kvstore.engine_path.attach import _populate_committed
+    from shared.shm_file import SHM_DIR
 
     # Where the engine puts CPU pools: /dev/shm, else the temp dir (device.py).
     base = SHM_DIR if SHM_DIR.is_dir() else tempfile.gettempdir()
