@@ -15,20 +15,16 @@ from services.local_cluster import free_port
 from services.nodemgr.reuse_store import index_model
 from shared.model_catalog import ModelEntry, write_catalog
 from tests.cluster import Cluster, start_cluster
-from tests.integration.multimodel.reuse_models import alone, generate, write_models
+from tests.integration.multimodel.reuse_models import alone, generate
 from tests.integration.multimodel.reuse_models import gauges as scrape
 
 METRICS = free_port()
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return write_models(tmp_path_factory.mktemp("models"))
-
-
-@pytest.fixture(scope="module")
-def cluster(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+def cluster(fine_tunes: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
             ) -> Iterator[Cluster]:
+    models = fine_tunes
     work = tmp_path_factory.mktemp("reuse")
     catalog = write_catalog(work / "models.yaml", [
         ModelEntry("base", str(models["base"]), pin=True),
@@ -47,7 +43,8 @@ def gauges(cluster: Cluster) -> dict[str, float]:
 
 
 def test_shared_tensors_are_held_once_and_answers_match(cluster: Cluster,
-                                                        models: dict[str, Path]) -> None:
+                                                        fine_tunes: dict[str, Path]) -> None:
+    models = fine_tunes
     got = {m: generate(cluster, m) for m in ("a", "b")}
     ia, ib = (index_model(m, models[m], "float32") for m in ("a", "b"))
     shared = set(ia.unique()) & set(ib.unique())
@@ -62,7 +59,8 @@ def test_shared_tensors_are_held_once_and_answers_match(cluster: Cluster,
 
 
 def test_a_resident_model_comes_back_without_loading(cluster: Cluster,
-                                                     models: dict[str, Path]) -> None:
+                                                     fine_tunes: dict[str, Path]) -> None:
+    models = fine_tunes
     for m in ("a", "b"):
         generate(cluster, m)  # (both active, whatever ran before)
     generate(cluster, "c")  # evicts a (the loosest SLO): its tensors stay resident

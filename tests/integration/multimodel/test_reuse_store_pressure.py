@@ -15,20 +15,16 @@ from services.nodemgr.reuse_store import index_model
 from services.nodemgr.reuse_store.regions import aligned
 from shared.model_catalog import ModelEntry, write_catalog
 from tests.cluster import Cluster, start_cluster
-from tests.integration.multimodel.reuse_models import alone, generate, write_models
+from tests.integration.multimodel.reuse_models import alone, generate
 from tests.integration.multimodel.reuse_models import gauges as scrape
 
 METRICS = free_port()
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return write_models(tmp_path_factory.mktemp("models"))
-
-
-@pytest.fixture(scope="module")
-def cluster(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+def cluster(fine_tunes: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
             ) -> Iterator[Cluster]:
+    models = fine_tunes
     work = tmp_path_factory.mktemp("pressure")
     idx = {m: index_model(m, models[m], "float32") for m in ("a", "b", "c")}
     two = {**idx["a"].unique(), **idx["b"].unique()}
@@ -52,7 +48,8 @@ def gauges() -> dict[str, float]:
 
 
 def test_eviction_under_pressure_and_reload(cluster: Cluster,
-                                            models: dict[str, Path]) -> None:
+                                            fine_tunes: dict[str, Path]) -> None:
+    models = fine_tunes
     for m in ("a", "b"):
         generate(cluster, m)
     assert gauges()["reuse_evictions"] == 0

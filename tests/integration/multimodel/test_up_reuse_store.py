@@ -17,17 +17,13 @@ import yaml
 from bench.harness.up import overture_up
 from shared.model_catalog import ModelEntry
 from tests.cluster import Cluster
-from tests.integration.multimodel.reuse_models import alone, gauges, generate, write_models
+from tests.integration.multimodel.reuse_models import alone, gauges, generate
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return write_models(tmp_path_factory.mktemp("models"))
-
-
-@pytest.fixture(scope="module")
-def up(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+def up(fine_tunes: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
        ) -> Iterator[tuple[Cluster, int]]:
+    models = fine_tunes
     work = tmp_path_factory.mktemp("up")
     entries = [ModelEntry("a", str(models["a"]), ttft_slo_s=5.0),  # (evicted first)
                ModelEntry("b", str(models["b"]), ttft_slo_s=1.0),
@@ -47,7 +43,8 @@ def up(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 
 
 def test_up_with_a_catalogue_activates_through_the_store(up: tuple[Cluster, int],
-                                                          models: dict[str, Path]) -> None:
+                                                          fine_tunes: dict[str, Path]) -> None:
+    models = fine_tunes
     cluster, port = up
     assert generate(cluster, "a") == alone(models["a"])  # (its engine's private copy)
     assert gauges(port)["reuse_resident_bytes"] == 0
