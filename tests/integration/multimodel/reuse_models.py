@@ -6,8 +6,10 @@ nodemgr's reuse gauges."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,7 @@ from services.engine.async_engine import AsyncEngine
 from services.engine.config import EngineConfig
 from services.engine.model import write_demo_model
 from shared.model_catalog import ModelEntry, write_catalog
-from tests.cluster import Cluster
+from tests.cluster import Cluster, start_cluster
 
 PROMPT = "Tell me about the overture of an opera."
 GEN = 8
@@ -40,9 +42,24 @@ def write_unrelated(root: Path) -> dict[str, Path]:
 
 def catalogue(path: Path, models: dict[str, Path], slos: dict[str, float],
               **extra: ModelEntry) -> Path:
-    """A catalogue of ``models`` (in ``slos``' order) with their TTFT SLOs."""
-    return write_catalog(path, [ModelEntry(m, str(models[m]), ttft_slo_s=s)
-                                for m, s in slos.items()] + list(extra.values()))
+    """A catalogue of ``extra``'s entries, then ``models`` (in ``slos``' order) with their
+    TTFT SLOs."""
+    return write_catalog(path, list(extra.values()) + [
+        ModelEntry(m, str(models[m]), ttft_slo_s=s) for m, s in slos.items()])
+
+
+@contextlib.contextmanager
+def store_cluster(work: Path, models: dict[str, Path], arena_bytes: int,
+                  metrics_port: int) -> Iterator[Cluster]:
+    """One node with a Reuse Store of ``arena_bytes``: ``base`` pinned in its first engine,
+    two standby engines for the fine-tunes (``a`` the loosest SLO, evicted first)."""
+    catalog = catalogue(work / "models.yaml", models, {"a": 5.0, "b": 1.0, "c": 1.0},
+                        base=ModelEntry("base", str(models["base"]), pin=True))
+    with start_cluster(work, models["base"], pool_engines=2, models_config=catalog,
+                       nodemgr_flags={"evict_idle_s": 0, "reuse_store_bytes": arena_bytes,
+                                      "weights_dtype": "float32",
+                                      "metrics_port": metrics_port}) as c:
+        yield c
 
 
 def alone(path: Path, gen: int = GEN) -> list[int]:

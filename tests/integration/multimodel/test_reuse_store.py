@@ -13,9 +13,8 @@ import pytest
 
 from services.local_cluster import free_port
 from services.nodemgr.reuse_store import index_model
-from shared.model_catalog import ModelEntry, write_catalog
-from tests.cluster import Cluster, start_cluster
-from tests.integration.multimodel.reuse_models import alone, generate
+from tests.cluster import Cluster
+from tests.integration.multimodel.reuse_models import alone, generate, store_cluster
 from tests.integration.multimodel.reuse_models import gauges as scrape
 
 METRICS = free_port()
@@ -26,15 +25,7 @@ def cluster(fine_tunes: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
             ) -> Iterator[Cluster]:
     models = fine_tunes
     work = tmp_path_factory.mktemp("reuse")
-    catalog = write_catalog(work / "models.yaml", [
-        ModelEntry("base", str(models["base"]), pin=True),
-        ModelEntry("a", str(models["a"]), ttft_slo_s=5.0),
-        ModelEntry("b", str(models["b"]), ttft_slo_s=1.0),
-        ModelEntry("c", str(models["c"]), ttft_slo_s=1.0)])
-    with start_cluster(work, models["base"], pool_engines=2, models_config=catalog,
-                       nodemgr_flags={"evict_idle_s": 0, "reuse_store_bytes": 16 << 20,
-                                      "weights_dtype": "float32",
-                                      "metrics_port": METRICS}) as c:
+    with store_cluster(work, models, 16 << 20, METRICS) as c:
         yield c
 
 

@@ -13,9 +13,8 @@ import pytest
 from services.local_cluster import free_port
 from services.nodemgr.reuse_store import index_model
 from services.nodemgr.reuse_store.regions import aligned
-from shared.model_catalog import ModelEntry, write_catalog
-from tests.cluster import Cluster, start_cluster
-from tests.integration.multimodel.reuse_models import alone, generate
+from tests.cluster import Cluster
+from tests.integration.multimodel.reuse_models import alone, generate, store_cluster
 from tests.integration.multimodel.reuse_models import gauges as scrape
 
 METRICS = free_port()
@@ -31,15 +30,7 @@ def cluster(fine_tunes: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
     own_c = {k: n for k, n in idx["c"].unique().items() if k not in two}
     # a and b fit together; c's own tensors need half again what is left.
     arena = sum(aligned(n) for n in two.values()) + sum(aligned(n) for n in own_c.values()) // 2
-    catalog = write_catalog(work / "models.yaml", [
-        ModelEntry("base", str(models["base"]), pin=True),
-        ModelEntry("a", str(models["a"]), ttft_slo_s=5.0),
-        ModelEntry("b", str(models["b"]), ttft_slo_s=1.0),
-        ModelEntry("c", str(models["c"]), ttft_slo_s=1.0)])
-    with start_cluster(work, models["base"], pool_engines=2, models_config=catalog,
-                       nodemgr_flags={"evict_idle_s": 0, "reuse_store_bytes": arena // 64 * 64
-                                      + 64 * 64, "weights_dtype": "float32",
-                                      "metrics_port": METRICS}) as c:
+    with store_cluster(work, models, arena // 64 * 64 + 64 * 64, METRICS) as c:
         yield c
 
 
