@@ -100,7 +100,7 @@ class Sample:
     ttft: float | None = None
     ended: float = 0.0
     status: int = 0  # HTTP status (0: the connection failed)
-    cold: bool = False  # it waited for its model's activation (usage.model_activation_s)
+    activation_s: float = 0.0  # > 0: it waited this long for its model's activation
 
 
 async def replay(url: str, reqs: list[tuple[float, str]], seed: int, shape: Shape
@@ -127,7 +127,8 @@ async def replay(url: str, reqs: list[tuple[float, str]], seed: int, shape: Shap
                     if first is None and line.startswith(b"data: {"):
                         first = time.monotonic() - t0
                     if b'"model_activation_s"' in line:  # (the usage chunk, at the end)
-                        s.cold = True
+                        usage = json.loads(line[len(b"data: "):])["usage"]
+                        s.activation_s = float(usage["model_activation_s"])
         except aiohttp.ClientError:
             return
         s.ttft, s.ended = first, time.monotonic() - start

@@ -10,10 +10,11 @@ req/s with 4 phases every system met 100%). So the load grows from ``--start`` b
 ``--growth`` until the baseline (the first system) replays a trace under 99%; every
 system then replays ``--reps`` traces at that load, in a rotated order per repetition
 (same trace and seed for all in a repetition). Reported per system with 95% intervals:
-attainment, and the p95 TTFT of the cold starts (requests that waited for their model's
-activation: ``usage.model_activation_s``); then the baseline's cold-start p95 over each
-other system's, paired per repetition. Every system's cluster stays up through the run,
-so the store's residency carries over from one replay to the next, as it would serving.
+attainment, the p95 TTFT of the cold starts (requests that waited for their model's
+activation: ``usage.model_activation_s``) and the median activation they waited for;
+then the baseline's cold-start p95 over each other system's, paired per repetition.
+Every system's cluster stays up through the run, so the store's residency carries over
+from one replay to the next, as it would serving.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class Rep:
     attainment: float
     cold: int  # cold starts (requests that waited for an activation)
     cold_p95: float  # their p95 TTFT (nan: none)
+    activation_s: float  # the median activation they waited for (nan: none)
 
 
 def p95(xs: Sequence[float]) -> float:
@@ -54,8 +56,10 @@ def p95(xs: Sequence[float]) -> float:
 def measure(samples: list[Sample], seconds: float, slo: dict[str, float], system: str,
             load: float) -> Rep:
     r = summarize(system, load, samples, seconds, slo)
-    cold = [s.ttft for s in samples if s.cold and s.ttft is not None]
-    return Rep(r.attainment, len(cold), p95(cold))
+    cold = [s for s in samples if s.activation_s > 0 and s.ttft is not None]
+    waits = sorted(s.activation_s for s in cold)
+    return Rep(r.attainment, len(cold), p95([s.ttft for s in cold if s.ttft is not None]),
+               waits[len(waits) // 2] if waits else math.nan)
 
 
 def run(systems: list[str], paths: dict[str, Path], work: Path, shape: Shape, *,
@@ -75,8 +79,9 @@ def run(systems: list[str], paths: dict[str, Path], work: Path, shape: Shape, *,
             samples, seconds = asyncio.run(replay(clusters[system].url, reqs, seed, shape))
             rep = measure(samples, seconds, slo, system, load)
             print(f"  {system:10} load {load:5.2f}/s seed {seed}: attainment "
-                  f"{rep.attainment:6.1%}, {rep.cold} cold starts, p95 "
-                  f"{rep.cold_p95:.3f} s", flush=True)
+                  f"{rep.attainment:6.1%}, {rep.cold} cold starts, p95 TTFT "
+                  f"{rep.cold_p95:.3f} s, median activation {rep.activation_s:.3f} s",
+                  flush=True)
             return rep
 
         base = systems[0]
@@ -104,12 +109,15 @@ def report(got: dict[str, list[Rep]], base: str, load: float,
                                          if below else f"the baseline ({base}) held 99% up "
                                          "to the highest load tried"),
              "", "| system | attainment (mean [95% CI]) | cold starts per replay | "
-             "cold-start p95 TTFT, s |", "| --- | --- | --- | --- |"]
+             "cold-start p95 TTFT, s | median activation waited, s |",
+             "| --- | --- | --- | --- | --- |"]
     for system, reps in got.items():
         p = [r.cold_p95 for r in reps if not math.isnan(r.cold_p95)]
+        a = [r.activation_s for r in reps if not math.isnan(r.activation_s)]
         lines.append(f"| {system} | {_pct(mean_interval([r.attainment for r in reps]))} | "
                      f"{sum(r.cold for r in reps) / len(reps):.1f} | "
-                     f"{mean_interval(p).fmt(digits=3) if p else 'none'} |")
+                     f"{mean_interval(p).fmt(digits=3) if p else 'none'} | "
+                     f"{mean_interval(a).fmt(digits=3) if a else 'none'} |")
     b = got[base]
     for system, reps in got.items():
         if system == base:
