@@ -33,6 +33,7 @@ from services.local_cluster import (
     cluster_specs,
     has_catalog,
     node_ledgers,
+    reuse_store_flags,
     write_file_sd,
 )
 from services.models.catalog import DEFAULT_MODEL, PACKAGED, ModelNotFound
@@ -120,6 +121,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     if more:
         print(f"{len(chosen)} models on every node, sharing {args.node_memory >> 20} MiB of "
               "device memory a node", flush=True)
+    models_config = catalog if catalog and has_catalog(catalog) else None
+    store, why = reuse_store_flags(dt, args.node_memory, args.config)
+    if models_config:
+        print(f"overture up: {why}", flush=True)
     specs, url = cluster_specs(
         anonymous=anonymous,
         s3=s3,
@@ -130,7 +135,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         served_name=served,
         more_models=more,
         ledgers=ledgers,
-        models_config=catalog if catalog and has_catalog(catalog) else None,
+        models_config=models_config,
+        reuse_store=store,
         config=args.config,
         # The SSD tier is on by default, under .overture/<node>/, unless the YAML places it.
         state_dir=None if _yaml_section_value(args.config, "kvstore", "ssd_path") else STATE_DIR,
@@ -299,7 +305,7 @@ def _parser() -> argparse.ArgumentParser:
         type=_size,
         default=2 << 30,
         help="device memory a node's engines share when it serves several models (weights "
-        "and KV) [default: 2GiB]",
+        "and KV; with a catalogue also the cap of its Reuse Store) [default: 2GiB]",
     )
     up.add_argument(
         "--size",

@@ -27,6 +27,7 @@ from shared.model_catalog import ModelEntry, write_catalog
 # before the child binds it.
 _PORTS = range(20000, 32000)
 _handed_out: set[int] = set()
+QUANTIZED = ("q4", "q8_0")  # engine dtypes that keep integer codes, not float tensors
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -75,6 +76,7 @@ def cluster_specs(
     cores: list[tuple[int, ...]] | None = None,
     anonymous: bool = False,
     metrics: bool = True,
+    reuse_store: dict[str, object] | None = None,
 ) -> tuple[list[ChildSpec], str]:
     """Commands for a scheduler plus ``nodes`` nodes; returns them and the public URL.
     With ``state_dir`` each node's kvstore keeps its SSD tier in ``state_dir/<node>/``;
@@ -84,7 +86,8 @@ def cluster_specs(
     every node also runs an engine for each, all of a node's engines sharing one device
     budget through its ledger in ``ledgers[i]`` (Prism §5.1). ``metrics``: every service
     serves Prometheus /metrics on a free port of its own (the scheduler on its HTTP port),
-    named in its spec and told to the scheduler by each nodemgr (``GET /admin/nodes``)."""
+    named in its spec and told to the scheduler by each nodemgr (``GET /admin/nodes``).
+    ``reuse_store``: every nodemgr's Reuse Store flags (``reuse_store_flags``)."""
     grpc_port = free_port(host)
     specs = []
     if s3 is not None:
@@ -96,6 +99,9 @@ def cluster_specs(
             service_command(
                 "scheduler", {"host": host, "port": http_port, "grpc_port": grpc_port,
                               **({"anonymous": "true"} if anonymous else {}),
+                              # (routes a catalogue model active nowhere to a node that
+                              # activates it, and places models: Prism, Tangram §3.4)
+                              **({"models_config": models_config} if models_config else {}),
                               **_scheduler_state(state_dir, s3)}, config
             ),
             metrics=f"{host}:{http_port}" if metrics else "",
@@ -155,6 +161,7 @@ def cluster_specs(
             nm_flags["device_ledger"] = str(ledgers[i])
         if models_config:
             nm_flags["models_config"] = models_config
+            nm_flags.update(reuse_store or {})
         if metrics:
             nm_flags["metrics_targets"] = ",".join(f"{k}={v}" for k, v in targets.items())
             nm_flags["metrics_port"] = port = free_port(host)
@@ -201,6 +208,26 @@ def catalog_file(config: str | None, served: list[tuple[str, str]], state_dir: P
     state_dir.mkdir(parents=True, exist_ok=True)
     return str(write_catalog(state_dir / "models.yaml",
                              [ModelEntry(name, path) for path, name in served]))
+
+
+def reuse_store_flags(dtype: str, node_memory: int, config: str | None
+                      ) -> tuple[dict[str, object], str]:
+    """The nodemgr flags that turn the Reuse Store on for a node with a catalogue (it may
+    serve more than one model), and a line saying why or why not. Sized to the node's device
+    budget: the arena is sparse (pages are committed only for resident tensors) and those
+    count in the node's ledger, so the cap never lets weights hold more than the node has,
+    and KV takes memory back by the broker's rules (Tangram §3.3). Off for a quantized
+    engine (q4 / q8_0 keep their own integer codes; the store holds float tensors), and
+    left to the YAML file when it sets ``nodemgr.reuse_store_bytes`` itself."""
+    section = (load_yaml(config).get("nodemgr") or {}) if config else {}
+    if isinstance(section, dict) and "reuse_store_bytes" in section:
+        return {}, "Reuse Store: as nodemgr.reuse_store_bytes in the config says"
+    if dtype in QUANTIZED:
+        return {}, (f"Reuse Store: off (the engines serve {dtype} weights; the store holds "
+                    "float tensors)")
+    return ({"reuse_store_bytes": node_memory, "weights_dtype": dtype},
+            f"Reuse Store: on, up to {node_memory >> 20} MiB of {dtype} weights a node, "
+            "shared across models and kept resident after eviction")
 
 
 def node_ledgers(nodes: int, budget_bytes: int) -> list[Path]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.multimodel.page_cache import drop_from_page_cache, read_into_page_cache
 from services.engine.api_types import GenerateRequest, SamplingParams
 from services.engine.async_engine import AsyncEngine
 from services.engine.config import EngineConfig
@@ -35,6 +35,7 @@ import asyncio, sys, time
 t0 = float(sys.argv[1])
 from services.engine.async_engine import AsyncEngine
 from services.engine.config import EngineConfig
+from bench.multimodel.page_cache import drop_from_page_cache, read_into_page_cache
 from services.engine.api_types import GenerateRequest, SamplingParams
 async def main():
     cfg = EngineConfig(model_path=sys.argv[2], dtype=sys.argv[3], device_memory_bytes=256 << 20)
@@ -45,23 +46,6 @@ async def main():
         print(time.time() - t0)
 asyncio.run(main())
 """
-
-
-def drop_from_page_cache(folder: Path) -> None:
-    for f in folder.glob("*.safetensors"):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def read_into_page_cache(folder: Path) -> None:
-    for f in folder.glob("*.safetensors"):
-        with f.open("rb") as fh:
-            while fh.read(16 << 20):
-                pass
 
 
 def new_process(model: Path, dtype: str) -> float:

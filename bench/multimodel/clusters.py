@@ -1,7 +1,7 @@
 """The multi-model benchmark's clusters: the demo models (two sizes, each with its TTFT
 SLO), the shape of the requests and of a node's KV room, and the ``start_cluster``
-arguments of each system (prism, static, static-dl, swap) on two nodes. ``load`` replays
-its trace on them; ``bench.cluster.idle_cost`` measures them idle.
+arguments of each system (prism, static, static-dl, swap, pool, pool-store) on two nodes.
+``load`` and ``search`` replay their traces on them; ``bench.cluster.idle_cost`` measures them idle.
 """
 
 from __future__ import annotations
@@ -42,6 +42,10 @@ class Shape:
     # buffer per engine, part of Prism's policy): room for a 2-layer model's prompt (~19
     # pages; a 4-layer one's needs ~38). 0 = none.
     kv_reserve_pages: int = 24
+    # pool, pool-store: engines a node runs for the four models (the first model's, the
+    # rest standby): fewer than the models, so models are evicted and activated (cold
+    # starts), as in Prism's engine pool (§5.2).
+    pool: int = 2
 
 
 def write_models(work: Path, count: int = len(MODELS)) -> dict[str, Path]:
@@ -81,6 +85,17 @@ def cluster_setup(system: str, paths: dict[str, Path], work: Path, shape: Shape
               "engine_flags": {"page_bytes": PAGE, "device_memory_bytes": share,
                                **threads, **serve_all},
               "nodemgr_flags": {} if system == "static-dl" else {"admission_depth": 0}}
+    elif system in ("pool", "pool-store"):
+        # Prism's node (shared budget, reserve, deadline queue, placement) with an engine
+        # pool smaller than the catalogue; pool-store adds the Reuse Store (Tangram §3.1),
+        # sized to the budget (as `overture up` sizes it): an evicted model's tensors stay
+        # resident while KV does not need the memory, and its next activation maps them.
+        store = ({"reuse_store_bytes": budget, "weights_dtype": "float32"}
+                 if system == "pool-store" else {})
+        kw = {"pool_engines": shape.pool - 1, "node_memory": budget, "models_config": catalog,
+              "engine_flags": {"page_bytes": PAGE, "device_memory_bytes": kv_room, **threads,
+                               "kv_reserve_bytes": shape.kv_reserve_pages * PAGE},
+              "nodemgr_flags": {"evict_idle_s": 0, **store}}
     else:  # swap: one engine a node, the whole budget for the model in it
         kw = {"models_config": catalog, "node_memory": budget,
               "engine_flags": {"page_bytes": PAGE, "device_memory_bytes": kv_room,

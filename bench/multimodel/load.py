@@ -2,6 +2,7 @@
 
     python -m bench.multimodel.load [--loads 4,8,12] [--phase-s 8] [--phases 8] [--quick]
         [--systems prism,static,swap] [--models 4]
+    python -m bench.multimodel.search ...   (pool against pool-store, searching the load)
 
 Four demo models of two sizes (two `tiny`, two `tiny-deep`, float32) on two local nodes. A
 node's device budget holds every model's weights and room for KV that the hot model could
@@ -21,6 +22,9 @@ per second over the cluster). Three systems serve it:
   as activation here gets), and waits for that.
 - static-dl (an ablation, with ``--systems``): static's fixed shares behind prism's node
   queue ordered by deadline (Algorithm 2): what elastic memory adds by itself.
+- pool, pool-store (``bench.multimodel.search``'s defaults): prism's node with ``--pool``
+  engines for the four models, which are evicted and activated (cold starts), without
+  and with the node's Reuse Store (Tangram).
 
 No system refuses a request for being late: prism serves the ones Algorithm 2 cannot
 save after the others (issue 24), and the baselines' engines queue them as a server of
@@ -75,7 +79,8 @@ def trace(load: float, phase_s: float, phases: int, seed: int, names: list[str]
     """(send time, model): Poisson arrivals at ``load``/s; in phase k model k % 4 (of four
     ``names``) is hot (70% of the requests), the others share the rest."""
     rnd = random.Random(seed)
-    out, t = [], 0.0
+    out: list[tuple[float, str]] = []
+    t = 0.0
     while True:
         t += rnd.expovariate(load)
         phase = int(t // phase_s)
@@ -95,6 +100,7 @@ class Sample:
     ttft: float | None = None
     ended: float = 0.0
     status: int = 0  # HTTP status (0: the connection failed)
+    activation_s: float = 0.0  # > 0: it waited this long for its model's activation
 
 
 async def replay(url: str, reqs: list[tuple[float, str]], seed: int, shape: Shape
@@ -108,7 +114,8 @@ async def replay(url: str, reqs: list[tuple[float, str]], seed: int, shape: Shap
         await asyncio.sleep(max(0.0, start + s.at - time.monotonic()))
         words = " ".join(rnd.choice(NOUNS) for _ in range(shape.prompt_words))
         body = {"model": s.model, "prompt": words, "max_tokens": shape.gen,
-                "temperature": 0, "ignore_eos": True, "stream": True}
+                "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
         t0 = time.monotonic()
         first = None
         try:
@@ -119,6 +126,9 @@ async def replay(url: str, reqs: list[tuple[float, str]], seed: int, shape: Shap
                 async for line in r.content:
                     if first is None and line.startswith(b"data: {"):
                         first = time.monotonic() - t0
+                    if b'"model_activation_s"' in line:  # (the usage chunk, at the end)
+                        usage = json.loads(line[len(b"data: "):])["usage"]
+                        s.activation_s = float(usage["model_activation_s"])
         except aiohttp.ClientError:
             return
         s.ttft, s.ended = first, time.monotonic() - start
@@ -240,11 +250,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gen", type=int, default=Shape.gen)
     ap.add_argument("--engine-threads", type=int, default=Shape.engine_threads)
     ap.add_argument("--kv-reserve-pages", type=int, default=Shape.kv_reserve_pages)
+    ap.add_argument("--pool", type=int, default=Shape.pool,
+                    help="pool, pool-store: engines a node runs (fewer than the models)")
     args = ap.parse_args(argv)
     loads = [4.0, 8.0] if args.quick else [float(x) for x in args.loads.split(",")]
     phase_s, phases = (8.0, 4) if args.quick else (args.phase_s, args.phases)
     shape = Shape(args.kv_pages, args.prompt_words, args.gen, args.engine_threads,
-                  args.kv_reserve_pages)
+                  args.kv_reserve_pages, args.pool)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         paths = write_models(work, args.models)

@@ -32,29 +32,13 @@ from pathlib import Path
 import torch
 
 from bench.eval.stats import goal_at_least, mean_interval, paired_ratio
+from bench.multimodel.page_cache import drop_from_page_cache, read_into_page_cache
 from services.engine.model import load_model, write_demo_model
 from services.engine.model.mapped import StoredTensor, StoredWeights, load_mapped
 from services.nodemgr.reuse_store import ModelIndex, ReuseStore, ShmArena, index_model
 
 DTYPE = "float32"  # served dtype: a bf16 checkpoint is converted, as engines do on CPU
 VARIANTS = ("disk", "host", "store 0%", "store 50%", "store 100%")
-
-
-def drop_cache(folder: Path) -> None:
-    for f in folder.glob("*.safetensors"):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def warm_cache(folder: Path) -> None:
-    for f in folder.glob("*.safetensors"):
-        with f.open("rb") as fh:
-            while fh.read(16 << 20):
-                pass
 
 
 def activate(store: ReuseStore, model: str, path: Path) -> torch.nn.Module:
@@ -84,14 +68,14 @@ class Bench:
         """Seconds of one activation of m1 in ``variant`` (its set-up untimed)."""
         path = self.models["m1"]
         if variant in ("disk", "host"):
-            (drop_cache if variant == "disk" else warm_cache)(path)
+            (drop_from_page_cache if variant == "disk" else read_into_page_cache)(path)
             started = time.perf_counter()
             loaded = load_model(path, dtype=torch.float32)
             seconds = time.perf_counter() - started
             del loaded
             gc.collect()
             return seconds
-        warm_cache(path)
+        read_into_page_cache(path)
         store = self.store()
         try:
             before = {"store 50%": "m2", "store 100%": "m1"}.get(variant)

@@ -115,6 +115,19 @@ class CudaMemory:
         self.tensor = torch.empty(0, dtype=torch.uint8)
 
 
+def map_weight_arena(path: str, nbytes: int) -> torch.Tensor:
+    """The node's Reuse Store arena (Tangram §3.1) as a flat uint8 tensor this engine views
+    its weights in: on CPU the nodemgr's shared-memory file mapped shared; a path
+    ``cuda:<dev>@<socket>`` is the nodemgr's CUDA arena, its granules imported
+    (``cuda_weights.py``, untested: no GPU here)."""
+    if path.startswith("cuda:"):
+        from .cuda_weights import import_arena  # lazy: cuda-python only where CUDA is
+
+        return import_arena(path, nbytes)
+    storage = torch.UntypedStorage.from_file(path, True, nbytes)
+    return torch.empty(0, dtype=torch.uint8).set_(storage)  # type: ignore[arg-type]
+
+
 def allocate_pool_memory(device: str, nbytes: int, elastic: bool = False) -> PoolMemory:
     """The pool memory for ``device`` ("cpu" or "cuda[:n]"); ``elastic`` on CUDA: pages
     backed on demand with the virtual memory API (``cuda_vmm.py``, untested: no GPU here)."""

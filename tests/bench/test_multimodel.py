@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from bench.multimodel import activation, load, model_loading
+from bench.multimodel import activation, load, model_loading, search
 
 
 @pytest.mark.slow
@@ -24,6 +24,24 @@ def test_load_attainment(capsys: pytest.CaptureFixture[str],
     assert "| load (req/s) | prism attainment | prism req/s |" in out
     assert re.search(r"^\| 2 \| [\d.]+% \| [\d.]+ \|$", out, re.M), out
     assert "goals: not judged" in out
+
+
+@pytest.mark.slow
+def test_search_with_the_reuse_store(capsys: pytest.CaptureFixture[str],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    # Two models, one engine a node (so they take turns: cold starts), one load, two
+    # repetitions of one short phase.
+    search.main(["--models", "2", "--pool", "1", "--start", "2", "--max-load", "2",
+                 "--reps", "2", "--phases", "1", "--phase-s", "2", "--prompt-words", "20",
+                 "--gen", "4"])
+    out = capsys.readouterr().out
+    assert re.search(r"^load chosen: 2/s \(baseline pool: 2/s [\d.]+%\)$", out, re.M), out
+    assert "| system | attainment (mean [95% CI]) |" in out
+    for system in ("pool", "pool-store"):
+        assert re.search(rf"^\| {system} \| [\d.]+% \[", out, re.M), out
+    assert re.search(r"^pool-store vs pool: attainment (no difference|lower|higher)", out,
+                     re.M), out
 
 
 def test_activation_against_a_new_process(capsys: pytest.CaptureFixture[str]) -> None:

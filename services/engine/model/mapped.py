@@ -19,6 +19,7 @@ import torch
 
 from shared.weight_layout import DTYPE_BYTES, engine_tensors
 
+from ..device import map_weight_arena
 from .errors import LoaderError
 from .fingerprint import model_fingerprint
 from .llama import LlamaModel
@@ -85,8 +86,7 @@ def load_mapped(path: str | Path, stored: StoredWeights, dtype: torch.dtype,
     shapes = {n: f.tensors[n].shape for f in files for n in f.tensors}
     layout = {t.name: t for t in engine_tensors(shapes, cfg.num_layers,
                                                 cfg.tie_word_embeddings)}
-    storage = torch.UntypedStorage.from_file(stored.arena, True, stored.arena_bytes)
-    arena = torch.empty(0, dtype=torch.uint8).set_(storage)  # type: ignore[arg-type]
+    arena = map_weight_arena(stored.arena, stored.arena_bytes)  # (the device seam)
     views: dict[str, torch.Tensor] = {}
     filled, fill_s = 0, 0.0
     for t in stored.tensors:

@@ -10,14 +10,21 @@ only what resident tensors need, as the CPU arena's sparse file does).
     handles(): (offset, fd) per granule, for an engine to cuMemImportFromShareableHandle
                and map at the same offsets of its own reservation
 
-UNTESTED: no machine this project runs on has a GPU. What is missing for a CUDA node:
-the engine side (importing the granules' fds, received over a Unix socket with
-SCM_RIGHTS, into its own reservation, and viewing tensors there as ``mapped.py`` does on
-CPU); until then a CUDA node runs without the store (``reuse_store_bytes: 0``).
+    serve_handles(socket): the fds, over a Unix socket (SCM_RIGHTS), to each engine that
+               asks; the arena's path becomes "cuda:<dev>@<socket>", which the engine's
+               ``services/engine/cuda_weights.py:import_arena`` maps
+
+UNTESTED: no machine this project runs on has a GPU. What is missing for a CUDA node: the
+nodemgr choosing this arena over the shared-memory one (``reuse_store/setup.py`` opens
+``ShmArena``); until then a CUDA node runs without the store (``reuse_store_bytes: 0``).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import threading
 from typing import Any
 
 
@@ -97,10 +104,45 @@ class CudaVmmArena:
         return [(off, int(_check(self._drv.cuMemExportToShareableHandle(h, fd_type, 0))))
                 for off, h in sorted(self._handles.items())]
 
+    def serve_handles(self, sock_path: str) -> None:
+        """Answer engines on the Unix socket ``sock_path`` (a thread): per connection a
+        JSON line {"granule", "offsets"}, then each granule's fd in that order."""
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(sock_path)
+        server.listen()
+        self._server = server
+        self.path = f"{self.path.partition('@')[0]}@{sock_path}"
+
+        def loop() -> None:
+            while True:
+                try:
+                    conn, _ = server.accept()
+                except OSError:  # (closed)
+                    return
+                with conn:
+                    shared = self.handles()
+                    try:
+                        conn.sendall(json.dumps({"granule": self.granule, "offsets": [
+                            off for off, _ in shared]}).encode() + b"\n")
+                        fds = [fd for _, fd in shared]
+                        for i in range(0, len(fds), 250):  # (SCM_MAX_FD is 253)
+                            socket.send_fds(conn, [b"f"], fds[i:i + 250])
+                    except OSError:
+                        pass  # (the engine went away: its activation fails on its side)
+                    finally:
+                        for _, fd in shared:
+                            os.close(fd)
+
+        threading.Thread(target=loop, name="weight-arena-handles", daemon=True).start()
+
     def resident_bytes(self) -> int:
         return len(self._handles) * self.granule
 
     def close(self) -> None:
+        server = getattr(self, "_server", None)
+        if server is not None:
+            server.close()
+            os.unlink(server.getsockname())
         for off in list(self._handles):
             _check(self._drv.cuMemUnmap(self._va + off, self.granule))
             _check(self._drv.cuMemRelease(self._handles.pop(off)))

@@ -63,7 +63,10 @@ def estimate(model: str, node: Node, total_bytes: int, fallback_bytes_per_s: flo
     """GetReuseSize (line 7) and EstimateLoadTime (line 8) of ``model`` on ``node``.
     ``total_bytes``: S when the node does not report the model (0: unknown)."""
     r = node.load.residency_of(model)
-    total = max(r.total_bytes if r is not None else 0, total_bytes)
+    # The node's own account when it gives one: a Reuse Store counts the model's distinct
+    # engine tensors in the serving dtype, which differ from its files' bytes (headers,
+    # dtype, identical tensors held once); S' and S must be in the same units.
+    total = r.total_bytes if r is not None and r.total_bytes else total_bytes
     if r is not None and r.active:
         missing = 0
     else:

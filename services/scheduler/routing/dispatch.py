@@ -44,7 +44,7 @@ from services.scheduler.cluster import (
     ToolCallSessions,
 )
 from services.scheduler.metrics import SchedulerMetrics
-from services.scheduler.placement import ModelRates, best_node
+from services.scheduler.placement import ActivationQueue, ModelRates
 from services.scheduler.routing.kv_source import node_request
 from services.scheduler.routing.plan import RoutePlan, RouteRequest
 from services.scheduler.routing.policy import Policy
@@ -117,6 +117,7 @@ class Dispatcher:
         # Models the cluster may serve though no node runs them now (shared/model_catalog).
         self.catalog = {m.name: m for m in catalog}
         self.rates = ModelRates()  # requests per model (the placement's r_j)
+        self.activations = ActivationQueue()  # evicted models' requests (Tangram §3.4)
         self.policy = policy
         self.channels = channels
         self.settings = settings
@@ -163,8 +164,11 @@ class Dispatcher:
                     if n.node_id not in behind and not self.registry.behind(n)]
             if healthy and not free:
                 raise self._overloaded(route.model)
-            if evicted:  # the node of least expected load time activates it (Tangram §3.4)
-                chosen = best_node(route.model, free, self.catalog_bytes(route.model))
+            if evicted:  # Algorithm 2 over the queue of activations (Tangram §3.4)
+                chosen = self.activations.choose(
+                    route.model, free, self.catalog_bytes, lambda m: bool(
+                        self.registry.healthy(m)), wait=deadline - self._loop_time()
+                    > self.settings.no_node_wait_s / 2)
                 free = [chosen.node] if chosen is not None else []
                 if chosen is not None and self.metrics is not None:
                     self.metrics.affinity_choices.labels("request", chosen.reuse).inc()

@@ -6,77 +6,37 @@ answers what an engine of its model alone answers."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from services.engine.api_types import GenerateRequest, SamplingParams
-from services.engine.async_engine import AsyncEngine
-from services.engine.config import EngineConfig
-from services.engine.model import write_demo_model
-from shared.model_catalog import ModelEntry, write_catalog
+from shared.model_catalog import ModelEntry
 from tests.cluster import Cluster, start_cluster
-
-PROMPT = "Tell me about the overture of an opera."
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("models")
-    return {name: write_demo_model(root / name, size="tiny", seed=seed)
-            for name, seed in (("alpha", 1), ("beta", 2), ("gamma", 3))}
-
-
-def alone(path: Path) -> list[int]:
-    async def run() -> list[int]:
-        cfg = EngineConfig(model_path=str(path), dtype="float32", device_memory_bytes=8 << 20)
-        async with AsyncEngine(cfg) as eng:
-            req = GenerateRequest(prompt=PROMPT, sampling=SamplingParams(max_tokens=8,
-                                                                         ignore_eos=True))
-            return [t async for o in eng.generate(req) for t in o.token_ids]
-    return asyncio.run(run())
+from tests.integration.multimodel.reuse_models import (
+    PROMPT,
+    alone,
+    catalogue,
+    generate,
+    states,
+    wait_states,
+)
 
 
 @pytest.fixture(scope="module")
-def cluster(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+def cluster(unrelated: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
             ) -> Iterator[Cluster]:
-    work = tmp_path_factory.mktemp("activation")
-    catalog = write_catalog(work / "models.yaml", [
-        ModelEntry("alpha", str(models["alpha"]), ttft_slo_s=1.0),
-        ModelEntry("beta", str(models["beta"]), ttft_slo_s=5.0),
-        ModelEntry("gamma", str(models["gamma"]), ttft_slo_s=2.0),
-        ModelEntry("broken", str(work / "no-such-model"))])
+    work, models = tmp_path_factory.mktemp("activation"), unrelated
+    catalog = catalogue(work / "models.yaml", models, {"alpha": 1.0, "beta": 5.0, "gamma": 2.0},
+                        broken=ModelEntry("broken", str(work / "no-such-model")))
     with start_cluster(work, models["alpha"], pool_engines=1, models_config=catalog,
                        nodemgr_flags={"evict_idle_s": 0}) as c:
         yield c
 
 
-def states(cluster: Cluster) -> dict[str, str]:
-    status, body = cluster.get("/v1/models")
-    assert status == 200, body
-    return {m["id"]: m["state"] for m in body["data"]}
-
-
-def wait_states(cluster: Cluster, want: dict[str, str], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while states(cluster) != want:
-        assert time.monotonic() < deadline, (states(cluster), cluster.logs())
-        time.sleep(0.1)
-
-
-def generate(cluster: Cluster, model: str) -> list[int]:
-    status, body = cluster.post("/v1/completions", {
-        "model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
-        "ignore_eos": True, "return_token_ids": True})
-    assert status == 200, (body, cluster.logs())
-    return body["choices"][0]["token_ids"]
-
-
 def test_models_are_activated_on_their_first_request(cluster: Cluster,
-                                                     models: dict[str, Path]) -> None:
+                                                     unrelated: dict[str, Path]) -> None:
+    models = unrelated
     wait_states(cluster, {"alpha": "active", "beta": "evicted", "gamma": "evicted",
                           "broken": "evicted"})
     assert generate(cluster, "beta") == alone(models["beta"])  # into the empty engine
@@ -98,7 +58,8 @@ def test_models_are_activated_on_their_first_request(cluster: Cluster,
 
 
 def test_an_advisory_for_an_evicted_model_activates_it_before_its_request(
-        cluster: Cluster, models: dict[str, Path]) -> None:
+        cluster: Cluster, unrelated: dict[str, Path]) -> None:
+    models = unrelated
     """The advisory is the earliest sign of a request: it activates the model (Prism §6.2,
     on the node a request would pick) and the request then finds it loaded."""
     wait_states(cluster, {"alpha": "active", "beta": "evicted", "gamma": "active",

@@ -6,7 +6,6 @@ answers what an engine of its model alone answers."""
 
 from __future__ import annotations
 
-import asyncio
 import re
 import threading
 import time
@@ -15,44 +14,26 @@ from pathlib import Path
 
 import pytest
 
-from services.engine.api_types import GenerateRequest, SamplingParams
-from services.engine.async_engine import AsyncEngine
-from services.engine.config import EngineConfig
-from services.engine.model import write_demo_model
-from shared.model_catalog import ModelEntry, write_catalog
 from shared.proto import nodemgr_pb2, nodemgr_pb2_grpc
 from tests.cluster import Cluster, start_cluster
+from tests.integration.multimodel.reuse_models import PROMPT, alone, catalogue
 from tests.internal import sync_channel
 
-PROMPT = "Tell me about the overture of an opera."
 GEN = 4
 PAGE = 16 << 10
 KV_ROOM = 128 * PAGE
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("models")
-    return {name: write_demo_model(root / name, size="tiny", seed=seed)
-            for name, seed in (("alpha", 1), ("beta", 2))}
-
-
-def alone(path: Path) -> list[int]:
-    async def run() -> list[int]:
-        cfg = EngineConfig(model_path=str(path), dtype="float32", device_memory_bytes=8 << 20)
-        async with AsyncEngine(cfg) as eng:
-            req = GenerateRequest(prompt=PROMPT, sampling=SamplingParams(max_tokens=GEN,
-                                                                         ignore_eos=True))
-            return [t async for o in eng.generate(req) for t in o.token_ids]
-    return asyncio.run(run())
+def models(unrelated: dict[str, Path]) -> dict[str, Path]:
+    return {m: unrelated[m] for m in ("alpha", "beta")}
 
 
 @pytest.fixture(scope="module")
 def cluster(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
             ) -> Iterator[Cluster]:
     work = tmp_path_factory.mktemp("migration")
-    catalog = write_catalog(work / "models.yaml", [
-        ModelEntry(name, str(path), ttft_slo_s=5.0) for name, path in models.items()])
+    catalog = catalogue(work / "models.yaml", models, {"alpha": 5.0, "beta": 5.0})
     weights = sum(f.stat().st_size for p in models.values() for f in p.glob("*.safetensors"))
     with start_cluster(
             work, models["alpha"], nodes=2, pool_engines=1, models_config=catalog,
@@ -93,7 +74,7 @@ def nodemgr(cluster: Cluster, node: str, method: str, model: str) -> nodemgr_pb2
 
 def test_a_model_moves_to_the_idle_node_under_traffic_with_no_failed_request(
         cluster: Cluster, models: dict[str, Path]) -> None:
-    expected = {name: alone(path) for name, path in models.items()}
+    expected = {name: alone(path, GEN) for name, path in models.items()}
     # Both nodes start with alpha: make node1 empty and put beta beside alpha on node0.
     assert nodemgr(cluster, "node1", "EvictModel", "alpha").done
     assert nodemgr(cluster, "node0", "ActivateModel", "beta").done

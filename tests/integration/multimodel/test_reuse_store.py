@@ -13,32 +13,19 @@ import pytest
 
 from services.local_cluster import free_port
 from services.nodemgr.reuse_store import index_model
-from shared.model_catalog import ModelEntry, write_catalog
-from tests.cluster import Cluster, start_cluster
-from tests.integration.multimodel.reuse_models import alone, generate, write_models
+from tests.cluster import Cluster
+from tests.integration.multimodel.reuse_models import alone, generate, store_cluster
 from tests.integration.multimodel.reuse_models import gauges as scrape
 
 METRICS = free_port()
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return write_models(tmp_path_factory.mktemp("models"))
-
-
-@pytest.fixture(scope="module")
-def cluster(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+def cluster(fine_tunes: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
             ) -> Iterator[Cluster]:
+    models = fine_tunes
     work = tmp_path_factory.mktemp("reuse")
-    catalog = write_catalog(work / "models.yaml", [
-        ModelEntry("base", str(models["base"]), pin=True),
-        ModelEntry("a", str(models["a"]), ttft_slo_s=5.0),
-        ModelEntry("b", str(models["b"]), ttft_slo_s=1.0),
-        ModelEntry("c", str(models["c"]), ttft_slo_s=1.0)])
-    with start_cluster(work, models["base"], pool_engines=2, models_config=catalog,
-                       nodemgr_flags={"evict_idle_s": 0, "reuse_store_bytes": 16 << 20,
-                                      "weights_dtype": "float32",
-                                      "metrics_port": METRICS}) as c:
+    with store_cluster(work, models, 16 << 20, METRICS) as c:
         yield c
 
 
@@ -47,7 +34,8 @@ def gauges(cluster: Cluster) -> dict[str, float]:
 
 
 def test_shared_tensors_are_held_once_and_answers_match(cluster: Cluster,
-                                                        models: dict[str, Path]) -> None:
+                                                        fine_tunes: dict[str, Path]) -> None:
+    models = fine_tunes
     got = {m: generate(cluster, m) for m in ("a", "b")}
     ia, ib = (index_model(m, models[m], "float32") for m in ("a", "b"))
     shared = set(ia.unique()) & set(ib.unique())
@@ -62,7 +50,8 @@ def test_shared_tensors_are_held_once_and_answers_match(cluster: Cluster,
 
 
 def test_a_resident_model_comes_back_without_loading(cluster: Cluster,
-                                                     models: dict[str, Path]) -> None:
+                                                     fine_tunes: dict[str, Path]) -> None:
+    models = fine_tunes
     for m in ("a", "b"):
         generate(cluster, m)  # (both active, whatever ran before)
     generate(cluster, "c")  # evicts a (the loosest SLO): its tensors stay resident

@@ -13,37 +13,24 @@ import pytest
 from services.local_cluster import free_port
 from services.nodemgr.reuse_store import index_model
 from services.nodemgr.reuse_store.regions import aligned
-from shared.model_catalog import ModelEntry, write_catalog
-from tests.cluster import Cluster, start_cluster
-from tests.integration.multimodel.reuse_models import alone, generate, write_models
+from tests.cluster import Cluster
+from tests.integration.multimodel.reuse_models import alone, generate, store_cluster
 from tests.integration.multimodel.reuse_models import gauges as scrape
 
 METRICS = free_port()
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return write_models(tmp_path_factory.mktemp("models"))
-
-
-@pytest.fixture(scope="module")
-def cluster(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+def cluster(fine_tunes: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
             ) -> Iterator[Cluster]:
+    models = fine_tunes
     work = tmp_path_factory.mktemp("pressure")
     idx = {m: index_model(m, models[m], "float32") for m in ("a", "b", "c")}
     two = {**idx["a"].unique(), **idx["b"].unique()}
     own_c = {k: n for k, n in idx["c"].unique().items() if k not in two}
     # a and b fit together; c's own tensors need half again what is left.
     arena = sum(aligned(n) for n in two.values()) + sum(aligned(n) for n in own_c.values()) // 2
-    catalog = write_catalog(work / "models.yaml", [
-        ModelEntry("base", str(models["base"]), pin=True),
-        ModelEntry("a", str(models["a"]), ttft_slo_s=5.0),
-        ModelEntry("b", str(models["b"]), ttft_slo_s=1.0),
-        ModelEntry("c", str(models["c"]), ttft_slo_s=1.0)])
-    with start_cluster(work, models["base"], pool_engines=2, models_config=catalog,
-                       nodemgr_flags={"evict_idle_s": 0, "reuse_store_bytes": arena // 64 * 64
-                                      + 64 * 64, "weights_dtype": "float32",
-                                      "metrics_port": METRICS}) as c:
+    with store_cluster(work, models, arena // 64 * 64 + 64 * 64, METRICS) as c:
         yield c
 
 
@@ -52,7 +39,8 @@ def gauges() -> dict[str, float]:
 
 
 def test_eviction_under_pressure_and_reload(cluster: Cluster,
-                                            models: dict[str, Path]) -> None:
+                                            fine_tunes: dict[str, Path]) -> None:
+    models = fine_tunes
     for m in ("a", "b"):
         generate(cluster, m)
     assert gauges()["reuse_evictions"] == 0

@@ -105,3 +105,13 @@ def test_the_dispatcher_activates_an_evicted_model_where_algorithm_2_says() -> N
         assert metrics.affinity_choices.labels("request", "part")._value.get() == 1
         return plan.node.node_id
     assert asyncio.run(run()) == "holder"
+
+
+def test_a_node_reporting_a_model_whole_loads_nothing_whatever_its_files_weigh() -> None:
+    """A Reuse Store counts distinct engine tensors (90 MiB here), the catalogue the files
+    (100 MiB: headers, identical tensors held once in the store): the node's own total is
+    the S its S' is measured against."""
+    reg = registry({"a": holding(90 * MIB, total=90 * MIB), "b": holding(0)})
+    est = best_node("m", reg.healthy(), total_bytes=100 * MIB)
+    assert est is not None and est.node.node_id == "a"
+    assert est.missing_bytes == 0 and est.reuse == "all"
