@@ -69,15 +69,20 @@ def level_stats(results: list[Result], duration: float) -> dict[str, Any]:
 TTFT_METRIC = "overture_time_to_first_token_seconds_bucket"
 STAGE_METRIC = "overture_first_token_stage_seconds_bucket"
 STAGES = ("scheduler", "to_engine", "engine", "back")
+WINDOW_METRIC = 'overture_admission_refusals_total{reason="window_full"}'
 
 
 async def ttft_buckets(url: str) -> dict[str, dict[float, float]]:
     """The scheduler's TTFT histogram, all models ("ttft"), and its split by stage (each
     of ``STAGES``: where the time went): cumulative count per upper bound."""
-    out: dict[str, dict[float, float]] = {"ttft": {}, **{s: {} for s in STAGES}}
+    out: dict[str, dict[float, float]] = {"ttft": {}, **{s: {} for s in STAGES},
+                                          "window_full": {0.0: 0.0}}
     async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
         text = await r.text()
     for line in text.splitlines():
+        if line.startswith(WINDOW_METRIC + " "):  # (429s of the scheduler's windows)
+            out["window_full"][0.0] = float(line.rpartition(" ")[2])
+            continue
         if line.startswith(TTFT_METRIC + "{"):
             key = "ttft"
         elif line.startswith(STAGE_METRIC + "{"):
@@ -178,6 +183,9 @@ async def run_levels(url: str, model: str, args: argparse.Namespace) -> dict[str
                 for stage in STAGES:
                     s[f"{stage}_p99_s"] = bucket_quantile(hist[stage], after[stage], 0.99)
                 s["client_p99_s"] = pct(lag.lags, 0.99)
+                refused = round(s["share_429"] * s["sent"])
+                s["window_429"] = ((after["window_full"][0.0] - hist["window_full"][0.0])
+                                   / refused if refused else None)
                 runs.append(s)
                 log_line(f"rep {rep} {mult:g}×: {s['ok']}/{s['sent']} admitted, p99 wait "
                      f"{_ms(s['wait_p99_s'])} (scheduler {_ms(s['server_p99_s'])}), "
@@ -207,6 +215,7 @@ def summarize(res: dict[str, Any], loads: list[float]) -> list[dict[str, Any]]:
                      "throughput_rps": med("throughput_rps"),
                      "vs_1x": (statistics.median(vs), min(vs), max(vs)) if vs else None,
                      "share_429": med("share_429"), "loadavg": med("loadavg"),
+                     "window_429": med("window_429"),
                      **{f"{s}_p99_s": med(f"{s}_p99_s") for s in (*STAGES, "client")},
                      "failed": sum(r["failed"] for r in mine),
                      "429_without_retry_after": sum(
@@ -266,12 +275,14 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
           "that refused it); to_engine = on through the node manager to the engine; "
           "engine = the engine's receipt to its first token; back = the token's way back "
           "to the scheduler; client = this load generator's "
-          "own event-loop lag (in every wait it measures)")
-    print("| load | " + " | ".join((*STAGES, "client")) + " |")
-    print("| --- " * (len(STAGES) + 2) + "|")
+          "own event-loop lag (in every wait it measures); 429s at the scheduler = the "
+          "share of the 429s its admission windows gave (before any node saw the request)")
+    print("| load | " + " | ".join((*STAGES, "client")) + " | 429s at the scheduler |")
+    print("| --- " * (len(STAGES) + 3) + "|")
     for r in rows:
         print(f"| {r['multiple']:g}× | "
-              + " | ".join(_spread(r[f"{s}_p99_s"]) for s in (*STAGES, "client")) + " |")
+              + " | ".join(_spread(r[f"{s}_p99_s"]) for s in (*STAGES, "client"))
+              + f" | {_spread(r['window_429'], '%')} |")
     failed = sum(r["failed"] for r in rows)
     bare = sum(r["429_without_retry_after"] for r in rows)
     print(f"\nother outcomes (503, timeouts, errors): {failed}; 429s without Retry-After: {bare}")
@@ -284,7 +295,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="overture-admission-") as tmp:
         wd = Path(tmp)
         config = wd / "admission.yaml"
-        config.write_text(f"engine:\n  max_queue_delay_s: {args.limit}\n")
+        # (the scheduler's admission windows aim at the same limit as the engines)
+        config.write_text(f"engine:\n  max_queue_delay_s: {args.limit}\n"
+                          f"scheduler:\n  admission_wait_s: {args.limit}\n")
         with overture_up(wd, size=args.size, cores="divided",
                          extra_args=["--config", str(config)],
                          ready_timeout=args.ready_timeout, label="admission") as c:
