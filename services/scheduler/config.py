@@ -160,11 +160,13 @@ class SchedulerConfig:
         16, "the smallest window of a node (and the window of one not measured yet: a new "
         "or idle node)", min=1, max=1 << 20)
     admission_min_scale: float = opt(
-        0.25, "the least that late first tokens may narrow a window to, as a share of its "
-        "Little's law size (1 = no narrowing)", min=0.01, max=1.0)
+        0.25, "the least that late first tokens may narrow a window's queue allowance "
+        "(capacity x admission_wait_s) to, as a share of it (1 = no narrowing)", min=0.01,
+        max=1.0)
     admission_horizon_s: float = opt(
         2.0, "a node's completion rate and service time are measured over its completions "
-        "of this last stretch", min=0.1, max=600.0)
+        "of this last stretch; its capacity (the highest rate) is forgotten over ten",
+        min=0.1, max=600.0)
     unavailable_retries: int = opt(
         2, "re-routes of a request whose node is unreachable before any output", min=0, max=16
     )

@@ -10,24 +10,28 @@ managers and the way back, which every request the engines then refused had cros
 A window per node stops that traffic where it starts.
 
 The window is Little's law, L = λ·W. A node whose generations complete at λ a second and
-hold their seat for Ŝ from first token to end has λ·(w + Ŝ) generations in flight when
-each waits w for its first token; with more in flight they wait longer. So::
+hold their seat for Ŝ from first token to end has λ·Ŝ of them running and, if each waits
+w for its first token, λ·w more waiting; with more in flight they wait longer. So::
 
-    window = max(min_window, ceil(scale × λ × (wait_s + Ŝ)))
+    window = max(min_window, ceil(λ × (Ŝ + scale × wait_s)))
 
-with λ and Ŝ measured over the node's completions of the last ``horizon_s``
-(``InFlight.served``). Ahead of any measurement (a new or idle node) the window is
-``min_window``, and the engine's own forecast still refuses what would wait too long.
+Ŝ is measured over the node's completions of the last ``horizon_s``
+(``InFlight.served``), and λ is the node's capacity: the highest completion rate of those
+horizons, forgotten with a time constant of ``MEMORY`` horizons. Not the rate of the
+moment: a full window bounds the completions, and sized from them the window would follow
+any delay outside the node (a slow hop, a starved core) down to its minimum, and the
+throughput with it. Ahead of any measurement (a new node, or one idle for long) the window
+is ``min_window``, and the engine's own forecast still refuses what would wait too long.
 
 Little's law bounds the mean wait; the promise is about the tail. ``scale`` adapts by
 additive increase, multiplicative decrease (as TCP's window, Netflix's concurrency-limits
 or Envoy's adaptive concurrency do), on the wait from the request's arrival here to its
 first token, hops included: a first token later than ``LATE`` × ``wait_s`` narrows the
-node's window by ``DECREASE`` (at most once per ``wait_s``, so one slow spell counts once),
-each one in time widens it by ``STEP``. With ``STEP`` = ``TAIL`` × (1 − ``DECREASE``) the two
-balance when about ``TAIL`` of the first tokens are late: the p99 held at twice the wait.
-``scale`` stays within [``min_scale``, 1]: Little's law is the ceiling, the AIMD only
-takes the tail off it.
+node's queue allowance by ``DECREASE`` (at most once per ``wait_s``, so one slow spell
+counts once), each one in time widens it by ``STEP``. With ``STEP`` = ``TAIL`` × (1 −
+``DECREASE``) the two balance when about ``TAIL`` of the first tokens are late: the p99
+held at twice the wait. ``scale`` stays within [``min_scale``, 1], and only the queue
+allowance is scaled: the running part, λ·Ŝ, the node needs to keep its throughput.
 
 Event-loop only; the clock is injectable.
 """
@@ -48,6 +52,7 @@ DECREASE = 0.9  # a late first token's factor on the window
 TAIL = 0.01  # the share of late first tokens the AIMD settles at (a p99)
 STEP = TAIL * (1.0 - DECREASE)  # an on-time first token's addition to the scale
 REFRESH_S = 0.05  # λ and Ŝ are recomputed at most this often per node
+MEMORY = 10.0  # horizons: the time constant a node's measured capacity is forgotten with
 
 
 @dataclass(frozen=True)
@@ -62,7 +67,8 @@ class WindowSettings:
 @dataclass
 class _NodeWindow:
     scale: float = 1.0
-    little: float = 0.0  # λ × (wait_s + Ŝ), as last measured
+    capacity: float = 0.0  # λ: the highest completion rate measured, decayed since
+    held_s: float = 0.0  # Ŝ as last measured (kept through a horizon without completions)
     measured_at: float = -math.inf
     decreased_at: float = -math.inf
 
@@ -94,8 +100,12 @@ class NodeWindows:
         w, now = self._state(node_id), self.clock()
         if now - w.measured_at >= REFRESH_S:
             rate, held = self.inflight.served(node_id, s.horizon_s)
-            w.little, w.measured_at = rate * (s.wait_s + held), now
-        size = max(s.min_window, math.ceil(w.scale * w.little))
+            if w.capacity > 0.0:
+                w.capacity *= math.exp(-(now - w.measured_at) / (MEMORY * s.horizon_s))
+            w.capacity, w.measured_at = max(w.capacity, rate), now
+            w.held_s = held if rate > 0.0 else w.held_s
+        size = max(s.min_window,
+                   math.ceil(w.capacity * (w.held_s + w.scale * s.wait_s) - 1e-9))
         if self.report is not None:
             self.report(node_id, size)
         return size

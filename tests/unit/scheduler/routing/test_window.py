@@ -46,14 +46,20 @@ def test_the_window_is_littles_law_of_the_measured_completions() -> None:
     w, inflight, clock = windows()
     serve(inflight, clock, "a", 20, held_s=0.25)
     # 20 ended within the 2 s horizon: 10 a second, each 0.25 s from first token to
-    # end; L = λ·(wait + Ŝ) = 10 × (0.5 + 0.25) = 7.5 → 8 in flight.
+    # end; L = λ·(Ŝ + wait) = 10 × (0.25 + 0.5) = 7.5 → 8 in flight.
     assert inflight.served("a", 2.0) == (10.0, 0.25)
     assert w.window("a") == 8
     # (b, unmeasured, has the smallest window: 2)
     assert [n.node_id for n in w.with_room([node("a", 7), node("b", 2)])] == ["a"]
     assert w.with_room([node("a", 8)]) == []
-    # Two seconds on, those completions are out of the horizon: unmeasured again.
+    # Two seconds on, those completions are out of the horizon, but the capacity they
+    # showed is remembered, decaying over ten horizons: 10 × e^(-2/20) × 0.75 = 6.79.
     clock.now += 2.0
+    assert w.window("a") == 7
+    # A slower spell does not lower it at once (a full window bounds the completions).
+    serve(inflight, clock, "a", 4, held_s=0.25)  # 2 a second now
+    assert w.window("a") == 7
+    clock.now += 100.0  # idle for long: forgotten (10 × e^(-5.1) × 0.75 < 1)
     assert w.window("a") == 2
 
 
@@ -70,15 +76,17 @@ def test_late_first_tokens_narrow_the_window_once_per_wait() -> None:
     serve(inflight, clock, "a", 20, held_s=0.25)  # Little's law: 7.5
     # Arrived 1.2 s ago: later than twice the 0.5 s wait.
     w.first_token("a", clock.now - 1.2)
-    assert w.scale("a") == 0.9 and w.window("a") == 7  # ceil(0.9 × 7.5 = 6.75)
+    # Only the queue allowance narrows: 10 × (0.25 + 0.9 × 0.5) = 7.0
+    assert w.scale("a") == 0.9 and w.window("a") == 7
     w.first_token("a", clock.now - 1.2)  # the same slow spell: no second cut
     assert w.scale("a") == 0.9
     clock.now += 0.5
     w.first_token("a", clock.now - 1.2)
-    assert abs(w.scale("a") - 0.81) < 1e-12 and w.window("a") == 7  # ceil(6.075)
-    clock.now += 0.5
-    w.first_token("a", clock.now - 1.2)
-    assert abs(w.scale("a") - 0.729) < 1e-12 and w.window("a") == 6  # ceil(5.4675)
+    assert abs(w.scale("a") - 0.81) < 1e-12 and w.window("a") == 7  # ceil(6.55)
+    for _ in range(2):
+        clock.now += 0.5
+        w.first_token("a", clock.now - 1.2)
+    assert abs(w.scale("a") - 0.6561) < 1e-12 and w.window("a") == 6  # ceil(5.78)
 
 
 def test_on_time_first_tokens_widen_it_back_up_to_littles_law() -> None:
@@ -96,14 +104,14 @@ def test_on_time_first_tokens_widen_it_back_up_to_littles_law() -> None:
     assert w.scale("a") == 1.0
 
 
-def test_the_scale_stops_at_its_floor_and_the_window_at_its_minimum() -> None:
+def test_the_scale_stops_at_its_floor_and_the_running_part_stays() -> None:
     w, inflight, clock = windows(dataclasses.replace(ON, horizon_s=40.0))
     serve(inflight, clock, "a", 400, held_s=0.25)  # 10 a second over 40 s: 7.5 again
     for _ in range(20):  # 0.9 ** 14 < 0.25: the floor is reached on the way
         w.first_token("a", clock.now - 1.2)
         clock.now += 0.5
     assert w.scale("a") == 0.25
-    assert w.window("a") == 2  # max(2, ceil(0.25 × 7.5 = 1.875))
+    assert w.window("a") == 4  # ceil(10 × (0.25 + 0.25 × 0.5) = 3.75)
 
 
 def test_windows_off_limit_nothing() -> None:
