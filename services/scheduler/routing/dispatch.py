@@ -166,7 +166,7 @@ class Dispatcher:
                     if n.node_id not in behind and not self.registry.behind(n)]
             roomy = self.windows.with_room(free)  # (refused here, not queued in the hops)
             if healthy and not roomy:
-                raise self._overloaded(route.model, "window_full" if free else "node_behind")
+                raise self.overloaded(route.model, "window_full" if free else "node_behind")
             free = roomy
             if evicted:  # the node of least expected load time activates it (Tangram §3.4)
                 chosen = best_node(route.model, free, self.catalog_bytes(route.model))
@@ -198,13 +198,15 @@ class Dispatcher:
     def known_model(self, model: str) -> bool:
         return model in self.catalog or any(n.serves(model) for n in self.registry.all())
 
-    def _overloaded(self, model: str, reason: str) -> ApiError:
+    def overloaded(self, model: str, reason: str) -> ApiError:
+        """The 429 of every node serving ``model`` (""; any model) full or behind."""
         if self.metrics is not None:
             self.metrics.overloaded.inc()
             self.metrics.admission_refusals.labels(reason).inc()
         wait = self.settings.retry_after_s
         what = "has its admission window full" if reason == "window_full" else "is at capacity"
-        return ApiError(429, f"every node serving model '{model}' {what}; retry after {wait}s",
+        nodes = f"every node serving model '{model}'" if model else "every node"
+        return ApiError(429, f"{nodes} {what}; retry after {wait}s",
                         code="overloaded", headers={"Retry-After": str(wait)})
 
     def _unavailable(self, model: str | None) -> ApiError:

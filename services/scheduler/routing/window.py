@@ -117,6 +117,10 @@ class NodeWindows:
             return list(nodes)
         return [n for n in nodes if n.routed < self.window(n.node_id)]
 
+    def all_full(self, nodes: list[Node]) -> bool:
+        """Whether ``nodes`` are some and every one's window is full."""
+        return bool(nodes) and self.settings.enabled and not self.with_room(nodes)
+
     def first_token(self, node_id: str, arrived: float) -> None:
         """A request that arrived at clock time ``arrived`` got its first token from the
         node now: the AIMD step (0.0: its arrival is unknown, not counted)."""

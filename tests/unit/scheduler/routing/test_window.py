@@ -12,6 +12,7 @@ from contextlib import AsyncExitStack
 from services.scheduler.cluster import InFlight, Node, NodeInfo
 from services.scheduler.routing import NodeWindows, WindowSettings
 from services.scheduler.routing.window import STEP
+from services.scheduler.tenants import TOKEN_HEADER
 from tests.unit.scheduler.conftest import Clock, MiniCluster, make_cluster
 
 ON = WindowSettings(enabled=True, wait_s=0.5, min_window=2, min_scale=0.25, horizon_s=2.0)
@@ -165,6 +166,9 @@ async def _burst_beyond_the_windows(window: bool) -> tuple[list[int], list[int],
                 error = json.loads(await r.text())["error"]
                 assert error["code"] == "overloaded" and "window" in error["message"]
             r.release()
+        if window:  # refused before its body is read: even a malformed one gets the 429
+            async with c.http.post(c.url + "/v1/chat/completions", data=b"{not json") as r:
+                assert r.status == 429 and r.headers[TOKEN_HEADER]  # (its place in line)
         seen = [len(e.requests) for e in c.engines]
         metrics = await (await c.http.get(c.url + "/metrics")).text()
         for r in held:
@@ -178,7 +182,7 @@ async def test_a_burst_beyond_the_windows_is_refused_at_the_scheduler() -> None:
     # the burst gets 429 with Retry-After from the scheduler, and no node saw it.
     assert statuses == [429] * 6
     assert seen == [1, 1]
-    assert 'overture_admission_refusals_total{reason="window_full"} 6.0' in metrics
+    assert 'overture_admission_refusals_total{reason="window_full"} 7.0' in metrics
     assert 'overture_admission_window{node="node0"} 1.0' in metrics
 
 
