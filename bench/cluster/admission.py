@@ -3,7 +3,7 @@ engines' limit (``engine.max_queue_delay_s``) at 1×, 2× and 10× capacity, and
 throughput kept there.
 
     python -m bench.cluster.admission [--loads 1,2,10] [--reps 2] [--duration 20]
-        [--limit 0.5] [--size small] [--max-tokens 16] [--raw]
+        [--limit 0.5] [--size small] [--max-tokens 16] [--raw] [--no-window]
 
 A real cluster as a user starts it (``overture up --nodes 2 --no-s3``, the demo model of
 ``--size``, fp32, each node on its own core) with ``engine.max_queue_delay_s`` set to
@@ -255,7 +255,8 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
     cap = res["capacity"]
     rows = summarize(res, args.loads)
     print(f"\ntwo nodes, {args.size} model (fp32), divided cores; chat streams of "
-          f"{args.max_tokens} tokens; engine.max_queue_delay_s {args.limit:g} s")
+          f"{args.max_tokens} tokens; engine.max_queue_delay_s {args.limit:g} s; "
+          f"scheduler admission windows {'off' if args.no_window else 'on'}")
     print(f"capacity {cap['capacity_rps']:.2f} req/s ({cap['clients']} clients, closed loop)")
     print(f"\nPoisson arrivals, {args.duration:g} s per level, {args.reps} reps in rotated "
           "order; median [range] over reps; wait = time to first token of the 200s")
@@ -297,7 +298,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         config = wd / "admission.yaml"
         # (the scheduler's admission windows aim at the same limit as the engines)
         config.write_text(f"engine:\n  max_queue_delay_s: {args.limit}\n"
-                          f"scheduler:\n  admission_wait_s: {args.limit}\n")
+                          f"scheduler:\n  admission_wait_s: {args.limit}\n"
+                          f"  admission_window: {'false' if args.no_window else 'true'}\n")
         with overture_up(wd, size=args.size, cores="divided",
                          extra_args=["--config", str(config)],
                          ready_timeout=args.ready_timeout, label="admission") as c:
@@ -314,6 +316,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="load levels, multiples of the capacity (1 must be among them) [1,2,10]")
     p.add_argument("--reps", type=int, default=2, help="runs of every level [2]")
     p.add_argument("--duration", type=float, default=20.0, help="seconds per level [20]")
+    p.add_argument("--no-window", action="store_true",
+                   help="without the scheduler's admission windows (the engines alone)")
     p.add_argument("--limit", type=float, default=0.5,
                    help="engine.max_queue_delay_s of the cluster, seconds [0.5]")
     p.add_argument("--capacity-clients", type=int, default=32,
