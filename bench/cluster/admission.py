@@ -3,7 +3,7 @@ engines' limit (``engine.max_queue_delay_s``) at 1×, 2× and 10× capacity, and
 throughput kept there.
 
     python -m bench.cluster.admission [--loads 1,2,10] [--reps 2] [--duration 20]
-        [--limit 0.5] [--size small] [--max-tokens 16] [--raw]
+        [--limit 0.5] [--size small] [--max-tokens 16] [--raw] [--no-window]
 
 A real cluster as a user starts it (``overture up --nodes 2 --no-s3``, the demo model of
 ``--size``, fp32, each node on its own core) with ``engine.max_queue_delay_s`` set to
@@ -69,15 +69,20 @@ def level_stats(results: list[Result], duration: float) -> dict[str, Any]:
 TTFT_METRIC = "overture_time_to_first_token_seconds_bucket"
 STAGE_METRIC = "overture_first_token_stage_seconds_bucket"
 STAGES = ("scheduler", "to_engine", "engine", "back")
+WINDOW_METRIC = 'overture_admission_refusals_total{reason="window_full"}'
 
 
 async def ttft_buckets(url: str) -> dict[str, dict[float, float]]:
     """The scheduler's TTFT histogram, all models ("ttft"), and its split by stage (each
     of ``STAGES``: where the time went): cumulative count per upper bound."""
-    out: dict[str, dict[float, float]] = {"ttft": {}, **{s: {} for s in STAGES}}
+    out: dict[str, dict[float, float]] = {"ttft": {}, **{s: {} for s in STAGES},
+                                          "window_full": {0.0: 0.0}}
     async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
         text = await r.text()
     for line in text.splitlines():
+        if line.startswith(WINDOW_METRIC + " "):  # (429s of the scheduler's windows)
+            out["window_full"][0.0] = float(line.rpartition(" ")[2])
+            continue
         if line.startswith(TTFT_METRIC + "{"):
             key = "ttft"
         elif line.startswith(STAGE_METRIC + "{"):
@@ -178,6 +183,9 @@ async def run_levels(url: str, model: str, args: argparse.Namespace) -> dict[str
                 for stage in STAGES:
                     s[f"{stage}_p99_s"] = bucket_quantile(hist[stage], after[stage], 0.99)
                 s["client_p99_s"] = pct(lag.lags, 0.99)
+                refused = round(s["share_429"] * s["sent"])
+                s["window_429"] = ((after["window_full"][0.0] - hist["window_full"][0.0])
+                                   / refused if refused else None)
                 runs.append(s)
                 log_line(f"rep {rep} {mult:g}×: {s['ok']}/{s['sent']} admitted, p99 wait "
                      f"{_ms(s['wait_p99_s'])} (scheduler {_ms(s['server_p99_s'])}), "
@@ -207,6 +215,7 @@ def summarize(res: dict[str, Any], loads: list[float]) -> list[dict[str, Any]]:
                      "throughput_rps": med("throughput_rps"),
                      "vs_1x": (statistics.median(vs), min(vs), max(vs)) if vs else None,
                      "share_429": med("share_429"), "loadavg": med("loadavg"),
+                     "window_429": med("window_429"),
                      **{f"{s}_p99_s": med(f"{s}_p99_s") for s in (*STAGES, "client")},
                      "failed": sum(r["failed"] for r in mine),
                      "429_without_retry_after": sum(
@@ -246,7 +255,8 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
     cap = res["capacity"]
     rows = summarize(res, args.loads)
     print(f"\ntwo nodes, {args.size} model (fp32), divided cores; chat streams of "
-          f"{args.max_tokens} tokens; engine.max_queue_delay_s {args.limit:g} s")
+          f"{args.max_tokens} tokens; engine.max_queue_delay_s {args.limit:g} s; "
+          f"scheduler admission windows {'off' if args.no_window else 'on'}")
     print(f"capacity {cap['capacity_rps']:.2f} req/s ({cap['clients']} clients, closed loop)")
     print(f"\nPoisson arrivals, {args.duration:g} s per level, {args.reps} reps in rotated "
           "order; median [range] over reps; wait = time to first token of the 200s")
@@ -266,12 +276,14 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
           "that refused it); to_engine = on through the node manager to the engine; "
           "engine = the engine's receipt to its first token; back = the token's way back "
           "to the scheduler; client = this load generator's "
-          "own event-loop lag (in every wait it measures)")
-    print("| load | " + " | ".join((*STAGES, "client")) + " |")
-    print("| --- " * (len(STAGES) + 2) + "|")
+          "own event-loop lag (in every wait it measures); 429s at the scheduler = the "
+          "share of the 429s its admission windows gave (before any node saw the request)")
+    print("| load | " + " | ".join((*STAGES, "client")) + " | 429s at the scheduler |")
+    print("| --- " * (len(STAGES) + 3) + "|")
     for r in rows:
         print(f"| {r['multiple']:g}× | "
-              + " | ".join(_spread(r[f"{s}_p99_s"]) for s in (*STAGES, "client")) + " |")
+              + " | ".join(_spread(r[f"{s}_p99_s"]) for s in (*STAGES, "client"))
+              + f" | {_spread(r['window_429'], '%')} |")
     failed = sum(r["failed"] for r in rows)
     bare = sum(r["429_without_retry_after"] for r in rows)
     print(f"\nother outcomes (503, timeouts, errors): {failed}; 429s without Retry-After: {bare}")
@@ -284,7 +296,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="overture-admission-") as tmp:
         wd = Path(tmp)
         config = wd / "admission.yaml"
-        config.write_text(f"engine:\n  max_queue_delay_s: {args.limit}\n")
+        # (the scheduler's admission windows aim at the same limit as the engines)
+        config.write_text(f"engine:\n  max_queue_delay_s: {args.limit}\n"
+                          f"scheduler:\n  admission_wait_s: {args.limit}\n"
+                          f"  admission_window: {'false' if args.no_window else 'true'}\n")
         with overture_up(wd, size=args.size, cores="divided",
                          extra_args=["--config", str(config)],
                          ready_timeout=args.ready_timeout, label="admission") as c:
@@ -301,6 +316,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="load levels, multiples of the capacity (1 must be among them) [1,2,10]")
     p.add_argument("--reps", type=int, default=2, help="runs of every level [2]")
     p.add_argument("--duration", type=float, default=20.0, help="seconds per level [20]")
+    p.add_argument("--no-window", action="store_true",
+                   help="without the scheduler's admission windows (the engines alone)")
     p.add_argument("--limit", type=float, default=0.5,
                    help="engine.max_queue_delay_s of the cluster, seconds [0.5]")
     p.add_argument("--capacity-clients", type=int, default=32,

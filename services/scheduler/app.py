@@ -29,7 +29,14 @@ from services.scheduler.lease import LeaseElector, LeaseSettings, ssl_context
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.placement import MigrationSettings, PlacementLoop
 from services.scheduler.responses import ArchiveUnavailable, ResponseStore, response_archive
-from services.scheduler.routing import Dispatcher, DispatchSettings, PrefixIndex, make_policy
+from services.scheduler.routing import (
+    Dispatcher,
+    DispatchSettings,
+    NodeWindows,
+    PrefixIndex,
+    WindowSettings,
+    make_policy,
+)
 from services.scheduler.tenants import TenantLimits, Turns, key_book
 from shared.config import ConfigError
 from shared.grpc_server import serve_grpc
@@ -52,6 +59,11 @@ def build_state(
     policy = make_policy(config.policy)
     catalog = load_catalog(config.models_config)
     inflight = InFlight(config.tpot_default_s)
+    windows = NodeWindows(
+        WindowSettings(config.admission_window, config.admission_wait_s,
+                       config.admission_min_window, config.admission_min_scale,
+                       config.admission_horizon_s),
+        inflight, report=lambda node, size: metrics.admission_window.labels(node).set(size))
     latencies = (ToolLatencies(config.tool_latency_default_s, config.tool_latency_quantile)
                  if config.infer_advisories else None)
     advisor = Advisor(
@@ -83,6 +95,7 @@ def build_state(
         prefixes=prefixes,
         prefix_index=(PrefixIndex(config.prefix_index_blocks)
                       if config.policy == "prefix" else None),
+        windows=windows,
     )
     return ApiState(
         registry=registry,

@@ -147,6 +147,26 @@ class SchedulerConfig:
         0.25, "a node that refused a request as overloaded gets no new ones for this long "
         "(or until it reports an empty queue)", min=0.0, max=60.0,
     )
+    # ---- admission at the scheduler (routing/window.py; docs/operations.md)
+    admission_window: bool = opt(
+        True, "give each node a window of generations in flight, sized from its measured "
+        "completion rate by Little's law and narrowed when first tokens come late; a "
+        "request finding every node's window full gets 429 with Retry-After at once; "
+        "false: only the engines refuse (engine.max_queue_delay_s)")
+    admission_wait_s: float = opt(
+        0.5, "the wait from a request's arrival to its first token the windows keep "
+        "admitted requests within (keep it at engine.max_queue_delay_s)", min=0.01, max=60.0)
+    admission_min_window: int = opt(
+        16, "the smallest window of a node (and the window of one not measured yet: a new "
+        "or idle node)", min=1, max=1 << 20)
+    admission_min_scale: float = opt(
+        0.25, "the least that late first tokens may narrow a window's queue allowance "
+        "(capacity x admission_wait_s) to, as a share of it (1 = no narrowing)", min=0.01,
+        max=1.0)
+    admission_horizon_s: float = opt(
+        2.0, "a node's completion rate and service time are measured over its completions "
+        "of this last stretch; its capacity (the highest rate) is forgotten over ten",
+        min=0.1, max=600.0)
     unavailable_retries: int = opt(
         2, "re-routes of a request whose node is unreachable before any output", min=0, max=16
     )

@@ -112,6 +112,17 @@ class SchedulerMetrics:
             "requests refused with 429 because every node serving their model was behind",
             registry=r,
         )
+        self.admission_refusals = Counter(
+            "overture_admission_refusals",
+            "429s of the scheduler's node choice, by reason: window_full (every node "
+            "serving the model had its admission window full, scheduler.admission_window), "
+            "node_behind (every one had refused a request as overloaded, or was held)",
+            ["reason"], registry=r)
+        self.admission_window = Gauge(
+            "overture_admission_window",
+            "generations the scheduler lets be in flight on a node (its admission window, "
+            "sized from its measured completions; scheduler.admission_window)",
+            ["node"], registry=r)
         self.stalled = Counter(
             "overture_streams_stalled",
             "generations cut because their node sent nothing within the inactivity bound",

@@ -43,6 +43,7 @@ class _Running:
     max_tokens: int
     produced: int = 0
     last_at: float = 0.0  # clock time of the last chunk with tokens (0: none yet)
+    first_at: float = 0.0  # clock time of its first token (0: none yet)
 
 
 class InFlight:
@@ -57,6 +58,9 @@ class InFlight:
         self._tpot: dict[str, float] = {}
         self._tickets = itertools.count(1)
         self._ended: dict[str, deque[float]] = {}  # per node, the latest ends (clock times)
+        # Per node, the latest ends of generations that produced tokens: (clock time, time
+        # from first token to end), for the node's measured capacity (``served``).
+        self._served: dict[str, deque[tuple[float, float]]] = {}
 
     def __len__(self) -> int:
         return len(self._running)
@@ -78,13 +82,31 @@ class InFlight:
             gap = (now - run.last_at) / tokens
             old = self._tpot.get(run.node_id)
             self._tpot[run.node_id] = gap if old is None else old + self.weight * (gap - old)
+        else:
+            run.first_at = now
         run.produced += tokens
         run.last_at = now
 
     def end(self, ticket: int) -> None:
         run = self._running.pop(ticket, None)
         if run is not None:
-            self._ended.setdefault(run.node_id, deque(maxlen=256)).append(self.clock())
+            now = self.clock()
+            self._ended.setdefault(run.node_id, deque(maxlen=256)).append(now)
+            if run.first_at:
+                self._served.setdefault(run.node_id, deque(maxlen=4096)).append(
+                    (now, now - run.first_at))
+
+    def served(self, node_id: str, horizon_s: float) -> tuple[float, float]:
+        """The generations of ``node_id`` that ended within the last ``horizon_s`` after
+        producing tokens: how many a second, and their mean time from first token to end
+        ((0.0, 0.0): none)."""
+        since = self.clock() - horizon_s
+        count, held = 0, 0.0
+        for t, h in reversed(self._served.get(node_id, ())):
+            if t <= since:
+                break
+            count, held = count + 1, held + h
+        return (count / horizon_s, held / count) if count else (0.0, 0.0)
 
     def ended_since(self, node_id: str, since: float) -> int:
         """Generations of ``node_id`` that ended after clock time ``since``: a heartbeat

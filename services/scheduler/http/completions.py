@@ -61,6 +61,7 @@ async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
     state = request.app[STATE]
     tenant = tenant_of(state, request)
     state.tenants.request(tenant)
+    _refuse_when_full(state, request, tenant)
     body = parse_json(await read_body(state, request, tenant))
     req = validate(
         body,
@@ -81,6 +82,16 @@ async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
     with state.turns.attempt(tenant, retry_key(request, req.session_id)), \
             state.tenants.in_flight(tenant):
         return await _generate_in_flight(request, state, req, endpoint, model)
+
+
+def _refuse_when_full(state: ApiState, request: web.Request, tenant: str) -> None:
+    """Every node's admission window is full (``routing/window.py``): 429 before the body
+    is read or parsed. Under a flood most requests end here, and the scheduler's time
+    spent on them is part of every admitted request's wait. The request keeps its place in
+    its tenant's line (by its retry token or session header: the body is not read)."""
+    if state.dispatcher.windows.all_full(state.registry.healthy()):
+        with state.turns.attempt(tenant, retry_key(request, session_header(state, request))):
+            raise state.dispatcher.overloaded("", "window_full")
 
 
 async def _generate_in_flight(request: web.Request, state: ApiState, req: ApiRequest,

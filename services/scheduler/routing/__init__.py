@@ -2,7 +2,8 @@
 they return (``plan.py``), the dispatcher that streams one generation from a node,
 re-routing while nothing came (``dispatch.py``), the request as the plan's node gets it
 (``kv_source.py``), the index of prompt prefixes on each node's device behind the
-``prefix`` policy (``prefix_index.py``), and the fan-out of a request's choices (``fanout.py``)."""
+``prefix`` policy (``prefix_index.py``), the fan-out of a request's choices (``fanout.py``),
+and each node's admission window, sized from its measured capacity (``window.py``)."""
 
 from services.scheduler.routing.dispatch import (
     Advisories,
@@ -15,6 +16,7 @@ from services.scheduler.routing.kv_source import node_request
 from services.scheduler.routing.plan import AdvisoryPlan, RoutePlan, RouteRequest
 from services.scheduler.routing.policy import POLICIES, Policy, make_policy
 from services.scheduler.routing.prefix_index import PrefixIndex
+from services.scheduler.routing.window import NodeWindows, WindowSettings
 
 __all__ = [
     "POLICIES",
@@ -23,10 +25,12 @@ __all__ = [
     "DispatchSettings",
     "Dispatcher",
     "NodeStalled",
+    "NodeWindows",
     "Policy",
     "PrefixIndex",
     "RoutePlan",
     "RouteRequest",
+    "WindowSettings",
     "make_policy",
     "node_request",
     "run_choices",

@@ -49,6 +49,7 @@ from services.scheduler.routing.kv_source import node_request
 from services.scheduler.routing.plan import RoutePlan, RouteRequest
 from services.scheduler.routing.policy import Policy
 from services.scheduler.routing.prefix_index import PrefixIndex, request_hashes
+from services.scheduler.routing.window import NodeWindows, WindowSettings
 from shared.model_catalog import ModelEntry
 from shared.proto import common_pb2
 
@@ -108,10 +109,12 @@ class Dispatcher:
         inflight: InFlight | None = None,
         prefixes: PrefixMap | None = None,
         prefix_index: PrefixIndex | None = None,
+        windows: NodeWindows | None = None,
     ) -> None:
         self.registry = registry
         # The generations running, to place advisories by the load at their arrival.
         self.inflight = inflight if inflight is not None else InFlight()
+        self.windows = windows or NodeWindows(WindowSettings(), self.inflight)  # (off)
         self.prefixes = prefixes if prefixes is not None else PrefixMap()
         self.tool_sessions = ToolCallSessions()  # call id -> the session that made it
         # Models the cluster may serve though no node runs them now (shared/model_catalog).
@@ -162,8 +165,10 @@ class Dispatcher:
                 healthy = self.registry.healthy()
             free = [n for n in healthy
                     if n.node_id not in behind and not self.registry.behind(n)]
-            if healthy and not free:
-                raise self._overloaded(route.model)
+            roomy = self.windows.with_room(free)  # (refused here, not queued in the hops)
+            if healthy and not roomy:
+                raise self.overloaded(route.model, "window_full" if free else "node_behind")
+            free = roomy
             if evicted:  # Algorithm 2 over the queue of activations (Tangram §3.4)
                 chosen = self.activations.choose(
                     route.model, free, self.catalog_bytes, lambda m: bool(
@@ -197,16 +202,16 @@ class Dispatcher:
     def known_model(self, model: str) -> bool:
         return model in self.catalog or any(n.serves(model) for n in self.registry.all())
 
-    def _overloaded(self, model: str) -> ApiError:
+    def overloaded(self, model: str, reason: str) -> ApiError:
+        """The 429 of every node serving ``model`` (""; any model) full or behind."""
         if self.metrics is not None:
             self.metrics.overloaded.inc()
+            self.metrics.admission_refusals.labels(reason).inc()
         wait = self.settings.retry_after_s
-        return ApiError(
-            429,
-            f"every node serving model '{model}' is at capacity; retry after {wait}s",
-            code="overloaded",
-            headers={"Retry-After": str(wait)},
-        )
+        what = "has its admission window full" if reason == "window_full" else "is at capacity"
+        nodes = f"every node serving model '{model}'" if model else "every node"
+        return ApiError(429, f"{nodes} {what}; retry after {wait}s",
+                        code="overloaded", headers={"Retry-After": str(wait)})
 
     def _unavailable(self, model: str | None) -> ApiError:
         down = [
@@ -277,6 +282,8 @@ class Dispatcher:
                     last = wire.chunk(msg, node.node_id)
                     self.inflight.progress(ticket, len(last.token_ids))
                     calls.extend((c.id, c.name) for c in last.tool_calls if c.name)
+                    if not produced:  # (a step of the node's admission window)
+                        self.windows.first_token(node.node_id, route.arrived)
                     if not produced and self.metrics is not None:
                         self.metrics.turns.labels(last.kv_from or "unknown").inc()
                         self._stages(route.arrived, sent, sent_wall, msg)
