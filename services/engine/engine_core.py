@@ -352,14 +352,14 @@ class EngineCore:
         b = self.blocks
         return EngineStatus(
             models=(self.model_info,),
-            blocks_total=b.num_total,
+            blocks_total=self.pool.page_limit * self.pool.blocks_per_page,  # (+ lent pages)
             blocks_free=b.num_free + self.pool.num_uncommitted_blocks,
             blocks_used=b.num_used,
             blocks_evictable=b.num_evictable,
             blocks_committed=b.num_committed,
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
-            device_budget_bytes=self.pool.budget_bytes,
+            device_budget_bytes=self.pool.kv_budget_bytes,
             block_bytes=self.pool.block_bytes,
             device=self.config.device,
             pool_name=self.pool.name,

@@ -169,6 +169,7 @@ class LayerStreamer:
             self.stats.step_stalled = True
         transfer.wait()
         slot.pending, slot.holds = None, layer
+        slot.layer.upcast_rows = self._model.upcast_rows  # (set_upcast_rows may have moved it)
         for name in LINEARS:  # float32 copies of a half-precision weight were the last layer's
             lin = getattr(slot.layer, name)
             if isinstance(lin, Linear):
