@@ -1,7 +1,7 @@
 """Parameter remapping (MIRAGE) under bursts that bind on KV: remapping off vs on, and its
 one-slot / two-slot / dynamic schemes (§7.4, §7.5), in one engine stepped in process.
 
-    python -m bench.multimodel.remap [--size tiny-deep] [--reps 5] [--bursts 3] [--burst 6]
+    python -m bench.multimodel.remap [--size tiny-deep] [--reps 5] [--bursts 3] [--burst 8]
 
 The trace: ``--bursts`` bursts of ``--burst`` requests arriving at once (distinct prompts
 of ``--prompt-words`` words, ``--gen`` greedy tokens), ``--gap-s`` apart. The KV budget
@@ -123,10 +123,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--bursts", type=int, default=3)
-    ap.add_argument("--burst", type=int, default=6)
+    ap.add_argument("--burst", type=int, default=8)
     ap.add_argument("--gap-s", type=float, default=1.0)
-    ap.add_argument("--prompt-words", type=int, default=120)
-    ap.add_argument("--gen", type=int, default=16)
+    ap.add_argument("--prompt-words", type=int, default=40)
+    ap.add_argument("--gen", type=int, default=96)
     ap.add_argument("--budget-frac", type=float, default=0.5)
     ap.add_argument("--max-fraction", type=float, default=0.75)
     ap.add_argument("--capped", action="store_true", help="also cap α by measured times")

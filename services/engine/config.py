@@ -84,6 +84,11 @@ class RemapConfig:
     capped: bool = opt(
         True, "also cap the remapped layers at what the measured copy and compute times "
         "can hide (MIRAGE §5.3, §7.6.2); false: max_fraction alone")
+    give_way: str = opt(
+        "prefetch_first", "what gives way first when KV runs out: prefetch_first (advised "
+        "sessions' prefetched KV is purged, later layers first, before any weight is lent; "
+        "Symphony §3.4's order), weights_first (weights are lent while prefetched KV stays)",
+        choices=("prefetch_first", "weights_first"))
 
 
 @dataclass(frozen=True)

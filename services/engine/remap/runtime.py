@@ -9,9 +9,10 @@ the streamer that runs the forward with the layers it lends (MIRAGE §4.2's work
       forward                  streamed layers computed in their slots
       Remapper.after_forward   the measured compute time per layer (Equations 4/5, §5.3)
 
-The give-way order under pressure (issue 47): the device prefetch's KV first (the
-allocator's reclaimer purges it, later layers first, before any demand counts as
-unmet), then weights: idle models' before the active one's (the controller's order).
+The give-way order under pressure (``engine.remap.give_way``): by default the device
+prefetch's KV first (the allocator's reclaimer purges it, later layers first, before any
+demand counts as unmet), then weights: idle models' before the active one's (the
+controller's order); ``weights_first`` lends weights while prefetched KV stays.
 """
 
 from __future__ import annotations
@@ -79,8 +80,9 @@ class Remapper:
         ``reclaimer``: who holds prefetched KV, which gives way before weights do."""
         self.config = config
         self.num_layers = len(model.decoder_layers)
-        self.lender = PoolLender(pool, blocks, demand,
-                                 reclaimer.reclaimable if reclaimer is not None else lambda: 0)
+        purgeable = reclaimer.reclaimable if reclaimer is not None and \
+            config.give_way == "prefetch_first" else (lambda: 0)
+        self.lender = PoolLender(pool, blocks, demand, purgeable)
         self.controller = RemappingController(self.lender)
         self.target = RemapTarget(name, self.num_layers, layer_bytes(model.decoder_layers[0]),
                                   cap=max_alpha(self.num_layers, config.max_fraction))

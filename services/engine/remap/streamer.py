@@ -97,18 +97,19 @@ class LayerStreamer:
             return
         layers = self._model.decoder_layers
         self._host = {i: self._host.get(i) or host_tensors(layers[i]) for i in plan.layers}
-        template = layers[plan.layers[0]]
+        first = plan.layers[0]
         while len(self._slots) > plan.slots:
             self._slots.pop()
         while len(self._slots) < plan.slots:
-            self._slots.append(self._new_slot(template))
+            self._slots.append(self._new_slot(layers[first], self._host[first]))
         for j, slot in enumerate(self._slots):
             slot.holds = None
             self._submit(slot, plan.layers[j])
         self._model.streamer = self
 
-    def _new_slot(self, template: DecoderLayer) -> _Slot:
-        host = host_tensors(template)
+    def _new_slot(self, template: DecoderLayer, host: dict[str, torch.Tensor]) -> _Slot:
+        """A layer over buffers shaped like ``host`` (every layer's: uniform layers),
+        computing each linear with ``template``'s kernel."""
         buffers = {k: torch.empty_like(t) for k, t in host.items()}
         w = {k: buffers.get(k) for k in NAMES}
         layer = DecoderLayer(self._model.config, w, template.upcast_rows)

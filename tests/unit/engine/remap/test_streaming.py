@@ -6,6 +6,7 @@ the lent pages completes, and the weights come back after the burst."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,14 +16,17 @@ from services.engine.config import EngineConfig, RemapConfig
 from services.engine.engine_core import EngineCore
 from services.engine.model import LoadedModel, load_model, write_demo_model
 from services.engine.model.linear import Linear
+from services.engine.model.mapped import StoredTensor, StoredWeights, load_mapped
 from services.engine.remap import (
     LayerStreamer,
+    Remapper,
     ThreadCopier,
     host_tensors,
     layer_bytes,
     plan_layers,
 )
 from services.engine.validation import prepare
+from services.nodemgr.reuse_store import ReuseStore, ShmArena, index_model
 
 PROMPTS = ["Once upon a time, in a land far away, there lived a king.",
            "1 2 3 4 5 6 7 8 9 10 11 12", "Why is the sky blue?"]
@@ -180,3 +184,61 @@ def test_remapping_off_the_second_sequence_waits(deep: LoadedModel) -> None:
         assert not both[0]
     finally:
         core.close()
+
+
+class HeldPrefetch:
+    """A device prefetch holding ``n`` blocks it would purge."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def reclaimable(self) -> int:
+        return self.n
+
+    def reclaim(self, n: int) -> int:
+        return 0
+
+
+@pytest.mark.parametrize(("give_way", "lends"), [("prefetch_first", False),
+                                                 ("weights_first", True)])
+def test_prefetched_kv_gives_way_before_weights_unless_configured_otherwise(
+        deep: LoadedModel, give_way: str, lends: bool) -> None:
+    core = core_for(deep, budget=1 << 20)
+    try:
+        free = core.blocks.num_available()
+        cfg = RemapConfig(enabled=True, capped=False, give_way=give_way)
+        r = Remapper(cfg, deep.model, "m", core.pool, core.blocks, lambda: free + 8,
+                     HeldPrefetch(8), copier=ThreadCopier())
+        r.before_step()  # 8 blocks short, and the prefetch holds 8 it can purge
+        assert (r.stats().alpha == 1) is lends
+        r.close()
+        assert deep.model.streamer is None
+    finally:
+        core.close()
+
+
+def test_a_model_mapped_from_the_reuse_store_streams_from_its_arena_views(
+        deep: LoadedModel, tmp_path: Path) -> None:
+    """The host copy of a remapped layer is the store's: no copy of the weights is made,
+    and the tokens are the plain model's."""
+    arena = ShmArena(4 << 20, str(tmp_path))
+    try:
+        store = ReuseStore(arena, dtype="float32")
+        store.add_index(index_model("deep", deep.path, "float32"))
+        plan = store.plan("deep")
+        stored = StoredWeights(arena.path, arena.nbytes, "float32", tuple(
+            StoredTensor(m.name, m.offset, m.nbytes, m.fill) for m in plan))
+        mapped = load_mapped(deep.path, stored, torch.float32).loaded
+        store.committed("deep", 0.0)
+        layer = mapped.model.decoder_layers[2]
+        assert isinstance(layer.qkv, Linear) and layer.qkv.w is not None
+        assert host_tensors(layer)["qkv_w"].data_ptr() == layer.qkv.w.data_ptr()
+        want = generate(deep)
+        s = LayerStreamer(mapped.model, ThreadCopier())
+        try:
+            assert generate(mapped, s, plan_layers(2, 4, scheme="double")) == want
+            assert s.stats.transfers > 0
+        finally:
+            s.close()
+    finally:
+        arena.close()
