@@ -84,6 +84,11 @@ class RemapConfig:
     capped: bool = opt(
         True, "also cap the remapped layers at what the measured copy and compute times "
         "can hide (MIRAGE §5.3, §7.6.2); false: max_fraction alone")
+    node_grace_s: float = opt(
+        0.3, "on a node's shared budget: how long KV must stay short before this engine "
+        "lends its own layers, so that the node's broker first takes back idle engines' "
+        "pages and inactive models' weights (the give-way order); 0 = at once",
+        min=0.0, max=10.0)
     give_way: str = opt(
         "prefetch_first", "what gives way first when KV runs out: prefetch_first (advised "
         "sessions' prefetched KV is purged, later layers first, before any weight is lent; "

@@ -17,6 +17,7 @@ controller's order); ``weights_first`` lends weights while prefetched KV stays.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from ..api_types import RemapStatus
@@ -34,16 +35,30 @@ EMA = 0.2  # weight of the newest measurement in the per-layer times
 
 
 class PoolLender:
-    """The engine's KV pool as the controller's ``KvLender``."""
+    """The engine's KV pool as the controller's ``KvLender``. On a node's shared budget,
+    KV counts as running out only once it has stayed short ``grace_s``: the node's broker
+    polls every 0.1 s and first takes back idle engines' pages and the Reuse Store's
+    inactive weights (idle models give way before the active one's layers)."""
 
     def __init__(self, pool: DeviceMemory, blocks: BlockAllocator,
-                 demand: Callable[[], int], reclaimable: Callable[[], int]) -> None:
+                 demand: Callable[[], int], reclaimable: Callable[[], int],
+                 grace_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
         self._pool, self._blocks = pool, blocks
         self._demand, self._reclaimable = demand, reclaimable
+        self._grace_s = grace_s if pool.shares_budget else 0.0
+        self._clock = clock
+        self._short_since: float | None = None
 
     def running_out(self) -> bool:
         # Prefetched KV the allocator can purge counts as available: it gives way first.
-        return self._demand() > self._blocks.num_available() + self._reclaimable()
+        short = self._demand() > self._blocks.num_available() + self._reclaimable()
+        if not short:
+            self._short_since = None
+            return False
+        now = self._clock()
+        if self._short_since is None:
+            self._short_since = now
+        return now - self._short_since >= self._grace_s
 
     def lend(self, nbytes: int) -> None:
         self._pool.lend(nbytes)
@@ -74,15 +89,15 @@ def lendable_bytes(config: RemapConfig, model: LlamaModel) -> int:
 class Remapper:
     def __init__(self, config: RemapConfig, model: LlamaModel, name: str,
                  pool: DeviceMemory, blocks: BlockAllocator, demand: Callable[[], int],
-                 reclaimer: Reclaimer | None = None, copier: SlotCopier | None = None
-                 ) -> None:
+                 reclaimer: Reclaimer | None = None, copier: SlotCopier | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """``demand``: KV blocks the next step needs (the scheduler's pending demand);
         ``reclaimer``: who holds prefetched KV, which gives way before weights do."""
         self.config = config
         self.num_layers = len(model.decoder_layers)
         purgeable = reclaimer.reclaimable if reclaimer is not None and \
             config.give_way == "prefetch_first" else (lambda: 0)
-        self.lender = PoolLender(pool, blocks, demand, purgeable)
+        self.lender = PoolLender(pool, blocks, demand, purgeable, config.node_grace_s, clock)
         self.controller = RemappingController(self.lender)
         self.target = RemapTarget(name, self.num_layers, layer_bytes(model.decoder_layers[0]),
                                   cap=max_alpha(self.num_layers, config.max_fraction))

@@ -203,3 +203,35 @@ def test_lent_pages_holding_live_kv_are_not_taken_back(cached: bool) -> None:
         blocks.free(got[:4])
     finally:
         p.close()
+
+
+def test_on_a_node_ledger_the_engine_lends_only_once_kv_stays_short(tmp_path: Path) -> None:
+    """Idle models give way first: the broker gets ``grace_s`` to take back idle engines'
+    pages and inactive weights before this engine lends a layer of its own."""
+    path = create_ledger(tmp_path / "ledger", 8 * PAGE)
+    ledger = DeviceLedger(path)
+    ledger.join("m")
+    now = [0.0]
+    try:
+        p = pool(2, lendable=PAGE, ledger=ledger)
+        blocks = BlockAllocator(p)
+        need = [blocks.num_available() + 4]
+        lender = PoolLender(p, blocks, lambda: need[0], lambda: 0, grace_s=0.3,
+                            clock=lambda: now[0])
+        assert not lender.running_out()  # short since now: the broker's turn first
+        now[0] = 0.2
+        assert not lender.running_out()
+        now[0] = 0.31
+        assert lender.running_out()
+        need[0] = 0  # the broker freed enough meanwhile: the wait starts again next time
+        assert not lender.running_out()
+        need[0] = blocks.num_available() + 4
+        assert not lender.running_out()
+        own = pool(2, lendable=PAGE)
+        alone = PoolLender(own, blocks, lambda: need[0], lambda: 0, grace_s=0.3,
+                           clock=lambda: now[0])
+        assert alone.running_out()  # no node budget: nobody else to give way
+        own.close()
+        p.close()
+    finally:
+        ledger.close()
