@@ -25,6 +25,7 @@ the model that gave last come back first.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -98,17 +99,24 @@ class RemappingController:
         if self._lender.running_out():
             if self._remapping():  # lines 4-5
                 self.enabled = True
+            # A cap lowered by measured times (§5.3): layers past it go back once empty.
+            self._revert(lambda name: self._targets[name].alpha > self._targets[name].cap)
         else:
-            while self._units:  # lines 7-10: the newest added unit first
-                name, nbytes = self._units[-1]
-                if not self._lender.reclaim(nbytes):
-                    break  # it still holds KV: so may every unit below it
-                self._units.pop()
-                self._targets[name].alpha -= 1
-                self.reversions += 1
+            self._revert(lambda name: True)  # lines 7-10: the newest added unit first
             if not self._units:  # lines 11-12
                 self.enabled = False
         return self.state()
+
+    def _revert(self, wanted: Callable[[str], bool]) -> None:
+        """Give back added units from the newest while ``wanted(model)`` and their KV is
+        empty (a unit still holding KV keeps every unit below it)."""
+        while self._units and wanted(self._units[-1][0]):
+            name, nbytes = self._units[-1]
+            if not self._lender.reclaim(nbytes):
+                return
+            self._units.pop()
+            self._targets[name].alpha -= 1
+            self.reversions += 1
 
     def state(self) -> ControllerState:
         return ControllerState(self.enabled, {t.name: t.alpha for t in self._targets.values()})

@@ -235,3 +235,16 @@ def test_on_a_node_ledger_the_engine_lends_only_once_kv_stays_short(tmp_path: Pa
         p.close()
     finally:
         ledger.close()
+
+
+def test_layers_past_a_lowered_cap_go_back_once_empty() -> None:
+    fake = FakeAllocator()
+    fake.short, fake.in_use = True, 1
+    c = RemappingController(fake)
+    c.add(target("m", cap=3))
+    for _ in range(3):
+        c.step()
+    c.target("m").cap = 1  # measured: copies of more than one layer would stall compute
+    assert c.step().alpha["m"] == 3  # still short, their KV in use: kept
+    fake.in_use = 0
+    assert c.step().alpha["m"] == 1 and c.enabled  # still short: down to the cap only

@@ -242,3 +242,30 @@ def test_a_model_mapped_from_the_reuse_store_streams_from_its_arena_views(
             s.close()
     finally:
         arena.close()
+
+
+def test_remapping_metrics_are_exported(deep: LoadedModel) -> None:
+    from services.engine.metrics import render_engine_metrics
+
+    core = core_for(deep, budget=1 << 20, enabled=True, capped=False)
+    try:
+        assert core.remap is not None
+        add(core, deep, "a", LONG, 2)
+        add(core, deep, "b", OTHER, 2)
+        for _ in range(5):  # once the first runs, the second prompt does not fit: a layer lent
+            core.step()
+            if core.remap.stats().alpha:
+                break
+        st = core.status()
+        assert st.remap is not None and st.remap.alpha == 1
+        assert st.device_budget_bytes == (1 << 20) + core.remap.target.layer_bytes
+        text = render_engine_metrics(st).decode()
+        for name, value in (("alpha", 1), ("lent_bytes", core.remap.target.layer_bytes),
+                            ("layers_lent_total", 1)):
+            assert f'overture_engine_remap_{name}{{model="{deep.name}"}} {float(value)}' in text
+        for name in ("layers_streamed", "transfer_seconds_total", "stalled_steps_total",
+                     "step_transfer_seconds", "layers_reverted_total"):
+            assert f"overture_engine_remap_{name}" in text
+        run(core)
+    finally:
+        core.close()
