@@ -16,7 +16,9 @@ The host copy of a layer is its plain weights: views into the node's weight aren
 model mapped from the Reuse Store (``model/mapped.py``), else the layer's own tensors (a
 oneDNN-packed weight unpacked once, when the layer is first streamed). On CPU the device
 and host are the same memory: the bytes a remapped layer lends are the budget's (the KV
-pool's page limit and the node's ledger), and the copy into its slot is the real one.
+pool's page limit and the node's ledger), and the copy into its slot is the real one. On
+a GPU (written, untested) a streamed layer's weights move to pinned host memory and leave
+the device until it is resident again.
 """
 
 from __future__ import annotations
@@ -51,6 +53,23 @@ def host_tensors(layer: DecoderLayer) -> dict[str, torch.Tensor]:
 def layer_bytes(layer: DecoderLayer) -> int:
     """Bytes of one layer's weights (what remapping it lends)."""
     return sum(t.numel() * t.element_size() for t in host_tensors(layer).values())
+
+
+def _evict(layer: DecoderLayer) -> dict[str, torch.Tensor]:  # pragma: no cover - GPU
+    """On a GPU (written, untested): the layer's weights move to pinned host memory, the
+    copy its slot is filled from, and leave the device: the bytes the KV is lent."""
+    host = {k: t.to("cpu").pin_memory() for k, t in host_tensors(layer).items()}
+    for name in host:
+        p = getattr(layer, name)
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # (Linear views the Parameter)
+    return host
+
+
+def _restore(layer: DecoderLayer, host: dict[str, torch.Tensor]) -> None:  # pragma: no cover
+    """Reversion on a GPU: the layer's weights back on the device from its host copy."""
+    for name, t in host.items():
+        p = getattr(layer, name)
+        p.data = t.to(p.device)
 
 
 @dataclass
@@ -91,12 +110,19 @@ class LayerStreamer:
         self._drain()
         self.plan = plan
         self._position = {layer: j for j, layer in enumerate(plan.layers)}
+        layers = self._model.decoder_layers
+        on_gpu = self._model.device.type == "cuda"
+        for i in [i for i in self._host if i not in self._position]:
+            host = self._host.pop(i)
+            if on_gpu:  # pragma: no cover - needs a GPU (untested)
+                _restore(layers[i], host)
         if not plan.layers:
-            self._slots, self._host = [], {}
+            self._slots = []
             self._model.streamer = None
             return
-        layers = self._model.decoder_layers
-        self._host = {i: self._host.get(i) or host_tensors(layers[i]) for i in plan.layers}
+        for i in plan.layers:
+            if i not in self._host:
+                self._host[i] = _evict(layers[i]) if on_gpu else host_tensors(layers[i])
         first = plan.layers[0]
         while len(self._slots) > plan.slots:
             self._slots.pop()
@@ -110,7 +136,8 @@ class LayerStreamer:
     def _new_slot(self, template: DecoderLayer, host: dict[str, torch.Tensor]) -> _Slot:
         """A layer over buffers shaped like ``host`` (every layer's: uniform layers),
         computing each linear with ``template``'s kernel."""
-        buffers = {k: torch.empty_like(t) for k, t in host.items()}
+        device = self._model.device
+        buffers = {k: torch.empty_like(t, device=device) for k, t in host.items()}
         w = {k: buffers.get(k) for k in NAMES}
         layer = DecoderLayer(self._model.config, w, template.upcast_rows)
         for name in LINEARS:  # the resident layer's kernel for each linear
