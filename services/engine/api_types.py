@@ -187,6 +187,23 @@ class PrefetchStats:
 
 
 @dataclass(frozen=True)
+class RemapStatus:
+    """Weight memory lent to the KV cache (MIRAGE, engine/remap/): ``alpha`` layers lent
+    now, streamed through ``slots`` slots (``layers``); counters since start."""
+
+    alpha: int
+    slots: int
+    layers: tuple[int, ...]
+    lent_bytes: int
+    remaps: int
+    reversions: int
+    transfers: int
+    transfer_s: float
+    step_transfer_s: float  # the last forward's copies
+    stalled_forwards: int  # forwards a copy made wait
+
+
+@dataclass(frozen=True)
 class EngineStatus:
     """``blocks_total`` is the whole budget; ``free`` counts uncommitted blocks too, so
     ``free + used + evictable == total``."""
@@ -209,6 +226,7 @@ class EngineStatus:
     admitted: int = 0  # sequences that left the waiting queue for a seat, since start
     reuse: ReuseStats = field(default_factory=ReuseStats)
     queue: QueueShape = field(default_factory=QueueShape)  # what admission forecasts from
+    remap: RemapStatus | None = None  # None: remapping off
 
 
 def merge_outputs(a: GenerateOutput, b: GenerateOutput) -> GenerateOutput:

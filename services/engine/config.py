@@ -68,6 +68,35 @@ class OffloadConfig:
 
 
 @dataclass(frozen=True)
+class RemapConfig:
+    """Section ``engine.remap``: lend whole layers' weight memory to the KV cache under KV
+    pressure and stream those layers back ahead of compute (MIRAGE; engine/remap/)."""
+
+    enabled: bool = opt(False, "remap layers' weight memory as KV pages when KV runs out, "
+                        "and give it back when the KV it added is empty (float models)")
+    max_fraction: float = opt(
+        0.5, "most of a model's layers that may be remapped at once (MIRAGE §5.2's "
+        "threshold: enough stays resident to start it at once)", min=0.0, max=0.95)
+    scheme: str = opt(
+        "dynamic", "slots the streamed layers share: single (α+1 layers, one slot), double "
+        "(α+2, two slots: double buffering), dynamic (single while Equation 4 holds on the "
+        "measured times, else double; MIRAGE §7.5's C)", choices=("dynamic", "single", "double"))
+    capped: bool = opt(
+        True, "also cap the remapped layers at what the measured copy and compute times "
+        "can hide (MIRAGE §5.3, §7.6.2); false: max_fraction alone")
+    node_grace_s: float = opt(
+        0.3, "on a node's shared budget: how long KV must stay short before this engine "
+        "lends its own layers, so that the node's broker first takes back idle engines' "
+        "pages and inactive models' weights (the give-way order); 0 = at once",
+        min=0.0, max=10.0)
+    give_way: str = opt(
+        "prefetch_first", "what gives way first when KV runs out: prefetch_first (advised "
+        "sessions' prefetched KV is purged, later layers first, before any weight is lent; "
+        "Symphony §3.4's order), weights_first (weights are lent while prefetched KV stays)",
+        choices=("prefetch_first", "weights_first"))
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     host: str = opt("127.0.0.1", "address the Engine gRPC server binds to")
     port: int = opt(50053, "Engine gRPC port (0 = pick a free port)", min=0, max=65535)
@@ -137,6 +166,7 @@ class EngineConfig:
     offload: OffloadConfig = sub(
         OffloadConfig, "KV kept off the device: the node's kvstore and how it is reused"
     )
+    remap: RemapConfig = sub(RemapConfig, "weight memory lent to the KV cache (MIRAGE)")
 
     # One release of grace for the flat names these options had before ``offload``, and
     # for ``pool`` (the KV pool is the only pool of an engine now).

@@ -37,6 +37,7 @@ from .model import IncrementalDetokenizer, LoadedModel
 from .model_runner import LogitRows, ModelRunner, logit_rows
 from .offload import NullOffload, Offload, OffloadFactory, PrefetchOrder
 from .output_state import ABORT, OutputState
+from .remap import Remapper, lendable_bytes
 from .reuse_plan import ReusePlan
 from .sampling import log_probs, make_generator, row_logprobs
 from .scheduler import Scheduler
@@ -82,6 +83,7 @@ class EngineCore:
         mc = loaded.config
         self.config = config
         self.loaded = loaded
+        lend = lendable_bytes(config.remap, loaded.model)  # MIRAGE: weights lent as KV
         self.pool = DeviceMemory(
             block_size=config.block_size,
             num_kv_heads=mc.num_kv_heads,
@@ -92,6 +94,7 @@ class EngineCore:
             device=config.device,
             ledger=ledger,
             reserve_bytes=config.kv_reserve_bytes,
+            lendable_bytes=lend,
         )
         self.blocks = BlockAllocator(self.pool)
         self.kv = BlockTables(self.blocks, mc.num_layers, config.block_size)
@@ -104,10 +107,13 @@ class EngineCore:
         self.runner = ModelRunner(
             loaded.model, self.pool.kv_cache, mc.num_layers, config.block_size
         )
+        self.remap = Remapper(config.remap, loaded.model, loaded.name, self.pool, self.blocks,
+                              self.scheduler.pending_kv_blocks, self.offload.reclaimer
+                              ) if lend else None
         self.max_model_len = context_limit(
             mc.max_position_embeddings,
             config.max_model_len,
-            self.pool.num_blocks,
+            self.pool.budget_blocks,
             mc.num_layers,
             config.block_size,
         )
@@ -225,6 +231,8 @@ class EngineCore:
     def step(self) -> list[Event]:
         self.offload.begin_step()
         self.steps += 1
+        if self.remap is not None:
+            self.remap.before_step()  # MIRAGE Algorithm 1: lend or take back weight memory
         out = self.scheduler.schedule()
         if out.empty:
             return self._fail_unservable()
@@ -245,6 +253,10 @@ class EngineCore:
         self.offload.after_sample([s for s in due if s.request_id in self._live])
         if not out.loads:  # (a step that waited for loaded layers says nothing of compute)
             self.step_cost.observe(decodes, prefills, time.perf_counter() - started)
+        if self.remap is not None:
+            self.remap.after_forward(time.perf_counter() - started)
+            if not self.scheduler.has_work():
+                self.remap.settle()  # the burst is over: give back what its KV no longer uses
         if self.debug_checks:
             self.check_integrity()
         return events
@@ -340,14 +352,14 @@ class EngineCore:
         b = self.blocks
         return EngineStatus(
             models=(self.model_info,),
-            blocks_total=b.num_total,
+            blocks_total=self.pool.page_limit * self.pool.blocks_per_page,  # (+ lent pages)
             blocks_free=b.num_free + self.pool.num_uncommitted_blocks,
             blocks_used=b.num_used,
             blocks_evictable=b.num_evictable,
             blocks_committed=b.num_committed,
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
-            device_budget_bytes=self.pool.budget_bytes,
+            device_budget_bytes=self.pool.kv_budget_bytes,
             block_bytes=self.pool.block_bytes,
             device=self.config.device,
             pool_name=self.pool.name,
@@ -356,6 +368,7 @@ class EngineCore:
             admitted=self.scheduler.num_admitted,
             reuse=self.offload.stats(),
             queue=self.scheduler.queue_shape(self.step_cost),
+            remap=self.remap.stats() if self.remap is not None else None,
         )
 
     def drop_cached(self) -> int:
@@ -377,5 +390,7 @@ class EngineCore:
         assert self.blocks.num_used == len(held), "used blocks not held by any sequence"
 
     def close(self) -> None:
+        if self.remap is not None:
+            self.remap.close()
         self.pool.close()
 

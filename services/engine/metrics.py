@@ -89,6 +89,23 @@ class _Snapshot(Collector):
             for outcome, n in sorted(p.outcomes.items()):
                 outcomes.add_metric([self.model, outcome], n)
             yield outcomes
+        m = s.remap
+        if m is not None:  # MIRAGE: weight memory lent to the KV cache
+            yield gauge("overture_engine_remap_alpha", "layers whose weight memory is lent "
+                        "to the KV cache now", m.alpha)
+            yield gauge("overture_engine_remap_layers_streamed", "layers streamed through "
+                        "slots each step (alpha + slots)", len(m.layers))
+            yield gauge("overture_engine_remap_lent_bytes", "weight bytes lent as KV",
+                        m.lent_bytes)
+            yield counter("overture_engine_remap_layers_lent", "layers lent, ever", m.remaps)
+            yield counter("overture_engine_remap_layers_reverted", "layers given back, ever",
+                          m.reversions)
+            yield counter("overture_engine_remap_transfer_seconds", "time copying streamed "
+                          "layers into their slots", m.transfer_s)
+            yield gauge("overture_engine_remap_step_transfer_seconds", "the last step's "
+                        "layer copies", m.step_transfer_s)
+            yield counter("overture_engine_remap_stalled_steps", "forwards a layer copy made "
+                          "wait", m.stalled_forwards)
 
 
 def render_engine_metrics(status: EngineStatus) -> bytes:

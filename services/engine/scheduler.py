@@ -126,6 +126,16 @@ class Scheduler:
             n += layers * -(-head.num_tokens // kv.block_size)
         return n
 
+    def pending_kv_blocks(self) -> int:
+        """Blocks the queue needs beyond what its sequences hold: the rest of each running
+        sequence's tokens (a decode's next block) and the head of the queue's whole prompt
+        (MIRAGE's trigger: more than the allocator can hand out is KV running out)."""
+        kv = self.kv
+        n = sum(kv.blocks_needed(q, q.num_tokens - q.num_computed_tokens) for q in self.running)
+        if self.waiting:
+            n += kv.num_layers * -(-self.waiting[0].num_tokens // kv.block_size)
+        return n
+
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and release its blocks."""
         if seq.status == Status.RUNNING:

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from bench.multimodel import activation, load, model_loading, search
+from bench.multimodel import activation, load, model_loading, remap, search
 
 
 @pytest.mark.slow
@@ -63,3 +63,16 @@ def test_model_loading_through_the_reuse_store(capsys: pytest.CaptureFixture[str
         assert re.search(rf"^\| {variant} \| [\d.]+ \[", out, re.M), out
     assert re.search(r"memory, four models: \d+ MiB of tensors in the arena", out), out
     assert "goals: 50% resident >= 2x:" in out
+
+
+def test_remap_under_a_burst(capsys: pytest.CaptureFixture[str]) -> None:
+    remap.main(["--reps", "1", "--bursts", "1", "--burst", "3", "--prompt-words", "120",
+                "--gen", "2"])
+    out = capsys.readouterr().out
+    assert "| variant | p99 TTFT s | p99 TBT s | tok/s | max α |" in out
+    for v in ("off", "single", "double", "dynamic"):
+        assert re.search(rf"^\| {v} \| [\d.]+ \| [\d.]+ \| [\d.]+ \| \d+ \| 0 \|", out,
+                         re.M), out
+    assert re.search(r"^\| dynamic \| .* \| [1-9]\d* \| 0 \|", out, re.M), out  # it lent
+    assert "no KV pressure" in out and "max α 0" in out
+    assert "tokens equal to off's in every variant: yes" in out

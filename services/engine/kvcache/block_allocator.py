@@ -270,6 +270,24 @@ class BlockAllocator:
                     released += 1
         return released
 
+    def release_from(self, first_page: int) -> bool:
+        """Release every committed page from ``first_page`` up, dropping the cache they
+        hold, if none holds a used block (lent KV capacity given back, MIRAGE §5.5);
+        False, nothing changed, if one does."""
+        pages = [p for p in self._pages.committed_pages() if p >= first_page]
+        blocks = [b for p in pages for b in self._pages.page_blocks(p)]
+        if not all(self._releasable(b, True) for b in blocks):
+            return False
+        for b in blocks:
+            if b in self._evictable:
+                del self._evictable[b]
+                self._uncache(b)
+            else:
+                del self._free[b]
+        for p in pages:
+            self._pages.release(p)
+        return True
+
     def _releasable(self, block: int, allow_cached: bool) -> bool:
         return block in self._free or (allow_cached and block in self._evictable)
 

@@ -46,19 +46,24 @@ class DeviceMemory:
         device: str = "cpu",
         ledger: DeviceLedger | None = None,
         reserve_bytes: int = 0,
+        lendable_bytes: int = 0,
     ) -> None:
         """``ledger``: the node's shared device budget; a page is committed only when the
         ledger grants it (the budget then bounds every engine of the node together).
         ``reserve_bytes``: of it, what the other engines may not take while this pool
-        holds less (Prism §6.3), kept while the pool lives."""
+        holds less (Prism §6.3), kept while the pool lives. ``lendable_bytes``: address
+        space reserved past the budget for weight memory lent as KV (MIRAGE, ``lend``);
+        pages there are committed only while lent."""
         self.block_size = block_size
         self._ledger = ledger
         self.dtype = dtype
         self.block_bytes = block_bytes_for(block_size, num_kv_heads, head_dim, dtype)
         self.blocks_per_page = max(1, page_bytes // self.block_bytes)
         self.page_span = self.blocks_per_page * self.block_bytes
-        self.num_pages = budget_bytes // self.page_span
-        if self.num_pages == 0:
+        self.base_pages = budget_bytes // self.page_span
+        self.num_pages = (budget_bytes + lendable_bytes) // self.page_span
+        self.lent_bytes = 0  # weight memory lent as KV capacity (MIRAGE)
+        if self.base_pages == 0:
             raise ConfigError(
                 f"engine.device_memory_bytes: {budget_bytes} bytes cannot hold one KV page of "
                 f"{self.page_span} bytes ({self.blocks_per_page} blocks of {self.block_bytes}); "
@@ -91,6 +96,41 @@ class DeviceMemory:
         return self._ledger is not None
 
     @property
+    def page_limit(self) -> int:
+        """Pages that may be committed: the budget's, plus the lent bytes' (whole pages)."""
+        return min(self.num_pages, (self.budget_bytes + self.lent_bytes) // self.page_span)
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        """The KV budget now: the configured one plus the weight bytes lent to it."""
+        return self.budget_bytes + self.lent_bytes
+
+    @property
+    def budget_blocks(self) -> int:
+        """Blocks of the configured budget alone (what a lone sequence can count on)."""
+        return self.base_pages * self.blocks_per_page
+
+    def lend(self, nbytes: int) -> None:
+        """Count ``nbytes`` of weight memory as KV capacity (MIRAGE §5.5): the page limit
+        rises and, on a node ledger, the weights' bytes are handed to KV."""
+        self.lent_bytes += nbytes
+        if self._ledger is not None:
+            self._ledger.give(nbytes, weights=True)
+
+    def take_back(self, nbytes: int) -> bool:
+        """Give ``nbytes`` of lent capacity back to the weights. The pages above the new
+        limit must be released first (False, nothing changed, if any is committed, or if
+        the node's ledger no longer has the bytes for the weights)."""
+        limit = min(self.num_pages, (self.budget_bytes + self.lent_bytes - nbytes)
+                    // self.page_span)
+        if any(self._committed[limit:]):
+            return False
+        if self._ledger is not None and not self._ledger.take(nbytes, weights=True):
+            return False
+        self.lent_bytes -= nbytes
+        return True
+
+    @property
     def num_committed_blocks(self) -> int:
         return self.num_committed_pages * self.blocks_per_page
 
@@ -98,7 +138,7 @@ class DeviceMemory:
     def num_uncommitted_blocks(self) -> int:
         """Blocks of pages that could be committed now: within this pool's reservation and,
         with a node ledger, within what the node's budget has left."""
-        local = self.num_blocks - self.num_committed_blocks
+        local = self.page_limit * self.blocks_per_page - self.num_committed_blocks
         if self._ledger is None:
             return local
         return min(local,
@@ -116,7 +156,7 @@ class DeviceMemory:
     def grow(self) -> int | None:
         """Commit the lowest uncommitted page; its index, or None if the budget is used up
         or the memory cannot be had."""
-        for page, committed in enumerate(self._committed):
+        for page, committed in enumerate(self._committed[:self.page_limit]):
             if not committed:
                 if self._ledger is not None and not self._ledger.take(self.page_span):
                     return None  # the node's budget is held by other engines

@@ -181,6 +181,18 @@ class Linear:
             self._pad = torch.zeros(SMALL_GEMM_MIN_ROWS, self.w.shape[1], dtype=self.w.dtype)
         return self._small
 
+    def like(self, w: torch.Tensor, b: torch.Tensor | None) -> Linear:
+        """A linear over ``w`` and ``b`` (plain tensors of this one's shapes: a remapped
+        layer's slot, engine/remap/) computed by the same kernel as this one, so that a
+        layer computed in the slot gives the bits it gives resident. A packed weight's
+        slot holds it plain: oneDNN computes a plain float32 weight as it does its packed
+        layout."""
+        lin = Linear(w, b)
+        if self._small:
+            lin._small = True
+            lin._pad = torch.zeros(SMALL_GEMM_MIN_ROWS, w.shape[1], dtype=w.dtype)
+        return lin
+
     @property
     def on_mkl(self) -> bool:
         """Whether ``choose_kernel`` gave this weight to MKL."""

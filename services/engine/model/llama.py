@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any, Protocol, overload
 
 import torch
 import torch.nn.functional as F
@@ -149,6 +149,15 @@ class DecoderLayer(nn.Module):
         return h + self.down(F.silu(gate) * up, self.upcast_rows)
 
 
+class LayerSource(Protocol):
+    """Where the forward gets layers it does not hold resident (engine/remap/: a remapped
+    layer computed in a slot its weights are streamed into)."""
+
+    def acquire(self, layer: int) -> DecoderLayer: ...
+
+    def release(self, layer: int) -> None: ...
+
+
 class LlamaModel(nn.Module):
     """forward(batch, kv_cache) -> float32 logits (num_seqs, vocab) at batch.logits_indices."""
 
@@ -189,6 +198,7 @@ class LlamaModel(nn.Module):
         # The same modules, typed (nn.ModuleList yields plain Modules).
         self.decoder_layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
         self.rope = RotaryTables(config, embed.dtype, embed.device)
+        self.streamer: LayerSource | None = None  # remapped layers' source (None: all resident)
         if quantized:
             return
         if not own_weights:  # views into the shared arena: computed on as they are
@@ -273,8 +283,13 @@ class LlamaModel(nn.Module):
                 batch, batch.logits_indices.tolist(), plan.kv_rows, kv_cache.shape[2],
                 h.dtype))
         last = len(self.layers) - 1
+        streamer = self.streamer
         for i, layer in enumerate(self.decoder_layers):
+            if streamer is not None:  # a remapped layer: computed in its slot (MIRAGE)
+                layer = streamer.acquire(i)
             h = layer(h, i, batch, plan, kv_cache, cos, sin, out_rows if i == last else None)
+            if streamer is not None:
+                streamer.release(i)
         if out_rows is None:
             h = h[batch.logits_indices]  # only the rows whose logits are wanted
         h = rms_norm(h, self.norm, self.config.rms_norm_eps)
