@@ -19,7 +19,7 @@ from services.scheduler.cluster import (
     InFlight,
     NodeChannels,
     NodeRegistry,
-    PrefixMap,
+    PrefixIndex,
     SessionDirectory,
 )
 from services.scheduler.config import SchedulerConfig
@@ -29,7 +29,7 @@ from services.scheduler.lease import LeaseElector, LeaseSettings, ssl_context
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.placement import MigrationSettings, PlacementLoop
 from services.scheduler.responses import ArchiveUnavailable, ResponseStore, response_archive
-from services.scheduler.routing import Dispatcher, DispatchSettings, PrefixIndex, make_policy
+from services.scheduler.routing import Dispatcher, DispatchSettings, make_policy
 from services.scheduler.tenants import TenantLimits, Turns, key_book
 from shared.config import ConfigError
 from shared.grpc_server import serve_grpc
@@ -44,7 +44,7 @@ def build_state(
     registry: NodeRegistry,
     channels: NodeChannels,
     sessions: SessionDirectory | None = None,
-    prefixes: PrefixMap | None = None,
+    prefixes: PrefixIndex | None = None,
 ) -> ApiState:
     metrics = SchedulerMetrics()
     if sessions is None:
@@ -195,7 +195,8 @@ async def start(config: SchedulerConfig, stack: AsyncExitStack) -> Running:
     channels = NodeChannels()
     stack.push_async_callback(channels.close)
     sessions = SessionDirectory(config.sessions_max, config.sessions_ttl_s)
-    prefixes = PrefixMap(config.sessions_max, config.sessions_max)
+    # (each node holds at most sessions_max chats' leading contexts, as far as it knows)
+    prefixes = PrefixIndex(config.sessions_max, config.sessions_max)
     leadership: list[LeaseElector] = []  # (filled below when the replicas elect a leader)
     servicer = SchedulerServicer(registry, config.heartbeat_interval_s, sessions,
                                  leader=lambda: not config.lease_name

@@ -1,8 +1,8 @@
 """Where a generation goes and how it gets there: the policies (``policy.py``) and the plans
 they return (``plan.py``), the dispatcher that streams one generation from a node,
 re-routing while nothing came (``dispatch.py``), the request as the plan's node gets it
-(``kv_source.py``), the index of prompt prefixes on each node's device behind the
-``prefix`` policy (``prefix_index.py``), and the fan-out of a request's choices (``fanout.py``)."""
+(``kv_source.py``), and the fan-out of a request's choices (``fanout.py``). (Which nodes
+hold which prompt prefixes is a fact about the cluster: ``cluster/prefixes.py``.)"""
 
 from services.scheduler.routing.dispatch import (
     Advisories,
@@ -14,7 +14,6 @@ from services.scheduler.routing.fanout import run_choices
 from services.scheduler.routing.kv_source import node_request
 from services.scheduler.routing.plan import AdvisoryPlan, RoutePlan, RouteRequest
 from services.scheduler.routing.policy import POLICIES, Policy, make_policy
-from services.scheduler.routing.prefix_index import PrefixIndex
 
 __all__ = [
     "POLICIES",
@@ -24,7 +23,6 @@ __all__ = [
     "Dispatcher",
     "NodeStalled",
     "Policy",
-    "PrefixIndex",
     "RoutePlan",
     "RouteRequest",
     "make_policy",

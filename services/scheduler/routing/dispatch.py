@@ -39,16 +39,16 @@ from services.scheduler.cluster import (
     InFlight,
     NodeChannels,
     NodeRegistry,
-    PrefixMap,
+    PrefixIndex,
     SessionDirectory,
     ToolCallSessions,
+    request_hashes,
 )
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.placement import ModelRates, best_node
 from services.scheduler.routing.kv_source import node_request
 from services.scheduler.routing.plan import RoutePlan, RouteRequest
 from services.scheduler.routing.policy import Policy
-from services.scheduler.routing.prefix_index import PrefixIndex, request_hashes
 from shared.model_catalog import ModelEntry
 from shared.proto import common_pb2
 
@@ -106,13 +106,13 @@ class Dispatcher:
         advisor: Advisories | None = None,
         catalog: tuple[ModelEntry, ...] = (),
         inflight: InFlight | None = None,
-        prefixes: PrefixMap | None = None,
+        prefixes: PrefixIndex | None = None,
         prefix_index: PrefixIndex | None = None,
     ) -> None:
         self.registry = registry
         # The generations running, to place advisories by the load at their arrival.
         self.inflight = inflight if inflight is not None else InFlight()
-        self.prefixes = prefixes if prefixes is not None else PrefixMap()
+        self.prefixes = prefixes if prefixes is not None else PrefixIndex(100_000)
         self.tool_sessions = ToolCallSessions()  # call id -> the session that made it
         # Models the cluster may serve though no node runs them now (shared/model_catalog).
         self.catalog = {m.name: m for m in catalog}

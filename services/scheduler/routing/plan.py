@@ -33,7 +33,7 @@ class RouteRequest:
     prefix: tuple[str, ...] = ()  # the chat's leading context (cluster/prefixes.py)
     prefix_nodes: tuple[str, ...] = ()  # the nodes holding that context, best first
     # (node, leading prompt blocks its device holds) for the nodes holding any (the
-    # ``prefix`` policy's index, ``prefix_index.py``; empty for the other policies)
+    # ``prefix`` policy's index, ``cluster/prefixes.py``; empty for the other policies)
     prefix_hits: tuple[tuple[str, int], ...] = ()
     # ``time.monotonic()`` the request arrived in the scheduler (0.0: unknown): the engine's
     # queue limit counts from then (``waited_ms`` on the node's request).
