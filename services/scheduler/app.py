@@ -49,7 +49,7 @@ def build_state(
     metrics = SchedulerMetrics()
     if sessions is None:
         sessions = SessionDirectory(config.sessions_max, config.sessions_ttl_s)
-    policy = make_policy(config.policy)
+    policy = make_policy(config.policy, config.move_tokens)
     catalog = load_catalog(config.models_config)
     inflight = InFlight(config.tpot_default_s)
     latencies = (ToolLatencies(config.tool_latency_default_s, config.tool_latency_quantile)

@@ -238,7 +238,8 @@ class Dispatcher:
         self.rates.record(route.model)
         place = self.sessions.where(route.tenant, route.session_id) if route.session_id else None
         if place is not None:
-            route = dataclasses.replace(route, holder=place.node_id)
+            route = dataclasses.replace(route, holder=place.node_id,
+                                        holder_tokens=place.turn_tokens)
         hashes: tuple[bytes, ...] = ()
         if self.prefix_index is not None:
             hashes = request_hashes(request)

@@ -27,6 +27,7 @@ class RouteRequest:
     tenant: str = "default"
     priority: int = 0
     holder: str = ""  # the node holding the session's KV (its last turn's), if known
+    holder_tokens: int = 0  # the KV the holder has: its last turn's prompt + completion
     advised: str = ""  # the node an advisory chose for this request (its KV goes there)
     # An advisory's: per node, the load counted now that will be gone when it arrives.
     gone: Mapping[str, int] = field(default_factory=dict)
