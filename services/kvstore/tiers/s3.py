@@ -219,8 +219,7 @@ class S3Tier(Tier):
         return resp["Body"].read()
 
     def _get_ranged_blocking(self, key: str) -> Stored | bytes | None:
-        """The object's first range and its size; the whole object when it fits in one
-        range (or the endpoint sends it whole)."""
+        """The object's first range, its body a stream the check reads (``S3Stored``)."""
         assert self._ranges is not None
         self._ensure_bucket_blocking()
         obj = self._obj(key)
@@ -233,13 +232,15 @@ class S3Tier(Tier):
             if _code(e) in ("InvalidRange", "416"):  # an empty object has no byte 0
                 return self._get_blocking(key)
             raise
-        first = resp["Body"].read()
-        total = content_size(resp, len(first))
-        if len(first) != min(self.range_bytes, total):
-            raise RangeFailed(key=key, why=f"first range: {len(first)} of {total} bytes")
-        if total == len(first):
-            return first
-        return S3Stored(self._ranges, obj, total, first)
+        sent = int(resp.get("ContentLength", 0))
+        try:
+            total = content_size(resp, sent)
+            if sent != min(self.range_bytes, total):
+                raise RangeFailed(key=key, why=f"first range: {sent} of {total} bytes")
+        except RangeFailed:
+            resp["Body"].close()
+            raise
+        return S3Stored(self._ranges, obj, total, resp["Body"], sent)
 
     async def get_many(self, keys: list[str]) -> list[Blob | None]:
         got = await self.get_many_checked(keys, whole_blob)
@@ -256,7 +257,12 @@ class S3Tier(Tier):
         read = self._get_ranged_blocking if self._ranges is not None else self._get_blocking
 
         def one(key: str) -> Checked[T]:
-            return apply_check(read(key), check, key)
+            found = read(key)
+            try:
+                return apply_check(found, check, key)
+            finally:
+                if isinstance(found, S3Stored):
+                    found.release()  # (a check that stopped early leaves it unread)
 
         got = await asyncio.gather(*(self._call(one, k) for k in keys), return_exceptions=True)
         for g in got:

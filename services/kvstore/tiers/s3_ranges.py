@@ -2,17 +2,19 @@
 straight to where they are going.
 
 A chunk read for a load (``get_many_checked``) starts with one GET of the object's first
-range, whose ``Content-Range`` names the object's size; the check (``CopyOnRead``) then
-asks for the rest into the request's pool blocks (``S3Stored.readinto``), and those bytes
-come as ranged GETs run together on the ranges' own threads, each written into its part
-of the blocks as it lands::
+range, whose reply headers (``Content-Range``) name the object's size; its body is left
+unread, a stream. The check (``CopyOnRead``) reads the chunk's head off it, then asks for
+the payload into the request's pool blocks (``S3Stored.readinto``): the rest of the first
+range comes off the stream while the ranges past it, started first, arrive as ranged GETs
+run together on the ranges' own threads, each written into its part of the blocks::
 
-    object   [ range 0 | range 1 | range 2 | range 3 ]
-    GET 0    ─────────┘  (size known; the check places the head)
-    GETs 1-3            ═══════ in parallel, each into its slice of the target blocks
+    object    [ range 0 | range 1 | range 2 | range 3 ]
+    GET 0     head ─► memory; rest ─► blocks (the stream, in order)
+    GETs 1-3             ═══════ in parallel, each into its slice of the target blocks
 
-So a chunk costs one round trip plus one of its ranges' (not one per range), its payload
-is never assembled in a buffer of its own, and the check still verifies the chunk's MAC
+So a chunk costs one round trip plus one of its ranges' (not one per range), an object
+of one range is one GET, its payload is never assembled in a buffer of its own (nor
+decoded, copied again or promoted to DRAM), and the check still verifies the chunk's MAC
 over every byte (``verify_parts`` over the blocks): a forged or corrupt range fails the
 chunk like a corrupt object. A range that fails to arrive (an error, a short body) fails
 the whole read with ``RangeFailed`` after every range of it has ended (nothing writes into
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from botocore.exceptions import BotoCoreError
@@ -94,13 +96,20 @@ class RangedReads:
     def into(self, key: str, offset: int, bufs: list[memoryview]) -> None:
         """Fill ``bufs`` (end to end) with the object's bytes from ``offset``: one ranged
         GET per ``range_bytes``, all at once; returns once every one has ended."""
+        self.finish(key, self.submit(key, offset, bufs))
+
+    def submit(self, key: str, offset: int, bufs: list[memoryview]) -> list[Future[None]]:
+        """Start the ranged GETs filling ``bufs`` from ``offset`` (``finish`` waits)."""
         total = sum(len(b) for b in bufs)
-        jobs = []
-        for lo in range(0, total, self.range_bytes):
-            n = min(self.range_bytes, total - lo)
-            jobs.append(self.executor.submit(self._one, key, offset + lo, n,
-                                             cover(bufs, lo, n)))
-        wait(jobs)  # every range ends before this returns (they write into bufs)
+        return [self.executor.submit(self._one, key, offset + lo, min(self.range_bytes,
+                                                                       total - lo),
+                                     cover(bufs, lo, min(self.range_bytes, total - lo)))
+                for lo in range(0, total, self.range_bytes)]
+
+    def finish(self, key: str, jobs: list[Future[None]]) -> None:
+        """Wait for every one of ``jobs`` (they write into the caller's buffers), then
+        raise the first failure as ``RangeFailed``."""
+        wait(jobs)
         for j in jobs:
             err = j.exception()
             if err is not None:
@@ -118,16 +127,29 @@ class RangedReads:
 
 
 class S3Stored(Stored):
-    """An S3 object read by ranges (see the module doc): its first range in memory, the
-    rest fetched on demand into the caller's buffers. ``kept`` stays None until
-    ``blob()`` reads the whole: a chunk read straight into pool blocks is not promoted."""
+    """An S3 object read by ranges (see the module doc). Its first range's reply is a
+    stream: the bytes a check asks for in order come off it (a head into memory, a payload
+    straight into the caller's buffers) while the ranges past it are fetched in parallel.
+    ``kept`` stays None until ``blob()`` reads the whole: a chunk read straight into pool
+    blocks is not promoted. ``release()`` ends the stream (the tier calls it once the check
+    is done)."""
 
-    def __init__(self, reads: RangedReads, obj_key: str, nbytes: int, first: bytes) -> None:
+    def __init__(self, reads: RangedReads, obj_key: str, nbytes: int, stream: Any,
+                 stream_len: int) -> None:
         self._blob = None
         self.nbytes = nbytes
         self._reads = reads
         self._obj = obj_key
-        self._first = first  # bytes 0 .. len(first) - 1
+        self._stream: Any = stream  # the first range's body, at byte _pos of the object
+        self._stream_len = stream_len
+        self._pos = 0
+        self._head = bytearray()  # bytes 0 .. len(_head) - 1, kept (_pos >= len(_head))
+
+    def release(self) -> None:
+        """Close the first range's stream if it was not read to its end."""
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
 
     def blob(self) -> Blob:
         if self._blob is None:
@@ -138,9 +160,13 @@ class S3Stored(Stored):
 
     def read(self, offset: int, n: int) -> Blob | memoryview:
         n = max(0, min(n, self.nbytes - offset))
-        if self._blob is not None or offset + n <= len(self._first):
-            src = self._blob if self._blob is not None else self._first
-            return memoryview(src)[offset:offset + n]
+        if self._blob is not None:
+            return memoryview(self._blob)[offset:offset + n]
+        if (self._stream is not None and self._pos == len(self._head)
+                and offset + n <= self._stream_len):
+            self._keep(offset + n)  # a head: kept, for the reads that follow
+        if offset + n <= len(self._head):
+            return memoryview(self._head)[offset:offset + n]
         buf = bytearray(n)
         self.readinto(offset, [memoryview(buf)])
         return buf
@@ -149,12 +175,45 @@ class S3Stored(Stored):
         if self._blob is not None:
             return super().readinto(offset, bufs)
         want = sum(len(b) for b in bufs)
-        if offset + want > self.nbytes:
-            raise ChunkCorrupt(f"s3: object of {self.nbytes} bytes ends before byte "
-                               f"{offset + want}")
-        held = max(0, min(len(self._first) - offset, want))
-        if held:
-            spread(memoryview(self._first)[offset:offset + held], cover(bufs, 0, held))
-        if want > held:
-            self._reads.into(self._obj, offset + held, cover(bufs, held, want - held))
+        end = offset + want
+        if end > self.nbytes:
+            raise ChunkCorrupt(f"s3: object of {self.nbytes} bytes ends before byte {end}")
+        held = max(0, min(len(self._head), end) - offset)
+        at = offset + held
+        if self._stream is not None and self._pos < at <= self._stream_len:
+            self._skip(at - self._pos)  # (a gap the caller does not want)
+        streamed = (min(self._stream_len, end) - at
+                    if self._stream is not None and self._pos == at else 0)
+        ranged = want - held - streamed
+        jobs = self._reads.submit(self._obj, at + streamed, cover(bufs, held + streamed,
+                                                                   ranged)) if ranged else []
+        try:
+            if held:
+                spread(memoryview(self._head)[offset:at], cover(bufs, 0, held))
+            for d in cover(bufs, held, streamed) if streamed else ():
+                d[:] = self._next(len(d))
+        finally:
+            self._reads.finish(self._obj, jobs)  # (every range ends before this returns)
         return None
+
+    def _next(self, n: int) -> bytes:
+        """The stream's next ``n`` bytes; ``RangeFailed`` if it ends first."""
+        assert self._stream is not None
+        data = self._stream.read(n)
+        if len(data) != n:
+            self.release()
+            raise RangeFailed(key=self._obj, why=f"the first range ended {n - len(data)} "
+                              "bytes early")
+        self._pos += n
+        if self._pos >= self._stream_len:
+            self.release()
+        return data
+
+    def _keep(self, upto: int) -> None:
+        self._head += self._next(upto - self._pos) if upto > self._pos else b""
+
+    def _skip(self, n: int) -> None:
+        if self._pos == len(self._head):
+            self._head += self._next(n)  # (still a prefix: kept)
+        else:
+            self._next(n)

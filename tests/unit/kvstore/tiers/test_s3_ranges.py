@@ -5,6 +5,7 @@ every range of it has ended (nothing writes into the buffers once it has returne
 
 from __future__ import annotations
 
+import io
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -55,7 +56,7 @@ class FakeEndpoint:
 def stored(ep: FakeEndpoint, workers: int = 4) -> tuple[S3Stored, ThreadPoolExecutor]:
     ex = ThreadPoolExecutor(workers)
     reads = RangedReads(ep.get_range, RANGE, ex, threading.Event())
-    return S3Stored(reads, "obj", len(OBJECT), OBJECT[:RANGE]), ex
+    return S3Stored(reads, "obj", len(OBJECT), io.BytesIO(OBJECT[:RANGE]), RANGE), ex
 
 
 def test_the_ranges_land_in_order_across_the_callers_buffers() -> None:
@@ -70,12 +71,26 @@ def test_the_ranges_land_in_order_across_the_callers_buffers() -> None:
         assert sorted(ep.asked) == [(lo, min(lo + RANGE, len(OBJECT)))
                                     for lo in range(RANGE, len(OBJECT), RANGE)]
         assert hit.kept is None  # read straight into place: nothing to promote
-        assert bytes(hit.read(5, 10)) == OBJECT[5:15]  # the held first range
+        # the stream went straight to the caller: a second read of it goes by range
+        assert bytes(hit.read(5, 10)) == OBJECT[5:15] and ep.asked[-1] == (5, 15)
         assert bytes(hit.read(9000, 5000)) == OBJECT[9000:]  # clipped at the end
         assert bytes(hit.blob()) == OBJECT and hit.kept is not None
+
+
+def test_a_head_read_first_is_kept_and_the_payload_streams_on() -> None:
+    # CopyOnRead's general path: the head, then the payload from past it
+    ep = FakeEndpoint()
+    hit, ex = stored(ep)
+    with ex:
+        assert bytes(hit.read(0, 100)) == OBJECT[:100]
+        assert bytes(hit.read(10, 20)) == OBJECT[10:30]  # (kept: no request)
+        payload = bytearray(len(OBJECT) - 300)  # past a 300-byte head: a gap of 200
+        hit.readinto(300, [memoryview(payload)])
+        assert bytes(payload) == OBJECT[300:]
+        assert min(lo for lo, _ in ep.asked) == RANGE  # the first range: the stream alone
+        assert bytes(hit.read(150, 100)) == OBJECT[150:250]  # the gap was kept too
         with pytest.raises(ChunkCorrupt):
-            S3Stored(hit._reads, "obj", 100, OBJECT[:100]).readinto(50, [memoryview(
-                bytearray(60))])
+            hit.readinto(len(OBJECT) - 10, [memoryview(bytearray(60))])
 
 
 def test_ranges_run_in_parallel_bounded_by_the_executor() -> None:
@@ -106,6 +121,14 @@ def test_a_short_range_is_a_failed_read_not_a_corrupt_object() -> None:
     hit, ex = stored(ep)
     with ex, pytest.raises(RangeFailed, match="arrived"):
         hit.readinto(0, [memoryview(bytearray(len(OBJECT)))])
+    # a first range whose stream ends early: the same, once the other ranges ended
+    ep = FakeEndpoint()
+    ex = ThreadPoolExecutor(4)
+    short = S3Stored(RangedReads(ep.get_range, RANGE, ex, threading.Event()), "obj",
+                     len(OBJECT), io.BytesIO(OBJECT[:RANGE - 1]), RANGE)
+    with ex, pytest.raises(RangeFailed, match="early"):
+        short.readinto(0, [memoryview(bytearray(len(OBJECT)))])
+    assert ep.running == 0 and len(ep.asked) == 10
 
 
 def test_the_size_comes_from_content_range() -> None:
