@@ -3,7 +3,7 @@ code) at one map point, balanced with several ``scheduler.move_tokens`` beside s
 paired over seeds (issue #42: on agent sessions balanced was 13% behind sticky).
 
     python -m bench.sim.margin [--workload agent] [--sessions 8] [--pressure 0.25]
-        [--seeds 3] [--move-tokens 0 2048 4096] [--nodes 2] [--calibration FILE]
+        [--seeds 3] [--move-tokens 0 512 1024 2048] [--nodes 2] [--calibration FILE]
 
 ``move_tokens`` 0 is balanced without a margin (load alone decides). For each variant:
 mean normalized latency over the seeds with its 95% interval, and sticky over it paired
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workload", default="agent", choices=("agent", "sharegpt"))
     ap.add_argument("--sessions", type=int, default=8)
     ap.add_argument("--pressure", type=float, default=0.25)
-    ap.add_argument("--move-tokens", type=int, nargs="+", default=[0, 2048, 4096])
+    ap.add_argument("--move-tokens", type=int, nargs="+", default=[0, 512, 1024, 2048])
     ap.add_argument("--max-user", type=int, default=Point.max_user,
                     help="cap on a user turn's tokens (the quick profile's 160)")
     args = ap.parse_args(argv)

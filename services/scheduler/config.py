@@ -75,7 +75,7 @@ class SchedulerConfig:
         choices=("balanced", "priority", "sticky", "recompute", "prefix"),
     )
     move_tokens: int = opt(
-        2048, "policy balanced/priority: a session leaves the node holding its KV only when "
+        0, "policy balanced/priority: a session leaves the node holding its KV only when "
         "that node's expected load exceeds the least loaded's by more than its history's "
         "tokens / move_tokens requests (moving pulls the history across); 0 = load alone",
         min=0)

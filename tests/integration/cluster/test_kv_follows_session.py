@@ -16,9 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.cluster.turns import only_in_s3, settled
+from bench.cluster.turns import TENANT, settled
+from bench.harness import sync_channel
 from services.engine.api_types import ChatMessage
 from services.engine.model import LoadedModel, load_model
+from shared.proto import kvstore_pb2, kvstore_pb2_grpc
 from tests.cluster import Cluster, start_cluster
 from tests.integration.reuse.harness import USER_TURNS, reference_transcript
 
@@ -120,7 +122,10 @@ def test_a_turn_whose_history_is_only_in_s3_matches_recompute(
     tokens, _, node = _turn(cluster, "in-s3", m1)
     assert tokens == e1 and node == "node0"
     settled(cluster, "in-s3")
-    only_in_s3(cluster, "in-s3")  # node0's DRAM and SSD copies deleted: S3 alone has it
+    with sync_channel(cluster.kvstore_addresses["node0"]) as ch:  # S3 alone has it now
+        kvstore_pb2_grpc.KVStoreStub(ch).Delete(kvstore_pb2.DeleteRequest(
+            session=kvstore_pb2.ManifestRef(tenant=TENANT, session_id="in-s3"),
+            with_chunks=True, tiers=["dram"]), timeout=30)
     _serve_only(cluster, "node1")
     name = 'overture_turns_total{kv_from="s3"}'
     before = _metric(cluster.text("/metrics"), name)
