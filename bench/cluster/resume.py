@@ -2,6 +2,7 @@
 
     python -m bench.cluster.resume [--history 2048] [--reps 3]
         [--modes recompute,device,dram,peer,s3] [--size small] [--no-warmup] [--raw]
+        [--kvstore KEY=VALUE ...]
 
 A real cluster as the integration tests start it (``bench.harness``: scheduler, two nodes
 of kvstore + engine + node manager, a SeaweedFS S3 server shared by both kvstores), the
@@ -66,13 +67,15 @@ def sample(cluster: Cluster, mode: str, history: int, vocab: tuple[int, int],
 
 
 def run(history: int, reps: int, raw: bool, modes: list[str], size: str = "small",
-        warmup: bool = True) -> dict[str, float]:
+        warmup: bool = True, kvstore: dict[str, object] | None = None) -> dict[str, float]:
+    """``kvstore``: flags of both kvstores (e.g. ``s3_range_bytes``: 0 reads an S3 object
+    in one GET, to compare with the ranged reads)."""
     rng = random.Random(0)
     with tempfile.TemporaryDirectory() as tmp:
         model = write_demo_model(Path(tmp) / size, size=size, seed=0)
         vocab = token_range(model)
         with start_cluster(Path(tmp) / "cluster", model, nodes=2, s3=True, ssd=True,
-                           ready_timeout=600) as cluster:
+                           ready_timeout=600, kvstore_flags=kvstore) as cluster:
             for mode in modes if warmup else ():  # every path once (first-touch costs)
                 sample(cluster, mode, 256, vocab, rng, -1)
             times: dict[str, list[float]] = {m: [] for m in modes}
@@ -119,6 +122,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="no warm-up turn per mode (a smoke run: first-touch costs then land "
                    "in the medians)")
     p.add_argument("--raw", action="store_true", help="print every sample")
+    p.add_argument("--kvstore", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="kvstore flags for both nodes, e.g. s3_range_bytes=0")
     p.add_argument("--modes", default=",".join(MODES),
                    help="comma-separated subset (recompute is always measured)")
     args = p.parse_args(argv)
@@ -126,8 +131,10 @@ def main(argv: list[str] | None = None) -> None:
     unknown = set(modes) - set(MODES)
     if unknown:
         p.error(f"unknown modes {sorted(unknown)}; known: {', '.join(MODES)}")
+    kvstore = {k: int(v) if v.isdigit() else v
+               for k, v in (f.split("=", 1) for f in args.kvstore)}
     report(args.history, run(args.history, args.reps, args.raw, modes, args.size,
-                             not args.no_warmup), args.size)
+                             not args.no_warmup, kvstore), args.size)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from bench.workloads.trace import Session, Trace
 from services.scheduler.advisory import AdvisoryBook, AdvisoryPlacement
 from services.scheduler.cluster import Load, ModelSpec, NodeInfo, NodeRegistry, SessionDirectory
 from services.scheduler.routing import RoutePlan, RouteRequest, make_policy
+from services.scheduler.routing.policy import MOVE_TOKENS
 
 MODEL = "sim"
 TENANT = "default"
@@ -54,11 +55,11 @@ class Simulator:
     def __init__(self, trace: Trace, *, policy: str, nodes: int, calibration: Calibration,
                  time_scale: float = 1.0, max_answer_tokens: int = 1024,
                  cooperative: bool = True, purge_order: str = "layers",
-                 layerwise: bool = True) -> None:
+                 layerwise: bool = True, move_tokens: int = MOVE_TOKENS) -> None:
         self.trace, self.cal = trace, calibration
         self.time_scale, self.max_answer = time_scale, max_answer_tokens
         self.layerwise = layerwise
-        self.policy = make_policy(policy)
+        self.policy = make_policy(policy, move_tokens)
         self._plans: dict[str, RoutePlan] = {}  # the plan of each session's turn in flight
         self.now = 0.0
         clock = lambda: self.now  # noqa: E731
@@ -152,6 +153,7 @@ class Simulator:
         place = self.sessions.where(TENANT, session_id)
         route = RouteRequest(MODEL, session_id, TENANT, priority,
                              holder=place.node_id if place else "", advised=advised,
+                             holder_tokens=place.turn_tokens if place else 0,
                              prefix_hits=self._prefix_hits(session_id, place.turn_tokens
                                                            if place else 0))
         healthy = [n for n in self.registry.healthy(MODEL) if not self.registry.behind(n)]
@@ -316,7 +318,8 @@ class Simulator:
 
 def simulate(trace: Trace, *, policy: str, nodes: int, calibration: Calibration,
              time_scale: float = 1.0, max_answer_tokens: int = 1024, cooperative: bool = True,
-             purge_order: str = "layers", layerwise: bool = True, seed: int = 0) -> SimOutcome:
+             purge_order: str = "layers", layerwise: bool = True, seed: int = 0,
+             move_tokens: int = MOVE_TOKENS) -> SimOutcome:
     """Replay ``trace`` on a simulated cluster of ``nodes`` engines under ``policy``.
 
     Deterministic: ``seed`` is accepted for the runner's symmetry (the trace carries all
@@ -325,4 +328,4 @@ def simulate(trace: Trace, *, policy: str, nodes: int, calibration: Calibration,
     return Simulator(trace, policy=policy, nodes=nodes, calibration=calibration,
                      time_scale=time_scale, max_answer_tokens=max_answer_tokens,
                      cooperative=cooperative, purge_order=purge_order,
-                     layerwise=layerwise).run()
+                     layerwise=layerwise, move_tokens=move_tokens).run()

@@ -42,6 +42,7 @@ from bench.sim.cluster import simulate
 from bench.sim.costs import Calibration
 from bench.workloads.replay import summary
 from bench.workloads.trace import build_trace
+from services.scheduler.routing.policy import MOVE_TOKENS
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE.parent / "results"
@@ -88,8 +89,10 @@ QUICK_AXES: dict[str, tuple[float, ...]] = {
 }
 
 
-def normalized(point: Point, policy: str, nodes: int, cal: Calibration, seed: int) -> float:
-    """Mean normalized latency (s/token) of one simulated replay."""
+def normalized(point: Point, policy: str, nodes: int, cal: Calibration, seed: int,
+               move_tokens: int = MOVE_TOKENS) -> float:
+    """Mean normalized latency (s/token) of one simulated replay (``move_tokens``: the
+    balanced family's locality margin)."""
     users = int(point.sessions * nodes)
     trace = build_trace(users=users, sessions_per_user=1, seed=seed,
                         mean_gap_s=point.mean_gap_s, cv=point.cv, max_user=point.max_user,
@@ -102,7 +105,8 @@ def normalized(point: Point, policy: str, nodes: int, cal: Calibration, seed: in
     device = max(point.device_kv_bytes(cal), (longest + 64) * cal.kv_bytes_per_token)
     c = dataclasses.replace(cal, device_kv_bytes=device)
     out = simulate(trace, policy=policy, nodes=nodes, calibration=c,
-                   time_scale=point.time_scale, max_answer_tokens=point.max_answer)
+                   time_scale=point.time_scale, max_answer_tokens=point.max_answer,
+                   move_tokens=move_tokens)
     return float(summary(out.results).get("normalized_latency_s", 0.0))
 
 

@@ -99,4 +99,16 @@ class KVStoreConfig:
     load_readahead_layers: int = opt(
         1, "LoadIntoPool reads up to this many layers ahead of the copy", min=1, max=64
     )
+    # S3 waits on round trips, not on these cores: its layers are read further ahead, and
+    # an object by ranges in parallel (tiers/s3_ranges.py).
+    # Both off by default: on a loaded 2-core host the ranged reads measured slower than one
+    # GET an object (bench/README.md); a quiet rerun decides.
+    load_readahead_remote_layers: int = opt(
+        1, "LoadIntoPool reads up to this many layers ahead when the lease holds its chunks "
+        "in no local tier (they come from S3)", min=1, max=64
+    )
+    s3_range_bytes: int = opt(
+        0, "a load reads an S3 object by ranged GETs of this many bytes, in parallel "
+        "(0 = one GET per object)", min=0
+    )
     s3: S3Config = sub(S3Config, "durable S3 tier")

@@ -82,6 +82,7 @@ async def run(config: KVStoreConfig, stop: asyncio.Event | None = None) -> None:
                 config.chunk_tokens,
                 lease_s=config.lease_s,
                 readahead_layers=config.load_readahead_layers,
+                remote_readahead_layers=config.load_readahead_remote_layers,
                 drain_s=config.drain_s,
                 manifests=manifests,
                 peer_wait_s=config.peer_wait_s,

@@ -19,7 +19,7 @@ from services.scheduler.cluster import (
     InFlight,
     NodeChannels,
     NodeRegistry,
-    PrefixMap,
+    PrefixIndex,
     SessionDirectory,
 )
 from services.scheduler.config import SchedulerConfig
@@ -33,7 +33,6 @@ from services.scheduler.routing import (
     Dispatcher,
     DispatchSettings,
     NodeWindows,
-    PrefixIndex,
     WindowSettings,
     make_policy,
 )
@@ -51,12 +50,12 @@ def build_state(
     registry: NodeRegistry,
     channels: NodeChannels,
     sessions: SessionDirectory | None = None,
-    prefixes: PrefixMap | None = None,
+    prefixes: PrefixIndex | None = None,
 ) -> ApiState:
     metrics = SchedulerMetrics()
     if sessions is None:
         sessions = SessionDirectory(config.sessions_max, config.sessions_ttl_s)
-    policy = make_policy(config.policy)
+    policy = make_policy(config.policy, config.move_tokens)
     catalog = load_catalog(config.models_config)
     inflight = InFlight(config.tpot_default_s)
     windows = NodeWindows(
@@ -208,7 +207,8 @@ async def start(config: SchedulerConfig, stack: AsyncExitStack) -> Running:
     channels = NodeChannels()
     stack.push_async_callback(channels.close)
     sessions = SessionDirectory(config.sessions_max, config.sessions_ttl_s)
-    prefixes = PrefixMap(config.sessions_max, config.sessions_max)
+    # (each node holds at most sessions_max chats' leading contexts, as far as it knows)
+    prefixes = PrefixIndex(config.sessions_max, config.sessions_max)
     leadership: list[LeaseElector] = []  # (filled below when the replicas elect a leader)
     servicer = SchedulerServicer(registry, config.heartbeat_interval_s, sessions,
                                  leader=lambda: not config.lease_name

@@ -74,6 +74,11 @@ class SchedulerConfig:
         "device holds the longest prompt prefix; KV only in device memory; baseline)",
         choices=("balanced", "priority", "sticky", "recompute", "prefix"),
     )
+    move_tokens: int = opt(
+        0, "policy balanced/priority: a session leaves the node holding its KV only when "
+        "that node's expected load exceeds the least loaded's by more than its history's "
+        "tokens / move_tokens requests (moving pulls the history across); 0 = load alone",
+        min=0)
     prefix_index_blocks: int = opt(
         8192, "policy prefix: prompt blocks (64 characters, about 16 tokens) each node's "
         "device is assumed to hold; the least recently served go first (set it to the "

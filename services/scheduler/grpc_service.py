@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from services.scheduler import wire
-from services.scheduler.cluster import NodeRegistry, PrefixMap, SessionDirectory
+from services.scheduler.cluster import NodeRegistry, PrefixIndex, SessionDirectory
 from shared.proto import scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -22,7 +22,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         heartbeat_interval_s: float,
         sessions: SessionDirectory | None = None,
         leader: Callable[[], bool] = lambda: True,
-        prefixes: PrefixMap | None = None,
+        prefixes: PrefixIndex | None = None,
     ) -> None:
         self.registry = registry
         self.interval = heartbeat_interval_s

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench.harness import REPO
-from bench.sim import calibrate, calibrate_cluster, scale
+from bench.sim import calibrate, calibrate_cluster, margin, scale
 from bench.sim import map as sim_map
 from bench.sim.costs import Calibration
 
@@ -59,3 +59,11 @@ def test_the_map_picks_its_axes_and_points(capsys: pytest.CaptureFixture[str],
     assert "python -m bench.eval.run --profile load --variants recompute sticky prefix" in out
     assert (tmp_path / "map.md").read_text() in out + "\n"
     assert (tmp_path / "map-sharegpt.png").stat().st_size > 0
+
+
+def test_the_locality_margin_beside_sticky(capsys: pytest.CaptureFixture[str]) -> None:
+    margin.main(["--workload", "sharegpt", "--sessions", "1", "--seeds", "2",
+                 "--move-tokens", "0", "64", "--max-user", "32"])
+    out = capsys.readouterr().out
+    assert "| variant | ms/token | sticky / variant |" in out
+    assert "| balanced, move_tokens 0 | " in out and "| balanced, move_tokens 64 | " in out

@@ -57,6 +57,7 @@ class EnginePoolPath:
         chunk_tokens: int,
         lease_s: float = 30.0,
         readahead_layers: int = 1,
+        remote_readahead_layers: int = 1,
         drain_s: float = 5.0,
         manifests: ManifestStore | None = None,
         peer_wait_s: float = 2.0,
@@ -76,6 +77,7 @@ class EnginePoolPath:
         self.leases.on_change = store.metrics.active_leases.set
         self.bandwidth = TierBandwidth([t.name for t in store.tiers])
         self.readahead_layers = readahead_layers
+        self.remote_readahead_layers = remote_readahead_layers
         self.drain_s = drain_s
         self.links = PeerLinks(peer_bytes_per_s)
         self.peer_wait_s = peer_wait_s
@@ -293,6 +295,7 @@ class EnginePoolPath:
             lease = self.leases.hold(req.lease_id)
             async with contextlib.aclosing(load_layers(
                 self.store, pool, req, bpc, lease, self.bandwidth, self.readahead_layers,
+                self.remote_readahead_layers,
             )) as layers:
                 async for msg in layers:
                     yield msg

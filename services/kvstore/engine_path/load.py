@@ -1,6 +1,7 @@
 """LoadIntoPool: leased chunks into pool blocks, lowest layer first, reads ahead of copies.
 
     reads:   [layer 0] [layer 1] [layer 2] ...      <= readahead layers in flight
+                                                    (more when they come from S3)
     copies:            [layer 0] [layer 1] ...      DRAM-held chunks: one worker-thread copy
     replies:                  L0 ok     L1 ok ...    the engine's layer l may start now
 
@@ -186,9 +187,12 @@ async def _finish_copy(kv: torch.Tensor, parts: list[Part]) -> list[float]:
 
 async def load_layers(
     store: TieredStore, pool: MappedPool, req: LoadRequest, bpc: int, lease: Lease | None,
-    bandwidth: TierBandwidth, readahead: int,
+    bandwidth: TierBandwidth, readahead: int, remote_readahead: int = 1,
 ) -> AsyncGenerator[LayerLoaded, None]:
-    """See the module docstring. Raises ``PoolError`` (before any yield) on bad input."""
+    """See the module docstring. Raises ``PoolError`` (before any yield) on bad input.
+    ``remote_readahead``: the layers read ahead when the lease found chunks in a remote
+    tier (S3: each layer's reads wait on round trips, which overlap; local reads are CPU
+    work on the cores the forward pass uses, which more in flight only slows)."""
     n = check_request(pool, req, bpc)
     prefixes = key_prefixes(req)
     kv = pool.kv
@@ -196,6 +200,8 @@ async def load_layers(
     t_start = time.perf_counter()
     ahead: deque[asyncio.Task[list[Part]]] = deque()
     next_layer = 0
+    if lease is not None and any(t.remote for t, _ in lease.pins):
+        readahead = max(readahead, remote_readahead)
 
     def fill() -> None:
         nonlocal next_layer

@@ -109,6 +109,7 @@ class Tier(ABC):
     """A storage tier (DRAM arena, RocksDB, S3). See the module docstring for the contract."""
 
     name: str = "tier"
+    remote = False  # its reads wait on round trips (S3), not on this host's cores
 
     async def open(self) -> None:
         """Acquire resources. Default: nothing to acquire."""

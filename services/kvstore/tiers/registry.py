@@ -27,7 +27,7 @@ def _ssd(cfg: KVStoreConfig) -> Tier | None:
 
 
 def _s3(cfg: KVStoreConfig) -> Tier | None:
-    return S3Tier(cfg.s3) if cfg.s3.bucket else None
+    return S3Tier(cfg.s3, cfg.s3_range_bytes) if cfg.s3.bucket else None
 
 
 TIER_FACTORIES: dict[str, TierFactory] = {"dram": _dram, "ssd": _ssd, "s3": _s3}

@@ -10,6 +10,10 @@ probes the endpoint (a single attempt), at most once per pause (doubling from
 back to local tiers rather than wait on a dead endpoint, and the write-behind's retries
 cost a dead endpoint one request per pause instead of a steady stream.
 
+Reads for a check (``get_many_checked``: a load's chunks) go by ranges of
+``range_bytes`` (``s3_ranges.py``): the first range tells the object's size, the rest
+arrive in parallel straight where the check puts them. ``get`` reads a whole object.
+
 Expiry: ``scan_expired`` lists objects whose LastModified is older than the cut-off; the
 store deletes them (a bucket lifecycle rule would be equivalent but is not available on
 every endpoint).
@@ -41,6 +45,7 @@ from services.kvstore.tiers.base import (
     apply_check,
     whole_blob,
 )
+from services.kvstore.tiers.s3_ranges import RangedReads, RangeFailed, S3Stored, content_size
 from shared.s3_credentials import boto_keys
 
 log = logging.getLogger(__name__)
@@ -62,11 +67,17 @@ _RETRYABLE_CODES = {
 
 class S3Tier(Tier):
     name = "s3"
+    remote = True
 
-    def __init__(self, cfg: S3Config) -> None:
+    def __init__(self, cfg: S3Config, range_bytes: int = 0) -> None:
+        """``range_bytes``: checked reads fetch an object by ranges of this many bytes in
+        parallel (0: one GET per object)."""
         self.cfg = cfg
+        self.range_bytes = range_bytes
         self._client: Any = None
         self._executor: ThreadPoolExecutor | None = None
+        self._range_executor: ThreadPoolExecutor | None = None
+        self._ranges: RangedReads | None = None
         self._degraded = ""
         self._next_probe = 0.0  # while degraded: no call reaches the endpoint before this
         self._probe_pause = 0.0
@@ -82,13 +93,18 @@ class S3Tier(Tier):
 
     async def open(self) -> None:
         self._executor = ThreadPoolExecutor(self.cfg.threads, thread_name_prefix="kv-s3")
+        if self.range_bytes:
+            self._range_executor = ThreadPoolExecutor(self.cfg.threads,
+                                                      thread_name_prefix="kv-s3-range")
+            self._ranges = RangedReads(self._get_range_blocking, self.range_bytes,
+                                       self._range_executor, self._closing)
         kwargs: dict[str, Any] = {
             "region_name": self.cfg.region,
             "config": BotoConfig(
                 retries={"max_attempts": 1, "mode": "standard"},
                 connect_timeout=self.cfg.timeout_s,
                 read_timeout=self.cfg.timeout_s,
-                max_pool_connections=self.cfg.threads * 2,
+                max_pool_connections=self.cfg.threads * 3,  # (the ranges' threads too)
             ),
         }
         if self.cfg.endpoint_url:
@@ -107,13 +123,16 @@ class S3Tier(Tier):
         hold shutdown far past ``drain_s``."""
         executor, self._executor = self._executor, None
         self._closing.set()
-        if executor is not None:
-            executor.shutdown(wait=False, cancel_futures=True)
+        for ex in (executor, self._range_executor):
+            if ex is None:
+                continue
+            ex.shutdown(wait=False, cancel_futures=True)
             try:
-                await asyncio.wait_for(asyncio.to_thread(executor.shutdown, True),
+                await asyncio.wait_for(asyncio.to_thread(ex.shutdown, True),
                                        self.cfg.timeout_s + 1.0)
             except TimeoutError:
                 log.warning("s3 calls still running at close; not waiting for them")
+        self._range_executor = None
         self._client = None
 
     def _ensure_bucket_blocking(self) -> None:
@@ -193,6 +212,36 @@ class S3Tier(Tier):
             raise
         return resp["Body"].read()
 
+    def _get_range_blocking(self, obj: str, lo: int, hi: int) -> bytes:
+        """Bytes ``lo .. hi - 1`` of the object named ``obj`` (in the bucket)."""
+        resp = self._client.get_object(Bucket=self.cfg.bucket, Key=obj,
+                                       Range=f"bytes={lo}-{hi - 1}")
+        return resp["Body"].read()
+
+    def _get_ranged_blocking(self, key: str) -> Stored | bytes | None:
+        """The object's first range, its body a stream the check reads (``S3Stored``)."""
+        assert self._ranges is not None
+        self._ensure_bucket_blocking()
+        obj = self._obj(key)
+        try:
+            resp = self._client.get_object(Bucket=self.cfg.bucket, Key=obj,
+                                           Range=f"bytes=0-{self.range_bytes - 1}")
+        except ClientError as e:
+            if _code(e) in _MISSING:
+                return None
+            if _code(e) in ("InvalidRange", "416"):  # an empty object has no byte 0
+                return self._get_blocking(key)
+            raise
+        sent = int(resp.get("ContentLength", 0))
+        try:
+            total = content_size(resp, sent)
+            if sent != min(self.range_bytes, total):
+                raise RangeFailed(key=key, why=f"first range: {sent} of {total} bytes")
+        except RangeFailed:
+            resp["Body"].close()
+            raise
+        return S3Stored(self._ranges, obj, total, resp["Body"], sent)
+
     async def get_many(self, keys: list[str]) -> list[Blob | None]:
         got = await self.get_many_checked(keys, whole_blob)
         return [None if g is None else g[1] for g in got]  # type: ignore[misc]
@@ -205,8 +254,15 @@ class S3Tier(Tier):
         (off the loop, bytes still in cache). Returns only once every call has ended, the
         checks included: a check may be writing into an engine's pool blocks."""
 
+        read = self._get_ranged_blocking if self._ranges is not None else self._get_blocking
+
         def one(key: str) -> Checked[T]:
-            return apply_check(self._get_blocking(key), check, key)
+            found = read(key)
+            try:
+                return apply_check(found, check, key)
+            finally:
+                if isinstance(found, S3Stored):
+                    found.release()  # (a check that stopped early leaves it unread)
 
         got = await asyncio.gather(*(self._call(one, k) for k in keys), return_exceptions=True)
         for g in got:

@@ -71,6 +71,7 @@ class AdvisoryPlacement:
         nodes, warm = self._candidates(model)
         route = RouteRequest(model, session_id, tenant, priority,
                              holder=place.node_id if place else "",
+                             holder_tokens=place.turn_tokens if place else 0,
                              gone=self.inflight.gone(nodes, expected_arrival_s)
                              if self.inflight is not None else {})
         plan = self.policy.advise(nodes, route)

@@ -7,18 +7,13 @@ session, a node other than the one that served its last turn is told that node's
 (and the turn's length), and pulls the KV from there layer by layer (Symphony §3.2–3.3).
 A turn that ends records its node in the ``SessionDirectory``.
 
-Faults and overload: a node that refuses a request because it is behind is skipped for
-that request, and by later ones for ``behind_hold_s`` (overload must not cost a round trip
-per refused request); when every node serving the model is behind, the client gets 429
-with ``Retry-After`` at once (back-pressure, not collapse). A node that sends nothing, not
-even the engine's keepalives, for ``stream_idle_timeout_s`` is stopped (SIGSTOP, a hung
-host): its streams are cut with a clean error (retried elsewhere if nothing was sent yet)
-and it leaves rotation until it beats again.
-
-A node whose engine fails a request before its first token (the engine crashed: the
-status is ``UNKNOWN``, ``INTERNAL`` or another of ``NODE_FAILURES`` rather than an answer
-about the request) gets it retried once on another node; the client, having seen nothing
-yet, sees one answer. After the first token a failure ends the stream with an error.
+Faults and overload: a node that refuses a request as behind is skipped by it and by later
+ones for ``behind_hold_s``; when every node is behind or its admission window full, 429
+with ``Retry-After`` at once. A node silent (not even keepalives) for
+``stream_idle_timeout_s`` is a hung host: its streams are cut with a clean error and it
+leaves rotation until it beats again. A failure before the first token (``NODE_FAILURES``:
+the engine broke, the request is fine) is retried once on another node; after it, the
+stream ends with an error.
 """
 
 from __future__ import annotations
@@ -39,16 +34,16 @@ from services.scheduler.cluster import (
     InFlight,
     NodeChannels,
     NodeRegistry,
-    PrefixMap,
+    PrefixIndex,
     SessionDirectory,
     ToolCallSessions,
+    request_hashes,
 )
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.placement import ActivationQueue, ModelRates
 from services.scheduler.routing.kv_source import node_request
 from services.scheduler.routing.plan import RoutePlan, RouteRequest
 from services.scheduler.routing.policy import Policy
-from services.scheduler.routing.prefix_index import PrefixIndex, request_hashes
 from services.scheduler.routing.window import NodeWindows, WindowSettings
 from shared.model_catalog import ModelEntry
 from shared.proto import common_pb2
@@ -107,7 +102,7 @@ class Dispatcher:
         advisor: Advisories | None = None,
         catalog: tuple[ModelEntry, ...] = (),
         inflight: InFlight | None = None,
-        prefixes: PrefixMap | None = None,
+        prefixes: PrefixIndex | None = None,
         prefix_index: PrefixIndex | None = None,
         windows: NodeWindows | None = None,
     ) -> None:
@@ -115,7 +110,7 @@ class Dispatcher:
         # The generations running, to place advisories by the load at their arrival.
         self.inflight = inflight if inflight is not None else InFlight()
         self.windows = windows or NodeWindows(WindowSettings(), self.inflight)  # (off)
-        self.prefixes = prefixes if prefixes is not None else PrefixMap()
+        self.prefixes = prefixes if prefixes is not None else PrefixIndex(100_000)
         self.tool_sessions = ToolCallSessions()  # call id -> the session that made it
         # Models the cluster may serve though no node runs them now (shared/model_catalog).
         self.catalog = {m.name: m for m in catalog}
@@ -247,7 +242,8 @@ class Dispatcher:
         self.rates.record(route.model)
         place = self.sessions.where(route.tenant, route.session_id) if route.session_id else None
         if place is not None:
-            route = dataclasses.replace(route, holder=place.node_id)
+            route = dataclasses.replace(route, holder=place.node_id,
+                                        holder_tokens=place.turn_tokens)
         hashes: tuple[bytes, ...] = ()
         if self.prefix_index is not None:
             hashes = request_hashes(request)

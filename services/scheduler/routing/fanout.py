@@ -28,7 +28,7 @@ def _request_id(base_id: str, choice: Choice, total: int) -> str:
 
 
 def _leading_context(req: ApiRequest, model: str) -> tuple[str, ...]:
-    """The chat's leading context as ``PrefixMap`` keys (none for other prompts)."""
+    """The chat's leading context as ``PrefixIndex`` keys (none for other prompts)."""
     if len(req.prompts) != 1 or req.prompts[0].kind != "chat":
         return ()
     msgs = [(m.role, m.content + "".join(f"\0{c.name}\0{c.arguments}" for c in m.tool_calls))

@@ -27,13 +27,14 @@ class RouteRequest:
     tenant: str = "default"
     priority: int = 0
     holder: str = ""  # the node holding the session's KV (its last turn's), if known
+    holder_tokens: int = 0  # the KV the holder has: its last turn's prompt + completion
     advised: str = ""  # the node an advisory chose for this request (its KV goes there)
     # An advisory's: per node, the load counted now that will be gone when it arrives.
     gone: Mapping[str, int] = field(default_factory=dict)
     prefix: tuple[str, ...] = ()  # the chat's leading context (cluster/prefixes.py)
     prefix_nodes: tuple[str, ...] = ()  # the nodes holding that context, best first
     # (node, leading prompt blocks its device holds) for the nodes holding any (the
-    # ``prefix`` policy's index, ``prefix_index.py``; empty for the other policies)
+    # ``prefix`` policy's index, ``cluster/prefixes.py``; empty for the other policies)
     prefix_hits: tuple[tuple[str, int], ...] = ()
     # ``time.monotonic()`` the request arrived in the scheduler (0.0: unknown): the engine's
     # queue limit counts from then (``waited_ms`` on the node's request).

@@ -1,7 +1,9 @@
 """A session's KV follows it across nodes (real processes on loopback, a real SeaweedFS S3
 server): turns forced onto alternating nodes with drain reuse their history pulled from
 the peer, a turn that arrives while the previous one is still being saved elsewhere gets
-all of it, and a peer dying mid-pull leaves the output correct (recomputed)."""
+all of it, a turn whose history is only in S3 reads it by parallel ranged GETs, and a peer
+dying mid-pull leaves the output correct (recomputed). Every reused turn's tokens are
+recomputation's."""
 
 from __future__ import annotations
 
@@ -14,14 +16,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.cluster.turns import TENANT, settled
+from bench.harness import sync_channel
 from services.engine.api_types import ChatMessage
 from services.engine.model import LoadedModel, load_model
+from shared.proto import kvstore_pb2, kvstore_pb2_grpc
 from tests.cluster import Cluster, start_cluster
 from tests.integration.reuse.harness import USER_TURNS, reference_transcript
 
 SESSION_TURNS = USER_TURNS  # six turns
 ENGINE = {"offload.policy": "always"}  # the tiny model recomputes fast: always load
-KVSTORE = {"chunk_tokens": 64}
+# (a chunk of the tiny model is ~16 KiB: S3 reads it in several ranges)
+KVSTORE = {"chunk_tokens": 64, "s3_range_bytes": 4096}
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +112,27 @@ def test_turns_alternating_between_nodes_reuse_their_history(
     assert status == 200 and where["node"] == "node0", where
     # The last pulls left the history on both nodes, and in the shared S3 tier.
     assert cluster.s3_endpoint
+
+
+def test_a_turn_whose_history_is_only_in_s3_matches_recompute(
+    cluster: Cluster, reference: list
+) -> None:
+    (m1, e1, _), (m2, e2, _) = reference[:2]
+    _serve_only(cluster, "node0")
+    tokens, _, node = _turn(cluster, "in-s3", m1)
+    assert tokens == e1 and node == "node0"
+    settled(cluster, "in-s3")
+    with sync_channel(cluster.kvstore_addresses["node0"]) as ch:  # S3 alone has it now
+        kvstore_pb2_grpc.KVStoreStub(ch).Delete(kvstore_pb2.DeleteRequest(
+            session=kvstore_pb2.ManifestRef(tenant=TENANT, session_id="in-s3"),
+            with_chunks=True, tiers=["dram"]), timeout=30)
+    _serve_only(cluster, "node1")
+    name = 'overture_turns_total{kv_from="s3"}'
+    before = _metric(cluster.text("/metrics"), name)
+    tokens, cached, node = _turn(cluster, "in-s3", m2)
+    assert node == "node1" and cached > 0, cluster.logs()
+    assert tokens == e2, f"the turn from S3 differs from recomputation\n{cluster.logs()}"
+    assert _metric(cluster.text("/metrics"), name) == before + 1, cluster.logs()
 
 
 @pytest.mark.slow

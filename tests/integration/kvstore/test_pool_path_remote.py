@@ -15,6 +15,7 @@ from services.kvstore.engine_path.types import LoadRequest, LookupRequest, SaveR
 from services.kvstore.manifests.manifest import scoped_session
 from services.kvstore.metrics import KVStoreMetrics
 from services.kvstore.server import build_store
+from shared.chunk_codec import chunk_key
 from shared.config import build
 from shared.proto import kvstore_pb2 as pb
 from tests.integration.kvstore.helpers import KVStoreProcess, channel, stub
@@ -41,13 +42,13 @@ def pool():
     p.close()
 
 
-def cfg(tmp_path: Path, s3: object, name: str) -> KVStoreConfig:
+def cfg(tmp_path: Path, s3: object, name: str, range_bytes: int = 0) -> KVStoreConfig:
     import dataclasses
 
     return build(KVStoreConfig, {
         "ssd_path": str(tmp_path / name), "ssd_bytes": 1 << 24, "dram_bytes": 1 << 24,
         "chunk_tokens": CHUNK_TOKENS, "retry_backoff_max_s": 0.05, "drain_s": 2.0,
-        "s3": dataclasses.asdict(s3),
+        "s3": dataclasses.asdict(s3), "s3_range_bytes": range_bytes,
     })
 
 
@@ -55,14 +56,17 @@ def layer_blocks(base: int, layer: int, first: int, count: int) -> list[int]:
     return [base + layer * STRIDE + i for i in range(first, first + count)]
 
 
+# 0: one GET per object; 8192: every chunk by ranged GETs in parallel (a chunk of these
+# pools is 16 blocks of 2 KiB: its head and the first blocks come with the first range)
+@pytest.mark.parametrize("range_bytes", [0, 8192])
 async def test_lookup_and_load_from_s3_then_via_manifest_after_restart(
-    tmp_path: Path, s3_endpoint: str, pool
+    tmp_path: Path, s3_endpoint: str, pool, range_bytes: int
 ) -> None:
     s3 = s3cfg(s3_endpoint, f"kv-{uuid.uuid4().hex[:12]}")
     hs = hashes(50)
     fill(pool, ids(0, 40, SRC, STRIDE), seed=11)
     saved = pool.kv_cache.clone()
-    config = cfg(tmp_path, s3, "a")
+    config = cfg(tmp_path, s3, "a", range_bytes)
     async with build_store(config, KVStoreMetrics()) as store, \
             EnginePoolPath(store, CHUNK_TOKENS) as dp:
         pid, _ = await dp.attach(geometry(pool))
@@ -87,7 +91,7 @@ async def test_lookup_and_load_from_s3_then_via_manifest_after_restart(
     # A fresh kvstore (empty DRAM and SSD, no in-memory sequence) on the same bucket: the
     # manifest names the partial chunk, so a 50-block prompt still reuses 40.
     pool.kv_cache[DST:].zero_()
-    async with build_store(cfg(tmp_path, s3, "b"), KVStoreMetrics()) as store, \
+    async with build_store(cfg(tmp_path, s3, "b", range_bytes), KVStoreMetrics()) as store, \
             EnginePoolPath(store, CHUNK_TOKENS) as dp:
         pid, _ = await dp.attach(geometry(pool))
         r = await dp.lookup(LookupRequest(TENANT, "chat", MODEL, hs, 0, LAYERS))
@@ -100,6 +104,49 @@ async def test_lookup_and_load_from_s3_then_via_manifest_after_restart(
         assert all(m.ok for m in msgs)
         assert torch.equal(pool.kv_cache[layer_blocks(DST, 2, 0, 40)],
                            saved[layer_blocks(SRC, 2, 0, 40)])
+
+
+async def test_a_forged_range_of_an_s3_chunk_fails_its_layer(
+    tmp_path: Path, s3_endpoint: str, pool
+) -> None:
+    """A byte changed past the first range (so it arrives in a parallel ranged GET, straight
+    into the blocks): the chunk's MAC fails over the blocks, the copy is counted and
+    deleted, and the load stops at that layer (the engine recomputes from there)."""
+    import boto3
+
+    from tests.s3_server import aws_keys
+
+    s3 = s3cfg(s3_endpoint, f"kv-{uuid.uuid4().hex[:12]}")
+    hs = hashes(16)
+    fill(pool, ids(0, 16, SRC, STRIDE), seed=12)
+    saved = pool.kv_cache.clone()
+    async with build_store(cfg(tmp_path, s3, "a", 8192), KVStoreMetrics()) as store, \
+            EnginePoolPath(store, CHUNK_TOKENS) as dp:
+        pid, _ = await dp.attach(geometry(pool))
+        await dp.save(SaveRequest(pid, TENANT, "chat", MODEL, hs, 16 * 16, 0,
+                                  tuple(ids(0, 16, SRC, STRIDE)), LAYERS))
+        await dp.wait_manifests()
+        for tier in store.tiers[:2]:
+            for key in tier._index.keys():
+                await tier.delete(key)
+        raw = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1",
+                           **aws_keys())
+        obj = s3.prefix + "c/" + chunk_key(TENANT, MODEL, hs[-1], 1)  # layer 1
+        data = bytearray(raw.get_object(Bucket=s3.bucket, Key=obj)["Body"].read())
+        assert len(data) > 3 * 8192  # several ranges
+        data[-7] ^= 0x10  # in the last range
+        raw.put_object(Bucket=s3.bucket, Key=obj, Body=bytes(data))
+        r = await dp.lookup(LookupRequest(TENANT, "chat", MODEL, hs, 0, LAYERS))
+        assert r.matched_blocks == 16
+        pool.kv_cache[DST:].zero_()
+        msgs = [m async for m in dp.load(LoadRequest(
+            pid, r.lease_id, TENANT, MODEL, tuple(r.spans), tuple(ids(0, 16, DST, STRIDE)), LAYERS,
+        ))]
+        assert [(m.layer, m.ok) for m in msgs] == [(0, True), (1, False)]
+        assert torch.equal(pool.kv_cache[layer_blocks(DST, 0, 0, 16)],
+                           saved[layer_blocks(SRC, 0, 0, 16)])
+        assert store.metrics.value("kvstore_checksum_failures_total", tier="s3") == 1
+        assert not await store.lowest.contains(obj.removeprefix(s3.prefix))
 
 
 def pb_geometry(pool, layers: int = LAYERS) -> pb.PoolGeometry:

@@ -191,3 +191,26 @@ def test_every_policy_plans_on_the_one_node_it_is_given() -> None:
             advisory = make_policy(name).advise(only_b, request)
             assert route is not None and route.node.node_id == "b", name
             assert advisory is not None and advisory.node.node_id == "b", name
+
+
+def test_a_long_session_stays_with_its_kv_until_the_load_gap_outweighs_moving_it() -> None:
+    # The agent-session point of the evaluation: balanced moved a session for a node with
+    # one request less and pulled its long history across; sticky kept it and won.
+    reg, _ = registry("a", "b")
+    reg.heartbeat("a", Load(running=2))
+    reg.heartbeat("b", Load(running=0))
+    policy = make_policy("balanced", move_tokens=1024)
+    long_one = RouteRequest("m", "s", holder="a", holder_tokens=3000)  # margin: 2 requests
+    assert pick(policy, reg, long_one) == "a"
+    advice = policy.advise(reg.healthy("m"), long_one)
+    assert advice is not None and advice.node.node_id == "a" and advice.pull_from == ""
+    # a short history moves for the same gap; a gap beyond the margin moves the long one
+    assert pick(policy, reg, RouteRequest("m", "s", holder="a", holder_tokens=900)) == "b"
+    reg.heartbeat("a", Load(running=3))
+    plan = policy.route(reg.healthy("m"), long_one)
+    assert plan is not None and plan.node.node_id == "b" and plan.pull_from == "a"
+    # move_tokens 0: load alone decides, however long the history
+    assert pick(make_policy("balanced", move_tokens=0), reg,
+                RouteRequest("m", "s", holder="a", holder_tokens=10**6)) == "b"
+    assert pick(make_policy("priority", move_tokens=1024), reg,
+                RouteRequest("m", "s", holder="a", holder_tokens=4096)) == "a"

@@ -1,18 +1,32 @@
-"""The ``prefix`` baseline (precise prefix-aware routing, as llm-d does it): the node whose
-device holds the longest leading run of the prompt's block hashes wins, the least loaded
-when none holds any; its plans keep KV in device memory only; and the index behind it
-(chained hashes, a gap ends a match, least recently served blocks go first)."""
+"""Prompt prefixes as locality, through the one index of which nodes hold which prefixes
+(``cluster/prefixes.py``) and its two callers:
+
+- the ``prefix`` baseline (precise prefix-aware routing, as llm-d does it): the node whose
+  device holds the longest leading run of the prompt's block hashes wins, the least loaded
+  when none holds any; its plans keep KV in device memory only (chained hashes, a gap ends
+  a match, least recently served blocks go first);
+- a new session's locality (issue 41): a shared system prompt draws a new session to the
+  nodes holding it; tenants never share an entry; bounded."""
 
 from __future__ import annotations
 
 from contextlib import AsyncExitStack
 
-from services.scheduler.cluster import Load
-from services.scheduler.routing import PrefixIndex, RouteRequest, make_policy
-from services.scheduler.routing.prefix_index import BLOCK_CHARS, block_hashes, prompt_text
+from services.scheduler.cluster import (
+    BLOCK_CHARS,
+    Load,
+    PrefixIndex,
+    block_hashes,
+    prompt_prefix,
+    prompt_text,
+)
+from services.scheduler.routing import RouteRequest, make_policy
+from tests.unit.scheduler.advisory.test_placement import placement
 from tests.unit.scheduler.conftest import make_cluster
 from tests.unit.scheduler.routing.test_kv_follows import call, serve_only
 from tests.unit.scheduler.routing.test_policy import pick, registry
+
+SYSTEM = ("system", "You are the team's reviewer. " * 20)
 
 
 def test_routes_to_the_node_holding_the_longest_prefix() -> None:
@@ -47,7 +61,7 @@ def test_the_index_matches_leading_blocks_and_forgets_the_least_recently_served(
     hashes = block_hashes(text, "m")
     assert len(hashes) == 4
     assert block_hashes(text, "other model") != hashes  # the seed separates models
-    index = PrefixIndex(capacity_blocks=6)
+    index = PrefixIndex(capacity=6)
     index.served("a", hashes[:3])
     index.served("b", hashes)
     assert index.matches(["a", "b", "c"], hashes) == {"a": 3, "b": 4}
@@ -91,3 +105,54 @@ async def test_a_conversation_returns_to_the_node_holding_its_prefix() -> None:
                                         {"model": "demo", "messages": other, "max_tokens": 3},
                                         {"X-Session-Id": "s2"})
         assert status == 200 and headers["X-Overture-Node"] == "node0"
+
+
+def test_the_chain_covers_the_context_not_the_new_input() -> None:
+    a = prompt_prefix("t", "m", "", [SYSTEM, ("user", "first question")])
+    b = prompt_prefix("t", "m", "", [SYSTEM, ("user", "another question")])
+    assert len(a) == 1 and a == b
+    longer = prompt_prefix("t", "m", "", [SYSTEM, ("user", "q"), ("assistant", "a"),
+                                          ("user", "q2")])
+    assert longer[0] == a[0] and len(longer) == 3
+    assert prompt_prefix("u", "m", "", [SYSTEM, ("user", "q")]) != a  # another tenant
+    assert prompt_prefix("t", "m", "[tools]", [SYSTEM, ("user", "q")]) != a  # other tools
+    assert prompt_prefix("t", "m", "", [("user", "only input")]) == ()
+
+
+def test_holders_of_the_longest_known_prefix_most_recent_first() -> None:
+    m = PrefixIndex(capacity=4)
+    p1 = prompt_prefix("t", "m", "", [SYSTEM, ("user", "q"), ("assistant", "a"), ("user", "b")])
+    m.turn_ended("t", "s1", p1[:1], "node0")
+    m.turn_ended("t", "s2", p1, "node1")
+    assert m.holders(p1) == ("node1",)
+    assert m.holders(p1[:1]) == ("node1", "node0")
+    m.saved("t", "s1", "node2")  # a save report: node2's kvstore holds s1's prefix too
+    assert m.holders(p1[:1]) == ("node2", "node1", "node0")
+    m.forget_node("node2")
+    assert m.holders(p1[:1]) == ("node1", "node0")
+    for i in range(5):  # bounded: a node's least recently recorded hashes go
+        m.served("node1", (f"h{i}",))
+    assert m.size("node1") == 4 and m.holders(p1) == ("node0",)
+    m.forget_node("node0")
+    assert m.holders(p1) == () and len(m) == 4
+
+
+def test_a_new_session_goes_to_the_node_holding_its_system_prompt() -> None:
+    _, reg, _ = placement("balanced")
+    nodes = reg.all()
+    prefix = prompt_prefix("t", "m", "", [SYSTEM, ("user", "q")])
+    policy = make_policy("balanced")
+    route = RouteRequest("m", "new", "t", prefix=prefix)
+    plain = policy.route(nodes, route)
+    assert plain is not None and plain.node.node_id == "node0"  # (ties: the first)
+    plan = policy.route(nodes, RouteRequest("m", "new", "t", prefix=prefix,
+                                            prefix_nodes=("node1",)))
+    assert plan is not None and plan.node.node_id == "node1"
+    # load still comes first, and a session's own holder before a shared prefix
+    reg.begin("node1")
+    plan = policy.route(reg.all(), RouteRequest("m", "new", "t", prefix_nodes=("node1",)))
+    assert plan is not None and plan.node.node_id == "node0"
+    reg.end("node1")
+    plan = policy.route(reg.all(), RouteRequest("m", "s", "t", holder="node0",
+                                                prefix_nodes=("node1",)))
+    assert plan is not None and plan.node.node_id == "node0"
