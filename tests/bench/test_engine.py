@@ -20,6 +20,9 @@ def test_speed_against_transformers(capsys: pytest.CaptureFixture[str]) -> None:
     assert "goal decode at 32 concurrent >= 4x ours at 1" in out
     assert "with a json_schema; goal constrained costs <= 10%" in out
     assert "with top_logprobs 5 + penalties + logit_bias vs plain: cost " in out
+    assert "batch-1 decode, all-decode fast path vs general path: " in out
+    assert "(mean ratio, 95% interval, 2 interleaved pairs)" in out
+    assert "weights read at batch-1 decode: " in out and "GB/s this host copies at" in out
 
 
 def test_step_cost_mkl_against_onednn(capsys: pytest.CaptureFixture[str],
