@@ -440,7 +440,7 @@ def _peer(args: argparse.Namespace, prompt_len: int, gen: int, ours: dict) -> li
         return ["llama.cpp: not run: no GGUF file (pass --peer-gguf or a .gguf --model)"]
     peer = run_peer(folder, Path(gguf), torch.get_num_threads(), [prompt_len], gen, [1, 32])
     return [f"llama.cpp on {Path(gguf).name}, {torch.get_num_threads()} threads",
-            *peer_lines(ours, peer, prompt_len)]
+            *peer.notes, *peer_lines(ours, peer, prompt_len)]
 
 
 if __name__ == "__main__":
