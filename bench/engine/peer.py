@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,15 +38,35 @@ class PeerResult:
     prefill: dict[int, float]  # prompt tokens -> tok/s (llama-bench)
     decode1: float  # batch-1 decode tok/s (llama-bench)
     batched: dict[int, float]  # parallel sequences -> aggregate decode tok/s
+    notes: tuple[str, ...] = ()  # how a tool had to be run (see REPACK_OFF)
+
+
+# Run again without llama.cpp's weight repacking when a tool dies of an illegal instruction:
+# a build for the host's CPU (GGML_NATIVE) uses AMX tiles for repacked weights, and a
+# kernel or container that does not grant the process AMX state kills it at the first tile
+# instruction. The plain CPU path then runs, and the report says so.
+REPACK_OFF = {"llama-bench": ["--repack", "0"], "llama-batched-bench": ["--no-repack"]}
+
+
+def _run(folder: Path, tool: str, args: list[str], notes: list[str]) -> tuple[str, str]:
+    """The tool's stdout and stderr; ``notes`` gets a line if it had to run again."""
+    cmd = [str(folder / tool), *args]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if res.returncode in (-signal.SIGILL, 128 + signal.SIGILL):
+        notes.append(f"{tool}: illegal instruction with weight repacking (AMX not granted "
+                     f"here?); run with {' '.join(REPACK_OFF[tool])}")
+        res = subprocess.run([*cmd, *REPACK_OFF[tool]], capture_output=True, text=True,
+                             timeout=3600)
+    if res.returncode:
+        raise subprocess.CalledProcessError(res.returncode, cmd, res.stdout, res.stderr)
+    return res.stdout, res.stderr
 
 
 def llama_bench(folder: Path, gguf: Path, threads: int, prompts: list[int],
-                gen: int) -> tuple[dict[int, float], float]:
-    out = subprocess.run(
-        [str(folder / "llama-bench"), "-m", str(gguf), "-t", str(threads),
-         "-p", ",".join(map(str, prompts)), "-n", str(gen), "-r", "2", "-o", "json"],
-        capture_output=True, text=True, check=True, timeout=3600).stdout
-    rows = json.loads(out)
+                gen: int, notes: list[str] | None = None) -> tuple[dict[int, float], float]:
+    args = ["-m", str(gguf), "-t", str(threads), "-p", ",".join(map(str, prompts)),
+            "-n", str(gen), "-r", "2", "-o", "json"]
+    rows = json.loads(_run(folder, "llama-bench", args, [] if notes is None else notes)[0])
     prefill = {int(r["n_prompt"]): float(r["avg_ts"]) for r in rows if r["n_gen"] == 0}
     decode = next(float(r["avg_ts"]) for r in rows if r["n_prompt"] == 0)
     return prefill, decode
@@ -66,18 +87,17 @@ def parse_batched(text: str) -> dict[int, float]:
 
 
 def batched_bench(folder: Path, gguf: Path, threads: int, prompt: int, gen: int,
-                  parallel: list[int]) -> dict[int, float]:
+                  parallel: list[int], notes: list[str] | None = None) -> dict[int, float]:
     ctx = max(parallel) * (prompt + gen) + 64
-    res = subprocess.run(
-        [str(folder / "llama-batched-bench"), "-m", str(gguf), "-t", str(threads),
-         "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(prompt), "-ntg", str(gen),
-         "-npl", ",".join(map(str, parallel))],
-        capture_output=True, text=True, check=True, timeout=3600)
-    return parse_batched(res.stdout + res.stderr)
+    args = ["-m", str(gguf), "-t", str(threads), "-c", str(ctx), "-b", "2048", "-ub", "512",
+            "-npp", str(prompt), "-ntg", str(gen), "-npl", ",".join(map(str, parallel))]
+    out, err = _run(folder, "llama-batched-bench", args, [] if notes is None else notes)
+    return parse_batched(out + err)
 
 
 def run_peer(folder: Path, gguf: Path, threads: int, prompts: list[int], gen: int,
              parallel: list[int]) -> PeerResult:
-    prefill, decode1 = llama_bench(folder, gguf, threads, prompts, gen)
-    return PeerResult(prefill, decode1, batched_bench(folder, gguf, threads, prompts[0], gen,
-                                                      parallel))
+    notes: list[str] = []
+    prefill, decode1 = llama_bench(folder, gguf, threads, prompts, gen, notes)
+    batched = batched_bench(folder, gguf, threads, prompts[0], gen, parallel, notes)
+    return PeerResult(prefill, decode1, batched, tuple(notes))

@@ -24,6 +24,13 @@ With a quantized dtype (q8_0, q4) transformers cannot run the folder and is skip
 threads: prefill of P tokens and batch-1 decode, and the aggregate decode of 32 parallel
 sequences, as ratios ours / llama.cpp. Without the binaries it says so and runs the rest.
 
+Weight bytes read per decoded token at batch 1 are set against the host's memory bandwidth
+(a large copy timed in the parent process, so neither side's peak RSS counts it).
+
+The batch-1 decode step's fast path (issue 44, services/engine/model/decode_step.py): the
+same prompt decoded with it on and off in ``--decode-pairs`` interleaved pairs, reported as
+the mean ratio with its 95% interval.
+
 Constrained decoding (issue 25): decode tokens/s of a batch of 8 whose output must follow
 a JSON schema (a long array of short strings, so no sequence can end early) against the
 same batch unconstrained, both greedy, in the same engine. Goal: it costs <= 10%.
@@ -40,13 +47,14 @@ import asyncio
 import multiprocessing as mp
 import queue
 import resource
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from bench.eval.stats import goal_at_most, mean_interval
+from bench.eval.stats import goal_at_most, mean_interval, paired_ratio
 
 BATCHES = (1, 8, 32)
 # Each side runs in a spawned process that imports this module again: the services and
@@ -129,7 +137,25 @@ async def _processed(eng, prompt_len: int, gen: int, vocab: int) -> list[float]:
     return costs
 
 
-async def _ours(model: str, prompt_len: int, gen: int, dtype: str, extras: bool) -> dict:
+async def _fast_decode_pairs(eng, prompt_len: int, gen: int, vocab: int,
+                             pairs: int) -> tuple[list[float], list[float]]:
+    """Batch-1 decode tok/s with the all-decode fast path (model/decode_step.py) and with
+    the general path, in ``pairs`` interleaved pairs on the same prompt (issue 44)."""
+    model = eng.loaded.model
+    batch = prompts(1, prompt_len, vocab, seed=13)
+    fast: list[float] = []
+    general: list[float] = []
+    for _ in range(pairs):
+        for on, into in ((True, fast), (False, general)):
+            model.fast_decode = on  # (between requests: the worker thread is idle)
+            _, t = await _ours_batch(eng, batch, gen)
+            into.append((gen - 1) / t)
+    model.fast_decode = True
+    return fast, general
+
+
+async def _ours(model: str, prompt_len: int, gen: int, dtype: str, extras: bool,
+                pairs: int = 0) -> dict:
     from services.engine.async_engine import AsyncEngine
     from services.engine.config import EngineConfig
 
@@ -157,6 +183,8 @@ async def _ours(model: str, prompt_len: int, gen: int, dtype: str, extras: bool)
             st = await eng.status()
             kv = max(kv, st.blocks_committed * st.block_bytes)
         out["kv"] = kv
+        if pairs:
+            out["fast_decode"] = await _fast_decode_pairs(eng, prompt_len, gen, vocab, pairs)
         if extras:
             out["constrained"] = await _constrained(eng, prompt_len, gen, vocab)
             out["processed"] = await _processed(eng, prompt_len, gen, vocab)
@@ -215,10 +243,10 @@ def _hf(model: str, prompt_len: int, gen: int, dtype: str) -> dict:
 
 # ---- process plumbing and report ----------------------------------------------------------
 def _child(kind: str, model: str, prompt_len: int, gen: int, dtype: str, extras: bool,
-           q: mp.Queue) -> None:
+           pairs: int, q: mp.Queue) -> None:
     torch.manual_seed(0)
     res = (
-        asyncio.run(_ours(model, prompt_len, gen, dtype, extras))
+        asyncio.run(_ours(model, prompt_len, gen, dtype, extras, pairs))
         if kind == "ours"
         else _hf(model, prompt_len, gen, dtype)
     )
@@ -226,10 +254,11 @@ def _child(kind: str, model: str, prompt_len: int, gen: int, dtype: str, extras:
 
 
 def measure(kind: str, model: str, prompt_len: int, gen: int, dtype: str,
-            extras: bool = True) -> tuple[dict, float]:
+            extras: bool = True, pairs: int = 0) -> tuple[dict, float]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_child, args=(kind, model, prompt_len, gen, dtype, extras, q))
+    p = ctx.Process(target=_child, args=(kind, model, prompt_len, gen, dtype, extras, pairs,
+                                         q))
     p.start()
     while True:  # a child that dies puts nothing: say so instead of waiting forever
         try:
@@ -241,6 +270,27 @@ def measure(kind: str, model: str, prompt_len: int, gen: int, dtype: str,
                                    "before its result (its traceback is above)") from None
     p.join()
     return res
+
+
+def copy_bandwidth(mib: int = 256, repeats: int = 5) -> float:
+    """The host's memory bandwidth as this process sees it, bytes/s: the best of
+    ``repeats`` copies of a ``mib`` MiB buffer, counting the bytes read and written."""
+    src = torch.ones(mib << 18)  # float32: mib MiB
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.numel() * src.element_size() / best
+
+
+def bandwidth_line(ours: dict, bandwidth: float) -> str:
+    """Weight bytes read per decoded token at batch 1 against the measured bandwidth."""
+    per_s = ours["weights"] * ours[1][1]
+    return (f"weights read at batch-1 decode: {ours['weights'] / 2**20:.0f} MiB a token x "
+            f"{ours[1][1]:.1f} tok/s = {per_s / 1e9:.1f} GB/s, {per_s / bandwidth:.0%} of the "
+            f"{bandwidth / 1e9:.1f} GB/s this host copies at")
 
 
 def peer_lines(ours: dict, peer: object, prompt_len: int) -> list[str]:
@@ -298,6 +348,13 @@ def report(
         f"goal decode at 32 concurrent >= 4x ours at 1: {scale:.2f}x "
         f"{'MET' if scale >= 4.0 else 'NOT MET'}"
     )
+    if "fast_decode" in ours:
+        fast, general = ours["fast_decode"]
+        r = paired_ratio(fast, general)
+        lines.append(
+            f"batch-1 decode, all-decode fast path vs general path: "
+            f"{statistics.fmean(fast):.1f} vs {statistics.fmean(general):.1f} tok/s, "
+            f"{r.fmt(1, 3, 'x')} (mean ratio, 95% interval, {r.n} interleaved pairs)")
     if "constrained" not in ours:
         lines.append("constrained decoding and log-probabilities: not run (--no-extras)")
         return "\n".join(lines)
@@ -338,6 +395,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="the GGUF llama.cpp runs [default: the --model file or package]")
     ap.add_argument("--no-extras", action="store_true",
                     help="skip the constrained-decoding and log-probability runs")
+    ap.add_argument("--decode-pairs", type=int, default=-1,
+                    help="interleaved pairs of batch-1 decode with the all-decode fast path "
+                    "on and off (0: none) [default: 10, --quick 2]")
     ap.add_argument("--prompt-len", type=int, default=0)
     ap.add_argument("--gen", type=int, default=0)
     args = ap.parse_args(argv)
@@ -353,11 +413,13 @@ def main(argv: list[str] | None = None) -> None:
             from services.engine.model import write_demo_model
 
             model = str(write_demo_model(Path(tmp) / f"demo-{args.size}", size=args.size))
+        pairs = args.decode_pairs if args.decode_pairs >= 0 else (2 if args.quick else 10)
         ours, rss_ours = measure("ours", model, prompt_len, gen, args.dtype,
-                                 not args.no_extras)
+                                 not args.no_extras, pairs)
         hf, rss_hf = (None, float("nan")) if args.dtype in ("q8_0", "q4") else measure(
             "hf", model, prompt_len, gen, args.dtype)
-    lines = [report(ours, hf, (rss_ours, rss_hf), prompt_len, gen, args.dtype)]
+    lines = [report(ours, hf, (rss_ours, rss_hf), prompt_len, gen, args.dtype),
+             bandwidth_line(ours, copy_bandwidth(64 if args.quick else 256))]
     if args.peer:
         lines += _peer(args, prompt_len, gen, ours)
     print("\n".join(lines))
@@ -378,7 +440,7 @@ def _peer(args: argparse.Namespace, prompt_len: int, gen: int, ours: dict) -> li
         return ["llama.cpp: not run: no GGUF file (pass --peer-gguf or a .gguf --model)"]
     peer = run_peer(folder, Path(gguf), torch.get_num_threads(), [prompt_len], gen, [1, 32])
     return [f"llama.cpp on {Path(gguf).name}, {torch.get_num_threads()} threads",
-            *peer_lines(ours, peer, prompt_len)]
+            *peer.notes, *peer_lines(ours, peer, prompt_len)]
 
 
 if __name__ == "__main__":

@@ -40,6 +40,9 @@ class ForwardBatch:
     # (kvh, hd): block * 2 * block_size + offset (its V block_size rows further on). None:
     # derived from slot_mapping (the runner fills it in; test batches may leave it out).
     kv_rows: torch.Tensor | None = None
+    # (layers, num_seqs, max_blocks): ``block_tables`` as the one tensor they are views of
+    # (the runner has it; None: stacked when needed).
+    block_table_stack: torch.Tensor | None = None
     # Called with a layer index before that layer reads the cache; blocks until reused KV
     # for that layer is resident (layer-wise loading, Symphony §3.4). None = all resident.
     wait_for_layer: Callable[[int], None] | None = None

@@ -124,6 +124,7 @@ class ModelRunner:
             slot_mapping=list(slots.unbind(0)),
             logits_indices=torch.tensor(rows.indices, dtype=torch.int64, device=dev),
             kv_rows=kv_rows,
+            block_table_stack=tables,
         )
 
     def execute(

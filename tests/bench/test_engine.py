@@ -3,6 +3,8 @@ one spawned process per side)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bench.engine import decode_mixed, peer, quant_kernels, speed, step_cost
@@ -20,6 +22,9 @@ def test_speed_against_transformers(capsys: pytest.CaptureFixture[str]) -> None:
     assert "goal decode at 32 concurrent >= 4x ours at 1" in out
     assert "with a json_schema; goal constrained costs <= 10%" in out
     assert "with top_logprobs 5 + penalties + logit_bias vs plain: cost " in out
+    assert "batch-1 decode, all-decode fast path vs general path: " in out
+    assert "(mean ratio, 95% interval, 2 interleaved pairs)" in out
+    assert "weights read at batch-1 decode: " in out and "GB/s this host copies at" in out
 
 
 def test_step_cost_mkl_against_onednn(capsys: pytest.CaptureFixture[str],
@@ -69,3 +74,18 @@ def test_llama_batched_bench_table_parses() -> None:
 |   128 |     32 |   32 |   5120 |    7.000 |   585.14 |    3.100 |   330.32 |   10.100 |   506.93 |
 """
     assert peer.parse_batched(text) == {1: 106.31, 32: 330.32}
+
+
+def test_peer_runs_again_without_repacking_after_an_illegal_instruction(tmp_path: Path) -> None:
+    """A llama.cpp built for the host dies of SIGILL where AMX is not granted: the bench
+    runs the tool again with repacking off and says so, instead of failing."""
+    rows = ('[{"n_prompt": 16, "n_gen": 0, "avg_ts": 50.0}, '
+            '{"n_prompt": 0, "n_gen": 4, "avg_ts": 9.5}]')
+    tool = tmp_path / "llama-bench"
+    tool.write_text(f"#!/bin/sh\ncase \"$*\" in *'--repack 0'*) echo '{rows}';; "
+                    "*) kill -ILL $$;; esac\n")
+    tool.chmod(0o755)
+    notes: list[str] = []
+    assert peer.llama_bench(tmp_path, tmp_path / "m.gguf", 2, [16], 4, notes) == ({16: 50.0}, 9.5)
+    assert notes == ["llama-bench: illegal instruction with weight repacking (AMX not granted "
+                     "here?); run with --repack 0"]

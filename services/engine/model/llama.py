@@ -6,7 +6,7 @@ projection and gate/up one (2*intermediate, hidden); the arithmetic is unchanged
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, overload
 
@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..forward_batch import ForwardBatch
+from .decode_step import DecodeStep
 from .hf_config import ModelConfig
 from .linear import Linear, default_upcast_rows
 from .paged_attention import (
@@ -126,9 +127,11 @@ class DecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         out_rows: OutputRows | None = None,
+        decode: DecodeStep | None = None,
     ) -> torch.Tensor:
         """``out_rows``: compute the layer's output only at these rows (its K/V still for
-        every row); the result then has one row per ``out_rows.index``."""
+        every row); the result then has one row per ``out_rows.index``. ``decode``: the
+        step's all-decode attention (decode_step.py), in place of ``plan``'s."""
         t = h.shape[0]
         x = rms_norm(h, self.input_norm, self.eps)
         qkv = self.qkv(x, self.upcast_rows)  # (T, q + 2kv)
@@ -139,10 +142,13 @@ class DecoderLayer(nn.Module):
         v = v.view(t, self.kv_heads, self.head_dim)
         if batch.wait_for_layer is not None:
             batch.wait_for_layer(layer)  # reused KV of this layer must be resident first
-        write_kv(kv_cache, plan.kv_rows[layer], k, v)
-        if out_rows is not None:
-            q, h, plan = q[out_rows.index], h[out_rows.index], out_rows.plan
-        attn = paged_attention(plan, q, kv_cache, batch.block_tables[layer], self.scale)
+        if decode is not None:
+            attn = decode.attend(layer, q, k, v, self.scale)
+        else:
+            write_kv(kv_cache, plan.kv_rows[layer], k, v)
+            if out_rows is not None:
+                q, h, plan = q[out_rows.index], h[out_rows.index], out_rows.plan
+            attn = paged_attention(plan, q, kv_cache, batch.block_tables[layer], self.scale)
         h = h + self.o(attn, self.upcast_rows)
         x = rms_norm(h, self.post_norm, self.eps)
         gate, up = self.gate_up(x, self.upcast_rows).chunk(2, dim=-1)
@@ -165,13 +171,20 @@ class LlamaModel(nn.Module):
         self,
         config: ModelConfig,
         weights: dict[str, Any],
-        layers: list[dict[str, Any]],
+        layers: Iterable[dict[str, Any]],
         own_weights: bool = True,
+        after_layer: Callable[[DecoderLayer], None] | None = None,
     ) -> None:
         """``own_weights``: False when the weights are views into the node's shared weight
-        arena (``mapped.py``): they are computed on as they are, never packed or copied."""
+        arena (``mapped.py``): they are computed on as they are, never packed or copied.
+        ``layers`` is consumed one at a time: each layer's float linears are packed before
+        the next is read, then ``after_layer(layer)`` runs (the loader drops the file pages
+        read so far), so a load holds one layer's transient copies, not the model's."""
         super().__init__()
         self.config = config
+        # All-decode steps in one length group take decode_step.py's path (the same bits
+        # as the general one, fewer operations); False: the general path (benchmarks).
+        self.fast_decode = True
         embed = weights["embed"]
         assert embed is not None
         self.dtype = embed.dtype
@@ -194,7 +207,17 @@ class LlamaModel(nn.Module):
             self.lm_head = self.embed if weights.get("lm_head") is None else _param(
                 weights["lm_head"])
             self.upcast_rows = default_upcast_rows(embed.dtype, embed.device)
-        self.layers = nn.ModuleList(DecoderLayer(config, w, self.upcast_rows) for w in layers)
+        pack = own_weights and not quantized
+        built = []
+        for w in layers:
+            layer = DecoderLayer(config, w, self.upcast_rows)
+            if pack:
+                layer.pack_linears()
+            built.append(layer)
+            del w  # the layer's plain (fused) copies that packing replaced go now
+            if after_layer is not None:
+                after_layer(layer)
+        self.layers = nn.ModuleList(built)
         # The same modules, typed (nn.ModuleList yields plain Modules).
         self.decoder_layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
         self.rope = RotaryTables(config, embed.dtype, embed.device)
@@ -207,12 +230,11 @@ class LlamaModel(nn.Module):
             for lin in self.linears():
                 lin.choose_kernel(copy=False)
             return
-        self._pack(weights.get("lm_head") is not None)
+        self._pack_head(weights.get("lm_head") is not None)
 
-    def _pack(self, untied: bool) -> None:
-        """Float weights: each linear on its kernel, float32 ones packed (linear.py)."""
-        for layer in self.decoder_layers:
-            layer.pack_linears()
+    def _pack_head(self, untied: bool) -> None:
+        """A float head on its kernel, packed when float32 and untied (linear.py); the
+        layers' linears were packed as they were built."""
         assert self.lm_head is not None
         head = Linear(self.lm_head, None)
         self.head = head
@@ -282,12 +304,18 @@ class LlamaModel(nn.Module):
             out_rows = OutputRows(batch.logits_indices, build_rows_plan(
                 batch, batch.logits_indices.tolist(), plan.kv_rows, kv_cache.shape[2],
                 h.dtype))
+        decode = None
+        if self.fast_decode and out_rows is None and DecodeStep.applies(plan):
+            tables = batch.block_table_stack
+            decode = DecodeStep(plan, torch.stack(batch.block_tables) if tables is None
+                                else tables, kv_cache)
         last = len(self.layers) - 1
         streamer = self.streamer
         for i, layer in enumerate(self.decoder_layers):
             if streamer is not None:  # a remapped layer: computed in its slot (MIRAGE)
                 layer = streamer.acquire(i)
-            h = layer(h, i, batch, plan, kv_cache, cos, sin, out_rows if i == last else None)
+            h = layer(h, i, batch, plan, kv_cache, cos, sin, out_rows if i == last else None,
+                      decode)
             if streamer is not None:
                 streamer.release(i)
         if out_rows is None:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from shared.libc import drop_mapped_pages
+
 from .errors import LoaderError
 
 DTYPES = {
@@ -83,6 +85,15 @@ class SafetensorsFile:
             return False
         base = self._storage.data_ptr()
         return base <= t.untyped_storage().data_ptr() < base + self.size
+
+    def drop_pages(self) -> None:
+        """Let the pages read through the mapping so far leave the process (they stay in
+        the page cache; a tensor still viewing them reads them back on its next use): a
+        load that packs or quantizes each weight into a copy as it goes calls this after
+        each layer, so its peak holds one layer's file pages, not the whole file's. Safe
+        because nothing writes through the mapping (copy-on-write pages would be lost)."""
+        if self._storage is not None:
+            drop_mapped_pages(self._storage.data_ptr(), self.size)
 
     def unmap(self) -> None:
         """Drop this object's reference to the mapping (unmapped once no tensor views it)."""

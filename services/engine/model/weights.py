@@ -7,6 +7,7 @@ the float ones where the kinds agree; the embedding then stays quantized too. Wi
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -149,10 +150,11 @@ def _cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
 
 def build_weights(
     cfg: ModelConfig, src: TensorSource
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+) -> tuple[dict[str, Any], Iterator[dict[str, Any]]]:
     """(global weights, per-layer weights) in LlamaModel's naming, q/k/v and gate/up fused.
     Quantized, a linear's entry is a ready quantized linear (bias inside) and the embedding
-    a ``QuantEmbedding``."""
+    a ``QuantEmbedding``. The layers are made one at a time as they are iterated, so a
+    layer's fused copies exist only until the model has packed them (LlamaModel)."""
     src.check(expected_shapes(cfg))
     if src.quantized:
         return _quantized_weights(cfg, src)
@@ -161,11 +163,14 @@ def build_weights(
         "norm": src.get("model.norm.weight"),
         "lm_head": None if cfg.tie_word_embeddings else src.get("lm_head.weight"),
     }
-    layers = []
+    return glob, _float_layers(cfg, src)
+
+
+def _float_layers(cfg: ModelConfig, src: TensorSource) -> Iterator[dict[str, Any]]:
     for i in range(cfg.num_layers):
         a = f"model.layers.{i}.self_attn."
         m = f"model.layers.{i}.mlp."
-        layers.append(
+        yield (
             {
                 "input_norm": src.get(f"model.layers.{i}.input_layernorm.weight"),
                 "post_norm": src.get(f"model.layers.{i}.post_attention_layernorm.weight"),
@@ -195,12 +200,11 @@ def build_weights(
                 "down_b": src.get(m + "down_proj.bias") if cfg.mlp_bias else None,
             }
         )
-    return glob, layers
 
 
 def _quantized_weights(
     cfg: ModelConfig, src: TensorSource
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+) -> tuple[dict[str, Any], Iterator[dict[str, Any]]]:
     act, widen = kernel_dtype(src.dtype), src.quant == "q8_0"
 
     def lin(names: list[str], biases: list[str] | None) -> Any:
@@ -211,11 +215,16 @@ def _quantized_weights(
     head = (make_linear([embed.groups()], None, act, widen) if cfg.tie_word_embeddings
             else lin(["lm_head.weight"], None))
     glob = {"embed": embed, "norm": src.get("model.norm.weight"), "lm_head": head}
-    layers = []
+    return glob, _quantized_layers(cfg, src, lin)
+
+
+def _quantized_layers(cfg: ModelConfig, src: TensorSource,
+                      lin: Callable[[list[str], list[str] | None], Any]
+                      ) -> Iterator[dict[str, Any]]:
     for i in range(cfg.num_layers):
         p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         qkv = [a + "q_proj", a + "k_proj", a + "v_proj"]
-        layers.append({
+        yield {
             "input_norm": src.get(p + "input_layernorm.weight"),
             "post_norm": src.get(p + "post_attention_layernorm.weight"),
             "qkv_w": lin([n + ".weight" for n in qkv],
@@ -227,5 +236,4 @@ def _quantized_weights(
             "down_w": lin([m + "down_proj.weight"],
                           [m + "down_proj.bias"] if cfg.mlp_bias else None),
             "qkv_b": None, "o_b": None, "gate_up_b": None, "down_b": None,
-        })
-    return glob, layers
+        }

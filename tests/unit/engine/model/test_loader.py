@@ -208,3 +208,60 @@ def test_fine_tunes_of_one_base_have_different_fingerprints(tmp_path: Path) -> N
     fa = load_model(a, dtype=torch.float32).fingerprint
     fb = load_model(b, dtype=torch.float32).fingerprint
     assert fa != fb
+
+
+def _rss_file_kib() -> int | None:
+    """Resident pages of file mappings (Linux), or None where /proc does not say."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("RssFile:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def test_dropped_file_pages_leave_rss_and_read_back(tmp_path: Path) -> None:
+    from services.engine.model.safetensors_files import read_header
+
+    w = torch.arange(8 << 20, dtype=torch.float32)  # 32 MiB
+    save_file({"w": w}, tmp_path / "m.safetensors")
+    f = read_header(tmp_path / "m.safetensors")
+    t = f.tensor("w")
+    before = _rss_file_kib()
+    if before is None:
+        pytest.skip("no RssFile in /proc/self/status")
+    assert torch.equal(t, w)  # every page read through the mapping
+    touched = _rss_file_kib()
+    assert touched is not None and touched - before > 24 << 10
+    f.drop_pages()
+    dropped = _rss_file_kib()
+    assert dropped is not None and touched - dropped > 24 << 10
+    assert torch.equal(t, w)  # the view reads its pages back from the page cache
+
+
+def test_layers_are_built_and_packed_one_at_a_time(demo_tiny: Path) -> None:
+    """The loader's per-layer hook runs after each layer is packed and before the next
+    layer's weights are made: the load never holds every layer's fused copies at once."""
+    from services.engine.model.llama import LlamaModel
+    from services.engine.model.loader import read_config
+    from services.engine.model.safetensors_files import read_header, weight_files
+    from services.engine.model.weights import TensorSource, build_weights
+
+    cfg, _ = read_config(demo_tiny)
+    files = [read_header(p) for p in weight_files(demo_tiny)]
+    glob, layers = build_weights(cfg, TensorSource(files, torch.float32, torch.device("cpu")))
+    made = 0
+
+    def counted():  # type: ignore[no-untyped-def]
+        nonlocal made
+        for w in layers:
+            made += 1
+            yield w
+
+    hooks: list[int] = []
+    model = LlamaModel(cfg, glob, counted(), after_layer=lambda _: hooks.append(made))
+    assert hooks == list(range(1, cfg.num_layers + 1))
+    ref = load_model(demo_tiny, dtype=torch.float32)
+    for a, b in zip(model.linears(), ref.model.linears(), strict=True):
+        assert torch.equal(a.weight, b.weight)
