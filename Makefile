@@ -44,16 +44,13 @@ lint: setup
 	$(VENV)/bin/mypy
 	$(PY) tools/check_imports.py
 
-# On TEST_WORKERS processes (a file's tests stay together, so a module's cluster starts
-# once), then the tests marked `serial` alone: they assert rates and deadlines that a
-# second worker's cluster on the same cores could push past.
-TEST_WORKERS ?= 2
 test: lint browser
-	@dirs="tests/unit tests/integration tests/bench"; \
-	if command -v chromium >/dev/null 2>&1; then dirs="$$dirs tests/browser"; \
-	else echo "*** tests/browser LEFT OUT: no chromium. Install it: apt-get install chromium ***"; fi; \
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" --durations=20 $$dirs \
-	  && $(PY) -m pytest -q -m serial $$dirs
+	@if command -v chromium >/dev/null 2>&1; then \
+	  $(PY) -m pytest -q --durations=20 tests/unit tests/integration tests/bench tests/browser; \
+	else \
+	  echo "*** tests/browser LEFT OUT: no chromium. Install it: apt-get install chromium ***"; \
+	  $(PY) -m pytest -q --durations=20 tests/unit tests/integration tests/bench; \
+	fi
 
 # The widget's tests drive Debian's chromium (Playwright's own browser download is not
 # available): installed with apt when missing and this runs as root.

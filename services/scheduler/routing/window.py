@@ -20,8 +20,10 @@ w for its first token, λ·w more waiting; with more in flight they wait longer.
 horizons, forgotten with a time constant of ``MEMORY`` horizons. Not the rate of the
 moment: a full window bounds the completions, and sized from them the window would follow
 any delay outside the node (a slow hop, a starved core) down to its minimum, and the
-throughput with it. Ahead of any measurement (a new node, or one idle for long) the window
-is ``min_window``, and the engine's own forecast still refuses what would wait too long.
+throughput with it. A window is never smaller than the node's seats (the sequences its
+engines run at once, as its registration says): measured at a light load, λ is that load,
+not the node's capacity, and a burst after a quiet spell must not be refused while seats
+are free. Past the window the engine's own forecast still refuses what would wait too long.
 
 Little's law bounds the mean wait; the promise is about the tail. ``scale`` adapts by
 additive increase, multiplicative decrease (as TCP's window, Netflix's concurrency-limits
@@ -44,6 +46,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from services.scheduler.cluster import InFlight, Node
+from services.scheduler.cluster.registry import DEFAULT_SEATS
 
 Clock = Callable[[], float]
 
@@ -73,6 +76,12 @@ class _NodeWindow:
     decreased_at: float = -math.inf
 
 
+def seats_of(node: Node) -> int:
+    """The sequences the node's engines run at once (a model that does not say: the
+    engine's default)."""
+    return sum(m.seats or DEFAULT_SEATS for m in node.info.models)
+
+
 class NodeWindows:
     """Event-loop only."""
 
@@ -92,8 +101,9 @@ class NodeWindows:
             w = self._nodes[node_id] = _NodeWindow()
         return w
 
-    def window(self, node_id: str) -> int:
-        """Generations the scheduler lets be in flight on the node now (0: no limit)."""
+    def window(self, node_id: str, seats: int = 0) -> int:
+        """Generations the scheduler lets be in flight on the node now, at least ``seats``
+        (0: no limit)."""
         s = self.settings
         if not s.enabled:
             return 0
@@ -104,7 +114,7 @@ class NodeWindows:
                 w.capacity *= math.exp(-(now - w.measured_at) / (MEMORY * s.horizon_s))
             w.capacity, w.measured_at = max(w.capacity, rate), now
             w.held_s = held if rate > 0.0 else w.held_s
-        size = max(s.min_window,
+        size = max(s.min_window, seats,
                    math.ceil(w.capacity * (w.held_s + w.scale * s.wait_s) - 1e-9))
         if self.report is not None:
             self.report(node_id, size)
@@ -115,7 +125,7 @@ class NodeWindows:
         of the generations it sent there that have not ended)."""
         if not self.settings.enabled:
             return list(nodes)
-        return [n for n in nodes if n.routed < self.window(n.node_id)]
+        return [n for n in nodes if n.routed < self.window(n.node_id, seats_of(n))]
 
     def all_full(self, nodes: list[Node]) -> bool:
         """Whether ``nodes`` are some and every one's window is full."""

@@ -299,7 +299,6 @@ def test_a_killed_part_restarts_and_its_session_continues(
         assert kv_from in ("peer", "s3"), (kv_from, up.tail())
 
 
-@pytest.mark.serial
 @pytest.mark.slow
 def test_without_s3_a_dead_kvstore_means_recompute_still_correct(
     tiny_model: Path, tmp_path: Path, reference: dict[str, Transcript]

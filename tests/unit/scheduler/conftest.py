@@ -53,10 +53,12 @@ async def make_cluster(
     nodes: int = 1,
     token_delay_s: float = 0.0,
     kvstore_ports: list[int] | None = None,
+    seats: int = 0,
     **scheduler_overrides: object,
 ) -> MiniCluster:
     """The scheduler and ``nodes`` node managers, each node's kvstore at
-    ``kvstore_ports[i]`` (default: free ports with nothing behind them)."""
+    ``kvstore_ports[i]`` (default: free ports with nothing behind them); ``seats``: the
+    sequences each engine says it runs at once (0: not said)."""
     overrides = {
         "port": 0,
         "grpc_port": 0,
@@ -71,6 +73,8 @@ async def make_cluster(
     engines = (
         [engine] if engine else [FakeEngine(token_delay_s=token_delay_s) for _ in range(nodes)]
     )
+    for e in engines:
+        e.max_num_seqs = seats or e.max_num_seqs
     servers = []
     if kvstore_ports is None:
         kvstore_ports = [free_port() for _ in range(nodes)]

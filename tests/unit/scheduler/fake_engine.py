@@ -48,6 +48,7 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         self.status_calls: list[int] = []  # the saved_after of each Status call
         self.keepalives = 0  # keepalive messages sent before the first chunk
         self.stall_after: int | None = None  # after this many chunks, hang (a stopped engine)
+        self.max_num_seqs = 0  # the seats its model info says (0: not said)
         self.queue_delay_s = 0.0  # reported by Status
         self.waiting = 0  # reported by Status
         self.prefetches: list[engine_pb2.PrefetchRequest] = []  # device prefetch orders
@@ -135,7 +136,8 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
             saved=[s for s in self.saved if s.seq > request.saved_after],
             models=[
                 common_pb2.ModelInfo(
-                    name=self.model, max_model_len=self.max_model_len, dtype="float32"
+                    name=self.model, max_model_len=self.max_model_len, dtype="float32",
+                    max_num_seqs=self.max_num_seqs,
                 )
             ],
             running=self.running,

@@ -251,7 +251,6 @@ async def test_a_tenant_whose_advisories_go_unused_is_throttled(two) -> None:
     assert status == 200
 
 
-@pytest.mark.serial
 async def test_advisories_made_while_the_nodes_idle_are_spread_and_counted_until_they_end(
     two,
 ) -> None:

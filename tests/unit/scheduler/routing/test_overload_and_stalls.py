@@ -147,7 +147,6 @@ async def test_a_node_without_its_kvstore_is_degraded_but_serves(two: MiniCluste
         assert 'overture_node_degraded{node="node1"} 0.0' in text_metrics
 
 
-@pytest.mark.serial
 @pytest.mark.parametrize("stream", [True, False])
 async def test_an_engine_crash_before_any_output_is_retried_once_elsewhere(
         two: MiniCluster, stream: bool) -> None:

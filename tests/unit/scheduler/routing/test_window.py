@@ -9,7 +9,7 @@ import dataclasses
 import json
 from contextlib import AsyncExitStack
 
-from services.scheduler.cluster import InFlight, Node, NodeInfo
+from services.scheduler.cluster import InFlight, ModelSpec, Node, NodeInfo
 from services.scheduler.routing import NodeWindows, WindowSettings
 from services.scheduler.routing.window import STEP
 from services.scheduler.tenants import TOKEN_HEADER
@@ -41,6 +41,19 @@ def node(node_id: str, routed: int) -> Node:
 def test_an_unmeasured_node_has_the_smallest_window() -> None:
     w, _, _ = windows()
     assert w.window("a") == 2
+
+
+def test_a_window_is_never_smaller_than_the_nodes_seats() -> None:
+    """Measured at a light load, λ is that load: a burst after a quiet spell is not
+    refused while the node has seats free (a model not saying its seats has 64)."""
+    w, inflight, clock = windows()
+    serve(inflight, clock, "a", 1, held_s=0.25)  # 0.5 a second: L = 0.5 × 0.75 → 1
+    seated = Node(NodeInfo("a", "addr", (ModelSpec("m", seats=20),)), 0.0, 0.0, routed=19)
+    assert w.window("a") == 2 and w.window("a", seats=20) == 20
+    assert w.with_room([seated]) == [seated]
+    assert w.with_room([dataclasses.replace(seated, routed=20)]) == []
+    unsaid = Node(NodeInfo("a", "addr", (ModelSpec("m"),)), 0.0, 0.0, routed=63)
+    assert w.with_room([unsaid]) == [unsaid]
 
 
 def test_the_window_is_littles_law_of_the_measured_completions() -> None:
@@ -140,7 +153,8 @@ async def _burst_beyond_the_windows(window: bool) -> tuple[list[int], list[int],
     answered, the requests each engine saw, the scheduler's metrics."""
     async with AsyncExitStack() as stack:
         c = await make_cluster(stack, nodes=2, stream_idle_timeout_s=120.0,
-                               admission_window=window, admission_min_window=1)
+                               admission_window=window, admission_min_window=1,
+                               seats=1 if window else 0)
         for e in c.engines:
             e.stall_after = 1  # one token, then hang: each stream stays in flight
         held = await _open_streams(c, 2)

@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 from contextlib import AsyncExitStack
 
-import pytest
-
 from services.scheduler.tenants import TokenBuckets
 from tests.unit.scheduler.conftest import call, make_cluster
 
@@ -30,7 +28,6 @@ def test_a_bucket_refills_at_its_rate_up_to_its_burst() -> None:
     assert TokenBuckets(0.0, 0.0).take("t") is None  # (0: no limit)
 
 
-@pytest.mark.serial
 async def test_requests_and_advisories_per_second_per_tenant() -> None:
     async with AsyncExitStack() as stack:
         c = await make_cluster(stack, api_keys=KEYS, tenant_requests_per_s=1.0,
