@@ -162,8 +162,8 @@ class SchedulerConfig:
         0.5, "the wait from a request's arrival to its first token the windows keep "
         "admitted requests within (keep it at engine.max_queue_delay_s)", min=0.01, max=60.0)
     admission_min_window: int = opt(
-        16, "the smallest window of a node (and the window of one not measured yet: a new "
-        "or idle node)", min=1, max=1 << 20)
+        16, "the smallest window of a node, whatever its measured capacity (a window is "
+        "never below the node's seats either)", min=1, max=1 << 20)
     admission_min_scale: float = opt(
         0.25, "the least that late first tokens may narrow a window's queue allowance "
         "(capacity x admission_wait_s) to, as a share of it (1 = no narrowing)", min=0.01,

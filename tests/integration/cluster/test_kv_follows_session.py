@@ -87,6 +87,37 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         yield c
 
 
+@pytest.mark.slow
+def test_a_turn_whose_history_is_only_in_s3_matches_recompute(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, reference: list
+) -> None:
+    # A cluster of its own: the module's nodes hold these turns' blocks on their devices
+    # (the other tests replay the same transcript), where the turn would find them.
+    with start_cluster(tmp_path_factory.mktemp("s3only"), tiny_model, nodes=2, s3=True,
+                       engine_flags=ENGINE, kvstore_flags=KVSTORE) as cluster:
+        (m1, e1, _), (m2, e2, _) = reference[:2]
+        _serve_only(cluster, "node0")
+        tokens, _, node = _turn(cluster, "in-s3", m1)
+        assert tokens == e1 and node == "node0"
+        settled(cluster, "in-s3")
+        with sync_channel(cluster.kvstore_addresses["node0"]) as ch:  # S3 alone has it now
+            kvstore_pb2_grpc.KVStoreStub(ch).Delete(kvstore_pb2.DeleteRequest(
+                session=kvstore_pb2.ManifestRef(tenant=TENANT, session_id="in-s3"),
+                with_chunks=True, tiers=["dram"]), timeout=30)
+        _serve_only(cluster, "node1")
+        names = [f'overture_turns_total{{kv_from="{src}"}}' for src in ("s3", "peer")]
+        before = [_metric(cluster.text("/metrics"), n) for n in names]
+        tokens, cached, node = _turn(cluster, "in-s3", m2)
+        assert node == "node1" and cached > 0, cluster.logs()
+        assert tokens == e2, f"the turn from S3 differs from recomputation\n{cluster.logs()}"
+        # Read from S3 by node1's kvstore, or by node0's on node1's peer request (whichever
+        # answers first): either way out of S3, node0's DRAM copy being gone.
+        text = cluster.text("/metrics")
+        after = [_metric(text, n) for n in names]
+        turns = [ln for ln in text.splitlines() if ln.startswith("overture_turns_total{")]
+        assert sum(after) == sum(before) + 1, (turns, cluster.logs())
+
+
 def test_turns_alternating_between_nodes_reuse_their_history(
     cluster: Cluster, reference: list
 ) -> None:
@@ -112,30 +143,6 @@ def test_turns_alternating_between_nodes_reuse_their_history(
     assert status == 200 and where["node"] == "node0", where
     # The last pulls left the history on both nodes, and in the shared S3 tier.
     assert cluster.s3_endpoint
-
-
-def test_a_turn_whose_history_is_only_in_s3_matches_recompute(
-    cluster: Cluster, reference: list
-) -> None:
-    (m1, e1, _), (m2, e2, _) = reference[:2]
-    _serve_only(cluster, "node0")
-    tokens, _, node = _turn(cluster, "in-s3", m1)
-    assert tokens == e1 and node == "node0"
-    settled(cluster, "in-s3")
-    with sync_channel(cluster.kvstore_addresses["node0"]) as ch:  # S3 alone has it now
-        kvstore_pb2_grpc.KVStoreStub(ch).Delete(kvstore_pb2.DeleteRequest(
-            session=kvstore_pb2.ManifestRef(tenant=TENANT, session_id="in-s3"),
-            with_chunks=True, tiers=["dram"]), timeout=30)
-    _serve_only(cluster, "node1")
-    names = [f'overture_turns_total{{kv_from="{src}"}}' for src in ("s3", "peer")]
-    before = [_metric(cluster.text("/metrics"), n) for n in names]
-    tokens, cached, node = _turn(cluster, "in-s3", m2)
-    assert node == "node1" and cached > 0, cluster.logs()
-    assert tokens == e2, f"the turn from S3 differs from recomputation\n{cluster.logs()}"
-    # Read from S3 by node1's kvstore, or by node0's on node1's peer request (whichever
-    # answers first): either way out of S3, node0's DRAM copy being gone.
-    after = [_metric(cluster.text("/metrics"), n) for n in names]
-    assert sum(after) == sum(before) + 1, cluster.logs()
 
 
 @pytest.mark.slow
