@@ -198,11 +198,17 @@ def _cells_table(cells: list[Cell], label: str) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def sim_parser(doc: str) -> argparse.ArgumentParser:
+    """The options every simulator sweep takes: its calibration, nodes and seeds."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--calibration", default=str(HERE / "calibration-cluster-quick.json"))
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--seeds", type=int, default=3)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = sim_parser(__doc__)
     ap.add_argument("--workloads", nargs="*", default=["sharegpt", "agent"])
     ap.add_argument("--quick", action="store_true", help="two values an axis (a smoke map)")
     ap.add_argument("--out", default=str(RESULTS / f"{time.strftime('%Y-%m-%d')}-map"))

@@ -13,12 +13,11 @@ difference).
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from bench.eval.stats import mean_interval, paired_ratio
 from bench.sim.costs import Calibration
-from bench.sim.map import HERE, Point, normalized
+from bench.sim.map import Point, normalized, sim_parser
 
 
 def run(point: Point, nodes: int, cal: Calibration, seeds: int,
@@ -48,10 +47,7 @@ def report(point: Point, got: dict[str, list[float]]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--calibration", default=str(HERE / "calibration-cluster-quick.json"))
-    ap.add_argument("--nodes", type=int, default=2)
-    ap.add_argument("--seeds", type=int, default=3)
+    ap = sim_parser(__doc__)
     ap.add_argument("--workload", default="agent", choices=("agent", "sharegpt"))
     ap.add_argument("--sessions", type=int, default=8)
     ap.add_argument("--pressure", type=float, default=0.25)

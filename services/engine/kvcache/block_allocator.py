@@ -260,15 +260,20 @@ class BlockAllocator:
                     return released
                 blocks = self._pages.page_blocks(page)
                 if all(self._releasable(b, allow_cached) for b in blocks):
-                    for b in blocks:
-                        if b in self._evictable:
-                            del self._evictable[b]
-                            self._uncache(b)
-                        else:
-                            del self._free[b]
+                    self._forget(blocks)
                     self._pages.release(page)
                     released += 1
         return released
+
+    def _forget(self, blocks: Iterable[int]) -> None:
+        """Drop releasable ``blocks`` (free, or cached and unused) from the free list and
+        the cache, before their page is released."""
+        for b in blocks:
+            if b in self._evictable:
+                del self._evictable[b]
+                self._uncache(b)
+            else:
+                del self._free[b]
 
     def release_from(self, first_page: int) -> bool:
         """Release every committed page from ``first_page`` up, dropping the cache they
@@ -278,12 +283,7 @@ class BlockAllocator:
         blocks = [b for p in pages for b in self._pages.page_blocks(p)]
         if not all(self._releasable(b, True) for b in blocks):
             return False
-        for b in blocks:
-            if b in self._evictable:
-                del self._evictable[b]
-                self._uncache(b)
-            else:
-                del self._free[b]
+        self._forget(blocks)
         for p in pages:
             self._pages.release(p)
         return True

@@ -51,8 +51,12 @@ class Stored:
         return self._blob
 
     def blob(self) -> Blob:
-        """The whole blob in memory (a file-backed hit reads it once)."""
-        assert self._blob is not None
+        """The whole blob in memory (a hit not in memory, a file's or a ranged S3 read's,
+        reads it once through its own ``readinto``)."""
+        if self._blob is None:
+            buf = bytearray(self.nbytes)
+            self.readinto(0, [memoryview(buf)])
+            self._blob = buf
         return self._blob
 
     def read(self, offset: int, n: int) -> Blob | memoryview:

@@ -151,13 +151,6 @@ class S3Stored(Stored):
             self._stream.close()
             self._stream = None
 
-    def blob(self) -> Blob:
-        if self._blob is None:
-            buf = bytearray(self.nbytes)
-            self.readinto(0, [memoryview(buf)])
-            self._blob = buf
-        return self._blob
-
     def read(self, offset: int, n: int) -> Blob | memoryview:
         n = max(0, min(n, self.nbytes - offset))
         if self._blob is not None:

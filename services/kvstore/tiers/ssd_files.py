@@ -47,13 +47,6 @@ class FileStored(Stored):
         self._fd = fd
         self._flags = os.RWF_NOWAIT if nowait else 0
 
-    def blob(self) -> Blob:
-        if self._blob is None:
-            buf = bytearray(self.nbytes)
-            self.readinto(0, [memoryview(buf)])
-            self._blob = buf
-        return self._blob
-
     def read(self, offset: int, n: int) -> Blob | memoryview:
         if self._blob is not None:
             return memoryview(self._blob)[offset : offset + n]
