@@ -59,14 +59,16 @@ class Admission:
 
     def check(self, queued: int, oldest_waiting_since: float, now: float,
               bound_delay: bool = True, shape: QueueShape | None = None,
-              waited_s: float = 0.0) -> None:
+              waited_s: float = 0.0, submitted_tokens: int = 0) -> None:
         """Raise EngineError(RESOURCE_EXHAUSTED) when a new request must be refused.
 
         ``queued``: requests ahead of it (waiting in the core's queue or about to enter
         it); ``oldest_waiting_since``: ``time.monotonic()`` the longest-waiting one queued
         (0.0: the core's queue is empty); ``shape``: the core's queue after its last step
         (None: not known yet); ``waited_s``: how long the request waited before it got
-        here (the limit's remainder is the queue's). ``bound_delay=False``: the node's
+        here (the limit's remainder is the queue's); ``submitted_tokens``: the prompt
+        tokens of the requests submitted to the core since ``shape`` was taken.
+        ``bound_delay=False``: the node's
         deadline queue already
         chose when the request starts (it serves late requests after the others, §6.3),
         so only a full queue refuses it."""
@@ -80,10 +82,11 @@ class Admission:
             return
         waited_s = max(0.0, waited_s)
         if shape is not None:
-            # The core's queue is in ``shape``; what was submitted since, with those still
-            # entering, is counted at the entering requests' tokens.
+            # The core's queue is in ``shape``; what was submitted since (the worker's
+            # inbox) and what is still entering come on top, at their own prompts' tokens
+            # (priced at none, a burst within one step was forecast to wait for nothing).
             extra = max(0, queued - shape.waiting)
-            wait = predicted_wait(shape, extra, self._tokens_of(extra, shape))
+            wait = predicted_wait(shape, extra, self.entering_tokens + submitted_tokens)
             # A late request that would start at once is taken all the same: it makes no
             # one wait, and refused it would only come back later still (a busy machine's
             # hops alone can take the limit).
@@ -104,18 +107,6 @@ class Admission:
                 f"the engine is behind (its oldest queued request has waited "
                 f"{waited:.1f}s, over {bound:g}s); retry later",
             )
-
-    def _tokens_of(self, n: int, shape: QueueShape) -> int:
-        """Prompt tokens of ``n`` requests on their way to the queue: the entering ones'
-        own; for those submitted since the last step, the mean of the entering ones (or
-        of the queued ones)."""
-        k = len(self._entering)
-        if k:
-            mean = self.entering_tokens / k
-        else:
-            mean = shape.prefill_tokens / shape.waiting if shape.waiting else 0.0
-        return self.entering_tokens + round(max(0, n - k) * mean)
-
 
 class Entering:
     """A request past admission on its way to the engine's queue (see ``enter``)."""

@@ -175,7 +175,9 @@ class AsyncEngine:
                                      tuple(prepared.prompt_token_ids))
                 return
             entry.leave()
-            self._worker.submit(Add(prepared, plan))
+            reused = plan.end_block * self.config.block_size if plan is not None else 0
+            self._worker.submit(Add(prepared, plan),
+                                max(1, len(prepared.prompt_token_ids) - reused))
             submitted = True
             while not finished:
                 try:
@@ -201,6 +203,7 @@ class AsyncEngine:
             bound_delay,
             snap.queue if snap is not None else None,
             waited_s,
+            self._worker.pending_tokens,
         )
 
     async def abort(self, request_id: str) -> bool:

@@ -58,6 +58,7 @@ class Worker:
         self._side_jobs = 0  # jobs queued by the loop besides stepping runs (loop only)
         self._stopping = False
         self._pending_adds = 0  # Add commands not applied yet
+        self._pending_tokens: deque[int] = deque()  # their prompt tokens to compute, in order
         self._waiting = 0  # the core's queue after the last step
         self._fresh: asyncio.Future[EngineStatus] | None = None  # a status question
         self.snapshot: EngineStatus | None = None  # the core's counters after the last step
@@ -116,6 +117,7 @@ class Worker:
         self._core = None
         self._inbox.clear()
         self._pending_adds = self._waiting = 0
+        self._pending_tokens.clear()
         self.snapshot = None
         self._stopping = False
 
@@ -138,10 +140,12 @@ class Worker:
     def _side_job_done(self, _: asyncio.Future) -> None:
         self._side_jobs -= 1
 
-    def submit(self, command: Command) -> None:
-        """Queue ``command`` for the core; the next step applies it."""
+    def submit(self, command: Command, tokens: int = 0) -> None:
+        """Queue ``command`` for the core; the next step applies it. ``tokens``: an Add's
+        prompt tokens to compute (what admission prices it at until a step takes it in)."""
         if isinstance(command, Add):
             self._pending_adds += 1
+            self._pending_tokens.append(tokens)
         self._inbox.append(command)
         self._wake.set()
 
@@ -165,6 +169,13 @@ class Worker:
     def queued(self) -> int:
         """Requests in the core's queue after the last step, and those submitted since."""
         return self._waiting + self._pending_adds
+
+    @property
+    def pending_tokens(self) -> int:
+        """Prompt tokens of the requests submitted since the last step (not in
+        ``snapshot`` yet): without them a burst that arrived within one step was forecast
+        to wait for nothing, and its later requests waited seconds past the limit."""
+        return sum(self._pending_tokens)
 
     def step_running_s(self) -> float:
         """How long the step under way has run (0.0: the worker is not stepping)."""
@@ -274,6 +285,8 @@ class Worker:
 
     def _dispatch(self, events: list[Event], adds_applied: int) -> None:
         self._pending_adds = max(0, self._pending_adds - adds_applied)
+        for _ in range(min(adds_applied, len(self._pending_tokens))):
+            self._pending_tokens.popleft()
         self._outputs.dispatch(events)
 
 

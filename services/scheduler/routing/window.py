@@ -20,10 +20,14 @@ w for its first token, λ·w more waiting; with more in flight they wait longer.
 horizons, forgotten with a time constant of ``MEMORY`` horizons. Not the rate of the
 moment: a full window bounds the completions, and sized from them the window would follow
 any delay outside the node (a slow hop, a starved core) down to its minimum, and the
-throughput with it. A window is never smaller than the node's seats (the sequences its
-engines run at once, as its registration says): measured at a light load, λ is that load,
-not the node's capacity, and a burst after a quiet spell must not be refused while seats
-are free. Past the window the engine's own forecast still refuses what would wait too long.
+throughput with it. While first tokens come in time, a window is never smaller than the
+node's seats (the sequences its engines run at once, as its registration says): measured
+at a light load, λ is that load, not the node's capacity, and a burst after a quiet spell
+must not be refused while seats are free. That floor is scaled with the queue allowance
+below (seats × ``scale``): late first tokens show the seats are more than the node can
+start in time, and at ten times a tiny model's capacity a fixed floor of 64 seats let the
+nodes, not the door, refuse four in five of the 429s. Past the window the engine's own
+forecast still refuses what would wait too long.
 
 Little's law bounds the mean wait; the promise is about the tail. ``scale`` adapts by
 additive increase, multiplicative decrease (as TCP's window, Netflix's concurrency-limits
@@ -103,7 +107,7 @@ class NodeWindows:
 
     def window(self, node_id: str, seats: int = 0) -> int:
         """Generations the scheduler lets be in flight on the node now, at least ``seats``
-        (0: no limit)."""
+        while its first tokens come in time (0: no limit)."""
         s = self.settings
         if not s.enabled:
             return 0
@@ -114,7 +118,7 @@ class NodeWindows:
                 w.capacity *= math.exp(-(now - w.measured_at) / (MEMORY * s.horizon_s))
             w.capacity, w.measured_at = max(w.capacity, rate), now
             w.held_s = held if rate > 0.0 else w.held_s
-        size = max(s.min_window, seats,
+        size = max(s.min_window, math.ceil(seats * w.scale - 1e-9),
                    math.ceil(w.capacity * (w.held_s + w.scale * s.wait_s) - 1e-9))
         if self.report is not None:
             self.report(node_id, size)

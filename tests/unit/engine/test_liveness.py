@@ -11,10 +11,14 @@ import time
 import pytest
 
 from services.engine.admission import Admission
+from services.engine.api_types import SamplingParams
 from services.engine.errors import EngineError
 from services.engine.model import LoadedModel
 from services.engine.server import EngineServicer
+from services.engine.validation import PreparedRequest
 from services.engine.wait_forecast import QueueShape, StepCost, predicted_wait
+from services.engine.worker import Worker
+from services.engine.worker.commands import Abort, Add
 from shared.proto import common_pb2
 from tests.unit.engine.engine_helpers import (
     PROMPTS,
@@ -80,6 +84,38 @@ def test_requests_on_their_way_to_the_queue_count_in_the_forecast() -> None:
     for e in entries:
         e.leave()
     a.check(0, 0.0, 102.0, shape=shape)
+
+
+def test_requests_submitted_since_the_last_step_count_at_their_tokens() -> None:
+    # Requests past planning wait in the worker's inbox until the next step takes them in:
+    # the last step's queue does not show them. Priced at no tokens, a burst that came
+    # within one step was forecast to wait for nothing, and its later requests waited
+    # seconds past the limit (bench.cluster.admission, small model: p99 9.75x the limit).
+    a = Admission(max_waiting=100, max_queue_delay_s=1.0)
+    shape = QueueShape(running=2, seats=64, token_budget=512, prefill_s_per_token=0.001)
+    a.check(3, 0.0, 100.0, shape=shape, submitted_tokens=600)  # 0.6 s of prefill ahead
+    with pytest.raises(EngineError, match="would wait about 1.50s"):
+        a.check(3, 0.0, 100.0, shape=shape, submitted_tokens=1500)
+    entering = a.enter(500)  # and one still being tokenized on top
+    with pytest.raises(EngineError, match="would wait about 1.10s"):
+        a.check(4, 0.0, 100.0, shape=shape, submitted_tokens=600)
+    entering.leave()
+
+
+def test_the_worker_prices_its_inbox_until_a_step_takes_it_in() -> None:
+    class Sink:
+        def dispatch(self, events: list) -> None:
+            pass
+
+    w = Worker(Sink())
+    w.submit(Add(PreparedRequest("a", [1] * 300, SamplingParams(), 4, b"", 0)), 300)
+    w.submit(Add(PreparedRequest("b", [1] * 200, SamplingParams(), 4, b"", 0)), 200)
+    w.submit(Abort("c"))
+    assert (w.queued, w.pending_tokens) == (2, 500)
+    w._dispatch([], 1)  # a step applied the first add
+    assert (w.queued, w.pending_tokens) == (1, 200)
+    w._dispatch([], 1)
+    assert (w.queued, w.pending_tokens) == (0, 0)
 
 
 def test_the_time_a_request_waited_on_its_way_is_taken_off_the_limit() -> None:

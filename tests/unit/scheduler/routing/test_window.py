@@ -56,6 +56,20 @@ def test_a_window_is_never_smaller_than_the_nodes_seats() -> None:
     assert w.with_room([unsaid]) == [unsaid]
 
 
+def test_late_first_tokens_shrink_the_seats_floor_too() -> None:
+    """Seats the node cannot start in time are no floor: at ten times a tiny model's
+    capacity the 64 seats let most requests through to be refused by the nodes."""
+    w, _, clock = windows()
+    assert w.window("a", seats=64) == 64
+    for _ in range(3):  # three late first tokens, a wait_s apart: scale 0.9³ = 0.729
+        w.first_token("a", arrived=clock.now - 2.0)
+        clock.now += 0.5
+    assert w.window("a", seats=64) == 47  # ceil(64 × 0.729)
+    for _ in range(300):  # the floor comes back with first tokens in time (STEP each)
+        w.first_token("a", arrived=clock.now)
+    assert w.window("a", seats=64) == 64
+
+
 def test_the_window_is_littles_law_of_the_measured_completions() -> None:
     w, inflight, clock = windows()
     serve(inflight, clock, "a", 20, held_s=0.25)
