@@ -96,6 +96,10 @@ def build_state(
                       if config.policy == "prefix" else None),
         windows=windows,
     )
+    # What a node held before it registered again is stale (see ``on_register``).
+    registry.on_register(dispatcher.prefixes.forget_node)
+    if dispatcher.prefix_index is not None:
+        registry.on_register(dispatcher.prefix_index.forget_node)
     return ApiState(
         registry=registry,
         dispatcher=dispatcher,

@@ -60,6 +60,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             for h in request.sessions:
                 restored += self.sessions.restore(h.tenant, h.session_id, info.node_id,
                                                   h.tokens, h.age_s)
+                if self.prefixes is not None:  # (forgotten at the registration: re-seeded)
+                    self.prefixes.saved(h.tenant, h.session_id, info.node_id)
         log.info(
             "node %s registered at %s serving %s (KV of %d sessions here, %d news to us)",
             info.node_id,

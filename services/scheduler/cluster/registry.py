@@ -33,6 +33,13 @@ class NodeRegistry:
         self._was_up: dict[str, bool] = {}
         self._generation = 0
         self._changed = asyncio.Event()
+        self._on_register: list[Callable[[str], None]] = []
+
+    def on_register(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(node_id)`` whenever a node registers (again): what the scheduler
+        learned of its caches before is stale (a restarted node's device is empty; its
+        kvstore's sessions come with the registration)."""
+        self._on_register.append(listener)
 
     # -- updates ------------------------------------------------------------------------
 
@@ -54,6 +61,8 @@ class NodeRegistry:
             leaving=old.leaving if old else set(),
         )
         self._nodes[info.node_id] = node
+        for listener in self._on_register:
+            listener(info.node_id)
         self._notify()
         return node
 

@@ -12,15 +12,23 @@ from __future__ import annotations
 
 from contextlib import AsyncExitStack
 
+from services.scheduler.app import build_state
 from services.scheduler.cluster import (
     BLOCK_CHARS,
     Load,
+    NodeChannels,
+    NodeRegistry,
     PrefixIndex,
+    SessionDirectory,
     block_hashes,
     prompt_prefix,
     prompt_text,
 )
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.grpc_service import SchedulerServicer
 from services.scheduler.routing import RouteRequest, make_policy
+from shared.config import load
+from shared.proto import scheduler_pb2
 from tests.unit.scheduler.advisory.test_placement import placement
 from tests.unit.scheduler.conftest import make_cluster
 from tests.unit.scheduler.routing.test_kv_follows import call, serve_only
@@ -156,3 +164,27 @@ def test_a_new_session_goes_to_the_node_holding_its_system_prompt() -> None:
     plan = policy.route(reg.all(), RouteRequest("m", "s", "t", holder="node0",
                                                 prefix_nodes=("node1",)))
     assert plan is not None and plan.node.node_id == "node0"
+
+
+async def test_a_node_that_registers_again_holds_only_what_it_reports() -> None:
+    """A restarted node's device is empty and its kvstore holds what its registration
+    says: both prefix maps forget the rest (they kept routing to holders that were gone)."""
+    registry = NodeRegistry(3.0)
+    sessions = SessionDirectory(100, 600.0)
+    config = load(SchedulerConfig, "scheduler", overrides={"policy": "prefix", "anonymous": True})
+    channels = NodeChannels()
+    state = build_state(config, registry, channels, sessions)
+    prefixes, device = state.dispatcher.prefixes, state.dispatcher.prefix_index
+    assert device is not None
+    servicer = SchedulerServicer(registry, 0.1, sessions, leader=lambda: True,
+                                 prefixes=prefixes)
+    kept, lost = ("k0", "k1"), ("l0", "l1")
+    prefixes.turn_ended("t", "kept", kept, "a")
+    prefixes.turn_ended("t", "lost", lost, "a")
+    device.served("a", ["b0", "b1"])
+    request = scheduler_pb2.RegisterNodeRequest(node_id="a", address="127.0.0.1:1")
+    request.sessions.add(tenant="t", session_id="kept", tokens=64)
+    await servicer.RegisterNode(request, context=None)
+    assert prefixes.holders(kept) == ("a",) and prefixes.holders(lost) == ()
+    assert device.match("a", ["b0", "b1"]) == 0
+    await channels.close()
