@@ -24,10 +24,12 @@ throughput with it. While first tokens come in time, a window is never smaller t
 node's seats (the sequences its engines run at once, as its registration says): measured
 at a light load, λ is that load, not the node's capacity, and a burst after a quiet spell
 must not be refused while seats are free. That floor is scaled with the queue allowance
-below (seats × ``scale``): late first tokens show the seats are more than the node can
-start in time, and at ten times a tiny model's capacity a fixed floor of 64 seats let the
-nodes, not the door, refuse four in five of the 429s. Past the window the engine's own
-forecast still refuses what would wait too long.
+below (seats × ``scale``) while first tokens were late within the last ``horizon_s``:
+they show the seats are more than the node can start in time, and at ten times a tiny
+model's capacity a fixed floor of 64 seats let the nodes, not the door, refuse four in
+five of the 429s. Lateness older than that is no floor: an idle node has no on-time first
+tokens to raise the scale with, and a burst after a slow spell found its seats refused.
+Past the window the engine's own forecast still refuses what would wait too long.
 
 Little's law bounds the mean wait; the promise is about the tail. ``scale`` adapts by
 additive increase, multiplicative decrease (as TCP's window, Netflix's concurrency-limits
@@ -118,7 +120,11 @@ class NodeWindows:
                 w.capacity *= math.exp(-(now - w.measured_at) / (MEMORY * s.horizon_s))
             w.capacity, w.measured_at = max(w.capacity, rate), now
             w.held_s = held if rate > 0.0 else w.held_s
-        size = max(s.min_window, math.ceil(seats * w.scale - 1e-9),
+        # (the seats floor follows the scale only while lateness is recent: a node idle
+        # since its last late first token has no later evidence to raise the scale with)
+        floor = seats if now - w.decreased_at > s.horizon_s else math.ceil(seats * w.scale
+                                                                            - 1e-9)
+        size = max(s.min_window, floor,
                    math.ceil(w.capacity * (w.held_s + w.scale * s.wait_s) - 1e-9))
         if self.report is not None:
             self.report(node_id, size)

@@ -98,8 +98,10 @@ def test_legacy_completions(client: openai.OpenAI, model: str) -> None:
 
 
 async def test_sixteen_concurrent_streams(cluster: Cluster, model: str) -> None:
+    # (retrying a 429 as the client does by default: on a loaded machine the engine's
+    # forecast may price the burst's prompts past its queue limit and refuse a few)
     client = openai.AsyncOpenAI(
-        base_url=cluster.url + "/v1", api_key="unused", timeout=120, max_retries=0
+        base_url=cluster.url + "/v1", api_key="unused", timeout=120, max_retries=4
     )
     prompt = [{"role": "user", "content": "Count the stars, one by one."}]
     reference = await client.chat.completions.create(model=model, messages=prompt, max_tokens=1)

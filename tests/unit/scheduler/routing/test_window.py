@@ -64,9 +64,13 @@ def test_late_first_tokens_shrink_the_seats_floor_too() -> None:
     for _ in range(3):  # three late first tokens, a wait_s apart: scale 0.9³ = 0.729
         w.first_token("a", arrived=clock.now - 2.0)
         clock.now += 0.5
-    assert w.window("a", seats=64) == 47  # ceil(64 × 0.729)
+    assert w.window("a", seats=64) == 47  # ceil(64 × 0.729), the last late one 0.5 s ago
     for _ in range(300):  # the floor comes back with first tokens in time (STEP each)
         w.first_token("a", arrived=clock.now)
+    assert w.window("a", seats=64) == 64
+    w.first_token("a", arrived=clock.now - 2.0)  # late again: 0.9 × 1.0 → 58 seats
+    assert w.window("a", seats=64) == 58
+    clock.now += 2.5  # no lateness within the horizon (2 s): an idle node's seats are whole
     assert w.window("a", seats=64) == 64
 
 
