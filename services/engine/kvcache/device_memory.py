@@ -63,6 +63,7 @@ class DeviceMemory:
         self.base_pages = budget_bytes // self.page_span
         self.num_pages = (budget_bytes + lendable_bytes) // self.page_span
         self.lent_bytes = 0  # weight memory lent as KV capacity (MIRAGE)
+        self.node_lent_bytes = 0  # weight memory lent to the node's budget (MIRAGE §5.2)
         if self.base_pages == 0:
             raise ConfigError(
                 f"engine.device_memory_bytes: {budget_bytes} bytes cannot hold one KV page of "
@@ -128,6 +129,27 @@ class DeviceMemory:
         if self._ledger is not None and not self._ledger.take(nbytes, weights=True):
             return False
         self.lent_bytes -= nbytes
+        return True
+
+    def lend_to_node(self, nbytes: int) -> bool:
+        """Hand ``nbytes`` of the weights this engine holds in the node's ledger to the
+        node's budget, for any engine's KV (MIRAGE §5.2 across the node: an idle model's
+        layers lend first). False, nothing changed, without a ledger or when the engine
+        does not hold that many weight bytes itself (a Reuse Store arena's are the
+        store's)."""
+        if self._ledger is None or self._ledger.mine().weight_bytes < nbytes:
+            return False
+        self._ledger.give(nbytes, weights=True)
+        self.node_lent_bytes += nbytes
+        return True
+
+    def take_back_from_node(self, nbytes: int) -> bool:
+        """Reversion of ``lend_to_node``: the weights take ``nbytes`` back from the node's
+        budget; False while the budget does not have them free (KV holds them)."""
+        if self._ledger is None or nbytes > self.node_lent_bytes \
+                or not self._ledger.take(nbytes, weights=True):
+            return False
+        self.node_lent_bytes -= nbytes
         return True
 
     @property
