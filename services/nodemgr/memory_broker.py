@@ -147,12 +147,17 @@ class MemoryBroker:
         return got
 
     async def _revert(self, engines: Sequence[EngineMemory]) -> None:
-        """Reversion: nothing waited for ``revert_after_s``: the lenders take their layers
-        back, the most important first, while the node's budget has the bytes free."""
+        """Reversion: nothing waited for ``revert_after_s``: idle engines' cached pages are
+        released, then the lenders take their layers back, the most important first, while
+        the node's budget has the bytes free (running KV in them keeps them lent)."""
         if self._lend is None:
             return
         lenders = [e.lending for e in engines if e.lending is not None]
-        for lender in revert_order(lenders, give_way_of(engines)):
+        lent = revert_order(lenders, give_way_of(engines))
+        for e in engines if lent else ():  # cached KV gives way before weights: idle
+            if not e.running and e.committed_blocks:  # engines' pages go first
+                self.reclaimed_pages += await self._shrink(e.name, ALL_PAGES)
+        for lender in lent:
             left = await self._lend(lender.name, -lender.node_layers)
             self.layers_taken_back += lender.node_layers - left
 
