@@ -173,7 +173,8 @@ def _budget(path: str) -> dict[str, float]:
     ledger = DeviceLedger(path)
     try:
         return {"device_budget_bytes": float(ledger.budget_bytes),
-                "device_free_bytes": float(ledger.free_bytes())}
+                "device_free_bytes": float(ledger.free_bytes()),
+                "device_lent_bytes": float(ledger.lent_bytes())}  # (MIRAGE §5.2)
     finally:
         ledger.close()
 

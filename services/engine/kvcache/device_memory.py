@@ -98,8 +98,11 @@ class DeviceMemory:
 
     @property
     def page_limit(self) -> int:
-        """Pages that may be committed: the budget's, plus the lent bytes' (whole pages)."""
-        return min(self.num_pages, (self.budget_bytes + self.lent_bytes) // self.page_span)
+        """Pages that may be committed: the budget's, plus the lent bytes' (whole pages):
+        those lent to this pool and, on a node ledger, those any engine lent to the node's
+        KV (within the address space reserved for lending)."""
+        lent = self.lent_bytes + (self._ledger.lent_bytes() if self._ledger else 0)
+        return min(self.num_pages, (self.budget_bytes + lent) // self.page_span)
 
     @property
     def kv_budget_bytes(self) -> int:
@@ -133,13 +136,12 @@ class DeviceMemory:
 
     def lend_to_node(self, nbytes: int) -> bool:
         """Hand ``nbytes`` of the weights this engine holds in the node's ledger to the
-        node's budget, for any engine's KV (MIRAGE §5.2 across the node: an idle model's
-        layers lend first). False, nothing changed, without a ledger or when the engine
-        does not hold that many weight bytes itself (a Reuse Store arena's are the
-        store's)."""
-        if self._ledger is None or self._ledger.mine().weight_bytes < nbytes:
+        node's KV (MIRAGE §5.2 across the node: an idle model's layers lend first; any
+        engine's pool may grow into them, ``page_limit``). False, nothing changed, without
+        a ledger or when the engine does not hold that many weight bytes itself (a Reuse
+        Store arena's are the store's)."""
+        if self._ledger is None or not self._ledger.lend(nbytes):
             return False
-        self._ledger.give(nbytes, weights=True)
         self.node_lent_bytes += nbytes
         return True
 
@@ -147,7 +149,7 @@ class DeviceMemory:
         """Reversion of ``lend_to_node``: the weights take ``nbytes`` back from the node's
         budget; False while the budget does not have them free (KV holds them)."""
         if self._ledger is None or nbytes > self.node_lent_bytes \
-                or not self._ledger.take(nbytes, weights=True):
+                or not self._ledger.unlend(nbytes):
             return False
         self.node_lent_bytes -= nbytes
         return True
@@ -160,7 +162,8 @@ class DeviceMemory:
     def num_uncommitted_blocks(self) -> int:
         """Blocks of pages that could be committed now: within this pool's reservation and,
         with a node ledger, within what the node's budget has left."""
-        local = self.page_limit * self.blocks_per_page - self.num_committed_blocks
+        # (pages committed into node-lent bytes stay when those are taken back: not below 0)
+        local = max(0, self.page_limit * self.blocks_per_page - self.num_committed_blocks)
         if self._ledger is None:
             return local
         return min(local,

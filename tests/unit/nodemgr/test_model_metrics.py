@@ -33,7 +33,7 @@ def test_gauges_show_each_models_bytes_reserve_and_the_nodes_free_bytes(tmp_path
         assert state["beta"]["kv_reserve_bytes"] == 2000.0 and state["beta"]["kv_bytes"] == 0
         assert state["gamma"]["active"] == 0.0  # in the catalogue, evicted
         assert _budget(str(path)) == {"device_budget_bytes": 10_000.0,
-                                      "device_free_bytes": 5500.0}
+                                      "device_free_bytes": 5500.0, "device_lent_bytes": 0.0}
         metrics = NodeMgrMetrics()
         metrics.watch_models(lambda: list(state.items()))
         metrics.watch(lambda: _budget(str(path)))

@@ -60,6 +60,7 @@ def test_an_idle_engine_lends_layers_to_the_node_and_takes_them_back(
         # exactly two layers' bytes leave its weights for the node's budget (the ledger)
         assert lb.mine().weight_bytes == held - 2 * step
         assert la.free_bytes() == free + 2 * step
+        assert la.lent_bytes() == 2 * step  # the node's ledger shows them lent
         span, per_page = busy.pool.page_span, busy.pool.blocks_per_page
         assert room == free // span * per_page  # (the node's budget binds, not the pool)
         # the busy engine's KV may take them
@@ -81,9 +82,34 @@ def test_an_idle_engine_lends_layers_to_the_node_and_takes_them_back(
         for page in pages:  # the burst is over: its KV is freed
             busy.pool.release(page)
         assert idle.remap.lend_to_node(-2) == 0  # reversion: the weights' bytes are back
-        assert lb.mine().weight_bytes == held
+        assert lb.mine().weight_bytes == held and la.lent_bytes() == 0
         assert la.free_bytes() == free - (lb.mine().kv_bytes - kv)  # (its own KV grew)
         assert idle.remap.streamer.plan.alpha == 0
+    finally:
+        busy.close()
+        idle.close()
+        la.close()
+        lb.close()
+
+
+def test_a_busy_engine_grows_past_its_own_budget_into_lent_bytes(
+        deep: LoadedModel, tmp_path: Path) -> None:
+    """Prism's set-up: each engine's pool is its share of the node; the node's budget has
+    room, the busy pool does not. Lent bytes raise every pool's page limit."""
+    node = create_ledger(tmp_path / "ledger", 2 * weight_bytes(deep.model) + 64 * PAGE)
+    la, lb = DeviceLedger(node), DeviceLedger(node)
+    busy, idle = engine(deep, la, 8 * PAGE), engine(deep, lb, 8 * PAGE)
+    try:
+        assert idle.remap is not None
+        step, span = idle.remap.target.layer_bytes, busy.pool.page_span
+        grown = list(iter(busy.pool.grow, None))
+        assert len(grown) == 8  # its own budget
+        assert idle.remap.lend_to_node(2) == 2
+        grown += list(iter(busy.pool.grow, None))
+        assert len(grown) == (8 * PAGE + 2 * step) // span  # two layers' bytes more
+        assert idle.remap.lend_to_node(-2) == 0  # (the node has the bytes: reversion)
+        assert la.lent_bytes() == 0 and busy.pool.num_uncommitted_blocks == 0
+        assert la.used_bytes() <= la.budget_bytes
     finally:
         busy.close()
         idle.close()
