@@ -4,7 +4,8 @@ bursts on one of them bind on KV while the other is idle.
     python -m bench.multimodel.remap_node [--reps 5] [--bursts 3] [--burst 8]
 
 Both engines run in process on one device ledger (the node's budget: both models' weights
-and ``--budget-frac`` of a burst's KV); the node's memory broker (``MemoryBroker``, the
+and ``--budget-frac`` of a burst's KV, each engine's pool that much too); the node's
+memory broker (``MemoryBroker``, the
 nodemgr's) runs a round every ``--broker-s`` of the trace. Variants, paired (the same
 trace, a shuffled order each rep):
 
@@ -61,9 +62,9 @@ class Node:
             ledger.take(weight_bytes(loaded.model), weights=True)  # (as the model slot does)
             remap = RemapConfig(enabled=variant != "off", max_fraction=args.max_fraction,
                                 capped=False)
-            cfg = EngineConfig(dtype=args.dtype, device_memory_bytes=4 * kv_budget,
+            cfg = EngineConfig(dtype=args.dtype, device_memory_bytes=kv_budget,
                                page_bytes=args.page_bytes, max_num_seqs=args.burst,
-                               remap=remap)  # (the node's budget binds, not the pool's)
+                               remap=remap)  # (Prism's set-up: a pool is the node's room)
             self.cores[name] = EngineCore(cfg, loaded, ledger=ledger)
             self.ledgers.append(ledger)
         self.broker = MemoryBroker(self._poll, self._shrink, revert_after_s=args.broker_s,
