@@ -86,15 +86,18 @@ class FakeNode:
         self.lent = {"busy": 0, "idle": 0}
         self.calls: list[tuple[str, int]] = []
         self.store_bytes = 1 << 20
+        self.shrunk: list[str] = []
 
     async def poll(self) -> list[EngineMemory]:
-        busy = Lender("busy", 4, 3 if self.burst else 0, 3 - self.lent["busy"],
+        running = 4 if self.burst else 0
+        busy = Lender("busy", running, 3 if self.burst else 0, 3 - self.lent["busy"],
                       self.lent["busy"], priority=5)
         idle = Lender("idle", 0, 0, 3 - self.lent["idle"], self.lent["idle"])
-        return [EngineMemory("busy", 4, busy.waiting, 10, busy, ""),
+        return [EngineMemory("busy", running, busy.waiting, 10, busy, ""),
                 EngineMemory("idle", 0, 0, 0, idle, "")]
 
     async def shrink(self, name: str, pages: int) -> int:
+        self.shrunk.append(name)
         return 0  # no pages to take back
 
     async def lend(self, name: str, layers: int) -> int:
@@ -117,8 +120,10 @@ async def test_a_burst_makes_idle_engines_lend_and_they_take_it_back_after() -> 
         await broker.balance()
     assert node.calls == [("idle", 1)] * 3 and node.lent == {"busy": 0, "idle": 3}
     assert broker.layers_lent == 3
+    assert node.shrunk == []  # (nobody but the waiting engine held pages)
     node.burst = False  # the burst is over: nothing is left lent
     await broker.balance()
+    assert node.shrunk == ["busy"]  # its cached KV gives way before the lent weights
     assert node.lent == {"busy": 0, "idle": 0} and node.calls[-1] == ("idle", -3)
     assert broker.layers_taken_back == 3
     await broker.balance()
