@@ -21,7 +21,7 @@ from shared.device_ledger import DeviceLedger
 from tests.cluster import Cluster, start_cluster
 
 PAGE = 16 << 10
-LONG = [" ".join(f"word{i} item{j}" for j in range(90)) for i in range(4)]
+LONG = [" ".join(f"word{i} item{j}" for j in range(200)) for i in range(4)]
 GEN = 8
 
 
@@ -49,7 +49,7 @@ def cluster(unrelated: dict[str, Path], expected: dict,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     # KV room for about two of the four long prompts (Prism's set-up: each pool is that
     # room): the burst binds on KV, and beta's pool grows into what alpha lends
-    room = 20 * PAGE
+    room = 64 * PAGE  # (the least an engine's pool may be)
     budget = expected["alpha"][1] + expected["beta"][1] + room
     flags = {"page_bytes": PAGE, "device_memory_bytes": room, "remap.enabled": "true",
              "remap.capped": "false", "remap.max_fraction": 0.75,
