@@ -4,6 +4,7 @@ of its unremapped model, and reversion restores the weights once the KV is freed
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 from services.engine.config import EngineConfig, RemapConfig
 from services.engine.engine_core import EngineCore
+from services.engine.metrics import render_engine_metrics
 from services.engine.model import LoadedModel, load_model, write_demo_model
 from services.engine.model_slot import weight_bytes
 from services.engine.wire import status_to_proto
@@ -68,6 +70,8 @@ def test_an_idle_engine_lends_layers_to_the_node_and_takes_them_back(
         st = status_to_proto(idle.status()).remap  # what the node's broker sees
         assert (st.alpha, st.node_layers, st.node_lent_bytes) == (2, 2, 2 * step)
         assert st.give_way == "prefetched_kv,idle_weights,active_weights"
+        text = render_engine_metrics(idle.status()).decode()
+        assert re.search(r"^overture_engine_remap_node_layers\{.*\} 2\.0$", text, re.M), text
         # the lending engine computes its streamed layers in slots: the same tokens
         assert idle.remap.streamer.plan.alpha == 2
         assert greedy(idle, deep) == alone
