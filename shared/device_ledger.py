@@ -13,8 +13,12 @@ engine"): while its KV is below its reserve, the others cannot take the differen
 model that turns hot then starts its first requests at once, instead of waiting for the
 broker to take pages back from the model that was hot before.
 
-    file (64-byte records):  header: magic, budget, bytes used | slot 0 | ... | slot 31
+    file (64-byte records):  header: magic, budget, bytes used, bytes lent | slot 0 | ...
     slot:  pid, kv bytes, weight bytes, label (32 bytes of the model's name), kv reserve
+
+*Lent* bytes (MIRAGE §5.2 across the node): weight bytes an engine handed to the node's
+KV (``lend``: its weights row drops by them, the header's lent word rises); any engine's
+KV pool may then grow past its own budget by that much. ``unlend`` is the reversion.
 
 Updates hold an exclusive ``flock`` on the file (a few microseconds); a slot of a process
 that no longer exists is taken over, its bytes forgotten, so a crashed engine leaks nothing.
@@ -37,6 +41,7 @@ SLOTS = 32
 _HEADER = struct.Struct("<QQq")  # magic, budget, bytes used by all slots
 _USED = struct.Struct("<q")
 _USED_AT = 16
+_LENT_AT = 24  # (the header's fourth word: zero in a ledger written before it existed)
 _SLOT = struct.Struct("<qQQ32s")  # pid, kv bytes, weight bytes, label
 _RESERVE = struct.Struct("<Q")  # the slot's last word: its KV reserve
 _RESERVE_AT = _SLOT.size
@@ -73,6 +78,7 @@ class DeviceLedger:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._slot: int | None = None
+        self._lent = 0  # bytes this process lent to the node's KV
         try:
             self._fd = os.open(self.path, os.O_RDWR)
         except OSError as e:
@@ -101,6 +107,10 @@ class DeviceLedger:
     def used_bytes(self) -> int:
         """One aligned word (engines read it on every allocation decision)."""
         return int(_USED.unpack_from(self._map, _USED_AT)[0])
+
+    def lent_bytes(self) -> int:
+        """Weight bytes the node's engines lend to its KV now (``lend``)."""
+        return int(_USED.unpack_from(self._map, _LENT_AT)[0])
 
     def free_bytes(self) -> int:
         return max(0, self.budget_bytes - self.used_bytes())
@@ -152,6 +162,28 @@ class DeviceLedger:
             self._add(nbytes, weights)
             return True
 
+    def lend(self, nbytes: int) -> bool:
+        """Hand ``nbytes`` of this process's weights to the node's KV; False, nothing
+        changed, if it does not hold that many weight bytes."""
+        with self._locked():
+            if self._mine()[2] < nbytes:
+                return False
+            self._add(-nbytes, True)
+            self._add_lent(nbytes)
+            self._lent += nbytes
+            return True
+
+    def unlend(self, nbytes: int) -> bool:
+        """Reversion of ``lend``: the weights take ``nbytes`` back if they are available
+        (False, nothing changed, while KV holds them)."""
+        with self._locked():
+            if nbytes > self.available_bytes(weights=True):
+                return False
+            self._add(nbytes, True)
+            self._add_lent(-nbytes)
+            self._lent -= nbytes
+            return True
+
     def give(self, nbytes: int, weights: bool = False) -> None:
         with self._locked():
             self._add(-nbytes, weights)
@@ -166,6 +198,10 @@ class DeviceLedger:
             with self._locked():
                 _, kv, weights, _ = self._mine()
                 self._add_used(-(kv + weights))
+                # (what it lent ends with it; a crashed lender's lent word stays, which only
+                # lets pools reach further into a budget the ledger still bounds)
+                self._add_lent(-self._lent)
+                self._lent = 0
                 _SLOT.pack_into(self._map, self._offset(), 0, 0, 0, b"")
                 _RESERVE.pack_into(self._map, self._offset() + _RESERVE_AT, 0)
             self._slot = None
@@ -215,6 +251,10 @@ class DeviceLedger:
             kv = max(0, kv + nbytes)
         _SLOT.pack_into(self._map, self._offset(), pid, kv, w, label)
         self._add_used(kv + w - before)
+
+    def _add_lent(self, delta: int) -> None:
+        lent = _USED.unpack_from(self._map, _LENT_AT)[0]
+        _USED.pack_into(self._map, _LENT_AT, max(0, lent + delta))
 
     def _add_used(self, delta: int) -> None:
         used = _USED.unpack_from(self._map, _USED_AT)[0]

@@ -3,12 +3,17 @@
     models:
       - {name: chat-small, path: /models/small, ttft_slo_s: 1.0, tpot_slo_s: 0.1}
       - {name: coder, path: /models/coder, ttft_slo_s: 2.0, pin: true}
+      - {name: batch, path: /models/batch, priority: -1}
 
 A model in the catalogue need not be running anywhere: a node activates it into one of its
 standby engines when a request for it arrives (Prism §5.2, §6.2) and evicts it again when it
 has been idle and the memory is wanted, models with looser SLOs first. ``pin: true`` keeps
-a model from being evicted. The scheduler and every nodemgr read the same file
-(``models_config``; ``overture up`` writes one for its ``--model`` flags).
+a model from being evicted. ``priority`` (an integer, default 0, higher = more important)
+orders the models of a node that lend their layers' weight memory to KV under pressure
+(MIRAGE §5.2): idle models first, then active ones lowest priority first (at equal priority
+the looser TTFT SLO first); a pinned model lends last. The scheduler and every nodemgr
+read the same file (``models_config``; ``overture up`` writes one for its ``--model``
+flags).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ class ModelEntry:
     ttft_slo_s: float = DEFAULT_TTFT_SLO_S
     tpot_slo_s: float = DEFAULT_TPOT_SLO_S
     pin: bool = False
+    priority: int = 0  # higher = more important: lends its weight memory to KV later
 
     def weight_bytes(self) -> int:
         """Bytes of its weight files (what activating it reads)."""
@@ -60,7 +66,7 @@ def load_catalog(path: str | Path | None) -> tuple[ModelEntry, ...]:
 def _entry(item: Any, where: str) -> ModelEntry:
     if not isinstance(item, dict):
         raise ConfigError(f"{where} must be a mapping with name and path")
-    unknown = set(item) - {"name", "path", "ttft_slo_s", "tpot_slo_s", "pin"}
+    unknown = set(item) - {"name", "path", "ttft_slo_s", "tpot_slo_s", "pin", "priority"}
     if unknown:
         raise ConfigError(f"{where}: unknown key {sorted(unknown)[0]!r}")
     for key in ("name", "path"):
@@ -76,7 +82,11 @@ def _entry(item: Any, where: str) -> ModelEntry:
     pin = item.get("pin", False)
     if not isinstance(pin, bool):
         raise ConfigError(f"{where}: pin must be true or false")
-    return ModelEntry(item["name"], item["path"], pin=pin, **slos)
+    priority = item.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ConfigError(f"{where}: priority must be an integer (higher = lends its "
+                          "weight memory to KV later; default 0)")
+    return ModelEntry(item["name"], item["path"], pin=pin, priority=priority, **slos)
 
 
 def write_catalog(path: str | Path, entries: list[ModelEntry]) -> Path:

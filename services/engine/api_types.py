@@ -201,6 +201,11 @@ class RemapStatus:
     transfer_s: float
     step_transfer_s: float  # the last forward's copies
     stalled_forwards: int  # forwards a copy made wait
+    node_layers: int = 0  # of alpha, layers lent to the node's budget (other engines' KV)
+    node_lent_bytes: int = 0
+    lendable_layers: int = 0  # more it may lend now
+    layer_bytes: int = 0
+    give_way: str = ""  # the order memory gives way in (shared/give_way.py)
 
 
 @dataclass(frozen=True)

@@ -292,5 +292,15 @@ class AsyncEngine:
         await self._worker.flush()
         return await self._worker.run(core.shrink, max_pages)
 
+    async def lend_to_node(self, layers: int) -> tuple[int, int]:
+        """Lend (< 0: take back) layers' weight memory to the node's budget (MIRAGE §5.2);
+        the layers and bytes lent to it now."""
+        core = self._require_core()
+        if core.remap is None or not layers:  # (remapping off: nothing to lend)
+            return (core.remap.node_layers if core.remap else 0), core.pool.node_lent_bytes
+        await self._worker.flush()
+        n = await self._worker.run(core.remap.lend_to_node, layers)
+        return n, core.pool.node_lent_bytes
+
     async def check_integrity(self) -> None:
         await self._worker.run(self._require_core().check_integrity)

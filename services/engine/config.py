@@ -7,6 +7,8 @@ from typing import ClassVar
 
 from shared.config import ConfigError, opt, sub
 from shared.cpus import parse_cpus
+from shared.give_way import CHOICES as GIVE_WAY_CHOICES
+from shared.give_way import DEFAULT as DEFAULT_GIVE_WAY
 
 
 @dataclass(frozen=True)
@@ -90,10 +92,13 @@ class RemapConfig:
         "pages and inactive models' weights (the give-way order); 0 = at once",
         min=0.0, max=10.0)
     give_way: str = opt(
-        "prefetch_first", "what gives way first when KV runs out: prefetch_first (advised "
-        "sessions' prefetched KV is purged, later layers first, before any weight is lent; "
-        "Symphony §3.4's order), weights_first (weights are lent while prefetched KV stays)",
-        choices=("prefetch_first", "weights_first"))
+        DEFAULT_GIVE_WAY, "what gives way when KV runs out, first first: the three of "
+        "prefetched_kv (advised sessions' prefetched KV, later layers first; Symphony §3.4), "
+        "idle_weights (idle models' weights: the Reuse Store's, and idle engines' layers "
+        "lent to the node), active_weights (active models' layers, lowest priority first); "
+        "the node's broker and prefetcher follow the order its engines report "
+        "(shared/give_way.py); prefetch_first and weights_first name the default and "
+        "idle_weights,active_weights,prefetched_kv", choices=GIVE_WAY_CHOICES)
 
 
 @dataclass(frozen=True)

@@ -97,6 +97,10 @@ class _Snapshot(Collector):
                         "slots each step (alpha + slots)", len(m.layers))
             yield gauge("overture_engine_remap_lent_bytes", "weight bytes lent as KV",
                         m.lent_bytes)
+            yield gauge("overture_engine_remap_node_layers", "of them, layers lent to the "
+                        "node's budget (other engines' KV; MIRAGE §5.2)", m.node_layers)
+            yield gauge("overture_engine_remap_node_lent_bytes", "weight bytes lent to the "
+                        "node's budget", m.node_lent_bytes)
             yield counter("overture_engine_remap_layers_lent", "layers lent, ever", m.remaps)
             yield counter("overture_engine_remap_layers_reverted", "layers given back, ever",
                           m.reversions)

@@ -159,7 +159,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     ) -> engine_pb2.ShrinkKVReply:
         try:
             pages = await self.engine.shrink_kv(max(0, request.max_pages))
+            layers, lent = await self.engine.lend_to_node(request.lend_layers)
         except EngineError as e:
             await context.abort(wire.STATUS_CODES[e.code], e.message)
             raise  # unreachable: abort raises
-        return engine_pb2.ShrinkKVReply(pages=pages)
+        return engine_pb2.ShrinkKVReply(pages=pages, node_layers=layers, node_lent_bytes=lent)

@@ -18,6 +18,7 @@ from .api_types import (
     GenerateRequest,
     Guidance,
     PrefetchStats,
+    RemapStatus,
     SamplingParams,
     TokenLogprob,
     ToolCall,
@@ -166,7 +167,19 @@ def status_to_proto(
         block_bytes=s.block_bytes,
         device=s.device,
         prefetch=_prefetch_to_proto(s.reuse.prefetch),
+        remap=_remap_to_proto(s.remap),
     )
+
+
+def _remap_to_proto(r: RemapStatus | None) -> engine_pb2.RemapCounters | None:
+    if r is None:
+        return None
+    return engine_pb2.RemapCounters(
+        alpha=r.alpha, node_layers=r.node_layers, slots=r.slots, lent_bytes=r.lent_bytes,
+        node_lent_bytes=r.node_lent_bytes, lendable_layers=r.lendable_layers,
+        layer_bytes=r.layer_bytes, remaps=r.remaps, reversions=r.reversions,
+        transfers=r.transfers, transfer_s=r.transfer_s, step_transfer_s=r.step_transfer_s,
+        stalled_forwards=r.stalled_forwards, give_way=r.give_way)
 
 
 def _prefetch_to_proto(p: PrefetchStats | None) -> common_pb2.PrefetchCounters | None:

@@ -60,13 +60,18 @@ class AdvisoryPrefetcher:
     def __init__(self, kvstore_address: str, timeout_s: float, concurrency: int = 4,
                  engines: Callable[[str], engine_pb2_grpc.EngineStub | None] | None = None,
                  metrics: NodeMgrMetrics | None = None,
-                 fingerprint: Callable[[str], str] = lambda model: "") -> None:
+                 fingerprint: Callable[[str], str] = lambda model: "",
+                 weights_lent: Callable[[], bool] = lambda: False) -> None:
         """``engines``: the engine stub of a model (None: that device hop is skipped);
-        ``fingerprint``: a model's fingerprint (the kvstore keeps a manifest per model)."""
+        ``fingerprint``: a model's fingerprint (the kvstore keeps a manifest per model);
+        ``weights_lent``: whether the node lends weight memory to KV now while prefetched
+        KV gives way first (``shared/give_way.py``): then the device hop is held back
+        (its blocks would be the first purged, and weights are already lent for KV)."""
         self.channel = fast_channel(kvstore_address) if kvstore_address else None
         self.stub = kvstore_pb2_grpc.KVStoreStub(self.channel) if self.channel else None
         self._engines = engines or (lambda model: None)
         self._fingerprint = fingerprint
+        self._weights_lent = weights_lent
         self.metrics = metrics or NodeMgrMetrics()
         self.timeout_s = timeout_s
         self._gate = asyncio.Semaphore(concurrency)
@@ -180,6 +185,9 @@ class AdvisoryPrefetcher:
         blocks (it may hold the session already even when hop 1 found nothing new)."""
         engine = self._engines(a.model)
         if engine is None:
+            return
+        if self._weights_lent():  # the give-way order: prefetched KV before weights
+            self.metrics.prefetch_hops.labels("device", "held").inc()
             return
         try:
             reply = await engine.Prefetch(engine_pb2.PrefetchRequest(

@@ -22,10 +22,11 @@ from services.nodemgr.residency import NodeResidency
 from services.nodemgr.reuse_store import ReuseStore
 from services.nodemgr.reuse_store.setup import model_gauges, open_store, store_gauges
 from services.nodemgr.weight_cache import WeightCache
+from services.nodemgr.weight_lending import Lender, catalog_rank, weights_lent
 from shared.device_ledger import DeviceLedger
 from shared.grpc_server import serve_grpc
 from shared.metrics_http import serve_metrics
-from shared.model_catalog import DEFAULT_TTFT_SLO_S, load_catalog
+from shared.model_catalog import DEFAULT_TTFT_SLO_S, ModelEntry, load_catalog
 from shared.model_residency import ResidencySource
 from shared.proto import engine_pb2, engine_pb2_grpc, nodemgr_pb2_grpc
 
@@ -50,9 +51,11 @@ async def start(config: NodeManagerConfig, stack: AsyncExitStack) -> asyncio.Tas
             registrar.engine_failed(detail)
 
     metrics = NodeMgrMetrics()
+    remaps: dict[str, engine_pb2.RemapCounters] = {}  # per model, as the broker last polled
     prefetcher = AdvisoryPrefetcher(config.kvstore_address, config.prefetch_timeout_s,
                                     engines=lambda model: _stub_for(engine, model),
-                                    metrics=metrics, fingerprint=engine.fingerprint)
+                                    metrics=metrics, fingerprint=engine.fingerprint,
+                                    weights_lent=lambda: weights_lent(remaps.values()))
     stack.push_async_callback(prefetcher.close)
     catalog = load_catalog(config.models_config)
     weights = WeightCache()
@@ -106,14 +109,18 @@ async def start(config: NodeManagerConfig, stack: AsyncExitStack) -> asyncio.Tas
         clock=clock,
     )
     beats = asyncio.create_task(registrar.run(), name="registrar")
+    broker: MemoryBroker | None = None
     if config.device_ledger:
-        broker = MemoryBroker(lambda: _engine_memory(engine),
+        broker = MemoryBroker(lambda: _engine_memory(engine, activator.catalog, remaps),
                               lambda name, pages: _shrink(engine, name, pages),
                               config.broker_interval_s,
                               busy=lambda: servicer.in_flight > 0 or prefetcher.active > 0,
                               idle_interval_s=config.broker_idle_interval_s,
                               release_weights=None if store is None else
-                              lambda: store.release(config.reuse_release_bytes))
+                              lambda: store.release(config.reuse_release_bytes),
+                              lend=(lambda name, n: _lend(engine, name, n))
+                              if config.lend_weights else None,
+                              revert_after_s=config.lend_revert_after_s)
         balancing = asyncio.create_task(broker.run(), name="memory-broker")
 
         async def stop_broker() -> None:
@@ -123,9 +130,10 @@ async def start(config: NodeManagerConfig, stack: AsyncExitStack) -> asyncio.Tas
         stack.push_async_callback(stop_broker)
     if config.metrics_port:
         metrics.watch(lambda: {**_state(registrar, servicer), **_budget(config.device_ledger),
+                               **_lending(broker),
                                **(store_gauges(store) if store is not None else {})})
         metrics.watch_models(lambda: _models_state(engine, activator, admission,
-                                                   config.device_ledger))
+                                                   config.device_ledger, remaps))
         if store is not None:
             metrics.watch_models(lambda: model_gauges(store))
 
@@ -165,15 +173,37 @@ def _budget(path: str) -> dict[str, float]:
     ledger = DeviceLedger(path)
     try:
         return {"device_budget_bytes": float(ledger.budget_bytes),
-                "device_free_bytes": float(ledger.free_bytes())}
+                "device_free_bytes": float(ledger.free_bytes()),
+                "device_lent_bytes": float(ledger.lent_bytes())}  # (MIRAGE §5.2)
     finally:
         ledger.close()
 
 
+def _lending(broker: MemoryBroker | None) -> dict[str, float]:
+    """The node's lending of weights to KV (MIRAGE §5.2), counted since start."""
+    if broker is None:
+        return {}
+    return {"weight_layers_lent": float(broker.layers_lent),
+            "weight_layers_taken_back": float(broker.layers_taken_back)}
+
+
+def _remap_gauges(r: engine_pb2.RemapCounters | None) -> dict[str, float]:
+    """A model's remapping as its engine last reported it (MIRAGE's metrics, per model)."""
+    if r is None:
+        return {}
+    return {"remap_alpha": float(r.alpha), "remap_node_layers": float(r.node_layers),
+            "remap_lent_bytes": float(r.lent_bytes + r.node_lent_bytes),
+            "remap_node_lent_bytes": float(r.node_lent_bytes),
+            "remap_step_transfer_seconds": r.step_transfer_s,
+            "remap_transfer_seconds": r.transfer_s,
+            "remap_stalled_forwards": float(r.stalled_forwards)}
+
+
 def _models_state(engine: EngineSet, activator: Activator, admission: DeadlineAdmission,
-                  ledger_path: str) -> list[tuple[str, dict[str, float]]]:
+                  ledger_path: str, remaps: dict[str, engine_pb2.RemapCounters] | None = None
+                  ) -> list[tuple[str, dict[str, float]]]:
     """Per model: active here, device bytes it holds (KV, weights) and reserves for its KV,
-    requests queued."""
+    requests queued, and its remapping (layers and bytes lent to KV, transfer times)."""
     active = {m.name for m in (engine.last.models if engine.last else ())}
     held: dict[str, tuple[int, int, int]] = {}
     if ledger_path:
@@ -189,7 +219,8 @@ def _models_state(engine: EngineSet, activator: Activator, admission: DeadlineAd
         kv, w, r = held.get(name, (0, 0, 0))
         out.append((name, {"active": float(name in active), "kv_bytes": float(kv),
                            "weight_bytes": float(w), "kv_reserve_bytes": float(r),
-                           "queued": float(admission.queued(name))}))
+                           "queued": float(admission.queued(name)),
+                           **_remap_gauges((remaps or {}).get(name))}))
     return out
 
 
@@ -203,19 +234,35 @@ def _ledger_budget(path: str) -> int:
         ledger.close()
 
 
-async def _engine_memory(engines: EngineSet) -> list[EngineMemory]:
+async def _engine_memory(engines: EngineSet, catalog: dict[str, ModelEntry],
+                         remaps: dict[str, engine_pb2.RemapCounters]) -> list[EngineMemory]:
     out = []
+    remaps.clear()
     for link in engines.links:
         st = await link.raw_status()
-        out.append(EngineMemory(link.address, st.running, st.waiting, st.blocks_committed))
+        lending = None
+        if st.HasField("remap") and st.models:  # (a float model with remapping on)
+            r = remaps[st.models[0].name] = st.remap
+            priority, pinned, slo = catalog_rank(st.models[0].name, catalog)
+            lending = Lender(link.address, st.running, st.waiting, r.lendable_layers,
+                             r.node_layers, priority, pinned, slo)
+        out.append(EngineMemory(link.address, st.running, st.waiting, st.blocks_committed,
+                                lending, st.remap.give_way if lending else ""))
     return out
 
 
-async def _shrink(engines: EngineSet, address: str, pages: int) -> int:
+async def _shrink(engines: EngineSet, address: str, pages: int, lend: int = 0) -> int:
     link = next(link for link in engines.links if link.address == address)
-    reply = await link.stub.ShrinkKV(engine_pb2.ShrinkKVRequest(max_pages=pages),
+    reply = await link.stub.ShrinkKV(engine_pb2.ShrinkKVRequest(max_pages=pages,
+                                                                lend_layers=lend),
                                      timeout=link.status_timeout_s)
-    return int(reply.pages)
+    return int(reply.node_layers if lend else reply.pages)
+
+
+async def _lend(engines: EngineSet, address: str, layers: int) -> int:
+    """MIRAGE §5.2 across the node: the engine lends (< 0: takes back) layers' weight
+    memory to the node's budget; the layers it has lent now."""
+    return await _shrink(engines, address, 0, layers)
 
 
 def _stub_for(engines: EngineSet, model: str) -> engine_pb2_grpc.EngineStub | None:

@@ -29,6 +29,14 @@ class NodeManagerConfig:
     broker_interval_s: float = opt(0.1, "how often the memory broker looks", min=0.01)
     broker_idle_interval_s: float = opt(
         1.0, "how often it looks while no engine of the node has a request", min=0.01)
+    lend_weights: bool = opt(
+        True, "with a device ledger: when an engine waits for KV pages and none came back, "
+        "ask the engines with nothing waiting to lend layers' weight memory to the node's "
+        "budget, idle models first, then active ones lowest catalogue priority first "
+        "(MIRAGE §5.2; engines with engine.remap.enabled and float weights)")
+    lend_revert_after_s: float = opt(
+        1.0, "lent layers are taken back once no engine of the node has waited for KV "
+        "pages this long (and as far as the budget has the bytes free)", min=0.0, max=600.0)
     models_config: str = opt(
         "", "YAML file whose models: list is the cluster's catalogue: a request for one of "
         "them that no engine here serves activates it into an empty engine of the node, or "

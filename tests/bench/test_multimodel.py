@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from bench.multimodel import activation, load, model_loading, remap, search
+from bench.multimodel import activation, load, model_loading, remap, remap_node, search
 
 
 @pytest.mark.slow
@@ -76,3 +76,16 @@ def test_remap_under_a_burst(capsys: pytest.CaptureFixture[str]) -> None:
     assert re.search(r"^\| dynamic \| .* \| [1-9]\d* \| 0 \|", out, re.M), out  # it lent
     assert "no KV pressure" in out and "max α 0" in out
     assert "tokens equal to off's in every variant: yes" in out
+
+
+def test_remap_across_a_node(capsys: pytest.CaptureFixture[str]) -> None:
+    remap_node.main(["--reps", "1", "--bursts", "1", "--burst", "3", "--prompt-words", "120",
+                     "--gen", "2"])
+    out = capsys.readouterr().out
+    assert "| variant | p99 TTFT s | p99 TBT s | tok/s | own α max | node layers max |" in out
+    for v in ("off", "own", "node"):
+        assert re.search(rf"^\| {v} \| [\d.]+ \| [\d.]+ \| [\d.]+ \| \d+ \| \d+ \| 0 \|", out,
+                         re.M), out
+    assert re.search(r"^\| node \| (?:[^|]*\|){4} [1-9]\d* \|", out, re.M), out  # it lent
+    assert "layers left lent to the node after the trace: 0" in out
+    assert "busy model's tokens equal to off's in every variant: yes" in out

@@ -63,6 +63,7 @@ class DeviceMemory:
         self.base_pages = budget_bytes // self.page_span
         self.num_pages = (budget_bytes + lendable_bytes) // self.page_span
         self.lent_bytes = 0  # weight memory lent as KV capacity (MIRAGE)
+        self.node_lent_bytes = 0  # weight memory lent to the node's budget (MIRAGE §5.2)
         if self.base_pages == 0:
             raise ConfigError(
                 f"engine.device_memory_bytes: {budget_bytes} bytes cannot hold one KV page of "
@@ -97,8 +98,11 @@ class DeviceMemory:
 
     @property
     def page_limit(self) -> int:
-        """Pages that may be committed: the budget's, plus the lent bytes' (whole pages)."""
-        return min(self.num_pages, (self.budget_bytes + self.lent_bytes) // self.page_span)
+        """Pages that may be committed: the budget's, plus the lent bytes' (whole pages):
+        those lent to this pool and, on a node ledger, those any engine lent to the node's
+        KV (within the address space reserved for lending)."""
+        lent = self.lent_bytes + (self._ledger.lent_bytes() if self._ledger else 0)
+        return min(self.num_pages, (self.budget_bytes + lent) // self.page_span)
 
     @property
     def kv_budget_bytes(self) -> int:
@@ -130,6 +134,26 @@ class DeviceMemory:
         self.lent_bytes -= nbytes
         return True
 
+    def lend_to_node(self, nbytes: int) -> bool:
+        """Hand ``nbytes`` of the weights this engine holds in the node's ledger to the
+        node's KV (MIRAGE §5.2 across the node: an idle model's layers lend first; any
+        engine's pool may grow into them, ``page_limit``). False, nothing changed, without
+        a ledger or when the engine does not hold that many weight bytes itself (a Reuse
+        Store arena's are the store's)."""
+        if self._ledger is None or not self._ledger.lend(nbytes):
+            return False
+        self.node_lent_bytes += nbytes
+        return True
+
+    def take_back_from_node(self, nbytes: int) -> bool:
+        """Reversion of ``lend_to_node``: the weights take ``nbytes`` back from the node's
+        budget; False while the budget does not have them free (KV holds them)."""
+        if self._ledger is None or nbytes > self.node_lent_bytes \
+                or not self._ledger.unlend(nbytes):
+            return False
+        self.node_lent_bytes -= nbytes
+        return True
+
     @property
     def num_committed_blocks(self) -> int:
         return self.num_committed_pages * self.blocks_per_page
@@ -138,7 +162,8 @@ class DeviceMemory:
     def num_uncommitted_blocks(self) -> int:
         """Blocks of pages that could be committed now: within this pool's reservation and,
         with a node ledger, within what the node's budget has left."""
-        local = self.page_limit * self.blocks_per_page - self.num_committed_blocks
+        # (pages committed into node-lent bytes stay when those are taken back: not below 0)
+        local = max(0, self.page_limit * self.blocks_per_page - self.num_committed_blocks)
         if self._ledger is None:
             return local
         return min(local,

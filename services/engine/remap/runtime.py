@@ -9,16 +9,20 @@ the streamer that runs the forward with the layers it lends (MIRAGE §4.2's work
       forward                  streamed layers computed in their slots
       Remapper.after_forward   the measured compute time per layer (Equations 4/5, §5.3)
 
-The give-way order under pressure (``engine.remap.give_way``): by default the device
-prefetch's KV first (the allocator's reclaimer purges it, later layers first, before any
-demand counts as unmet), then weights: idle models' before the active one's (the
-controller's order); ``weights_first`` lends weights while prefetched KV stays.
+The give-way order under pressure (``engine.remap.give_way``, ``shared/give_way.py``): by
+default the device prefetch's KV first (the allocator's reclaimer purges it, later layers
+first, before any demand counts as unmet), then idle models' weights (on a node's budget
+this engine waits ``node_grace_s`` while the broker takes them), then the active model's
+own layers (the controller). The node's broker lends idle engines' layers to the node's
+budget through ``lend_to_node`` (§5.2 across the node).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+
+from shared.give_way import parse_give_way
 
 from ..api_types import RemapStatus
 from ..config import RemapConfig
@@ -95,15 +99,19 @@ class Remapper:
         ``reclaimer``: who holds prefetched KV, which gives way before weights do."""
         self.config = config
         self.num_layers = len(model.decoder_layers)
+        self.give_way = parse_give_way(config.give_way)
         purgeable = reclaimer.reclaimable if reclaimer is not None and \
-            config.give_way == "prefetch_first" else (lambda: 0)
-        self.lender = PoolLender(pool, blocks, demand, purgeable, config.node_grace_s, clock)
+            self.give_way.prefetch_first else (lambda: 0)
+        grace = config.node_grace_s if self.give_way.idle_first else 0.0
+        self.lender = PoolLender(pool, blocks, demand, purgeable, grace, clock)
         self.controller = RemappingController(self.lender)
         self.target = RemapTarget(name, self.num_layers, layer_bytes(model.decoder_layers[0]),
                                   cap=max_alpha(self.num_layers, config.max_fraction))
         self.controller.add(self.target)
         self.streamer = LayerStreamer(model, copier or make_copier(str(model.device)))
         self.t_compute: float | None = None  # per layer, seconds (EMA)
+        self._pool = pool
+        self.node_layers = 0  # layers whose weight memory the node's budget holds
 
     @property
     def t_transfer(self) -> float | None:
@@ -120,13 +128,42 @@ class Remapper:
         """Algorithm 1 once (also after a step that left no work: the lent layers whose
         KV is empty come back without waiting for another request)."""
         n, t_t, t_c = self.num_layers, self.t_transfer, self.t_compute
-        self.target.cap = (max_alpha(n, self.config.max_fraction, t_t, t_c)
-                           if self.config.capped else max_alpha(n, self.config.max_fraction))
-        alpha = self.controller.step().alpha[self.target.name]
+        cap = (max_alpha(n, self.config.max_fraction, t_t, t_c)
+               if self.config.capped else max_alpha(n, self.config.max_fraction))
+        self.target.cap = max(0, cap - self.node_layers)  # (layers the node holds count)
+        self.controller.step()
+        self._install()
+
+    def _install(self) -> None:
+        """The forward's plan for every layer lent: to this engine's KV and to the node's."""
+        n, t_t, t_c = self.num_layers, self.t_transfer, self.t_compute
+        alpha = self.target.alpha + self.node_layers
         slots = choose_slots(alpha, n, t_t, t_c, self.config.scheme) if alpha else 0
         plan = self.streamer.plan
         if (alpha, slots) != (plan.alpha, plan.slots):
             self.streamer.install(plan_layers(alpha, n, t_t, t_c, self.config.scheme))
+
+    def lendable_layers(self) -> int:
+        """More layers this engine could lend now (its cap, §5.2/§5.3, less those lent)."""
+        cap = max_alpha(self.num_layers, self.config.max_fraction)
+        return max(0, min(cap, self.num_layers - 1) - self.target.alpha - self.node_layers)
+
+    def lend_to_node(self, layers: int) -> int:
+        """MIRAGE §5.2 across the node: the node's broker asks this engine (an idle or
+        low-priority model) to lend ``layers`` more layers' weight memory to the node's
+        budget (< 0: take back that many, newest first, as far as the budget has the
+        bytes free again). The layers are streamed from then on. Layers lent now."""
+        step = self.target.layer_bytes
+        for _ in range(max(0, layers)):
+            if self.lendable_layers() <= 0 or not self._pool.lend_to_node(step):
+                break
+            self.node_layers += 1
+        for _ in range(max(0, -layers)):
+            if self.node_layers <= 0 or not self._pool.take_back_from_node(step):
+                break
+            self.node_layers -= 1
+        self._install()
+        return self.node_layers
 
     def after_forward(self, seconds: float) -> None:
         """The forward's wall time: its resident layers' compute time, per layer."""
@@ -139,8 +176,14 @@ class Remapper:
         s, p = self.streamer.stats, self.streamer.plan
         return RemapStatus(p.alpha, p.slots, p.layers, self.controller.lent_bytes,
                           self.controller.remaps, self.controller.reversions, s.transfers,
-                          s.transfer_s, s.step_transfer_s, s.stalled_forwards)
+                          s.transfer_s, s.step_transfer_s, s.stalled_forwards,
+                          node_layers=self.node_layers,
+                          node_lent_bytes=self._pool.node_lent_bytes,
+                          lendable_layers=self.lendable_layers(),
+                          layer_bytes=self.target.layer_bytes, give_way=str(self.give_way))
 
     def close(self) -> None:
+        self.lend_to_node(-self.node_layers)  # (what the budget cannot return, the
+        # weights' release on eviction settles: the ledger never counts below zero)
         self.streamer.install(plan_layers(0, self.num_layers))
         self.streamer.close()

@@ -28,6 +28,25 @@ def test_takes_within_the_budget_and_gives_back(tmp_path: Path) -> None:
     a.close()
 
 
+def test_weights_lent_to_the_nodes_kv_show_and_come_back_once_free(tmp_path: Path) -> None:
+    """MIRAGE §5.2 across a node: lent weight bytes leave the lender's weights row for
+    the header's lent word; the reversion waits while another engine's KV holds them."""
+    path = create_ledger(tmp_path / "l", 1000)
+    idle, busy = DeviceLedger(path), DeviceLedger(path)
+    idle.join("idle")
+    busy.join("busy")
+    assert idle.take(600, weights=True) and busy.take(400)
+    assert not idle.lend(700)  # more than it holds
+    assert idle.lend(200)
+    assert idle.mine().weight_bytes == 400 and busy.lent_bytes() == 200
+    assert busy.take(200)  # the busy engine's KV takes them
+    assert not idle.unlend(200) and idle.lent_bytes() == 200  # still held by KV
+    busy.give(200)
+    assert idle.unlend(200) and idle.mine().weight_bytes == 600 and busy.lent_bytes() == 0
+    idle.close()
+    busy.close()
+
+
 def test_a_reserve_holds_back_what_its_engine_does_not_hold_yet(tmp_path: Path) -> None:
     """Prism §6.3's buffer per engine: the others cannot take the unfilled part of a
     reserve; its owner can, and a filled reserve holds nothing back."""
