@@ -102,7 +102,9 @@ class ArenaLayouts:
             self._layouts[shape] = None
             if _ONEDNN_REORDER is not None:
                 try:
-                    packed = _ONEDNN_REORDER(torch.zeros(shape), PACK_ROWS)
+                    # (never written: untouched pages read as the kernel's zero page, so
+                    # this costs the packed copy alone, not the plain one too)
+                    packed = _ONEDNN_REORDER(torch.empty(shape), PACK_ROWS)
                     self._layouts[shape] = (int(torch.ops.mkldnn._nbytes(packed)), bytes(
                         torch.ops.mkldnn._get_mkldnn_serialized_md(packed).tolist()))
                 except (RuntimeError, AttributeError):

@@ -103,8 +103,8 @@ def load_mapped(path: str | Path, stored: StoredWeights, dtype: torch.dtype,
             raise LoaderError(f"the weight arena's plan for {t.name!r} does not match "
                               f"{folder}'s checkpoint")
         region = arena[t.offset:t.offset + t.nbytes]
-        pack = layouts.applies(t.name, spec.shape, dtype,
-                               bias=t.name.replace("_w", "_b") in layout)
+        pack = layouts.applies(t.name, spec.shape, dtype, bias=t.name.endswith("_w")
+                               and t.name[:-2] + "_b" in layout)
         if t.fill:
             started = time.perf_counter()
             # (a weight held packed is made plain first, then packed into its region)
