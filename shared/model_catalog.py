@@ -19,6 +19,7 @@ flags).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,21 @@ class ModelEntry:
     def weight_bytes(self) -> int:
         """Bytes of its weight files (what activating it reads)."""
         return sum(f.stat().st_size for f in Path(self.path).glob("*.safetensors"))
+
+
+def weight_bytes_of(entries: Iterable[ModelEntry]) -> Callable[[str], int]:
+    """A model's weight bytes by name, as its entry's files say (0: not in ``entries``, or
+    its files are not readable here)."""
+    by_name = {m.name: m for m in entries}
+
+    def size(model: str) -> int:
+        entry = by_name.get(model)
+        try:
+            return entry.weight_bytes() if entry is not None else 0
+        except OSError:
+            return 0
+
+    return size
 
 
 def load_catalog(path: str | Path | None) -> tuple[ModelEntry, ...]:

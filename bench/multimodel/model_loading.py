@@ -34,6 +34,7 @@ import torch
 from bench.eval.stats import goal_at_least, mean_interval, paired_ratio
 from bench.multimodel.page_cache import drop_from_page_cache, read_into_page_cache
 from services.engine.model import load_model, write_demo_model
+from services.engine.model.arena_layout import ArenaLayouts
 from services.engine.model.mapped import StoredTensor, StoredWeights, load_mapped
 from services.nodemgr.reuse_store import ModelIndex, ReuseStore, ShmArena, index_model
 
@@ -41,13 +42,16 @@ DTYPE = "float32"  # served dtype: a bf16 checkpoint is converted, as engines do
 VARIANTS = ("disk", "host", "store 0%", "store 50%", "store 100%")
 
 
-def activate(store: ReuseStore, model: str, path: Path) -> torch.nn.Module:
-    """What a store activation costs: the plan (nodemgr) and the engine's mapped load."""
+def activate(store: ReuseStore, model: str, path: Path,
+             layouts: ArenaLayouts | None = None) -> torch.nn.Module:
+    """What a store activation costs: the plan (nodemgr) and the engine's mapped load.
+    ``layouts``: the engine's oneDNN layouts, known per weight shape from its first
+    activation on (an engine of a pool outlives its models)."""
     plan = store.plan(model)
     stored = StoredWeights(store.arena.path, store.arena.nbytes, store.dtype,
                            tuple(StoredTensor(m.name, m.offset, m.nbytes, m.fill)
                                  for m in plan))
-    got = load_mapped(path, stored, torch.float32)
+    got = load_mapped(path, stored, torch.float32, layouts=layouts)
     store.committed(model, got.fill_seconds)
     return got.loaded.model
 
@@ -57,6 +61,7 @@ class Bench:
                  work: Path) -> None:
         self.models, self.indexes, self.work = models, indexes, work
         self.arena_bytes = sum(i.total_bytes for i in indexes.values()) + (64 << 20)
+        self.layouts = ArenaLayouts()  # (the engine's: found in the untimed warm-up)
 
     def store(self) -> ReuseStore:
         store = ReuseStore(ShmArena(self.arena_bytes, str(self.work)), dtype=DTYPE)
@@ -80,11 +85,11 @@ class Bench:
         try:
             before = {"store 50%": "m2", "store 100%": "m1"}.get(variant)
             if before is not None:
-                activate(store, before, self.models[before])
+                activate(store, before, self.models[before], self.layouts)
                 gc.collect()
                 store.deactivated(before)
             started = time.perf_counter()
-            model = activate(store, "m1", path)
+            model = activate(store, "m1", path, self.layouts)
             seconds = time.perf_counter() - started
             del model
             gc.collect()
@@ -98,7 +103,7 @@ class Bench:
         store = self.store()
         try:
             for name, path in self.models.items():
-                activate(store, name, path)
+                activate(store, name, path, self.layouts)
             gc.collect()
             return (store.resident_bytes(), store.arena.resident_bytes(),
                     sum(i.total_bytes for i in self.indexes.values()))
@@ -116,6 +121,8 @@ def run(size: str, reps: int, log: Callable[[str], None] = print) -> None:
                            - indexes["m1"].total_bytes) / indexes["m2"].total_bytes
         b = Bench(models, indexes, work)
         times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        b.one("host")  # (untimed warm-up: oneDNN's first calls, the engine's layouts)
+        b.one("store 0%")
         for rep in range(reps):
             order = VARIANTS[rep % len(VARIANTS):] + VARIANTS[:rep % len(VARIANTS)]
             for v in order:

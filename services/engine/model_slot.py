@@ -33,6 +33,7 @@ from .errors import INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE, EngineErr
 from .guidance import ModelGuidance
 from .loading import DTYPES, load_for
 from .model import LoadedModel
+from .model.arena_layout import ArenaLayouts
 from .model.mapped import StoredWeights, load_mapped
 from .offload import RECOMPUTE, KVStoreLink, ReusePlanner
 from .worker import InboxAnswers, Worker
@@ -58,6 +59,7 @@ class ModelSlot:
         self._ledger: DeviceLedger | None = None  # the node's shared budget
         self._weights_held = 0
         self.shared_weights = False  # the weights are views into the node's arena
+        self._layouts = ArenaLayouts()  # oneDNN's layouts in the arena, known per shape
         self.last_fill = (0, 0.0)  # (bytes, seconds) the last activation wrote there
         # Two activations at once would both load, the second replacing the first
         # unreleased: activate and evict hold it.
@@ -124,7 +126,8 @@ class ModelSlot:
                     loaded = await self._worker.run(load_for, config)
                 else:
                     got = await self._worker.run(load_mapped, model_path, stored,
-                                                 DTYPES[config.dtype], served_name)
+                                                 DTYPES[config.dtype], served_name,
+                                                 self._layouts)
                     loaded, self.last_fill = got.loaded, (got.filled_bytes, got.fill_seconds)
             except Exception as e:  # (a bad folder is the caller's mistake, not a crash)
                 raise EngineError(INVALID_ARGUMENT,

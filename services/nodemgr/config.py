@@ -93,6 +93,10 @@ class NodeManagerConfig:
     weights_dtype: str = opt(
         "bfloat16", "the engines' serving dtype (engine.dtype), which the Reuse Store "
         "stores tensors in", choices=("bfloat16", "float16", "float32"))
+    weights_device: str = opt(
+        "cpu", "the engines' device (engine.device), where the Reuse Store's arena lives: "
+        "'cpu' a shared-memory file; 'cuda' GPU memory shared through CUDA's virtual memory "
+        "API (untested)", choices=("cpu", "cuda"))
     reuse_release_bytes: int = opt(
         16 << 20, "bytes of inactive models' tensors the memory broker evicts per round "
         "while an engine waits for KV pages and no idle engine's pages could be taken "

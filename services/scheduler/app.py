@@ -27,7 +27,7 @@ from services.scheduler.grpc_service import SchedulerServicer
 from services.scheduler.http import ApiState, BodyBudget, HardenedRunner, build_app
 from services.scheduler.lease import LeaseElector, LeaseSettings, ssl_context
 from services.scheduler.metrics import SchedulerMetrics
-from services.scheduler.placement import MigrationSettings, PlacementLoop
+from services.scheduler.placement import ActivationQueue, MigrationSettings, PlacementLoop
 from services.scheduler.responses import ArchiveUnavailable, ResponseStore, response_archive
 from services.scheduler.routing import (
     Dispatcher,
@@ -39,7 +39,7 @@ from services.scheduler.routing import (
 from services.scheduler.tenants import TenantLimits, Turns, key_book
 from shared.config import ConfigError
 from shared.grpc_server import serve_grpc
-from shared.model_catalog import load_catalog
+from shared.model_catalog import load_catalog, weight_bytes_of
 from shared.proto import scheduler_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,9 @@ def build_state(
                        config.admission_min_window, config.admission_min_scale,
                        config.admission_horizon_s),
         inflight, report=lambda node, size: metrics.admission_window.labels(node).set(size))
+    # One queue of activations (Tangram §3.4) for the requests and the advisories of evicted
+    # models: an advisory's activation takes its node out of the requests' pool too.
+    activations = ActivationQueue()
     latencies = (ToolLatencies(config.tool_latency_default_s, config.tool_latency_quantile)
                  if config.infer_advisories else None)
     advisor = Advisor(
@@ -72,6 +75,7 @@ def build_state(
                          config.advisory_throttle_after),
         registry, policy, channels, sessions, metrics,
         catalog=frozenset(m.name for m in catalog), inflight=inflight, latencies=latencies,
+        activations=activations, model_bytes=weight_bytes_of(catalog),
     )
     dispatcher = Dispatcher(
         registry,
@@ -95,6 +99,7 @@ def build_state(
         prefix_index=(PrefixIndex(config.prefix_index_blocks)
                       if config.policy == "prefix" else None),
         windows=windows,
+        activations=activations,
     )
     # What a node held before it registered again is stale (see ``on_register``).
     registry.on_register(dispatcher.prefixes.forget_node)

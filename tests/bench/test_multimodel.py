@@ -6,7 +6,15 @@ import re
 
 import pytest
 
-from bench.multimodel import activation, load, model_loading, remap, remap_node, search
+from bench.multimodel import (
+    activation,
+    cold_start,
+    load,
+    model_loading,
+    remap,
+    remap_node,
+    search,
+)
 
 
 @pytest.mark.slow
@@ -89,3 +97,16 @@ def test_remap_across_a_node(capsys: pytest.CaptureFixture[str]) -> None:
     assert re.search(r"^\| node \| (?:[^|]*\|){4} [1-9]\d* \|", out, re.M), out  # it lent
     assert "layers left lent to the node after the trace: 0" in out
     assert "busy model's tokens equal to off's in every variant: yes" in out
+
+
+def test_cold_start_parts_with_and_without_the_store(capsys: pytest.CaptureFixture[str],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)  # (the bench sets it: restored)
+    cold_start.main(["--size", "tiny", "--reps", "2", "--requests", "1", "--batch", "2",
+                     "--prompt-words", "20", "--gen", "4"])
+    out = capsys.readouterr().out
+    assert ("| part (ms) | private | store 0% | store 100% | private / store 0% | "
+            "private / store 100% |") in out
+    for part in ("activation", "TTFT #1", "TPOT #1", "TPOT, batch of 2", "cold-start TTFT"):
+        assert re.search(rf"^\| {part} \| [\d.]+ \[", out, re.M), out
+    assert "tokens equal to private's in every variant: yes" in out

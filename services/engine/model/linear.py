@@ -23,6 +23,8 @@ weights cold in cache (bench/README.md). The packed copy replaces the plain weig
 plain one was made at load (a bf16 checkpoint served in float32, fused q/k/v and gate/up)
 that adds no memory; a weight that was a zero-copy view of a float32 checkpoint's file
 mapping becomes anonymous memory instead (its file pages are then only reclaimable cache).
+A weight in the node's shared weight arena (the Reuse Store) is packed in the arena itself
+instead, and computed on there (``arena_layout.py``, ``Linear.over_arena``).
 
 Small float32 weights (the tiny demo models') in an engine with one intra-op thread go to
 MKL (``F.linear``) instead: oneDNN costs ~40 us a call whatever the shape, 3-5x MKL's whole
@@ -153,12 +155,15 @@ class Linear:
     half-precision weight, a float32 copy made (and packed) on the first call with enough
     rows."""
 
-    __slots__ = ("_b32", "_packed", "_pad", "_small", "_w32", "b", "w")
+    __slots__ = ("_arena", "_b32", "_packed", "_pad", "_small", "_w32", "b", "w")
 
-    def __init__(self, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    def __init__(self, w: torch.Tensor | None, b: torch.Tensor | None) -> None:
         self.w: torch.Tensor | None = w
         self.b = b
         self._packed: torch.Tensor | None = None
+        # The node's arena bytes a packed weight lives in (arena_layout.py): kept alive
+        # with it, and not this linear's own memory.
+        self._arena: torch.Tensor | None = None
         self._small = False  # computed by ``small_gemm`` (chosen by ``choose_kernel``)
         self._pad: torch.Tensor | None = None  # small_gemm's rows (a model runs on one thread)
         self._w32: torch.Tensor | None = None
@@ -180,6 +185,15 @@ class Linear:
                 self.w = self.w.clone()
             self._pad = torch.zeros(SMALL_GEMM_MIN_ROWS, self.w.shape[1], dtype=self.w.dtype)
         return self._small
+
+    @classmethod
+    def over_arena(cls, packed: torch.Tensor, b: torch.Tensor | None,
+                   region: torch.Tensor) -> Linear:
+        """A linear computed on a weight packed in the node's arena (``packed``, a oneDNN
+        tensor over ``region``'s bytes: arena_layout.py), as a packed one of its own."""
+        lin = cls(None, b)
+        lin._packed, lin._arena = packed, region
+        return lin
 
     def like(self, w: torch.Tensor, b: torch.Tensor | None) -> Linear:
         """A linear over ``w`` and ``b`` (plain tensors of this one's shapes: a remapped
@@ -256,7 +270,8 @@ class Linear:
         """Host bytes this linear holds outside its owner's parameters: the packed weight
         (its plain parameter was dropped) and the float32 copies."""
         packed = self._packed
-        own = packed.numel() * packed.element_size() if packed is not None else 0
+        own = packed.numel() * packed.element_size() if packed is not None and \
+            self._arena is None else 0
         return own + self.float32_bytes
 
     @property

@@ -193,6 +193,7 @@ class LlamaModel(nn.Module):
         self.head: Linear | QuantLinear
         self.lm_head: nn.Parameter | None
         quantized = isinstance(embed, QuantEmbedding)
+        ready_head: Linear | None = None
         if quantized:
             # Weights kept quantized (quant/): the embedding looked up row by row, the head
             # and every projection computed by int4/int8 kernels; activations in its dtype.
@@ -203,9 +204,12 @@ class LlamaModel(nn.Module):
             self.upcast_rows = 0
         else:
             self.embed = _param(embed)
+            given = weights.get("lm_head")
+            # A head packed in the node's weight arena comes ready-made (arena_layout.py).
+            ready_head = given if isinstance(given, Linear) else None
             # Tied embeddings share the very same tensor, no copy.
-            self.lm_head = self.embed if weights.get("lm_head") is None else _param(
-                weights["lm_head"])
+            self.lm_head = None if ready_head is not None else (
+                self.embed if given is None else _param(given))
             self.upcast_rows = default_upcast_rows(embed.dtype, embed.device)
         pack = own_weights and not quantized
         built = []
@@ -225,8 +229,11 @@ class LlamaModel(nn.Module):
         if quantized:
             return
         if not own_weights:  # views into the shared arena: computed on as they are
-            assert self.lm_head is not None
-            self.head = Linear(self.lm_head, None)
+            if ready_head is not None:
+                self.head = ready_head
+            else:
+                assert self.lm_head is not None
+                self.head = Linear(self.lm_head, None)
             for lin in self.linears():
                 lin.choose_kernel(copy=False)
             return

@@ -1,12 +1,14 @@
 """Load a model whose weights are views into the node's weight arena (the nodemgr's Reuse
 Store, Tangram §3.1): tensors already resident are mapped as they are, the others are
 written into their regions from the model folder first; the model then computes on the
-views directly, with no private copy (nothing packed into oneDNN's layout or cloned:
-either would be a copy of its own).
+views directly, with no private copy (nothing cloned). A float32 weight oneDNN computes is
+held in the arena in oneDNN's layout (``arena_layout.py``), so that it computes as a
+privately loaded (packed) one: as fast, and with the same bits.
 
     arena file (shared, every engine of the node maps it)
     | ... | layers.0.qkv_w | ... | embed | ... |        one region per distinct tensor
-            ^ view (dtype, shape) at its offset: the engine's parameter
+            ^ view (dtype, shape) at its offset: the engine's parameter, or a oneDNN
+              tensor over the region's packed bytes (a linear's weight)
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ import torch
 from shared.weight_layout import DTYPE_BYTES, engine_tensors
 
 from ..device import map_weight_arena
+from .arena_layout import ArenaLayouts
 from .errors import LoaderError
 from .fingerprint import model_fingerprint
+from .linear import Linear
 from .llama import LlamaModel
 from .loader import LoadedModel, read_config
 from .safetensors_files import read_header, weight_files
@@ -73,7 +77,9 @@ def _fill(view: torch.Tensor, parts: list[torch.Tensor]) -> None:
 
 
 def load_mapped(path: str | Path, stored: StoredWeights, dtype: torch.dtype,
-                served_name: str = "") -> MappedLoad:
+                served_name: str = "", layouts: ArenaLayouts | None = None) -> MappedLoad:
+    """``layouts``: the engine's (found once per weight shape; None: a new one)."""
+    layouts = layouts if layouts is not None else ArenaLayouts()
     folder = Path(path)
     name_of = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
     if name_of.get(dtype) != stored.dtype:
@@ -88,6 +94,7 @@ def load_mapped(path: str | Path, stored: StoredWeights, dtype: torch.dtype,
                                                 cfg.tie_word_embeddings)}
     arena = map_weight_arena(stored.arena, stored.arena_bytes)  # (the device seam)
     views: dict[str, torch.Tensor] = {}
+    in_arena: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # packed: (weight, region)
     filled, fill_s = 0, 0.0
     for t in stored.tensors:
         spec = layout.get(t.name)
@@ -95,20 +102,44 @@ def load_mapped(path: str | Path, stored: StoredWeights, dtype: torch.dtype,
                 or t.offset % DTYPE_BYTES[stored.dtype] or t.offset + t.nbytes > stored.arena_bytes:
             raise LoaderError(f"the weight arena's plan for {t.name!r} does not match "
                               f"{folder}'s checkpoint")
-        view = arena[t.offset:t.offset + t.nbytes].view(dtype).view(spec.shape)
+        region = arena[t.offset:t.offset + t.nbytes]
+        pack = layouts.applies(t.name, spec.shape, dtype, bias=t.name.endswith("_w")
+                               and t.name[:-2] + "_b" in layout)
         if t.fill:
             started = time.perf_counter()
-            _fill(view, [src.where[p].tensor(p) for p in spec.parts])
+            # (a weight held packed is made plain first, then packed into its region)
+            dst = torch.empty(spec.shape, dtype=dtype) if pack else \
+                region.view(dtype).view(spec.shape)
+            _fill(dst, [src.where[p].tensor(p) for p in spec.parts])
+            if pack:
+                layouts.fill(region, dst)
             fill_s += time.perf_counter() - started
             filled += t.nbytes
-        views[t.name] = view
-    missing = set(layout) - set(views)
+        if pack:
+            in_arena[t.name] = (layouts.view(region, (spec.shape[0], spec.shape[1])), region)
+        else:
+            views[t.name] = region.view(dtype).view(spec.shape)
+    missing = set(layout) - set(views) - set(in_arena)
     if missing:
         raise LoaderError(f"the weight arena's plan lacks {sorted(missing)[:3]}")
-    glob = {"embed": views["embed"], "norm": views["norm"], "lm_head": views.get("lm_head")}
-    keys = ("input_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w",
-            "gate_up_b", "down_w", "down_b")
-    layers = [{k: views.get(f"layers.{i}.{k}") for k in keys} for i in range(cfg.num_layers)]
+
+    def weight(name: str, bias: str | None) -> Linear | torch.Tensor | None:
+        if name not in in_arena:
+            return views.get(name)
+        packed, region = in_arena[name]
+        return Linear.over_arena(packed, views.get(bias) if bias else None, region)
+
+    glob = {"embed": views["embed"], "norm": views["norm"], "lm_head": weight("lm_head", None)}
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        layer: dict[str, Linear | torch.Tensor | None] = {
+            k: views.get(p + k) for k in ("input_norm", "post_norm")}
+        for lin in ("qkv", "o", "gate_up", "down"):
+            w = weight(p + lin + "_w", p + lin + "_b")
+            layer[lin + "_w"] = w  # (a ready Linear carries its bias)
+            layer[lin + "_b"] = None if isinstance(w, Linear) else views.get(p + lin + "_b")
+        layers.append(layer)
     model = LlamaModel(cfg, glob, layers, own_weights=False).eval()
     fp = model_fingerprint(raw, folder / "tokenizer.json", files, dtype)
     name = served_name or folder.resolve().name

@@ -9,11 +9,16 @@ sized to the node's whole budget holds only what is resident; the node's device 
 counts those bytes against the budget that KV pages share (§3.3).
 
 On CUDA the same arena would be device memory reserved with the VMM API and shared with
-the engines by exported handles (see ``cuda_arena.py``, UNTESTED).
+the engines by exported handles (see ``cuda_arena.py``, UNTESTED). ``open_arena`` is the
+nodemgr's side of the device seam: it picks the arena by the engines' device
+(``nodemgr.weights_device``); the engine's side is ``engine/device.py:map_weight_arena``,
+which maps whichever the arena's path names.
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Protocol
 
 from shared.shm_file import ShmFile
@@ -67,3 +72,28 @@ class ShmArena:
 
     def close(self) -> None:
         self._file.close()
+
+
+def open_arena(device: str, nbytes: int, directory: str = "", tag: str = "") -> Arena:
+    """The node's arena on ``device`` (the engines' ``engine.device``): "cpu" a
+    ``ShmArena``; "cuda" or "cuda:<n>" the VMM arena of ``cuda_arena.py`` (UNTESTED: no GPU
+    here), its handles served on a Unix socket in ``directory`` (as the CPU arena's file;
+    '' = /dev/shm), which its path then names for the engines. cuda-python is imported
+    only then, by the CUDA arena itself."""
+    kind, _, index = device.partition(":")
+    if kind == "cpu" and not index:
+        return ShmArena(nbytes, directory, tag)
+    if kind != "cuda" or not (index or "0").isdigit():
+        raise ValueError(f"nodemgr.weights_device: {device!r} is not a device the weight "
+                         "arena can live on; use 'cpu', 'cuda' or 'cuda:<n>' (as engine.device)")
+    # (a CPU node never loads the CUDA arena's module)
+    from services.nodemgr.reuse_store.cuda_arena import CudaVmmArena
+
+    arena = CudaVmmArena(nbytes, int(index or 0))
+    sock = Path(directory or "/dev/shm") / f"overture-weights-{tag or 'node'}-{os.getpid()}.sock"
+    try:
+        arena.serve_handles(str(sock))
+    except BaseException:
+        arena.close()
+        raise
+    return arena

@@ -14,9 +14,9 @@ only what resident tensors need, as the CPU arena's sparse file does).
                asks; the arena's path becomes "cuda:<dev>@<socket>", which the engine's
                ``services/engine/cuda_weights.py:import_arena`` maps
 
-UNTESTED: no machine this project runs on has a GPU. What is missing for a CUDA node: the
-nodemgr choosing this arena over the shared-memory one (``reuse_store/setup.py`` opens
-``ShmArena``); until then a CUDA node runs without the store (``reuse_store_bytes: 0``).
+UNTESTED: no machine this project runs on has a GPU. The nodemgr opens this arena when
+``nodemgr.weights_device`` is "cuda" (``arena.py:open_arena``, its choice unit-tested with
+a stand-in for this class); the CUDA calls themselves have never run.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import logging
 from contextlib import AsyncExitStack
 
 from services.nodemgr.config import NodeManagerConfig
-from services.nodemgr.reuse_store.arena import ShmArena
+from services.nodemgr.reuse_store.arena import open_arena
 from services.nodemgr.reuse_store.fingerprint import index_model
 from services.nodemgr.reuse_store.store import ReuseStore
 from shared.config import ConfigError
@@ -32,7 +32,8 @@ async def open_store(config: NodeManagerConfig, catalog: tuple[ModelEntry, ...],
                               "at most to the budget (the arena lives inside it)")
         ledger.join("reuse-store")
         stack.callback(ledger.close)
-    arena = ShmArena(config.reuse_store_bytes, config.reuse_store_dir, config.node_id)
+    arena = open_arena(config.weights_device, config.reuse_store_bytes, config.reuse_store_dir,
+                       config.node_id)
     stack.callback(arena.close)
     store = ReuseStore(arena, ledger, config.weights_dtype)
 

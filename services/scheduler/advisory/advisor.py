@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -39,6 +40,7 @@ from services.scheduler.cluster import (
     SessionDirectory,
 )
 from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.placement import ActivationQueue
 from services.scheduler.routing import Policy
 from shared.proto import nodemgr_pb2
 
@@ -63,7 +65,9 @@ class Advisor:
                  policy: Policy, channels: NodeChannels, sessions: SessionDirectory,
                  metrics: SchedulerMetrics, catalog: frozenset[str] = frozenset(),
                  inflight: InFlight | None = None,
-                 latencies: ToolLatencies | None = None) -> None:
+                 latencies: ToolLatencies | None = None,
+                 activations: ActivationQueue | None = None,
+                 model_bytes: Callable[[str], int] = lambda _: 0) -> None:
         self.book = book
         self.throttle = throttle
         self.registry = registry
@@ -71,7 +75,8 @@ class Advisor:
         self.channels = channels
         self.sessions = sessions
         self.metrics = metrics
-        self.placement = AdvisoryPlacement(book, registry, policy, sessions, catalog, inflight)
+        self.placement = AdvisoryPlacement(book, registry, policy, sessions, catalog, inflight,
+                                           activations, model_bytes)
         self.latencies = latencies  # None: no inferred advisories
         self._calls: set[asyncio.Task[None]] = set()
 

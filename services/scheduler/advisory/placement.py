@@ -12,6 +12,7 @@ drives this class on a simulated clock.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.scheduler.advisory.book import CLIENT, Advisory, AdvisoryBook
@@ -23,7 +24,7 @@ from services.scheduler.cluster import (
     SessionDirectory,
     SessionPlace,
 )
-from services.scheduler.placement import Estimate, best_node
+from services.scheduler.placement import ActivationQueue, Estimate
 from services.scheduler.routing import AdvisoryPlan, Policy, RouteRequest
 
 
@@ -53,7 +54,9 @@ class AdvisoryPlacement:
 
     def __init__(self, book: AdvisoryBook, registry: NodeRegistry, policy: Policy,
                  sessions: SessionDirectory, catalog: frozenset[str] = frozenset(),
-                 inflight: InFlight | None = None) -> None:
+                 inflight: InFlight | None = None,
+                 activations: ActivationQueue | None = None,
+                 model_bytes: Callable[[str], int] = lambda _: 0) -> None:
         self.book = book
         # The generations running now and when each should end (None: the load of now).
         self.inflight = inflight
@@ -61,6 +64,11 @@ class AdvisoryPlacement:
         self.policy = policy
         self.sessions = sessions
         self.catalog = catalog  # models the cluster may serve though no node runs them now
+        # The queue of activations the dispatcher's requests for evicted models join (one
+        # Algorithm 2 for both), and a model's bytes as the catalogue's files say (0:
+        # unknown; the nodes' residency reports say it then).
+        self.activations = activations if activations is not None else ActivationQueue()
+        self.model_bytes = model_bytes
 
     def place(self, tenant: str, session_id: str, model: str, priority: int = 0,
               expected_arrival_s: float = 0.0, origin: str = CLIENT,
@@ -93,12 +101,20 @@ class AdvisoryPlacement:
     def _candidates(self, model: str) -> tuple[list[Node], Estimate | None]:
         """The nodes a request for ``model`` could go to now (those behind only if all are).
         A catalogue model active nowhere: the one node its request would activate it on,
-        by expected load time (Tangram §3.4, Algorithm 2), which activates it now, before
-        the request, then prefetches the session (its estimate is the second value)."""
+        which activates it now, before the request, then prefetches the session (its
+        estimate is the second value). The node comes from the queue of activations the
+        requests for evicted models join (Tangram §3.4, Algorithm 2: ``ActivationQueue``),
+        the advisory in it as an early request: a node given to another model's activation
+        is not given to this one too, and the request that follows joins this activation.
+        An advisory does not wait in the queue (it answers now, ahead of its request): with
+        every node taken, it gets the best node among all, as a request past half its wait
+        does."""
         serving = self.registry.healthy(model)
         if not serving and model in self.catalog:
-            warm = best_node(model, [n for n in self.registry.healthy()
-                                     if not self.registry.behind(n)])
+            free = [n for n in self.registry.healthy() if not self.registry.behind(n)]
+            warm = self.activations.choose(model, free, self.model_bytes,
+                                           lambda m: bool(self.registry.healthy(m)),
+                                           wait=False)
             return ([warm.node] if warm is not None else []), warm
         return [n for n in serving if not self.registry.behind(n)] or serving, None
 

@@ -45,7 +45,7 @@ from services.scheduler.routing.kv_source import node_request
 from services.scheduler.routing.plan import RoutePlan, RouteRequest
 from services.scheduler.routing.policy import Policy
 from services.scheduler.routing.window import NodeWindows, WindowSettings
-from shared.model_catalog import ModelEntry
+from shared.model_catalog import ModelEntry, weight_bytes_of
 from shared.proto import common_pb2
 
 log = logging.getLogger(__name__)
@@ -105,6 +105,7 @@ class Dispatcher:
         prefixes: PrefixIndex | None = None,
         prefix_index: PrefixIndex | None = None,
         windows: NodeWindows | None = None,
+        activations: ActivationQueue | None = None,
     ) -> None:
         self.registry = registry
         # The generations running, to place advisories by the load at their arrival.
@@ -114,8 +115,10 @@ class Dispatcher:
         self.tool_sessions = ToolCallSessions()  # call id -> the session that made it
         # Models the cluster may serve though no node runs them now (shared/model_catalog).
         self.catalog = {m.name: m for m in catalog}
+        self._catalog_bytes = weight_bytes_of(catalog)
         self.rates = ModelRates()  # requests per model (the placement's r_j)
-        self.activations = ActivationQueue()  # evicted models' requests (Tangram §3.4)
+        # Evicted models' requests and advisories (Tangram §3.4): one queue for both.
+        self.activations = activations if activations is not None else ActivationQueue()
         self.policy = policy
         self.channels = channels
         self.settings = settings
@@ -188,11 +191,7 @@ class Dispatcher:
     def catalog_bytes(self, model: str) -> int:
         """The model's weight bytes as the catalogue's files say (0: not readable here; the
         nodes' residency reports say it then)."""
-        entry = self.catalog.get(model)
-        try:
-            return entry.weight_bytes() if entry is not None else 0
-        except OSError:
-            return 0
+        return self._catalog_bytes(model)
 
     def known_model(self, model: str) -> bool:
         return model in self.catalog or any(n.serves(model) for n in self.registry.all())

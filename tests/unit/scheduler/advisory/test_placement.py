@@ -4,6 +4,8 @@ it ends (only one whose node prefetches: a baseline's is only recorded)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from services.scheduler.advisory import AdvisoryBook, AdvisoryPlacement
@@ -11,11 +13,14 @@ from services.scheduler.cluster import (
     InFlight,
     Load,
     ModelSpec,
+    NodeChannels,
     NodeInfo,
     NodeRegistry,
     SessionDirectory,
 )
-from services.scheduler.routing import make_policy
+from services.scheduler.placement import ActivationQueue
+from services.scheduler.routing import Dispatcher, DispatchSettings, RouteRequest, make_policy
+from shared.model_catalog import ModelEntry
 from shared.model_residency import ModelResidency
 from tests.unit.scheduler.conftest import Clock
 
@@ -145,3 +150,35 @@ def test_tpot_is_measured_from_the_gaps_between_chunks() -> None:
     inflight.end(t)
     inflight.end(unbounded)
     assert len(inflight) == 0 and inflight.ended_since("n", clock.now - 1) == 2
+
+
+def test_an_advisory_for_an_evicted_model_joins_the_requests_activation_queue() -> None:
+    """Tangram §3.4, Algorithm 2 over one queue: node0 holds most of x's and y's bytes, so
+    alone each would activate there. The advisory for x takes node0 in the queue the
+    dispatcher's requests join; the request for y that comes while x activates then goes
+    to node1 (a single best-node pick would have sent both to node0), and x's request
+    joins x's activation on node0."""
+    clock = Clock()
+    reg = NodeRegistry(3.0, clock=clock)
+    held = (ModelResidency("x", 80, 100, False), ModelResidency("y", 90, 100, False))
+    for n, load in (("node0", Load(residency=held, load_bytes_per_s=10.0, blocks_free=10)),
+                    ("node1", Load(load_bytes_per_s=10.0, blocks_free=10))):
+        reg.register(NodeInfo(n, n, (ModelSpec("m"),), kvstore_address=f"{n}:7000"))
+        reg.heartbeat(n, load)
+    queue = ActivationQueue(clock=clock)
+    p = AdvisoryPlacement(AdvisoryBook(30.0, 100, clock=clock), reg, make_policy("balanced"),
+                          SessionDirectory(100, 3600.0, clock), frozenset({"x", "y"}),
+                          activations=queue, model_bytes=lambda _: 100)
+    placed = p.place("t", "sx", "x")
+    assert placed is not None and placed.warm is not None
+    assert placed.node.node_id == "node0" and placed.warm.missing_bytes == 20
+    assert queue.activating() == {"x": "node0"}
+
+    async def requests() -> list[str]:
+        d = Dispatcher(reg, make_policy("balanced"), NodeChannels(), DispatchSettings(),
+                       catalog=(ModelEntry("x", "/not/here"), ModelEntry("y", "/not/here")),
+                       activations=queue)
+        return [(await d.pick(RouteRequest(m, f"s{m}", "t"))).node.node_id for m in "yx"]
+
+    assert asyncio.run(requests()) == ["node1", "node0"]
+    assert queue.activating() == {"x": "node0", "y": "node1"}
