@@ -29,6 +29,7 @@ from .stored import (
     from_tensors,
     quantize_int4,
     quantize_int8,
+    requantize_int8,
     to_tensors,
 )
 
@@ -60,5 +61,6 @@ __all__ = [
     "make_linear",
     "quantize_int4",
     "quantize_int8",
+    "requantize_int8",
     "to_tensors",
 ]

@@ -15,7 +15,7 @@ import torch
 from .ggml_blocks import Int4Groups, Int8Groups
 from .int4_linear import Int4Linear, int4_supported
 from .int8_linear import Int8Linear
-from .stored import quantize_int8
+from .stored import requantize_int8
 
 Groups = Int4Groups | Int8Groups
 
@@ -52,7 +52,7 @@ def _one(q: Groups, b: torch.Tensor | None, act: torch.dtype) -> Int4Linear | In
     if isinstance(q, Int4Groups) and int4_supported(q.codes.shape[1], q.group):
         return Int4Linear(q, b, act)
     if isinstance(q, Int4Groups):  # a shape the int4 kernel does not take
-        q = quantize_int8(q.dequantize())
+        q = requantize_int8(q)
     return Int8Linear.from_groups(q, b, act)
 
 
@@ -65,7 +65,7 @@ def make_linear(parts: list[Groups], bias: torch.Tensor | None, act: torch.dtype
                 widen_to_int8: bool = False) -> QuantLinear:
     """One linear computing the row-concatenation of ``parts`` (plus ``bias``)."""
     if widen_to_int8:
-        parts = [quantize_int8(p.dequantize()) if isinstance(p, Int4Groups) else p
+        parts = [requantize_int8(p) if isinstance(p, Int4Groups) else p
                  for p in parts]
     if len(parts) == 1:
         return _one(parts[0], bias, act)
