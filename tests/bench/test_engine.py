@@ -70,7 +70,8 @@ def test_kernel_pairs_q4_against_q8_0(capsys: pytest.CaptureFixture[str]) -> Non
     kernel_pairs.main(["--pairs", "2", "--prompt-len", "8", "--gen", "4"])
     out = capsys.readouterr().out
     assert "batch-1 decode, prompt 8, 4 tokens, 2 interleaved pairs" in out
-    assert "q4 / q8_0: " in out and "(mean ratio, 95% interval)" in out
+    assert "q4 / q8_0 tok/s: " in out and "q8_0 / q4 CPU a token: " in out
+    assert "(mean ratio, 95% interval)" in out
     assert "greedy tokens: " in out
 
 
