@@ -11,6 +11,12 @@ and each row count, the time of one call of:
 - ``int4-g32``: ``aten._weight_int4pack_mm_for_cpu``, groups of 32 (Q4_0/Q4_1/Q4_K exactly);
   ``int4-g32-bf16`` the same with bfloat16 activations, ``bf16`` a bfloat16 ``F.linear``;
 - ``int8-row``: ``aten._weight_int8pack_mm``, a scale per output row (Q8_0/Q6_K re-rounded);
+  ``int8-row-bf16`` the same with bfloat16 activations (the weight-only head's kernel);
+- ``int8-dyn``: the same int8 weights with int8 activations, a scale per input row, through
+  oneDNN (quant/int8_dynamic.py; where the CPU has VNNI or AMX);
+- ``fbgemm-dyn``: ``quantized.linear_dynamic`` (fbgemm), one activation scale for the whole
+  input: faster still at one row, but a row's result then depends on the rows beside it,
+  so the engine cannot use it (reused KV must equal recomputed KV);
 - ``int8-g32-loop``: Q8_0 exactly, one int8 GEMM per group of 32 columns with its scales
   applied to the partial sums (the "per-group int8 path");
 - ``int8-g32-deq``: Q8_0 exactly, the weight dequantized to float32 on every call.
@@ -41,7 +47,14 @@ SHAPES = (("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 5
 def _variants(n: int, k: int) -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], int]]:
     """name -> (call on x, weight bytes read)."""
     from services.engine.model.linear import float32_linear, pack_float32
-    from services.engine.model.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8
+    from services.engine.model.quant import (
+        Int4Linear,
+        Int8DynamicLinear,
+        Int8Linear,
+        dynamic_int8_supported,
+        quantize_int4,
+        quantize_int8,
+    )
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(n, k, generator=g) * 0.05
@@ -51,6 +64,7 @@ def _variants(n: int, k: int) -> dict[str, tuple[Callable[[torch.Tensor], torch.
     wb = w.to(torch.bfloat16)
     q8 = quantize_int8(w)
     i8 = Int8Linear(q8.codes, q8.scale[:, 0], None)
+    i8b = Int8Linear(q8.codes, q8.scale[:, 0], None, torch.bfloat16)
     groups = k // 32
     codes = (torch.randint(-127, 128, (n, k), generator=g)).to(torch.int8)
     gscale = torch.rand(n, groups, generator=g) * 1e-3
@@ -76,11 +90,23 @@ def _variants(n: int, k: int) -> dict[str, tuple[Callable[[torch.Tensor], torch.
         "int4-g32-bf16": (lambda x: q4b(x.to(torch.bfloat16)), q4b.weight_bytes),
         "bf16": (lambda x: F.linear(x.to(torch.bfloat16), wb), n * k * 2),
         "int8-row": (i8, i8.weight_bytes),
+        "int8-row-bf16": (lambda x: i8b(x.to(torch.bfloat16)), i8b.weight_bytes),
         "int8-g32-loop": (loop, n * k + n * groups * 4),
         "int8-g32-deq": (deq, n * k + n * groups * 4),
     }
     if packed is not None:
         out["f32-onednn"] = (lambda x: float32_linear(x, packed, None), n * k * 4)
+    if dynamic_int8_supported():
+        dyn = Int8DynamicLinear(i8)
+        out["int8-dyn"] = (dyn, dyn.weight_bytes)
+    try:
+        qw = torch.quantize_per_channel(q8.dequantize(), q8.scale[:, 0].double(),
+                                        torch.zeros(n, dtype=torch.long), 0, torch.qint8)
+        fb = torch.ops.quantized.linear_prepack(qw, None)
+        out["fbgemm-dyn"] = (lambda x: torch.ops.quantized.linear_dynamic(x, fb, False),
+                             i8.weight_bytes)
+    except (RuntimeError, AttributeError):  # a build without fbgemm
+        pass
     return out
 
 

@@ -46,209 +46,30 @@ import argparse
 import asyncio
 import multiprocessing as mp
 import queue
-import resource
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-from bench.eval.stats import goal_at_most, mean_interval, paired_ratio
+from bench.engine.speed_report import bandwidth_line, copy_bandwidth, peer_lines, report
+from bench.engine.speed_workload import BATCHES, peak_rss_mib
 
-BATCHES = (1, 8, 32)
+__all__ = ["BATCHES", "main", "measure"]
 # Each side runs in a spawned process that imports this module again: the services and
-# transformers are imported inside the functions that need them, so that neither side's
-# peak RSS counts the other's code.
+# transformers are imported inside the functions that need them (speed_ours.py,
+# speed_hf.py), so that neither side's peak RSS counts the other's code.
 
 
-def prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed + batch)
-    # Skip the lowest ids (special tokens) so no prompt contains an EOS or BOS.
-    return torch.randint(16, vocab, (batch, prompt_len), generator=g).tolist()
-
-
-def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-
-
-# ---- ours ---------------------------------------------------------------------------------
-# No sequence can finish before ``gen`` tokens: at least 400 strings to write.
-LONG_SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 400}
-
-
-async def _ours_batch(engine, batch: list[list[int]], gen: int,
-                      schema: dict | None = None, processed: bool = False
-                      ) -> tuple[float, float]:
-    from services.engine.api_types import GenerateRequest, Guidance, SamplingParams
-
-    sp = SamplingParams(max_tokens=gen, ignore_eos=True)
-    if processed:
-        sp = SamplingParams(max_tokens=gen, ignore_eos=True, **PROCESSED)
-    guide = Guidance(response_format="json_schema", json_schema=schema) if schema else Guidance()
-    firsts: list[float] = []
-    counts: list[int] = []
-
-    async def one(ids: list[int]) -> None:
-        got_first = False
-        n = 0
-        req = GenerateRequest(prompt_token_ids=tuple(ids), sampling=sp, guidance=guide)
-        async for out in engine.generate(req):
-            n += len(out.token_ids)
-            if not got_first:
-                firsts.append(time.perf_counter())
-                got_first = True
-        counts.append(n)
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(one(ids) for ids in batch))
-    t_end = time.perf_counter()
-    t_first = max(firsts)
-    assert all(n == gen for n in counts), f"a sequence ended early: {counts}"
-    return t_first - t0, t_end - t_first
-
-
-async def _constrained(eng, prompt_len: int, gen: int, vocab: int) -> tuple[float, float]:
-    """Decode tok/s of a batch of 8: unconstrained, then with LONG_SCHEMA (best of 2)."""
-    batch = prompts(8, prompt_len, vocab, seed=7)
-    free, guided = 0.0, 0.0
-    for _ in range(2):
-        _, t = await _ours_batch(eng, batch, gen)
-        free = max(free, 8 * (gen - 1) / t)
-        _, t = await _ours_batch(eng, batch, gen, LONG_SCHEMA)
-        guided = max(guided, 8 * (gen - 1) / t)
-    return free, guided
-
-
-PROCESSED = {"logprobs": 5, "presence_penalty": 0.5, "frequency_penalty": 0.5,
-             "repetition_penalty": 1.1, "logit_bias": ((20, 1.0), (21, -1.0))}
-REPEATS = 20  # interleaved pairs: single pairs on a 2-core host vary by ±20%
-
-
-async def _processed(eng, prompt_len: int, gen: int, vocab: int) -> list[float]:
-    """Decode cost of PROCESSED on a batch of 8, per interleaved pair (plain first, then
-    processed, the same prompts): 1 - processed tok/s / plain tok/s."""
-    batch = prompts(8, prompt_len, vocab, seed=11)
-    costs = []
-    for _ in range(REPEATS):
-        _, t_plain = await _ours_batch(eng, batch, gen)
-        _, t_done = await _ours_batch(eng, batch, gen, processed=True)
-        costs.append(1 - t_plain / t_done)  # 1 - (tok/s processed) / (tok/s plain)
-    return costs
-
-
-async def _fast_decode_pairs(eng, prompt_len: int, gen: int, vocab: int,
-                             pairs: int) -> tuple[list[float], list[float]]:
-    """Batch-1 decode tok/s with the all-decode fast path (model/decode_step.py) and with
-    the general path, in ``pairs`` interleaved pairs on the same prompt (issue 44)."""
-    model = eng.loaded.model
-    batch = prompts(1, prompt_len, vocab, seed=13)
-    fast: list[float] = []
-    general: list[float] = []
-    for _ in range(pairs):
-        for on, into in ((True, fast), (False, general)):
-            model.fast_decode = on  # (between requests: the worker thread is idle)
-            _, t = await _ours_batch(eng, batch, gen)
-            into.append((gen - 1) / t)
-    model.fast_decode = True
-    return fast, general
-
-
-async def _ours(model: str, prompt_len: int, gen: int, dtype: str, extras: bool,
-                pairs: int = 0) -> dict:
-    from services.engine.async_engine import AsyncEngine
-    from services.engine.config import EngineConfig
-
-    cfg = EngineConfig(
-        model_path=model,
-        dtype=dtype,
-        device_memory_bytes=2 << 30,
-        max_num_seqs=64,
-        max_num_batched_tokens=max(BATCHES) * prompt_len,
-        max_queue_delay_s=0.0,  # a closed batch: measure the steps, not the admission
-    )
-    from services.engine.model_slot import weight_bytes
-
-    out: dict = {}
-    async with AsyncEngine(cfg) as eng:
-        assert eng.loaded is not None
-        vocab = eng.loaded.config.vocab_size
-        out["weights"] = weight_bytes(eng.loaded.model)
-        kv = 0  # the KV pool's committed bytes, its high-water over the runs
-        await _ours_batch(eng, prompts(1, prompt_len, vocab, seed=99), 4)  # warm-up
-        for b in BATCHES:
-            # Fresh prompts per batch size, and the prefix cache cannot help: ids differ.
-            t_pre, t_dec = await _ours_batch(eng, prompts(b, prompt_len, vocab), gen)
-            out[b] = (b * prompt_len / t_pre, b * (gen - 1) / t_dec)
-            st = await eng.status()
-            kv = max(kv, st.blocks_committed * st.block_bytes)
-        out["kv"] = kv
-        if pairs:
-            out["fast_decode"] = await _fast_decode_pairs(eng, prompt_len, gen, vocab, pairs)
-        if extras:
-            out["constrained"] = await _constrained(eng, prompt_len, gen, vocab)
-            out["processed"] = await _processed(eng, prompt_len, gen, vocab)
-    return out
-
-
-# ---- transformers -------------------------------------------------------------------------
-class _Clock:
-    """A generate() streamer that only notes when tokens arrive: the first put() is the
-    prompt, the second the first new token (prefill done), the last the final token."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def put(self, value: torch.Tensor) -> None:
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
-
-
-def _hf(model: str, prompt_len: int, gen: int, dtype: str) -> dict:
-    from transformers import LlamaForCausalLM
-
-    m = LlamaForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
-    vocab = m.config.vocab_size
-
-    def run(batch: list[list[int]], new: int) -> tuple[float, float]:
-        width = max(len(p) for p in batch)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        mask = torch.zeros(len(batch), width, dtype=torch.long)
-        for i, p in enumerate(batch):  # left padding
-            ids[i, width - len(p) :] = torch.tensor(p)
-            mask[i, width - len(p) :] = 1
-        clock = _Clock()
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            m.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=new,
-                min_new_tokens=new,
-                do_sample=False,
-                pad_token_id=0,
-                streamer=clock,
-            )
-        return clock.times[1] - t0, clock.times[-1] - clock.times[1]
-
-    run(prompts(1, prompt_len, vocab, seed=99), 4)  # warm-up
-    out = {}
-    for b in BATCHES:
-        t_pre, t_dec = run(prompts(b, prompt_len, vocab), gen)
-        out[b] = (b * prompt_len / t_pre, b * (gen - 1) / t_dec)
-    return out
-
-
-# ---- process plumbing and report ----------------------------------------------------------
 def _child(kind: str, model: str, prompt_len: int, gen: int, dtype: str, extras: bool,
            pairs: int, q: mp.Queue) -> None:
+    from bench.engine.speed_hf import run_hf
+    from bench.engine.speed_ours import run_ours
+
     torch.manual_seed(0)
     res = (
-        asyncio.run(_ours(model, prompt_len, gen, dtype, extras, pairs))
+        asyncio.run(run_ours(model, prompt_len, gen, dtype, extras, pairs))
         if kind == "ours"
-        else _hf(model, prompt_len, gen, dtype)
+        else run_hf(model, prompt_len, gen, dtype)
     )
     q.put((res, peak_rss_mib()))
 
@@ -270,107 +91,6 @@ def measure(kind: str, model: str, prompt_len: int, gen: int, dtype: str,
                                    "before its result (its traceback is above)") from None
     p.join()
     return res
-
-
-def copy_bandwidth(mib: int = 256, repeats: int = 5) -> float:
-    """The host's memory bandwidth as this process sees it, bytes/s: the best of
-    ``repeats`` copies of a ``mib`` MiB buffer, counting the bytes read and written."""
-    src = torch.ones(mib << 18)  # float32: mib MiB
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    return 2 * src.numel() * src.element_size() / best
-
-
-def bandwidth_line(ours: dict, bandwidth: float) -> str:
-    """Weight bytes read per decoded token at batch 1 against the measured bandwidth."""
-    per_s = ours["weights"] * ours[1][1]
-    return (f"weights read at batch-1 decode: {ours['weights'] / 2**20:.0f} MiB a token x "
-            f"{ours[1][1]:.1f} tok/s = {per_s / 1e9:.1f} GB/s, {per_s / bandwidth:.0%} of the "
-            f"{bandwidth / 1e9:.1f} GB/s this host copies at")
-
-
-def peer_lines(ours: dict, peer: object, prompt_len: int) -> list[str]:
-    """Ratios ours / llama.cpp (``peer`` a bench.engine.peer.PeerResult)."""
-    from bench.engine.peer import PeerResult
-
-    assert isinstance(peer, PeerResult)
-    pp = peer.prefill.get(prompt_len, 0.0)
-    b32 = peer.batched.get(32, 0.0)
-    ratios = [("prefill", ours[1][0], pp, 1.0), ("batch-1 decode", ours[1][1], peer.decode1, 1.0),
-              ("32-stream decode", ours[32][1], b32, 1.5)]
-    out = []
-    for what, o, p, goal in ratios:
-        r = o / p if p else float("nan")
-        out.append(f"llama.cpp {what}: ours {o:.1f} tok/s, llama.cpp {p:.1f} tok/s, {r:.2f}x "
-                   f"(goal >= {goal}x: {'MET' if r >= goal else 'NOT MET'})")
-    return out
-
-
-def report(
-    ours: dict, hf: dict | None, rss: tuple[float, float], prompt_len: int, gen: int,
-    dtype: str,
-) -> str:
-    lines = [
-        (
-            f"prompt {prompt_len} tokens, {gen} generated, greedy, {dtype}, "
-            f"{torch.get_num_threads()} threads"
-        ),
-        (
-            f"{'batch':>5} | {'prefill tok/s ours':>18} {'hf':>9} {'ratio':>6} | "
-            f"{'decode tok/s ours':>17} {'hf':>9} {'ratio':>6}"
-        ),
-    ]
-    nan = (float("nan"), float("nan"))
-    for b in BATCHES:
-        (op, od), (hp, hd) = ours[b], (hf[b] if hf else nan)
-        lines.append(
-            f"{b:>5} | {op:>18.1f} {hp:>9.1f} {op / hp:>5.2f}x | "
-            f"{od:>17.1f} {hd:>9.1f} {od / hd:>5.2f}x"
-        )
-    lines.append(f"peak RSS: ours {rss[0]:.0f} MiB, transformers {rss[1]:.0f} MiB")
-    held = (ours["weights"] + ours["kv"]) / 2**20
-    ratio = rss[0] / held
-    lines.append(f"memory: weights {ours['weights'] / 2**20:.0f} MiB + KV pool "
-                 f"{ours['kv'] / 2**20:.0f} MiB = {held:.0f} MiB; peak RSS / that {ratio:.2f}x "
-                 f"(goal <= 1.3x: {'MET' if ratio <= 1.3 else 'NOT MET'})")
-    scale = ours[32][1] / ours[1][1]
-    if hf:
-        r1 = ours[1][1] / hf[1][1]
-        lines.append(f"goal batch-1 decode >= 1.0x transformers: {r1:.2f}x "
-                     f"{'MET' if r1 >= 1.0 else 'NOT MET'}")
-    else:
-        lines.append(f"transformers: not run ({dtype} weights are int4/int8)")
-    lines.append(
-        f"goal decode at 32 concurrent >= 4x ours at 1: {scale:.2f}x "
-        f"{'MET' if scale >= 4.0 else 'NOT MET'}"
-    )
-    if "fast_decode" in ours:
-        fast, general = ours["fast_decode"]
-        r = paired_ratio(fast, general)
-        lines.append(
-            f"batch-1 decode, all-decode fast path vs general path: "
-            f"{statistics.fmean(fast):.1f} vs {statistics.fmean(general):.1f} tok/s, "
-            f"{r.fmt(1, 3, 'x')} (mean ratio, 95% interval, {r.n} interleaved pairs)")
-    if "constrained" not in ours:
-        lines.append("constrained decoding and log-probabilities: not run (--no-extras)")
-        return "\n".join(lines)
-    free, guided = ours["constrained"]
-    cost = 1 - guided / free
-    lines.append(
-        f"batch 8 decode: {free:.1f} tok/s free, {guided:.1f} tok/s with a json_schema; "
-        f"goal constrained costs <= 10%: {cost:.1%} {'MET' if cost <= 0.10 else 'NOT MET'}"
-    )
-    cost_i = mean_interval(ours["processed"])
-    lines.append(
-        f"batch 8 decode with top_logprobs 5 + penalties + logit_bias vs plain: cost "
-        f"{cost_i.fmt(100, 1, '%')} (mean, 95% interval, {cost_i.n} interleaved pairs); "
-        f"goal <= 10%: {goal_at_most(cost_i, 0.10)}"
-    )
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -48,6 +48,7 @@ from .model import LoadedModel
 from .model.mapped import StoredWeights
 from .model_slot import ModelSlot, idle_status
 from .offload import RECOMPUTE, KVStoreClient, SavedSession
+from .process_memory import limit_arenas
 from .streams import RequestStreams
 from .validation import PreparedRequest, prepare
 from .worker import Abort, Add, EndPrefetch, Prefetch, Worker
@@ -73,6 +74,7 @@ class AsyncEngine:
     async def start(self) -> None:
         """Start the worker; load and serve ``config.model_path`` if given. Without one (a
         standby engine) it waits among its node's standby engines for ``activate``."""
+        limit_arenas()  # before the worker's and OpenMP's threads make arenas of their own
         await self._worker.start(self.config.threads)
         try:
             await self._slot.load_configured()

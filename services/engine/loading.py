@@ -10,6 +10,7 @@ from shared.config import ConfigError
 
 from .config import EngineConfig
 from .model import load_model
+from .process_memory import drop_library_pages
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
           # weights in int8 / int4 (model/quant/), activations and KV in float32
@@ -23,10 +24,14 @@ def load_for(config: EngineConfig) -> Any:
             "engine.model_path: no model given; pass --model-path DIR with a Hugging Face model "
             "folder, or make a demo one with `overture demo-model PATH` and pass that PATH"
         )
-    return load_model(
+    loaded = load_model(
         config.model_path,
         dtype=DTYPES[config.dtype],
         device=config.device,
         served_name=config.served_model_name,
         quant=config.dtype if config.dtype in ("q8_0", "q4") else "",
     )
+    # The libraries' start-up pages (torch's operator registrations, the load's code) are
+    # not needed to serve: they leave RSS, and what serving runs is mapped back as it runs.
+    drop_library_pages()
+    return loaded

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.engine import decode_mixed, peer, quant_kernels, speed, step_cost
+from bench.engine import decode_mixed, kernel_pairs, peer, quant_kernels, speed, step_cost
 
 
 @pytest.mark.slow
@@ -64,6 +64,15 @@ def test_speed_quantized_with_the_peer_missing(capsys: pytest.CaptureFixture[str
     out = capsys.readouterr().out
     assert "decode tok/s ours" in out and "transformers: not run (q4 weights" in out
     assert "llama.cpp: not run: no llama.cpp: pass --llama-cpp-bin DIR" in out
+
+
+def test_kernel_pairs_q4_against_q8_0(capsys: pytest.CaptureFixture[str]) -> None:
+    kernel_pairs.main(["--pairs", "2", "--prompt-len", "8", "--gen", "4"])
+    out = capsys.readouterr().out
+    assert "batch-1 decode, prompt 8, 4 tokens, 2 interleaved pairs" in out
+    assert "q4 / q8_0 tok/s: " in out and "q8_0 / q4 CPU a token: " in out
+    assert "(mean ratio, 95% interval)" in out
+    assert "greedy tokens: " in out
 
 
 def test_llama_batched_bench_table_parses() -> None:

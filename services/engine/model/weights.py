@@ -21,6 +21,7 @@ from .quant import (
     QuantEmbedding,
     from_tensors,
     kernel_dtype,
+    make_head,
     make_linear,
     quantize_int4,
     quantize_int8,
@@ -212,8 +213,8 @@ def _quantized_weights(
         return make_linear([src.groups(n) for n in names], b, act, widen)
 
     embed = QuantEmbedding(src.groups("model.embed_tokens.weight"), src.dtype)
-    head = (make_linear([embed.groups()], None, act, widen) if cfg.tie_word_embeddings
-            else lin(["lm_head.weight"], None))
+    head = make_head([embed.groups()] if cfg.tie_word_embeddings
+                     else [src.groups("lm_head.weight")], None, act, widen)
     glob = {"embed": embed, "norm": src.get("model.norm.weight"), "lm_head": head}
     return glob, _quantized_layers(cfg, src, lin)
 

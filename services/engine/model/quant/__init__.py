@@ -3,7 +3,7 @@ group scales, computed by PyTorch's CPU weight-only int4/int8 GEMMs."""
 
 from __future__ import annotations
 
-from .build import Groups, QuantLinear, SplitLinear, kernel_dtype, make_linear
+from .build import Groups, QuantLinear, SplitLinear, kernel_dtype, make_head, make_linear
 from .embedding import QuantEmbedding
 from .ggml_blocks import (
     BLOCK,
@@ -21,6 +21,7 @@ from .ggml_blocks import (
     decode_int8,
 )
 from .int4_linear import Int4Linear
+from .int8_dynamic import Int8DynamicLinear, dynamic_int8_supported
 from .int8_linear import Int8Linear
 from .stored import (
     Q4_SUFFIXES,
@@ -29,6 +30,7 @@ from .stored import (
     from_tensors,
     quantize_int4,
     quantize_int8,
+    requantize_int8,
     to_tensors,
 )
 
@@ -48,6 +50,7 @@ __all__ = [
     "Groups",
     "Int4Groups",
     "Int4Linear",
+    "Int8DynamicLinear",
     "Int8Groups",
     "Int8Linear",
     "QuantEmbedding",
@@ -55,10 +58,13 @@ __all__ = [
     "SplitLinear",
     "decode_int4",
     "decode_int8",
+    "dynamic_int8_supported",
     "from_tensors",
     "kernel_dtype",
+    "make_head",
     "make_linear",
     "quantize_int4",
     "quantize_int8",
+    "requantize_int8",
     "to_tensors",
 ]

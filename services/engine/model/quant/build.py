@@ -14,8 +14,9 @@ import torch
 
 from .ggml_blocks import Int4Groups, Int8Groups
 from .int4_linear import Int4Linear, int4_supported
+from .int8_dynamic import Int8DynamicLinear, dynamic_int8_supported
 from .int8_linear import Int8Linear
-from .stored import quantize_int8
+from .stored import requantize_int8
 
 Groups = Int4Groups | Int8Groups
 
@@ -45,14 +46,14 @@ class SplitLinear:
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
-QuantLinear = Int4Linear | Int8Linear | SplitLinear
+QuantLinear = Int4Linear | Int8Linear | SplitLinear | Int8DynamicLinear
 
 
 def _one(q: Groups, b: torch.Tensor | None, act: torch.dtype) -> Int4Linear | Int8Linear:
     if isinstance(q, Int4Groups) and int4_supported(q.codes.shape[1], q.group):
         return Int4Linear(q, b, act)
     if isinstance(q, Int4Groups):  # a shape the int4 kernel does not take
-        q = quantize_int8(q.dequantize())
+        q = requantize_int8(q)
     return Int8Linear.from_groups(q, b, act)
 
 
@@ -65,7 +66,7 @@ def make_linear(parts: list[Groups], bias: torch.Tensor | None, act: torch.dtype
                 widen_to_int8: bool = False) -> QuantLinear:
     """One linear computing the row-concatenation of ``parts`` (plus ``bias``)."""
     if widen_to_int8:
-        parts = [quantize_int8(p.dequantize()) if isinstance(p, Int4Groups) else p
+        parts = [requantize_int8(p) if isinstance(p, Int4Groups) else p
                  for p in parts]
     if len(parts) == 1:
         return _one(parts[0], bias, act)
@@ -78,3 +79,15 @@ def make_linear(parts: list[Groups], bias: torch.Tensor | None, act: torch.dtype
     sizes = [int(p.codes.shape[0]) for p in parts]
     biases = [None] * len(parts) if bias is None else list(bias.split(sizes))
     return SplitLinear([_one(p, b, act) for p, b in zip(parts, biases, strict=True)])
+
+
+def make_head(parts: list[Groups], bias: torch.Tensor | None, act: torch.dtype,
+              widen_to_int8: bool = False) -> QuantLinear:
+    """The output head: as ``make_linear``, except that int8 weights on a CPU with int8
+    dot products are computed with int8 activations (int8_dynamic.py)."""
+    int8 = widen_to_int8 or all(isinstance(p, Int8Groups) for p in parts)
+    if int8 and dynamic_int8_supported():
+        lin = make_linear(parts, bias, torch.float32, widen_to_int8)  # float32 scales
+        if isinstance(lin, Int8Linear):
+            return Int8DynamicLinear(lin)
+    return make_linear(parts, bias, act, widen_to_int8)

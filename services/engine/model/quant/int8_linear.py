@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .ggml_blocks import Int8Groups
-from .stored import quantize_int8
+from .stored import requantize_int8
 
 
 class Int8Linear:
@@ -35,7 +35,7 @@ class Int8Linear:
         scale, re-rounded per row otherwise."""
         if bool((q.scale == q.scale[:, :1]).all()):
             return cls(q.codes, q.scale[:, 0], b, act_dtype)
-        per_row = quantize_int8(q.dequantize())
+        per_row = requantize_int8(q)
         return cls(per_row.codes, per_row.scale[:, 0], b, act_dtype, exact=False)
 
     @property

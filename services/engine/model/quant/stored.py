@@ -74,3 +74,23 @@ def quantize_int8(w: torch.Tensor) -> Int8Groups:
     scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-30) / 127.0
     codes = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
     return Int8Groups(codes, scale, w.shape[1])
+
+
+_REROUND_ROWS = 2048  # rows dequantized at a time by ``requantize_int8``
+
+
+def requantize_int8(q: Int4Groups | Int8Groups) -> Int8Groups:
+    """Grouped codes re-rounded onto one int8 scale per row: ``quantize_int8`` of their
+    dequantized weights, a slice of rows at a time (the same bits: every step is per row),
+    so the float copy never exists whole. For SmolLM2's tied 49,152-row Q8_0 head that
+    copy and its temporaries were a ~400 MB peak at load for a 28 MB weight."""
+    rows = q.codes.shape[0]
+    parts = []
+    for at in range(0, rows, _REROUND_ROWS):
+        end = min(at + _REROUND_ROWS, rows)
+        piece = (Int4Groups(q.codes[at:end], q.scale[at:end], q.min[at:end], q.group)
+                 if isinstance(q, Int4Groups) else
+                 Int8Groups(q.codes[at:end], q.scale[at:end], q.group))
+        parts.append(quantize_int8(piece.dequantize()))
+    return Int8Groups(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
+                      q.codes.shape[1])

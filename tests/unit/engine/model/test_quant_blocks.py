@@ -28,6 +28,7 @@ from services.engine.model.quant import (
     make_linear,
     quantize_int4,
     quantize_int8,
+    requantize_int8,
     to_tensors,
 )
 
@@ -124,3 +125,14 @@ def test_float_weights_quantize_within_half_a_step() -> None:
     q = quantize_int4(w)
     step = q.scale.repeat_interleave(32, dim=1)
     assert ((q.dequantize() - w).abs() <= step / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("kind", [Q4_1, Q8_0], ids=NAMES.get)
+def test_re_rounding_a_slice_of_rows_at_a_time_gives_the_whole_weights_bits(kind: int) -> None:
+    """The load re-rounds a wide weight (a tied head) per slice of rows so that its float
+    copy never exists whole: the codes and scales are those of re-rounding it at once."""
+    rows, cols = 4100, 64  # more than two slices, the last one short
+    raw = torch.from_numpy(random_blocks(kind, rows, cols, seed=5))
+    q = (decode_int4 if kind in FOUR_BIT else decode_int8)(raw, kind, rows, cols)
+    sliced, whole = requantize_int8(q), quantize_int8(q.dequantize())
+    assert torch.equal(sliced.codes, whole.codes) and torch.equal(sliced.scale, whole.scale)
