@@ -59,7 +59,8 @@ class Admission:
 
     def check(self, queued: int, oldest_waiting_since: float, now: float,
               bound_delay: bool = True, shape: QueueShape | None = None,
-              waited_s: float = 0.0, submitted_tokens: int = 0) -> None:
+              waited_s: float = 0.0, submitted_tokens: int = 0,
+              step_left_s: float = 0.0) -> None:
         """Raise EngineError(RESOURCE_EXHAUSTED) when a new request must be refused.
 
         ``queued``: requests ahead of it (waiting in the core's queue or about to enter
@@ -67,9 +68,9 @@ class Admission:
         (0.0: the core's queue is empty); ``shape``: the core's queue after its last step
         (None: not known yet); ``waited_s``: how long the request waited before it got
         here (the limit's remainder is the queue's); ``submitted_tokens``: the prompt
-        tokens of the requests submitted to the core since ``shape`` was taken.
-        ``bound_delay=False``: the node's
-        deadline queue already
+        tokens of the requests submitted to the core since ``shape`` was taken;
+        ``step_left_s``: what the step under way still needs (a request that queues
+        waits for it first). ``bound_delay=False``: the node's deadline queue already
         chose when the request starts (it serves late requests after the others, §6.3),
         so only a full queue refuses it."""
         if queued >= self.max_waiting:
@@ -87,6 +88,8 @@ class Admission:
             # (priced at none, a burst within one step was forecast to wait for nothing).
             extra = max(0, queued - shape.waiting)
             wait = predicted_wait(shape, extra, self.entering_tokens + submitted_tokens)
+            if wait > 0:  # (queued behind others, it starts after the step under way too)
+                wait += max(0.0, step_left_s)
             # A late request that would start at once is taken all the same: it makes no
             # one wait, and refused it would only come back later still (a busy machine's
             # hops alone can take the limit).

@@ -206,6 +206,9 @@ class AsyncEngine:
             snap.queue if snap is not None else None,
             waited_s,
             self._worker.pending_tokens,
+            # (the step under way, priced as a decode step: the one it most often is)
+            max(0.0, snap.queue.decode_step_s - self._worker.step_running_s())
+            if snap is not None and self._worker.step_running_s() else 0.0,
         )
 
     async def abort(self, request_id: str) -> bool:

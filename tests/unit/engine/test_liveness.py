@@ -100,6 +100,11 @@ def test_requests_submitted_since_the_last_step_count_at_their_tokens() -> None:
     with pytest.raises(EngineError, match="would wait about 1.10s"):
         a.check(4, 0.0, 100.0, shape=shape, submitted_tokens=600)
     entering.leave()
+    # Queued behind others, it waits for the step under way first; alone, it starts next.
+    a.check(3, 0.0, 100.0, shape=shape, submitted_tokens=900, step_left_s=0.1)
+    with pytest.raises(EngineError, match="would wait about 1.05s"):
+        a.check(3, 0.0, 100.0, shape=shape, submitted_tokens=900, step_left_s=0.15)
+    a.check(0, 0.0, 100.0, shape=shape, step_left_s=5.0)
 
 
 def test_the_worker_prices_its_inbox_until_a_step_takes_it_in() -> None:
