@@ -13,6 +13,7 @@ privately loaded (packed) one: as fast, and with the same bits.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +97,7 @@ def load_mapped(path: str | Path, stored: StoredWeights, dtype: torch.dtype,
     views: dict[str, torch.Tensor] = {}
     in_arena: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # packed: (weight, region)
     filled, fill_s = 0, 0.0
+    scratch = torch.empty(0, dtype=dtype)  # (one plain buffer for every packed weight)
     for t in stored.tensors:
         spec = layout.get(t.name)
         if spec is None or spec.nbytes(stored.dtype) != t.nbytes \
@@ -107,8 +109,12 @@ def load_mapped(path: str | Path, stored: StoredWeights, dtype: torch.dtype,
                                and t.name[:-2] + "_b" in layout)
         if t.fill:
             started = time.perf_counter()
-            # (a weight held packed is made plain first, then packed into its region)
-            dst = torch.empty(spec.shape, dtype=dtype) if pack else \
+            # (a weight held packed is made plain first, then packed into its region: in
+            # one buffer reused, whose pages fault in once, not once a weight)
+            numel = math.prod(spec.shape)
+            if pack and scratch.numel() < numel:
+                scratch = torch.empty(numel, dtype=dtype)
+            dst = scratch[:numel].view(spec.shape) if pack else \
                 region.view(dtype).view(spec.shape)
             _fill(dst, [src.where[p].tensor(p) for p in spec.parts])
             if pack:
