@@ -197,7 +197,7 @@ class AsyncEngine:
     def _admit(self, bound_delay: bool = True, waited_s: float = 0.0) -> None:
         """Raise RESOURCE_EXHAUSTED when the queue is full or (``bound_delay``) too far
         behind for a request that has already waited ``waited_s`` on its way here."""
-        snap = self._worker.snapshot
+        snap, running_s = self._worker.snapshot, self._worker.step_running_s()
         self._admission.check(
             self._worker.queued + self._admission.entering,
             snap.oldest_waiting_since if snap is not None else 0.0,
@@ -207,8 +207,7 @@ class AsyncEngine:
             waited_s,
             self._worker.pending_tokens,
             # (the step under way, priced as a decode step: the one it most often is)
-            max(0.0, snap.queue.decode_step_s - self._worker.step_running_s())
-            if snap is not None and self._worker.step_running_s() else 0.0,
+            max(0.0, snap.queue.decode_step_s - running_s) if snap and running_s else 0.0,
         )
 
     async def abort(self, request_id: str) -> bool:
