@@ -7,9 +7,11 @@ expects; anything else is refused naming the key."""
 from __future__ import annotations
 
 import asyncio
+import importlib
 import sys
 from contextlib import AsyncExitStack
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -34,6 +36,12 @@ class FakeCudaArena:
         self.closed = True
 
 
+def _cuda_arena() -> ModuleType:
+    """The CUDA arena's module as ``open_arena`` will import it: the one in ``sys.modules``
+    (a test here drops it from there, so the package's attribute may name a stale copy)."""
+    return importlib.import_module("services.nodemgr.reuse_store.cuda_arena")
+
+
 def test_a_cpu_node_gets_the_shared_memory_file(tmp_path: Path) -> None:
     sys.modules.pop("services.nodemgr.reuse_store.cuda_arena", None)
     a = arena.open_arena("cpu", 1 << 20, str(tmp_path), "node-7")
@@ -49,8 +57,7 @@ def test_a_cpu_node_gets_the_shared_memory_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("device", "index"), [("cuda", 0), ("cuda:1", 1)])
 def test_a_cuda_node_gets_the_vmm_arena_serving_its_handles(
         device: str, index: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from services.nodemgr.reuse_store import cuda_arena
-    monkeypatch.setattr(cuda_arena, "CudaVmmArena", FakeCudaArena)
+    monkeypatch.setattr(_cuda_arena(), "CudaVmmArena", FakeCudaArena)
     a = arena.open_arena(device, 1 << 20, str(tmp_path), "node-7")
     assert isinstance(a, FakeCudaArena) and (a.nbytes, a.device_index) == (1 << 20, index)
     got_index, sock = parse_path(a.path)  # (what the engine's map_weight_arena parses)
@@ -59,8 +66,7 @@ def test_a_cuda_node_gets_the_vmm_arena_serving_its_handles(
 
 def test_the_store_opens_the_arena_of_the_configured_device(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from services.nodemgr.reuse_store import cuda_arena
-    monkeypatch.setattr(cuda_arena, "CudaVmmArena", FakeCudaArena)
+    monkeypatch.setattr(_cuda_arena(), "CudaVmmArena", FakeCudaArena)
 
     async def opened(device: str) -> tuple[str, bool]:
         cfg = NodeManagerConfig(reuse_store_bytes=1 << 20, reuse_store_dir=str(tmp_path),
