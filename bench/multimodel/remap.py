@@ -117,8 +117,9 @@ def interval(xs: list[float]) -> str:
     return f"{m:.2f}x [{m - half:.2f}, {m + half:.2f}]"
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def burst_parser(description: str, gen: int) -> argparse.ArgumentParser:
+    """The options of the remapping benches' bursty trace (this one's and the node's)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--size", default="tiny-deep")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--reps", type=int, default=5)
@@ -126,12 +127,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--burst", type=int, default=8)
     ap.add_argument("--gap-s", type=float, default=1.0)
     ap.add_argument("--prompt-words", type=int, default=40)
-    ap.add_argument("--gen", type=int, default=96)
+    ap.add_argument("--gen", type=int, default=gen)
     ap.add_argument("--budget-frac", type=float, default=0.5)
     ap.add_argument("--max-fraction", type=float, default=0.75)
-    ap.add_argument("--capped", action="store_true", help="also cap α by measured times")
     ap.add_argument("--page-bytes", type=int, default=16 << 10)
     ap.add_argument("--seed", type=int, default=0)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = burst_parser(__doc__.splitlines()[0], gen=96)
+    ap.add_argument("--capped", action="store_true", help="also cap α by measured times")
     args = ap.parse_args(argv)
     torch.manual_seed(args.seed)
     with tempfile.TemporaryDirectory() as tmp:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from bench.multimodel.remap import Run, interval, prompts
+from bench.multimodel.remap import Run, burst_parser, interval, prompts
 from services.engine.api_types import GenerateRequest, SamplingParams
 from services.engine.config import EngineConfig, RemapConfig
 from services.engine.engine_core import EngineCore, Failure
@@ -161,20 +161,8 @@ def run_trace(models: dict[str, LoadedModel], variant: str, kv_budget: int,
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size", default="tiny-deep")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--bursts", type=int, default=3)
-    ap.add_argument("--burst", type=int, default=8)
-    ap.add_argument("--gap-s", type=float, default=1.0)
-    ap.add_argument("--prompt-words", type=int, default=40)
-    ap.add_argument("--gen", type=int, default=48)
-    ap.add_argument("--budget-frac", type=float, default=0.5)
-    ap.add_argument("--max-fraction", type=float, default=0.75)
+    ap = burst_parser(__doc__.splitlines()[0], gen=48)
     ap.add_argument("--broker-s", type=float, default=0.1)
-    ap.add_argument("--page-bytes", type=int, default=16 << 10)
-    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     torch.manual_seed(args.seed)
     with tempfile.TemporaryDirectory() as tmp:

@@ -17,6 +17,7 @@ from services.engine.api_types import GenerateRequest, SamplingParams
 from services.engine.async_engine import AsyncEngine
 from services.engine.config import EngineConfig
 from services.engine.model import write_demo_model
+from services.engine.model_slot import weight_bytes
 from shared.model_catalog import ModelEntry, write_catalog
 from tests.cluster import Cluster, start_cluster
 
@@ -107,3 +108,17 @@ def gauges(port: int) -> dict[str, float]:
     return {line.rsplit(" ", 1)[0].removeprefix("overture_nodemgr_"):
             float(line.rsplit(" ", 1)[1])
             for line in text.splitlines() if line.startswith("overture_nodemgr_reuse_")}
+
+
+def each_alone(path: Path, prompts: list[str], gen: int) -> tuple[list[list[int]], int]:
+    """Each prompt's ``gen`` greedy tokens from an engine of its own; the weights' bytes."""
+    async def run() -> tuple[list[list[int]], int]:
+        cfg = EngineConfig(model_path=str(path), dtype="float32", device_memory_bytes=8 << 20)
+        async with AsyncEngine(cfg) as eng:
+            out = []
+            for p in prompts:
+                req = GenerateRequest(prompt=p, sampling=SamplingParams(
+                    max_tokens=gen, ignore_eos=True))
+                out.append([t async for o in eng.generate(req) for t in o.token_ids])
+            return out, weight_bytes(eng.loaded.model)
+    return asyncio.run(run())

@@ -5,7 +5,6 @@ burst completes with its own tokens, and after it the weights are back in the le
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import time
 from collections.abc import Iterator
@@ -13,35 +12,18 @@ from pathlib import Path
 
 import pytest
 
-from services.engine.api_types import GenerateRequest, SamplingParams
-from services.engine.async_engine import AsyncEngine
-from services.engine.config import EngineConfig
-from services.engine.model_slot import weight_bytes
 from shared.device_ledger import DeviceLedger
 from tests.cluster import Cluster, start_cluster
+from tests.integration.multimodel.reuse_models import each_alone
 
 PAGE = 16 << 10
 LONG = [" ".join(f"word{i} item{j}" for j in range(200)) for i in range(4)]
 GEN = 8
 
 
-def alone(path: Path) -> tuple[list[list[int]], int]:
-    """Each long prompt's greedy tokens from an engine of its own; the weights' bytes."""
-    async def run() -> tuple[list[list[int]], int]:
-        cfg = EngineConfig(model_path=str(path), dtype="float32", device_memory_bytes=8 << 20)
-        async with AsyncEngine(cfg) as eng:
-            out = []
-            for p in LONG:
-                req = GenerateRequest(prompt=p, sampling=SamplingParams(
-                    max_tokens=GEN, ignore_eos=True))
-                out.append([t async for o in eng.generate(req) for t in o.token_ids])
-            return out, weight_bytes(eng.loaded.model)
-    return asyncio.run(run())
-
-
 @pytest.fixture(scope="module")
 def expected(unrelated: dict[str, Path]) -> dict[str, tuple[list[list[int]], int]]:
-    return {"alpha": alone(unrelated["alpha"]), "beta": alone(unrelated["beta"])}
+    return {name: each_alone(unrelated[name], LONG, GEN) for name in ("alpha", "beta")}
 
 
 @pytest.fixture(scope="module")

@@ -5,20 +5,16 @@ exactly what they answer alone."""
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from services.engine.api_types import GenerateRequest, SamplingParams
-from services.engine.async_engine import AsyncEngine
-from services.engine.config import EngineConfig
 from services.engine.model import write_demo_model
-from services.engine.model_slot import weight_bytes
 from shared.device_ledger import DeviceLedger
 from tests.cluster import Cluster, start_cluster
+from tests.integration.multimodel.reuse_models import each_alone
 
 PAGE = 16 << 10
 KV_PAGES = 64  # (1 MiB, the least an engine may reserve)
@@ -33,23 +29,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
             write_demo_model(root / "beta", size="tiny-deep", seed=2))
 
 
-def alone(path: Path) -> tuple[list[list[int]], int]:
-    """Each long prompt's greedy tokens from an engine of its own; the weights' bytes."""
-    async def run() -> tuple[list[list[int]], int]:
-        cfg = EngineConfig(model_path=str(path), dtype="float32", device_memory_bytes=8 << 20)
-        async with AsyncEngine(cfg) as eng:
-            out = []
-            for p in LONG:
-                req = GenerateRequest(prompt=p, sampling=SamplingParams(
-                    max_tokens=GEN, ignore_eos=True))
-                out.append([t async for o in eng.generate(req) for t in o.token_ids])
-            return out, weight_bytes(eng.loaded.model)
-    return asyncio.run(run())
-
-
 @pytest.fixture(scope="module")
 def expected(models: tuple[Path, Path]) -> dict[str, tuple[list[list[int]], int]]:
-    return {"alpha": alone(models[0]), "beta": alone(models[1])}
+    return {"alpha": each_alone(models[0], LONG, GEN), "beta": each_alone(models[1], LONG, GEN)}
 
 
 @pytest.fixture(scope="module")
